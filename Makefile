@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+# Both create .venv on first use and install the project (editable) into it.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.fmoesim-installed
+
+.PHONY: run test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+## Simulate the bundled default trace (Mixtral-8x7B shape, RTX 3090, LRU) and print the summary.
+run: $(STAMP)
+	$(BIN)/fmoesim
+
+## Run the test suite.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check fmoesim policies replay tests
+	$(BIN)/ruff format --check fmoesim policies replay tests
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) build *.egg-info

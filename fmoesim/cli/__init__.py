@@ -1,0 +1,1 @@
+"""Command-line entry points: ``fmoesim`` (Hydra) and ``fmoesim-trace``."""

@@ -1,0 +1,136 @@
+"""``fmoesim-trace``: inspect, validate and synthesise traces.
+
+Examples::
+
+    fmoesim-trace inspect traces/default
+    fmoesim-trace validate /data/my-trace
+    fmoesim-trace synth --model qwen1.5-moe-a2.7b --requests 64 --seed 1 out/qwen-synth
+    fmoesim-trace synth --model mixtral-8x7b --set skew=2.0 --set locality=0.8 out/skewed
+    fmoesim-trace synth --model mixtral-8x7b --arrivals azure_code.csv out/azure
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from fmoesim.errors import ConfigError, FmoesimError
+
+PROG = "fmoesim-trace"
+
+
+def _parse_set(items: list[str]) -> dict[str, object]:
+    """``key=value`` pairs for SyntheticConfig, values typed like the field's default."""
+    from fmoesim.workload.synthetic import SyntheticConfig
+
+    fields = {f.name: f for f in dataclasses.fields(SyntheticConfig)}
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError("--set", item, "must be key=value")
+        if key not in fields:
+            raise ConfigError(
+                f"--set {key}", value, f"unknown knob; valid: {', '.join(sorted(fields))}"
+            )
+        default = fields[key].default
+        try:
+            if value.lower() in ("null", "none"):
+                out[key] = None
+            elif isinstance(default, bool):
+                out[key] = value.lower() in ("1", "true", "yes")
+            elif isinstance(default, int):
+                out[key] = int(value)
+            elif isinstance(default, float) or default is None:
+                out[key] = float(value)
+            else:
+                out[key] = value
+        except ValueError:
+            raise ConfigError(
+                f"--set {key}", value, f"must be a {type(default).__name__}"
+            ) from None
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``fmoesim-trace``."""
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Inspect, validate and synthesise MoE routing traces."
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ins = sub.add_parser("inspect", help="print shape, sizes and per-layer statistics")
+    ins.add_argument("path")
+    val = sub.add_parser("validate", help="check every rule of the trace format")
+    val.add_argument("path")
+    syn = sub.add_parser("synth", help="generate a synthetic trace (fmoesim/workload/synthetic.py)")
+    syn.add_argument("out", help="destination trace directory")
+    syn.add_argument("--model", default="mixtral-8x7b", help="model preset (conf/model/)")
+    syn.add_argument("--requests", type=int, default=None, help="number of requests")
+    syn.add_argument("--seed", type=int, default=None)
+    syn.add_argument(
+        "--arrivals",
+        default=None,
+        help="Azure-format CSV (TIMESTAMP,ContextTokens,GeneratedTokens)",
+    )
+    syn.add_argument("--rate", type=float, default=None, help="Poisson arrival rate (req/s)")
+    syn.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="any SyntheticConfig knob, e.g. skew=2.0 (repeatable)",
+    )
+    syn.add_argument("--force", action="store_true", help="replace an existing directory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point of ``fmoesim-trace``."""
+    args = build_parser().parse_args(argv)
+    try:
+        _run(args)
+    except FmoesimError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _run(args: argparse.Namespace) -> None:
+    from fmoesim.trace.reader import read_trace
+
+    if args.cmd == "inspect":
+        from fmoesim.trace.stats import format_report
+
+        print(format_report(read_trace(args.path)))
+    elif args.cmd == "validate":
+        t = read_trace(args.path)
+        print(
+            f"{args.path}: valid ({t.num_requests} requests, {t.num_iterations} iterations, "
+            f"{t.num_layers} layers x {t.num_experts} experts)"
+        )
+    elif args.cmd == "synth":
+        from fmoesim.config.build import load_preset
+        from fmoesim.specs.model import ModelSpec
+        from fmoesim.workload.synthetic import SyntheticConfig, generate
+
+        model = load_preset("model", args.model, ModelSpec)
+        knobs = _parse_set(args.set)
+        if args.requests is not None:
+            knobs["num_requests"] = args.requests
+        if args.seed is not None:
+            knobs["seed"] = args.seed
+        if args.arrivals is not None:
+            knobs["arrivals_csv"] = args.arrivals
+        if args.rate is not None:
+            knobs["arrival_rate_rps"] = args.rate
+        cfg = SyntheticConfig(**knobs)  # type: ignore[arg-type]
+        path = generate(model, cfg, args.out, overwrite=args.force, progress=True)
+        t = read_trace(path)
+        print(
+            f"wrote {path}: {t.num_requests} requests, {t.num_iterations} iterations "
+            f"({model.name}: {model.num_layers} x {model.num_experts}, top-{model.top_k})"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Turn a composed Hydra config into checked objects, and load presets by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fmoesim.config.schema import CONF_DIR, OutputConfig, WorkloadConfig
+from fmoesim.engine.runner import ServingConfig
+from fmoesim.engine.simulate import GB, check_budget
+from fmoesim.errors import ConfigError
+from fmoesim.specs.hardware import HardwareSpec
+from fmoesim.specs.model import ModelSpec
+from policies.base import Policy
+
+T = TypeVar("T")
+
+
+def preset_names(group: str) -> list[str]:
+    """Names of the YAML presets of a config group (``model``, ``hardware``, ``policy``...)."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def load_preset(group: str, name: str, schema: type[T]) -> T:
+    """Load ``conf/<group>/<name>.yaml`` into ``schema``; unknown names list the valid ones."""
+    path = CONF_DIR / group / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(
+            group, name, f"unknown {group} preset; valid: {', '.join(preset_names(group))}"
+        )
+    raw = OmegaConf.load(path)
+    if "defaults" in raw:
+        del raw["defaults"]
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), raw)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{group}/{name}.yaml", "", one_line(exc)) from None
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message collapsed to one line."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+@dataclass
+class RunSpec:
+    """A checked run: the objects :func:`fmoesim.engine.simulate` takes."""
+
+    model: ModelSpec
+    hardware: HardwareSpec
+    policy: Policy
+    budget_bytes: int
+    serving: ServingConfig
+    workload: WorkloadConfig
+    output: OutputConfig
+    seed: int
+    progress: bool
+
+
+def build_run(cfg: DictConfig) -> RunSpec:
+    """Check every value of a composed config and instantiate the policy (no I/O)."""
+    from hydra.utils import instantiate
+
+    model: ModelSpec = OmegaConf.to_object(cfg.model)  # type: ignore[assignment]
+    hardware: HardwareSpec = OmegaConf.to_object(cfg.hardware)  # type: ignore[assignment]
+    model.validate()
+    hardware.validate()
+    budget_gb = cfg.cache.budget_gb
+    check_budget(model, int(budget_gb * GB))
+    serving: ServingConfig = OmegaConf.to_object(cfg.serving)  # type: ignore[assignment]
+    if serving.batch_size < 1:
+        raise ConfigError("serving.batch_size", serving.batch_size, "must be >= 1")
+    if serving.max_requests is not None and serving.max_requests < 1:
+        raise ConfigError("serving.max_requests", serving.max_requests, "must be >= 1 or null")
+    workload: WorkloadConfig = OmegaConf.to_object(cfg.workload)  # type: ignore[assignment]
+    if workload.kind not in ("trace", "synthetic"):
+        raise ConfigError("workload.kind", workload.kind, "must be 'trace' or 'synthetic'")
+    if workload.kind == "trace" and not workload.path:
+        raise ConfigError("workload.path", workload.path, "a trace directory is required")
+    if workload.kind == "synthetic":
+        workload.synthetic.validate()
+    if "_target_" not in cfg.policy:
+        raise ConfigError("policy", OmegaConf.to_container(cfg.policy), "needs a _target_ class")
+    try:
+        policy = instantiate(cfg.policy)
+    except Exception as exc:  # noqa: BLE001 - hydra wraps import/TypeError; report one line
+        raise ConfigError("policy", cfg.policy.get("_target_"), one_line(exc)) from None
+    if not isinstance(policy, Policy):
+        raise ConfigError("policy._target_", cfg.policy._target_, "is not a policies.base.Policy")
+    output: OutputConfig = OmegaConf.to_object(cfg.output)  # type: ignore[assignment]
+    return RunSpec(
+        model,
+        hardware,
+        policy,
+        int(budget_gb * GB),
+        serving,
+        workload,
+        output,
+        int(cfg.seed),
+        bool(cfg.progress),
+    )
+
+
+def synthetic_trace_path(model: ModelSpec, workload: WorkloadConfig) -> Path:
+    """Cache location of the synthetic trace for ``model`` and the workload's knobs."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    key = json.dumps(
+        {"model": asdict(model), "synthetic": asdict(workload.synthetic)}, sort_keys=True
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    from fmoesim.config.schema import PROJECT_ROOT
+
+    return PROJECT_ROOT / "traces" / ".cache" / f"{model.name}-{digest}"
+
+
+def config_to_dict(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as plain data (for the results row)."""
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,93 @@
+"""The run configuration as typed dataclasses registered in Hydra's ConfigStore.
+
+A typo'd key or a wrong type fails at composition, before anything runs.  Values are
+checked by :func:`fmoesim.config.build.build_run`, which names the bad key.  Configs
+never do I/O.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from fmoesim.engine.runner import ServingConfig
+from fmoesim.specs.hardware import HardwareSpec
+from fmoesim.specs.model import ModelSpec
+from fmoesim.workload.synthetic import SyntheticConfig
+
+#: The repository root (a source checkout / editable install) and its ``conf/``.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+CONF_DIR = Path(os.environ.get("FMOESIM_CONF_DIR", PROJECT_ROOT / "conf"))
+
+
+def resolve_path(p: str | os.PathLike[str]) -> Path:
+    """A path as given if it exists (absolute, or relative to the working directory),
+    else relative to the project root (so bundled ``traces/default`` works anywhere)."""
+    path = Path(p).expanduser()
+    if path.is_absolute() or path.exists():
+        return path
+    alt = PROJECT_ROOT / path
+    return alt if alt.exists() else path
+
+
+@dataclass
+class CacheConfig:
+    """The GPU expert cache: its budget in GB (1e9 bytes) for routed experts."""
+
+    budget_gb: float = 24.0
+
+
+@dataclass
+class WorkloadConfig:
+    """Where the trace comes from: a trace directory, or the synthetic workload model
+    (generated once for the chosen ``model`` and cached under ``traces/.cache/``)."""
+
+    kind: str = "trace"  # "trace" | "synthetic"
+    path: str | None = "traces/default"
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class OutputConfig:
+    """Where a run writes: ``<dir>/<name>/`` (summary.parquet, hit_rate.png, config.yaml)."""
+
+    dir: str = "results/runs"
+    name: str | None = None
+    plot: bool = True
+    write: bool = True
+
+
+@dataclass
+class RunConfig:
+    """Everything one simulation run needs."""
+
+    model: ModelSpec = MISSING
+    hardware: HardwareSpec = MISSING
+    policy: Any = MISSING
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    seed: int = 0
+    progress: bool = True
+
+
+_registered = False
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    cs = ConfigStore.instance()
+    cs.store(name="fmoesim_schema", node=RunConfig)
+    cs.store(group="model", name="model_schema", node=ModelSpec)
+    cs.store(group="hardware", name="hardware_schema", node=HardwareSpec)
+    cs.store(group="workload", name="workload_schema", node=WorkloadConfig)
+    _registered = True

@@ -1,0 +1,106 @@
+"""GPU compute-time model for the simulator backend.
+
+Every operator is a roofline-style sum of a memory term and a compute term plus a
+kernel-launch overhead, which makes an expert FFN exactly ``a + b * tokens`` as
+DESIGN.md asks: ``a`` = weights read from GPU memory, ``b`` = FLOPs per token.  A
+measured hardware profile (``hardware.measured[<model name>]``, written by the replay
+profiler) overrides any coefficient it provides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fmoesim.specs.hardware import HardwareSpec
+from fmoesim.specs.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Times (seconds) of the operators of one model on one GPU."""
+
+    expert_a_s: float  # fixed cost of one expert FFN
+    expert_b_s: float  # per routed token
+    shared_a_s: float  # all shared experts of a layer together
+    shared_b_s: float
+    attn_a_s: float  # weight read + launch per layer
+    attn_b_s: float  # per new token (projections)
+    attn_kv_s: float  # per KV-cache token read
+    attn_pair_s: float  # per (query, key) pair of the score/value products
+    router_a_s: float
+    router_b_s: float
+    dense_a_s: float  # a dense (non-MoE) layer's MLP
+    dense_b_s: float
+    lm_head_a_s: float
+    lm_head_b_s: float  # per sequence (only the last token's logits are computed)
+
+    @classmethod
+    def from_specs(cls, model: ModelSpec, hw: HardwareSpec) -> ComputeModel:
+        """Derive every coefficient from the model shape and the hardware's roofline."""
+        flops = hw.peak_tflops * 1e12 * hw.compute_efficiency  # FLOP/s achieved
+        mem = hw.hbm_gbps * 1e9 * hw.memory_efficiency  # bytes/s achieved
+        k0 = hw.kernel_overhead_s
+        bpe = model.dtype_bytes
+        h = model.hidden_size
+        q_dim = model.num_attention_heads * model.head_dim
+        kv_dim = model.num_kv_heads * model.head_dim
+
+        def ffn(inter: int, kernels: int = 3) -> tuple[float, float]:
+            params = 3 * h * inter
+            return kernels * k0 + params * bpe / mem, 2 * params / flops
+
+        exp_a, exp_b = ffn(model.expert_intermediate_size)
+        sh_a, sh_b = (
+            ffn(model.shared_expert_intermediate_size) if model.num_shared_experts else (0.0, 0.0)
+        )
+        dn_a, dn_b = ffn(model.dense_intermediate_size) if model.dense_layers else (0.0, 0.0)
+        attn_params = h * (q_dim + 2 * kv_dim) + q_dim * h
+        values = dict(
+            expert_a_s=exp_a,
+            expert_b_s=exp_b,
+            shared_a_s=sh_a,
+            shared_b_s=sh_b,
+            attn_a_s=6 * k0 + attn_params * bpe / mem,
+            attn_b_s=2 * attn_params / flops,
+            attn_kv_s=2 * kv_dim * bpe / mem,
+            attn_pair_s=4 * q_dim / flops,
+            router_a_s=k0 + h * model.num_experts * bpe / mem,
+            router_b_s=2 * h * model.num_experts / flops,
+            dense_a_s=dn_a,
+            dense_b_s=dn_b,
+            lm_head_a_s=k0 + model.vocab_size * h * bpe / mem,
+            lm_head_b_s=2 * model.vocab_size * h / flops,
+        )
+        measured = (hw.measured or {}).get(model.name, {})
+        values.update({k: float(v) for k, v in measured.items() if k in values})
+        return cls(**values)
+
+    def expert_s(self, tokens: int) -> float:
+        """One routed expert's FFN over ``tokens`` tokens."""
+        return self.expert_a_s + self.expert_b_s * tokens
+
+    def shared_s(self, tokens: int) -> float:
+        """All always-on shared experts of one layer."""
+        return self.shared_a_s + self.shared_b_s * tokens if self.shared_a_s else 0.0
+
+    def attention_s(self, tokens: int, kv_tokens: int, pairs: int) -> float:
+        """Attention of one layer: ``tokens`` new tokens reading ``kv_tokens`` cached
+        keys/values in total, with ``pairs`` (query, key) score products."""
+        return (
+            self.attn_a_s
+            + self.attn_b_s * tokens
+            + self.attn_kv_s * kv_tokens
+            + self.attn_pair_s * pairs
+        )
+
+    def router_s(self, tokens: int) -> float:
+        """The router (gate) of one layer."""
+        return self.router_a_s + self.router_b_s * tokens
+
+    def dense_mlp_s(self, tokens: int) -> float:
+        """The MLP of one dense (non-MoE) layer."""
+        return self.dense_a_s + self.dense_b_s * tokens
+
+    def lm_head_s(self, sequences: int) -> float:
+        """The LM head for ``sequences`` next-token logits."""
+        return self.lm_head_a_s + self.lm_head_b_s * sequences

@@ -1,0 +1,65 @@
+"""A hardware profile: the PCIe link and the GPU's compute and memory speed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fmoesim.errors import ConfigError
+
+
+@dataclass
+class HardwareSpec:
+    """One serving GPU (or ``num_gpus`` identical ones) and its host link.
+
+    Units: ``pcie_gbps`` and ``hbm_gbps`` in GB/s (1e9 bytes/s), ``peak_tflops`` in
+    dense bf16/fp16 tensor TFLOP/s, times in seconds.  A preset's numbers come from
+    published figures (each YAML cites its source); a measured profile written by
+    ``fmoesim-profile`` (issue 8) may add fitted coefficients in ``measured``.
+    """
+
+    name: str = "unnamed"
+    gpu: str = "unknown"
+    num_gpus: int = 1
+    gpu_memory_gb: float = 24.0
+    pcie_gbps: float = 32.0
+    transfer_overhead_s: float = 1.0e-5
+    chunk_bytes: int = 16 * 2**20
+    peak_tflops: float = 71.0
+    hbm_gbps: float = 936.0
+    compute_efficiency: float = 0.6
+    memory_efficiency: float = 0.8
+    kernel_overhead_s: float = 5.0e-6
+    source: str = ""
+    measured: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pcie_bytes_per_s(self) -> float:
+        """Host-to-device bandwidth in bytes/s."""
+        return self.pcie_gbps * 1e9
+
+    def transfer_time_s(self, size_bytes: int) -> float:
+        """Time of one transfer of ``size_bytes`` on an idle link (fixed cost + size/bandwidth)."""
+        return self.transfer_overhead_s + size_bytes / self.pcie_bytes_per_s
+
+    def validate(self, prefix: str = "hardware") -> HardwareSpec:
+        """Check every field; raise :class:`ConfigError` naming the first bad one."""
+        for key in ("pcie_gbps", "peak_tflops", "hbm_gbps", "gpu_memory_gb"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{prefix}.{key}", value, "must be a positive number")
+        for key in ("compute_efficiency", "memory_efficiency"):
+            value = getattr(self, key)
+            if not 0 < value <= 1:
+                raise ConfigError(f"{prefix}.{key}", value, "must be in (0, 1]")
+        for key in ("transfer_overhead_s", "kernel_overhead_s"):
+            value = getattr(self, key)
+            if not value >= 0:
+                raise ConfigError(f"{prefix}.{key}", value, "must be >= 0")
+        if not isinstance(self.num_gpus, int) or self.num_gpus < 1:
+            raise ConfigError(f"{prefix}.num_gpus", self.num_gpus, "must be an integer >= 1")
+        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0:
+            raise ConfigError(
+                f"{prefix}.chunk_bytes", self.chunk_bytes, "must be a positive integer"
+            )
+        return self

@@ -1,0 +1,469 @@
+"""Read a trace directory into numpy arrays once, validating every rule of the format.
+
+Hot loops (the engine) index these arrays directly; pandas is never used there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from fmoesim.errors import TraceError
+from fmoesim.trace import schema as S
+
+
+def _read_table(path: Path, expected: pa.Schema) -> pa.Table:
+    """Read a Parquet file and check its columns and types against ``expected``."""
+    if not path.is_file():
+        raise TraceError(path, "the trace directory holds this file", detail="file not found")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TraceError(
+            path, "a readable Parquet file (truncated or corrupt?)", detail=msg
+        ) from None
+    for fld in expected:
+        if fld.name not in table.column_names:
+            raise TraceError(
+                path, f"has column '{fld.name}' of type {fld.type}", detail="column missing"
+            )
+        got = table.schema.field(fld.name).type
+        if got != fld.type:
+            raise TraceError(
+                path,
+                f"column '{fld.name}' has type {fld.type} (shape from trace.json)",
+                detail=f"it has type {got}",
+            )
+        col = table.column(fld.name)
+        if not fld.nullable and col.null_count:
+            # a null in a key or count column would reach numpy as NaN/garbage unnoticed
+            valid = col.combine_chunks().is_valid().to_numpy(zero_copy_only=False)
+            raise TraceError(
+                path,
+                f"column '{fld.name}' has no nulls",
+                row=_first(~valid),
+                detail=f"{fld.name} is null",
+            )
+    return table
+
+
+def _fixed_block(col: pa.ChunkedArray, width: int, dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """A fixed-size list column as a ``(rows, width)`` array plus a ``(rows,)`` validity mask.
+
+    Null rows come back as zeros with ``valid=False``.
+    """
+    arr = col.combine_chunks()
+    n = len(arr)
+    valid = (
+        np.ones(n, dtype=bool)
+        if arr.null_count == 0
+        else arr.is_valid().to_numpy(zero_copy_only=False)
+    )
+    start = arr.offset * width
+    values = arr.values.slice(start, n * width)
+    if values.null_count:
+        values = values.fill_null(0)
+    block = values.to_numpy(zero_copy_only=False).astype(dtype, copy=False).reshape(n, width)
+    if not valid.all():
+        block = block.copy()
+        block[~valid] = 0
+    return block, valid
+
+
+def _first(mask: np.ndarray) -> int:
+    """Index of the first True in a flat boolean mask."""
+    return int(np.flatnonzero(mask.reshape(-1))[0])
+
+
+@dataclass
+class Trace:
+    """A trace held as numpy arrays.
+
+    Iterations are indexed ``0..N-1`` in (request_id, iteration) order; request ``r``
+    (position in ``request_id``) owns iterations ``iter_start[r]:iter_start[r+1]``.
+    """
+
+    path: Path
+    manifest: S.TraceManifest
+    request_id: np.ndarray  # (R,) int64
+    prompt_tokens: np.ndarray  # (R,) int32
+    output_tokens: np.ndarray  # (R,) int32
+    arrival_s: np.ndarray  # (R,) float64, NaN where null
+    dataset: np.ndarray  # (R,) object
+    iter_start: np.ndarray  # (R+1,) int64
+    iter_request: np.ndarray  # (N,) int64 request position of each iteration
+    iteration: np.ndarray  # (N,) int32
+    num_tokens: np.ndarray  # (N,) int32
+    embedding: np.ndarray  # (N, D) float16
+    counts: np.ndarray  # (N, L, E) int32
+    probs: np.ndarray | None  # (N, L, E) float16, None for top-k-only traces
+    spec_probs: np.ndarray | None  # (N, L, E) float16, zeros where spec_valid is False
+    spec_valid: np.ndarray | None  # (N, L) bool
+
+    @property
+    def num_layers(self) -> int:
+        """Number of MoE layers."""
+        return self.manifest.model.num_layers
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer."""
+        return self.manifest.model.num_experts
+
+    @property
+    def top_k(self) -> int:
+        """Experts each token is routed to."""
+        return self.manifest.model.top_k
+
+    @property
+    def num_requests(self) -> int:
+        """Number of requests."""
+        return len(self.request_id)
+
+    @property
+    def num_iterations(self) -> int:
+        """Number of (request, iteration) rows."""
+        return len(self.iteration)
+
+    def request_iterations(self, r: int) -> range:
+        """Iteration indices of the request at position ``r``."""
+        return range(int(self.iter_start[r]), int(self.iter_start[r + 1]))
+
+    def files_bytes(self) -> dict[str, int]:
+        """Size on disk of each file of the trace."""
+        return {p.name: p.stat().st_size for p in sorted(self.path.iterdir()) if p.is_file()}
+
+
+def read_trace(path: str | os.PathLike[str], *, validate: bool = True) -> Trace:
+    """Load a trace directory; with ``validate`` (default) refuse any rule violation.
+
+    Raises :class:`TraceError` naming the file, the row and the broken rule.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise TraceError(
+            root,
+            "a trace is a directory holding trace.json and Parquet files",
+            detail="directory not found",
+        )
+    manifest = S.TraceManifest.load(root / S.MANIFEST)
+    m = manifest.model
+    L, E, D = m.num_layers, m.num_experts, manifest.embedding_dim
+
+    req = _read_table(root / S.REQUESTS, S.requests_schema())
+    its = _read_table(root / S.ITERATIONS, S.iterations_schema(D))
+    rout = _read_table(root / S.ROUTING, S.routing_schema(E))
+
+    request_id = req.column("request_id").to_numpy()
+    prompt_tokens = req.column("prompt_tokens").to_numpy()
+    output_tokens = req.column("output_tokens").to_numpy()
+    arrival_s = req.column("arrival_s").to_numpy(zero_copy_only=False).astype(np.float64)
+    dataset = np.array(req.column("dataset").to_pylist(), dtype=object)
+
+    it_rid = its.column("request_id").to_numpy()
+    iteration = its.column("iteration").to_numpy()
+    num_tokens = its.column("num_tokens").to_numpy()
+    if D > 0:
+        embedding, _ = _fixed_block(its.column("embedding"), D, np.float16)
+    else:
+        embedding = np.zeros((len(iteration), 0), dtype=np.float16)
+
+    r_rid = rout.column("request_id").to_numpy()
+    r_it = rout.column("iteration").to_numpy()
+    r_layer = rout.column("layer").to_numpy()
+    r_ntok = rout.column("num_tokens").to_numpy()
+    counts, _ = _fixed_block(rout.column("expert_counts"), E, np.int32)
+    probs_b, probs_valid = _fixed_block(rout.column("probs"), E, np.float16)
+    spec_b, spec_valid = _fixed_block(rout.column("spec_probs"), E, np.float16)
+
+    N = len(iteration)
+    if validate:
+        _validate(
+            root,
+            manifest,
+            request_id,
+            prompt_tokens,
+            output_tokens,
+            arrival_s,
+            it_rid,
+            iteration,
+            num_tokens,
+            embedding,
+            r_rid,
+            r_it,
+            r_layer,
+            r_ntok,
+            counts,
+            probs_b,
+            probs_valid,
+            spec_b,
+            spec_valid,
+        )
+    # position of each iteration's request
+    iter_request = np.searchsorted(request_id, it_rid)
+    iter_start = np.searchsorted(it_rid, request_id, side="left").astype(np.int64)
+    iter_start = np.append(iter_start, N)
+
+    has_probs = bool(probs_valid.any())
+    has_spec = bool(spec_valid.any())
+    return Trace(
+        path=root,
+        manifest=manifest,
+        request_id=request_id,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        arrival_s=arrival_s,
+        dataset=dataset,
+        iter_start=iter_start,
+        iter_request=iter_request,
+        iteration=iteration,
+        num_tokens=num_tokens,
+        embedding=embedding,
+        counts=counts.reshape(N, L, E),
+        probs=probs_b.reshape(N, L, E) if has_probs else None,
+        spec_probs=spec_b.reshape(N, L, E) if has_spec else None,
+        spec_valid=spec_valid.reshape(N, L) if has_spec else None,
+    )
+
+
+def _validate(
+    root: Path,
+    manifest: S.TraceManifest,
+    request_id: np.ndarray,
+    prompt_tokens: np.ndarray,
+    output_tokens: np.ndarray,
+    arrival_s: np.ndarray,
+    it_rid: np.ndarray,
+    iteration: np.ndarray,
+    num_tokens: np.ndarray,
+    embedding: np.ndarray,
+    r_rid: np.ndarray,
+    r_it: np.ndarray,
+    r_layer: np.ndarray,
+    r_ntok: np.ndarray,
+    counts: np.ndarray,
+    probs: np.ndarray,
+    probs_valid: np.ndarray,
+    spec: np.ndarray,
+    spec_valid: np.ndarray,
+) -> None:
+    """Check every rule of the format; raise on the first violation (file, row, rule)."""
+    m = manifest.model
+    L, k = m.num_layers, m.top_k
+    fq, fi, fr = root / S.REQUESTS, root / S.ITERATIONS, root / S.ROUTING
+
+    # requests.parquet
+    if len(request_id) == 0:
+        raise TraceError(fq, "a trace has at least one request", detail="no rows")
+    bad = np.diff(request_id) <= 0
+    if bad.any():
+        row = _first(bad) + 1
+        raise TraceError(
+            fq,
+            "request_id strictly increasing (sorted, unique)",
+            row=row,
+            detail=f"request_id {request_id[row]} after {request_id[row - 1]}",
+        )
+    for name, col, lo in (("prompt_tokens", prompt_tokens, 1), ("output_tokens", output_tokens, 1)):
+        bad = col < lo
+        if bad.any():
+            row = _first(bad)
+            raise TraceError(fq, f"{name} >= {lo}", row=row, detail=f"{name} = {col[row]}")
+    bad = ~np.isnan(arrival_s) & ~(np.isfinite(arrival_s) & (arrival_s >= 0))
+    if bad.any():
+        row = _first(bad)
+        raise TraceError(
+            fq,
+            "arrival_s is null or a finite time >= 0",
+            row=row,
+            detail=f"arrival_s = {arrival_s[row]}",
+        )
+
+    # iterations.parquet: sorted, contiguous 0..output_tokens-1 per request
+    N = len(iteration)
+    if N == 0:
+        raise TraceError(fi, "every request has its iterations", detail="no rows")
+    key_bad = (np.diff(it_rid) < 0) | ((np.diff(it_rid) == 0) & (np.diff(iteration) <= 0))
+    if key_bad.any():
+        row = _first(key_bad) + 1
+        raise TraceError(
+            fi,
+            "rows sorted by (request_id, iteration), no duplicates",
+            row=row,
+            detail=f"({it_rid[row]}, {iteration[row]}) after "
+            f"({it_rid[row - 1]}, {iteration[row - 1]})",
+        )
+    pos = np.searchsorted(request_id, it_rid)
+    unknown = (pos >= len(request_id)) | (
+        request_id[np.minimum(pos, len(request_id) - 1)] != it_rid
+    )
+    if unknown.any():
+        row = _first(unknown)
+        raise TraceError(
+            fi,
+            "request_id appears in requests.parquet",
+            row=row,
+            detail=f"request_id {it_rid[row]} unknown",
+        )
+    start = np.searchsorted(it_rid, request_id, side="left")
+    end = np.searchsorted(it_rid, request_id, side="right")
+    expected_iter = np.arange(N) - np.repeat(start, end - start)
+    bad = iteration != expected_iter
+    if bad.any():
+        row = _first(bad)
+        raise TraceError(
+            fi,
+            "iterations of a request are 0, 1, 2, ... with none missing",
+            row=row,
+            detail=f"request {it_rid[row]} has iteration {iteration[row]} where "
+            f"{expected_iter[row]} was expected",
+        )
+    n_iter = end - start
+    bad = n_iter != output_tokens
+    if bad.any():
+        row = _first(bad)
+        raise TraceError(
+            fq,
+            "a request has output_tokens iterations (prefill + decodes)",
+            row=row,
+            detail=f"request {request_id[row]} has output_tokens={output_tokens[row]} "
+            f"but {n_iter[row]} iterations in {S.ITERATIONS}",
+        )
+    first_rows = start
+    bad = num_tokens[first_rows] != prompt_tokens
+    if bad.any():
+        row = int(first_rows[_first(bad)])
+        raise TraceError(
+            fi,
+            "the prefill iteration has num_tokens == prompt_tokens",
+            row=row,
+            detail=f"num_tokens = {num_tokens[row]}",
+        )
+    bad = num_tokens < 1
+    if bad.any():
+        row = _first(bad)
+        raise TraceError(fi, "num_tokens >= 1", row=row, detail=f"num_tokens = {num_tokens[row]}")
+    if embedding.size:
+        bad = ~np.isfinite(embedding.astype(np.float32)).all(axis=1)
+        if bad.any():
+            row = _first(bad)
+            raise TraceError(fi, "embedding values are finite", row=row)
+
+    # routing.parquet: exactly L rows per iteration, in layer order
+    if len(r_rid) != N * L:
+        # locate the first iteration whose layer block is wrong
+        raise_row = _first_layer_gap(r_rid, r_it, r_layer, it_rid, iteration, L)
+        raise TraceError(
+            fr,
+            f"one row per (request, iteration, layer) for all {L} layers",
+            row=raise_row,
+            detail=f"{len(r_rid)} rows for {N} iterations x {L} layers = {N * L}",
+        )
+    exp_layer = np.tile(np.arange(L), N)
+    bad = (
+        (r_rid != np.repeat(it_rid, L)) | (r_it != np.repeat(iteration, L)) | (r_layer != exp_layer)
+    )
+    if bad.any():
+        row = _first(bad)
+        raise TraceError(
+            fr,
+            "rows sorted by (request_id, iteration, layer) with no missing layer or iteration",
+            row=row,
+            detail=f"found ({r_rid[row]}, {r_it[row]}, layer {r_layer[row]}), "
+            f"expected ({it_rid[row // L]}, {iteration[row // L]}, "
+            f"layer {exp_layer[row]})",
+        )
+    bad = r_ntok != np.repeat(num_tokens, L)
+    if bad.any():
+        row = _first(bad)
+        raise TraceError(
+            fr,
+            "num_tokens equals the iteration's num_tokens",
+            row=row,
+            detail=f"{r_ntok[row]} != {num_tokens[row // L]}",
+        )
+    bad = (counts < 0).any(axis=1)
+    if bad.any():
+        row = _first(bad)
+        raise TraceError(fr, "expert_counts are non-negative", row=row)
+    bad = counts.sum(axis=1, dtype=np.int64) != r_ntok.astype(np.int64) * k
+    if bad.any():
+        row = _first(bad)
+        raise TraceError(
+            fr,
+            f"expert_counts sum to num_tokens * top_k (top_k = {k})",
+            row=row,
+            detail=f"sum {counts[row].sum()} != {r_ntok[row]} * {k}",
+        )
+    bad = (counts > r_ntok[:, None]).any(axis=1)
+    if bad.any():
+        row = _first(bad)
+        raise TraceError(fr, "no expert gets more tokens than the iteration has", row=row)
+
+    if manifest.has_probs and not probs_valid.all():
+        row = _first(~probs_valid)
+        raise TraceError(
+            fr,
+            "probs present on every row (trace.json says has_probs)",
+            row=row,
+            detail="probs is null",
+        )
+    _check_probs(fr, "probs", probs, probs_valid)
+    if manifest.has_spec_probs and not spec_valid.any():
+        raise TraceError(
+            fr,
+            "spec_probs present (trace.json says has_spec_probs)",
+            detail="spec_probs is null on every row",
+        )
+    _check_probs(fr, "spec_probs", spec, spec_valid)
+
+
+def _check_probs(path: Path, name: str, block: np.ndarray, valid: np.ndarray) -> None:
+    """Probabilities: finite, non-negative, each non-null row summing to 1 within tolerance."""
+    if not valid.any():
+        return
+    rows = np.flatnonzero(valid)
+    vals = block[rows].astype(np.float32)
+    finite = np.isfinite(vals).all(axis=1)
+    if not finite.all():
+        row = int(rows[_first(~finite)])
+        raise TraceError(path, f"{name} are finite (no NaN/inf)", row=row)
+    neg = (vals < 0).any(axis=1)
+    if neg.any():
+        row = int(rows[_first(neg)])
+        raise TraceError(
+            path, f"{name} are non-negative", row=row, detail=f"min {vals[_first(neg)].min():.4g}"
+        )
+    sums = vals.sum(axis=1)
+    off = np.abs(sums - 1.0) > S.PROB_SUM_TOL
+    if off.any():
+        i = _first(off)
+        raise TraceError(
+            path,
+            f"{name} sum to 1 within {S.PROB_SUM_TOL}",
+            row=int(rows[i]),
+            detail=f"{name} sum to {sums[i]:.4f}",
+        )
+
+
+def _first_layer_gap(
+    r_rid: np.ndarray,
+    r_it: np.ndarray,
+    r_layer: np.ndarray,
+    it_rid: np.ndarray,
+    iteration: np.ndarray,
+    L: int,
+) -> int | None:
+    """First routing row where the (request, iteration, layer) sequence departs from expected."""
+    n = min(len(r_rid), len(it_rid) * L)
+    exp_rid = np.repeat(it_rid, L)[:n]
+    exp_it = np.repeat(iteration, L)[:n]
+    exp_layer = np.tile(np.arange(L), len(it_rid))[:n]
+    bad = (r_rid[:n] != exp_rid) | (r_it[:n] != exp_it) | (r_layer[:n] != exp_layer)
+    return _first(bad) if bad.any() else n

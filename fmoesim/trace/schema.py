@@ -1,0 +1,204 @@
+"""The trace format: file names, Parquet schemas and the manifest.
+
+A trace is a directory (see ``traces/README.md`` for the full description):
+
+- ``trace.json``        manifest (:class:`TraceManifest`)
+- ``requests.parquet``  one row per request
+- ``iterations.parquet`` one row per (request, iteration); iteration 0 is the prefill
+- ``routing.parquet``   one row per (request, iteration, MoE layer)
+- ``tokens.parquet``    optional, one row per (request, iteration, token, layer)
+
+Every file is sorted by its key columns.  Probabilities are float16 fixed-size lists;
+token counts int32 fixed-size lists; zstd compression.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from fmoesim.errors import TraceError
+
+SCHEMA_VERSION = 1
+MANIFEST = "trace.json"
+REQUESTS = "requests.parquet"
+ITERATIONS = "iterations.parquet"
+ROUTING = "routing.parquet"
+TOKENS = "tokens.parquet"
+
+#: Tolerance on sum(probs) == 1 (float16 storage rounds each entry to ~1e-3 relative).
+PROB_SUM_TOL = 1e-2
+COMPRESSION = "zstd"
+
+
+def requests_schema() -> pa.Schema:
+    """Schema of ``requests.parquet``."""
+    return pa.schema(
+        [
+            pa.field("request_id", pa.int64(), nullable=False),
+            pa.field("prompt_tokens", pa.int32(), nullable=False),
+            pa.field("output_tokens", pa.int32(), nullable=False),
+            pa.field("arrival_s", pa.float64(), nullable=True),
+            pa.field("dataset", pa.string(), nullable=True),
+        ]
+    )
+
+
+def iterations_schema(embedding_dim: int) -> pa.Schema:
+    """Schema of ``iterations.parquet`` for embeddings of ``embedding_dim`` values.
+
+    A trace without embeddings (``embedding_dim == 0``, e.g. imported top-k logs) has no
+    ``embedding`` column.
+    """
+    fields = [
+        pa.field("request_id", pa.int64(), nullable=False),
+        pa.field("iteration", pa.int32(), nullable=False),
+        pa.field("num_tokens", pa.int32(), nullable=False),
+    ]
+    if embedding_dim > 0:
+        fields.append(pa.field("embedding", pa.list_(pa.float16(), embedding_dim), nullable=True))
+    return pa.schema(fields)
+
+
+def routing_schema(num_experts: int) -> pa.Schema:
+    """Schema of ``routing.parquet`` for ``num_experts`` routed experts per layer."""
+    return pa.schema(
+        [
+            pa.field("request_id", pa.int64(), nullable=False),
+            pa.field("iteration", pa.int32(), nullable=False),
+            pa.field("layer", pa.int16(), nullable=False),
+            pa.field("num_tokens", pa.int32(), nullable=False),
+            pa.field("expert_counts", pa.list_(pa.int32(), num_experts), nullable=False),
+            pa.field("probs", pa.list_(pa.float16(), num_experts), nullable=True),
+            pa.field("spec_probs", pa.list_(pa.float16(), num_experts), nullable=True),
+        ]
+    )
+
+
+def tokens_schema(top_k: int) -> pa.Schema:
+    """Schema of the optional ``tokens.parquet`` (per token and layer: top-k ids, weights)."""
+    return pa.schema(
+        [
+            pa.field("request_id", pa.int64(), nullable=False),
+            pa.field("iteration", pa.int32(), nullable=False),
+            pa.field("token", pa.int32(), nullable=False),
+            pa.field("layer", pa.int16(), nullable=False),
+            pa.field("topk_ids", pa.list_(pa.int16(), top_k), nullable=False),
+            pa.field("topk_weights", pa.list_(pa.float16(), top_k), nullable=False),
+        ]
+    )
+
+
+@dataclass
+class TraceModel:
+    """The model shape recorded in a manifest (MoE layers only)."""
+
+    name: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    num_shared_experts: int = 0
+    dense_layers: int = 0
+
+
+@dataclass
+class TraceManifest:
+    """Contents of ``trace.json``.
+
+    ``source`` says where the trace came from: ``{"kind": "synthetic", "generator": ...,
+    "params": {...}, "seed": ...}``, ``{"kind": "collector", "model_id": ..., "versions":
+    {...}}`` or ``{"kind": "importer", "format": ..., "original": ...}``.
+    ``created_at`` is an ISO-8601 UTC time, or null for synthetic traces: those are a
+    pure function of their parameters and seed, so the same seed gives the same bytes.
+    ``embedding_projection`` is null, or ``{"input_dim": D_in, "seed": s}`` when the
+    embeddings were reduced by a seeded Gaussian random projection.
+    """
+
+    model: TraceModel
+    embedding_dim: int
+    source: dict[str, Any]
+    has_probs: bool
+    has_spec_probs: bool
+    has_tokens: bool = False
+    num_requests: int = 0
+    num_iterations: int = 0
+    created_at: str | None = None
+    embedding_projection: dict[str, Any] | None = None
+    schema_version: int = SCHEMA_VERSION
+    notes: str = ""
+
+    def to_json(self) -> str:
+        """Serialise deterministically (sorted keys, fixed indentation)."""
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def load(cls, path: Path) -> TraceManifest:
+        """Read and check ``trace.json``; raise :class:`TraceError` naming the broken rule."""
+        if not path.is_file():
+            raise TraceError(path, "a trace directory holds trace.json", detail="file not found")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise TraceError(
+                path, "trace.json is valid JSON", detail=str(exc).splitlines()[0]
+            ) from None
+        if not isinstance(raw, dict):
+            raise TraceError(path, "trace.json is a JSON object")
+        version = raw.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise TraceError(
+                path, f"schema_version is {SCHEMA_VERSION}", detail=f"schema_version is {version!r}"
+            )
+        required = ("model", "embedding_dim", "source", "has_probs", "has_spec_probs")
+        for key in required:
+            if key not in raw:
+                raise TraceError(path, f"trace.json has key '{key}'", detail="key missing")
+        model_raw = raw["model"]
+        try:
+            model = TraceModel(**model_raw)
+        except TypeError as exc:
+            raise TraceError(
+                path,
+                "model has keys name, num_layers, num_experts, top_k, "
+                "hidden_size[, num_shared_experts, dense_layers]",
+                detail=str(exc),
+            ) from None
+        for key in ("num_layers", "num_experts", "top_k", "hidden_size"):
+            value = getattr(model, key)
+            if not isinstance(value, int) or value <= 0:
+                raise TraceError(
+                    path, f"model.{key} is a positive integer", detail=f"got {value!r}"
+                )
+        if model.top_k > model.num_experts:
+            raise TraceError(
+                path,
+                "model.top_k <= model.num_experts",
+                detail=f"top_k={model.top_k}, num_experts={model.num_experts}",
+            )
+        if not isinstance(raw["embedding_dim"], int) or raw["embedding_dim"] < 0:
+            raise TraceError(
+                path,
+                "embedding_dim is a non-negative integer",
+                detail=f"got {raw['embedding_dim']!r}",
+            )
+        for key in ("has_probs", "has_spec_probs", "has_tokens"):
+            if key in raw and not isinstance(raw[key], bool):
+                raise TraceError(path, f"{key} is true or false", detail=f"got {raw[key]!r}")
+        if not isinstance(raw["source"], dict):
+            raise TraceError(path, "source is a JSON object", detail=f"got {raw['source']!r}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise TraceError(
+                path,
+                f"trace.json keys are among {sorted(known)}",
+                detail=f"unknown key(s) {unknown}",
+            )
+        raw = dict(raw)
+        raw["model"] = model
+        return cls(**raw)

@@ -1,0 +1,237 @@
+"""Streaming trace writer: row groups are flushed as they fill, never the whole trace in memory.
+
+The trace is built in a hidden temporary directory beside the destination and renamed
+into place on :meth:`TraceWriter.close`; if anything fails, the temporary directory is
+removed and no half-written trace is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from fmoesim.errors import FmoesimError
+from fmoesim.trace import schema as S
+
+
+def _fixed_list(
+    values: np.ndarray, width: int, value_type: pa.DataType, valid: np.ndarray | None = None
+) -> pa.FixedSizeListArray:
+    """Wrap a (rows, width) numpy block as an Arrow fixed-size list column."""
+    flat = pa.array(np.ascontiguousarray(values).reshape(-1), type=value_type)
+    mask = None if valid is None or valid.all() else pa.array(~valid)
+    return pa.FixedSizeListArray.from_arrays(flat, width, mask=mask)
+
+
+class TraceWriter:
+    """Write a trace directory iteration by iteration.
+
+    Usage::
+
+        with TraceWriter(path, manifest) as w:
+            w.add_request(0, prompt_tokens=12, output_tokens=3)
+            w.add_iteration(0, 0, num_tokens=12, embedding=e, counts=c, probs=p, spec_probs=None)
+            ...
+
+    Iterations must arrive sorted by (request_id, iteration).  ``counts`` is ``(L, E)``
+    int, ``probs`` and ``spec_probs`` are ``(L, E)`` float arrays or None (``spec_probs``
+    may also have NaN rows for layers with no speculative prediction).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        manifest: S.TraceManifest,
+        *,
+        row_group_iterations: int = 512,
+        overwrite: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self.manifest = manifest
+        if self.path.exists() and not overwrite:
+            raise FmoesimError(
+                f"{self.path}: already exists (pass overwrite=True / --force to replace it)"
+            )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent))
+        m = manifest.model
+        self._L, self._E, self._D = m.num_layers, m.num_experts, manifest.embedding_dim
+        self._row_group = row_group_iterations
+        self._routing = pq.ParquetWriter(
+            self._tmp / S.ROUTING, S.routing_schema(self._E), compression=S.COMPRESSION
+        )
+        self._iters = pq.ParquetWriter(
+            self._tmp / S.ITERATIONS, S.iterations_schema(self._D), compression=S.COMPRESSION
+        )
+        self._requests: list[tuple[int, int, int, float | None, str | None]] = []
+        self._buf: list[tuple] = []
+        self._last_key: tuple[int, int] = (-(2**63), -1)
+        self._num_iterations = 0
+        self._closed = False
+
+    # -- public API -----------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: int,
+        prompt_tokens: int,
+        output_tokens: int,
+        arrival_s: float | None = None,
+        dataset: str | None = None,
+    ) -> None:
+        """Record one request (any order; sorted on close)."""
+        self._requests.append(
+            (
+                int(request_id),
+                int(prompt_tokens),
+                int(output_tokens),
+                None if arrival_s is None else float(arrival_s),
+                dataset,
+            )
+        )
+
+    def add_iteration(
+        self,
+        request_id: int,
+        iteration: int,
+        num_tokens: int,
+        embedding: np.ndarray | None,
+        counts: np.ndarray,
+        probs: np.ndarray | None = None,
+        spec_probs: np.ndarray | None = None,
+    ) -> None:
+        """Record one iteration of one request: all its MoE layers at once."""
+        key = (int(request_id), int(iteration))
+        if key <= self._last_key:
+            raise FmoesimError(
+                f"{self.path}: iterations must be added sorted by (request_id, "
+                f"iteration); got {key} after {self._last_key}"
+            )
+        self._last_key = key
+        counts = np.asarray(counts)
+        if counts.shape != (self._L, self._E):
+            raise FmoesimError(
+                f"{self.path}: counts of request {request_id} iteration "
+                f"{iteration} have shape {counts.shape}, manifest says "
+                f"({self._L}, {self._E})"
+            )
+        self._buf.append((key[0], key[1], int(num_tokens), embedding, counts, probs, spec_probs))
+        if len(self._buf) >= self._row_group:
+            self._flush()
+
+    def close(self) -> Path:
+        """Flush, write the manifest and atomically move the trace into place."""
+        if self._closed:
+            return self.path
+        try:
+            self._flush()
+            self._routing.close()
+            self._iters.close()
+            self._write_requests()
+            self.manifest.num_iterations = self._num_iterations
+            self.manifest.num_requests = len(self._requests)
+            (self._tmp / S.MANIFEST).write_text(self.manifest.to_json())
+            self._move_into_place()
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        return self.path
+
+    def abort(self) -> None:
+        """Discard everything written so far."""
+        self._closed = True
+        for w in (self._routing, self._iters):
+            try:
+                w.close()
+            except Exception:  # noqa: BLE001 - best effort while already failing
+                pass
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    # -- internals ------------------------------------------------------------------
+    def _flush(self) -> None:
+        if not self._buf:
+            return
+        L, E, D = self._L, self._E, self._D
+        n = len(self._buf)
+        rid = np.array([b[0] for b in self._buf], dtype=np.int64)
+        it = np.array([b[1] for b in self._buf], dtype=np.int32)
+        ntok = np.array([b[2] for b in self._buf], dtype=np.int32)
+        # iterations.parquet
+        emb = np.zeros((n, D), dtype=np.float16)
+        emb_valid = np.ones(n, dtype=bool)
+        for i, b in enumerate(self._buf):
+            if b[3] is None or D == 0:
+                emb_valid[i] = False
+            else:
+                # float64 -> float16 directly: via float32 would round twice
+                emb[i] = np.asarray(b[3], dtype=np.float64).reshape(D)
+        icols = {"request_id": rid, "iteration": it, "num_tokens": ntok}
+        if D > 0:
+            icols["embedding"] = _fixed_list(emb, D, pa.float16(), emb_valid)
+        self._iters.write_table(pa.table(icols, schema=self._iters.schema))
+        # routing.parquet: L rows per iteration
+        counts = np.stack([b[4] for b in self._buf]).astype(np.int32).reshape(n * L, E)
+        cols = {
+            "request_id": np.repeat(rid, L),
+            "iteration": np.repeat(it, L),
+            "layer": np.tile(np.arange(L, dtype=np.int16), n),
+            "num_tokens": np.repeat(ntok, L),
+            "expert_counts": _fixed_list(counts, E, pa.int32()),
+        }
+        for name, idx in (("probs", 5), ("spec_probs", 6)):
+            block = np.zeros((n, L, E), dtype=np.float16)
+            valid = np.zeros((n, L), dtype=bool)
+            for i, b in enumerate(self._buf):
+                if b[idx] is not None:
+                    arr = np.asarray(b[idx], dtype=np.float64).reshape(L, E)
+                    ok = ~np.isnan(arr).all(axis=1)
+                    block[i][ok] = arr[ok]
+                    valid[i] = ok
+            cols[name] = _fixed_list(block.reshape(n * L, E), E, pa.float16(), valid.reshape(-1))
+        self._routing.write_table(pa.table(cols, schema=self._routing.schema))
+        self._num_iterations += n
+        self._buf.clear()
+
+    def _write_requests(self) -> None:
+        rows = sorted(self._requests)
+        table = pa.table(
+            {
+                "request_id": pa.array([r[0] for r in rows], pa.int64()),
+                "prompt_tokens": pa.array([r[1] for r in rows], pa.int32()),
+                "output_tokens": pa.array([r[2] for r in rows], pa.int32()),
+                "arrival_s": pa.array([r[3] for r in rows], pa.float64()),
+                "dataset": pa.array([r[4] for r in rows], pa.string()),
+            },
+            schema=S.requests_schema(),
+        )
+        pq.write_table(table, self._tmp / S.REQUESTS, compression=S.COMPRESSION)
+
+    def _move_into_place(self) -> None:
+        if self.path.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.old-", dir=self.path.parent))
+            os.replace(self.path, trash / "old")
+            os.replace(self._tmp, self.path)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(self._tmp, self.path)

@@ -1,0 +1,407 @@
+"""A generative workload model for synthetic MoE routing traces.
+
+Not i.i.d. noise: the model has the structure the offloading papers exploit.
+
+For request ``r`` of semantic topic ``t``, token position ``n`` and MoE layer ``l`` the
+router logits over the ``E`` experts are::
+
+    x[n, l] = base[t, l] + jitter[r, l] + noise * u[n, l]
+              + cross_layer * C[l] @ sel[n, l-1] / sqrt(k)
+
+- ``base[t, l] = skew * (sqrt(1 - topic_share) * G[l] + sqrt(topic_share) * T[t, l])`` with
+  ``G, T ~ N(0, I)``: each layer has a popularity profile shared by all requests (``G``)
+  and one per topic (``T``).  ``skew`` scales the spread of log-popularities: more skew,
+  lower activation entropy.
+- ``jitter[r, l] ~ N(0, request_jitter^2 I)``: each request deviates from its topic.
+- ``u[., l]`` is an AR(1) process along the token axis with coefficient ``locality``
+  (stationary variance 1): consecutive tokens see correlated noise, so they tend to
+  reuse experts (temporal locality).  ``locality = 0`` makes tokens independent.
+- ``C[l]`` is a fixed random ``E x E`` matrix and ``sel[n, l-1]`` the 0/1 vector of the
+  experts chosen at the previous layer: the expert chosen at layer ``l-1`` shifts the
+  odds at layer ``l`` (cross-layer correlation, the "trajectory" fMoE searches on).
+- probabilities ``softmax(x / temperature)``; the top-k of them are the routed experts.
+- speculative probabilities of layer ``l`` (``spec_probs``, MoEpic eq. 3): the same
+  computation on a noisy copy of the state, ``x[n, l] + spec_noise * eps``; for layer 0
+  the prediction comes from the previous iteration's last layer, so it uses the larger
+  ``spec_noise_first_layer``, and it is null in the prefill (nothing precedes it).
+
+Semantic embeddings: topic centroids ``c[t] ~ N(0, I/D)``; a request's embedding is
+``c[t] + topic_spread * N(0, I/D)``; each token's embedding adds ``token_noise *
+N(0, I/D)``; an iteration's embedding is the mean over its tokens (fMoE §4.2), so the
+prefill embedding sits close to the request's and decode embeddings are noisier.
+
+Lengths: prompt and output token counts from log-normal distributions (clipped), or
+from an Azure-format arrival CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``).
+Arrivals: none (static batches), a Poisson process of ``arrival_rate_rps``, or the CSV.
+
+Every request draws from its own child of ``SeedSequence(seed)``, so the same seed
+gives the same bytes, and request ``r`` does not change when more requests are added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from scipy.signal import lfilter
+
+from fmoesim.errors import ConfigError, FmoesimError
+from fmoesim.specs.model import ModelSpec
+from fmoesim.trace.schema import TraceManifest, TraceModel
+from fmoesim.trace.writer import TraceWriter
+
+GENERATOR = "fmoesim.workload.synthetic/1"
+
+
+@dataclass
+class SyntheticConfig:
+    """Knobs of the synthetic workload model (see the module docstring for the model)."""
+
+    num_requests: int = 32
+    num_topics: int = 8
+    embedding_dim: int = 64
+    topic_spread: float = 0.35
+    token_noise: float = 1.0
+    skew: float = 1.5
+    topic_share: float = 0.6
+    request_jitter: float = 0.3
+    locality: float = 0.6
+    noise: float = 1.0
+    cross_layer: float = 1.0
+    temperature: float = 1.0
+    spec_noise: float = 0.6
+    spec_noise_first_layer: float = 1.2
+    prompt_tokens_median: int = 128
+    prompt_tokens_sigma: float = 0.8
+    prompt_tokens_max: int = 1024
+    output_tokens_median: int = 64
+    output_tokens_sigma: float = 0.5
+    output_tokens_max: int = 256
+    arrival_rate_rps: float | None = None
+    arrivals_csv: str | None = None
+    dataset: str = "synthetic"
+    seed: int = 0
+
+    def validate(self, prefix: str = "workload.synthetic") -> SyntheticConfig:
+        """Check every knob; raise :class:`ConfigError` naming the first bad one."""
+        positive_int = (
+            "num_requests",
+            "num_topics",
+            "prompt_tokens_median",
+            "prompt_tokens_max",
+            "output_tokens_median",
+            "output_tokens_max",
+        )
+        for key in positive_int:
+            v = getattr(self, key)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"{prefix}.{key}", v, "must be a positive integer")
+        if not isinstance(self.embedding_dim, int) or self.embedding_dim < 0:
+            raise ConfigError(
+                f"{prefix}.embedding_dim", self.embedding_dim, "must be an integer >= 0"
+            )
+        for key in (
+            "topic_spread",
+            "token_noise",
+            "skew",
+            "request_jitter",
+            "noise",
+            "cross_layer",
+            "spec_noise",
+            "spec_noise_first_layer",
+            "prompt_tokens_sigma",
+            "output_tokens_sigma",
+        ):
+            v = getattr(self, key)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ConfigError(f"{prefix}.{key}", v, "must be a finite number >= 0")
+        if not 0 <= self.topic_share <= 1:
+            raise ConfigError(f"{prefix}.topic_share", self.topic_share, "must be in [0, 1]")
+        if not 0 <= self.locality < 1:
+            raise ConfigError(f"{prefix}.locality", self.locality, "must be in [0, 1)")
+        if not self.temperature > 0:
+            raise ConfigError(f"{prefix}.temperature", self.temperature, "must be > 0")
+        if self.arrival_rate_rps is not None and not 0 < self.arrival_rate_rps < math.inf:
+            raise ConfigError(
+                f"{prefix}.arrival_rate_rps",
+                self.arrival_rate_rps,
+                "must be a finite number > 0, or null",
+            )
+        if self.arrival_rate_rps is not None and self.arrivals_csv is not None:
+            raise ConfigError(
+                f"{prefix}.arrivals_csv",
+                self.arrivals_csv,
+                "set either arrival_rate_rps or arrivals_csv, not both",
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"{prefix}.seed", self.seed, "must be an integer >= 0")
+        return self
+
+
+@dataclass
+class _Lengths:
+    prompt: np.ndarray  # (R,) int
+    output: np.ndarray  # (R,) int
+    arrival_s: np.ndarray | None  # (R,) float
+
+
+def read_azure_csv(path: str | os.PathLike[str], limit: int | None = None) -> _Lengths:
+    """Read an Azure LLM inference trace (``TIMESTAMP,ContextTokens,GeneratedTokens``).
+
+    Arrival times are seconds since the first row.  Raises :class:`FmoesimError` naming
+    the file, the row and the rule on a malformed file.
+    """
+    import pandas as pd  # local: keeps pandas out of the generator's import cost
+
+    p = Path(path)
+    if not p.is_file():
+        raise FmoesimError(f"{p}: arrival CSV not found")
+    try:
+        df = pd.read_csv(p, nrows=limit)
+    except Exception as exc:  # noqa: BLE001 - pandas raises many types; report one line
+        raise FmoesimError(f"{p}: not a readable CSV ({str(exc).splitlines()[0]})") from None
+    need = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+    missing = [c for c in need if c not in df.columns]
+    if missing:
+        raise FmoesimError(
+            f"{p}: missing column(s) {missing} (rule: Azure format has columns {need})"
+        )
+    if len(df) == 0:
+        raise FmoesimError(f"{p}: no rows (rule: at least one request)")
+    ts = pd.to_datetime(df["TIMESTAMP"], errors="coerce")
+    if ts.isna().any():
+        row = int(np.flatnonzero(ts.isna().to_numpy())[0])
+        value = df["TIMESTAMP"].to_list()[row]
+        raise FmoesimError(
+            f"{p} row {row}: TIMESTAMP {value!r} is not a time (rule: TIMESTAMP is a date-time)"
+        )
+    arrival = (ts - ts.iloc[0]).dt.total_seconds().to_numpy()
+    if (np.diff(arrival) < 0).any():
+        row = int(np.flatnonzero(np.diff(arrival) < 0)[0]) + 1
+        raise FmoesimError(f"{p} row {row}: TIMESTAMP goes backwards (rule: rows sorted by time)")
+    out = []
+    for col in need[1:]:
+        vals = pd.to_numeric(df[col], errors="coerce").to_numpy()
+        bad = ~np.isfinite(vals) | (vals < 1) | (vals != np.floor(vals))
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise FmoesimError(
+                f"{p} row {row}: {col} = {df[col].to_list()[row]!r} (rule: a positive integer)"
+            )
+        out.append(vals.astype(np.int64))
+    return _Lengths(prompt=out[0], output=out[1], arrival_s=arrival)
+
+
+class SyntheticWorkload:
+    """The generative model of the module docstring, for one model shape and config."""
+
+    def __init__(self, model: ModelSpec, cfg: SyntheticConfig) -> None:
+        self.model = model.validate()
+        self.cfg = cfg.validate()
+        L, E, D = model.num_layers, model.num_experts, cfg.embedding_dim
+        ss = np.random.SeedSequence(cfg.seed)
+        self._model_seed, self._length_seed, self._request_seq = ss.spawn(3)
+        rng = np.random.default_rng(self._model_seed)
+        ts = cfg.topic_share
+        shared = rng.standard_normal((1, L, E))
+        topical = rng.standard_normal((cfg.num_topics, L, E))
+        self.base = cfg.skew * (math.sqrt(1 - ts) * shared + math.sqrt(ts) * topical)  # (T, L, E)
+        self.cross = rng.standard_normal((L, E, E)) / math.sqrt(model.top_k)  # (L, E_prev, E)
+        self.centroids = rng.standard_normal((cfg.num_topics, D)) / math.sqrt(max(D, 1))  # (T, D)
+
+    # -- lengths and arrivals ----------------------------------------------------------
+    def lengths(self) -> _Lengths:
+        """Prompt/output lengths and arrival times of all requests.
+
+        Prompt lengths, output lengths and inter-arrival gaps come from three separate
+        streams, so the first ``r`` requests keep their lengths when more are added.
+        """
+        cfg, R = self.cfg, self.cfg.num_requests
+        if cfg.arrivals_csv:
+            lens = read_azure_csv(cfg.arrivals_csv, limit=R)
+            if len(lens.prompt) < R:
+                raise ConfigError(
+                    "workload.synthetic.num_requests",
+                    R,
+                    f"{cfg.arrivals_csv} has only {len(lens.prompt)} rows",
+                )
+            lens.prompt = np.minimum(lens.prompt, cfg.prompt_tokens_max)
+            lens.output = np.minimum(lens.output, cfg.output_tokens_max)
+            return lens
+
+        def lognormal(stream: int, median: int, sigma: float, hi: int) -> np.ndarray:
+            rng = np.random.default_rng(_child(self._length_seed, stream))
+            v = np.exp(np.log(median) + sigma * rng.standard_normal(R))
+            return np.clip(np.rint(v), 1, hi).astype(np.int64)
+
+        prompt = lognormal(
+            0, cfg.prompt_tokens_median, cfg.prompt_tokens_sigma, cfg.prompt_tokens_max
+        )
+        output = lognormal(
+            1, cfg.output_tokens_median, cfg.output_tokens_sigma, cfg.output_tokens_max
+        )
+        arrival = None
+        if cfg.arrival_rate_rps:
+            rng = np.random.default_rng(_child(self._length_seed, 2))
+            arrival = np.cumsum(rng.exponential(1.0 / cfg.arrival_rate_rps, R))
+        return _Lengths(prompt, output, arrival)
+
+    # -- one request ------------------------------------------------------------------
+    def request(self, r: int, prompt: int, output: int, seed: np.random.SeedSequence) -> dict:
+        """Generate one request's iterations.
+
+        Returns a dict of arrays: ``counts (O, L, E)``, ``probs (O, L, E)``,
+        ``spec_probs (O, L, E)`` (NaN rows where null), ``embedding (O, D)``,
+        ``num_tokens (O,)`` and ``topic``.
+        """
+        cfg, m = self.cfg, self.model
+        L, E, k, D = m.num_layers, m.num_experts, m.top_k, cfg.embedding_dim
+        rng = np.random.default_rng(seed)
+        topic = int(rng.integers(cfg.num_topics))
+        T = prompt + output - 1  # token positions fed to the model
+        # iteration of each position: prompt -> 0, then one position per decode iteration
+        it_of_pos = np.concatenate([np.zeros(prompt, np.int64), np.arange(1, output)])
+        jitter = cfg.request_jitter * rng.standard_normal((L, E))
+        rho = cfg.locality
+        counts = np.zeros((output, L, E), np.int32)
+        probs = np.zeros((output, L, E), np.float64)
+        spec = np.full((output, L, E), np.nan)
+        prev_sel: np.ndarray | None = None  # (T, E) 0/1 experts chosen at layer l-1
+        last_state: np.ndarray | None = None  # (T, E) logits of the last layer
+        ntok = np.bincount(it_of_pos, minlength=output).astype(np.float64)  # (O,)
+        for layer in range(L):
+            eps = rng.standard_normal((T, E))
+            eps[0] /= math.sqrt(1 - rho * rho)  # start the AR(1) in its stationary law
+            u = lfilter([math.sqrt(1 - rho * rho)], [1.0, -rho], eps, axis=0)  # (T, E)
+            x = self.base[topic, layer] + jitter[layer] + cfg.noise * u
+            if prev_sel is not None and cfg.cross_layer:
+                x += cfg.cross_layer * (prev_sel @ self.cross[layer])
+            p = _softmax(x / cfg.temperature)  # (T, E)
+            top = np.argpartition(-p, k - 1, axis=1)[:, :k]  # (T, k)
+            sel = np.zeros((T, E))
+            np.put_along_axis(sel, top, 1.0, axis=1)
+            np.add.at(counts[:, layer, :], it_of_pos, sel.astype(np.int32))
+            np.add.at(probs[:, layer, :], it_of_pos, p)
+            # speculative prediction of this layer, made one layer early
+            if layer == 0:
+                sp = None
+                if output > 1:
+                    # predicted from the previous position's last-layer state (decode only)
+                    sp_noise = cfg.spec_noise_first_layer
+                    sp = x + sp_noise * rng.standard_normal((T, E))
+            else:
+                sp = x + cfg.spec_noise * rng.standard_normal((T, E))
+            if sp is not None:
+                sq = _softmax(sp / cfg.temperature)
+                acc = np.zeros((output, E))
+                np.add.at(acc, it_of_pos, sq)
+                acc /= ntok[:, None]
+                if layer == 0:
+                    acc[0] = np.nan  # prefill: nothing precedes layer 0
+                spec[:, layer, :] = acc
+            prev_sel = sel
+            last_state = x
+        del last_state
+        probs /= ntok[:, None, None]
+        # embeddings: request near its topic centroid, tokens around the request
+        emb = np.zeros((output, D))
+        if D:
+            scale = 1.0 / math.sqrt(D)
+            req_emb = self.centroids[topic] + cfg.topic_spread * scale * rng.standard_normal(D)
+            tok = req_emb + cfg.token_noise * scale * rng.standard_normal((T, D))
+            np.add.at(emb, it_of_pos, tok)
+            emb /= ntok[:, None]
+        return {
+            "counts": counts,
+            "probs": probs,
+            "spec_probs": spec,
+            "embedding": emb,
+            "num_tokens": ntok.astype(np.int64),
+            "topic": topic,
+        }
+
+    # -- whole trace ------------------------------------------------------------------
+    def write(
+        self, path: str | os.PathLike[str], *, overwrite: bool = False, progress: bool = False
+    ) -> Path:
+        """Generate the whole trace into ``path`` (streaming, atomic)."""
+        cfg, m = self.cfg, self.model
+        lens = self.lengths()
+        params = dataclasses.asdict(cfg)
+        manifest = TraceManifest(
+            model=TraceModel(
+                name=m.name,
+                num_layers=m.num_layers,
+                num_experts=m.num_experts,
+                top_k=m.top_k,
+                hidden_size=m.hidden_size,
+                num_shared_experts=m.num_shared_experts,
+                dense_layers=m.dense_layers,
+            ),
+            embedding_dim=cfg.embedding_dim,
+            source={
+                "kind": "synthetic",
+                "generator": GENERATOR,
+                "params": params,
+                "seed": cfg.seed,
+            },
+            has_probs=True,
+            has_spec_probs=bool(lens.output.max() > 1 or m.num_layers > 1),
+            created_at=None,
+            notes="Synthetic trace from fmoesim's workload model; not real routing data.",
+        )
+        # not self._request_seq.spawn(): spawn() is stateful, a second write() would differ
+        seeds = [_child(self._request_seq, r) for r in range(cfg.num_requests)]
+        it = range(cfg.num_requests)
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(it, desc="synth", unit="req")
+        with TraceWriter(path, manifest, overwrite=overwrite) as w:
+            for r in it:
+                n_prompt, n_out = int(lens.prompt[r]), int(lens.output[r])
+                arrival = None if lens.arrival_s is None else float(lens.arrival_s[r])
+                w.add_request(r, n_prompt, n_out, arrival, cfg.dataset)
+                g = self.request(r, n_prompt, n_out, seeds[r])
+                for i in range(n_out):
+                    w.add_iteration(
+                        r,
+                        i,
+                        int(g["num_tokens"][i]),
+                        g["embedding"][i] if cfg.embedding_dim else None,
+                        g["counts"][i],
+                        g["probs"][i],
+                        g["spec_probs"][i],
+                    )
+        return Path(path)
+
+
+def _child(seq: np.random.SeedSequence, i: int) -> np.random.SeedSequence:
+    """Child ``i`` of ``seq``, as ``seq.spawn`` would make it, without mutating ``seq``."""
+    return np.random.SeedSequence(
+        seq.entropy, spawn_key=(*seq.spawn_key, i), pool_size=seq.pool_size
+    )
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of a (T, E) array."""
+    z = x - x.max(axis=1, keepdims=True)
+    np.exp(z, out=z)
+    z /= z.sum(axis=1, keepdims=True)
+    return z
+
+
+def generate(
+    model: ModelSpec,
+    cfg: SyntheticConfig,
+    path: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> Path:
+    """Generate a synthetic trace for ``model`` with ``cfg`` into ``path``."""
+    return SyntheticWorkload(model, cfg).write(path, overwrite=overwrite, progress=progress)

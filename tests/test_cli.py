@@ -1,0 +1,154 @@
+"""The command-line tools: a real run, and every error path (one line, exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.test_engine_lru import ROUTES
+from tests.tiny import TINY, write_sequence_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(module: str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        timeout=300,
+    )
+
+
+def fmoesim(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return run("fmoesim.cli.main", *args, cwd=cwd)
+
+
+def tiny_overrides(trace: Path, out: Path) -> list[str]:
+    m = TINY
+    return [
+        f"workload.path={trace}",
+        f"output.dir={out}",
+        "progress=false",
+        f"model.name={m.name}",
+        f"model.num_layers={m.num_layers}",
+        f"model.num_experts={m.num_experts}",
+        f"model.top_k={m.top_k}",
+        f"model.hidden_size={m.hidden_size}",
+        f"model.expert_intermediate_size={m.expert_intermediate_size}",
+        f"cache.budget_gb={2 * m.expert_size_bytes / 1e9}",
+    ]
+
+
+def test_run_writes_summary_with_hand_computed_hit_rate(tmp_path):
+    trace = write_sequence_trace(tmp_path / "seq", ROUTES)
+    out = tmp_path / "out"
+    p = fmoesim(*tiny_overrides(trace, out), "output.name=tiny-run")
+    assert p.returncode == 0, p.stderr
+    assert "expert hit rate" in p.stdout and "41.67%" in p.stdout  # 5 / 12
+    run_dir = out / "tiny-run"
+    row = pd.read_parquet(run_dir / "summary.parquet").iloc[0]
+    assert row["hit_rate"] == pytest.approx(5 / 12)
+    assert row["policy"] == "lru" and row["model"] == "tiny"
+    assert '"budget_gb"' in row["config_json"] and len(row["config_hash"]) == 16
+    assert (run_dir / "hit_rate.png").stat().st_size > 1000
+    assert (run_dir / "config.yaml").is_file()
+    assert not list(out.glob(".*tmp*")), "temporary directory left behind"
+
+
+BAD = [
+    (["policy=nope"], "policy=nope: unknown policy; valid: lru"),
+    (["model=nope"], "valid: deepseek-v2-lite, mixtral-8x7b"),
+    (["hardware=nope"], "valid: a5000-pcie4, a6000-pcie4"),
+    (["cache.budgt_gb=3"], "config key 'cache.budgt_gb': unknown key"),
+    (["cache.budget_gb=0"], "config key 'cache.budget_gb' = 0.0: must be > 0"),
+    (["cache.budget_gb=-2"], "config key 'cache.budget_gb' = -2.0: must be > 0"),
+    (["cache.budget_gb=0.5"], "must hold one layer's top-2 experts of mixtral-8x7b"),
+    (["hardware.pcie_gbps=0"], "config key 'hardware.pcie_gbps' = 0.0: must be a positive number"),
+    (["hardware.pcie_gbps=-3"], "hardware.pcie_gbps"),
+    (["serving.batch_size=0"], "serving.batch_size"),
+    (["workload.path=/no/such/trace"], "workload.path '/no/such/trace': trace directory not found"),
+    (["model=qwen1.5-moe-a2.7b", "cache.budget_gb=4"], "config key 'model.num_layers' = 24: trace"),
+    (["cache.budget_gb=abc"], "config key 'cache.budget_gb'"),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, expected):
+    out = tmp_path / "out"
+    p = fmoesim(*args, f"output.dir={out}", "progress=false")
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("fmoesim: error: ")
+    assert expected in lines[0]
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_broken_trace_refused_naming_file_row_rule(tmp_path):
+    import pyarrow.parquet as pq
+
+    trace = write_sequence_trace(tmp_path / "seq", ROUTES)
+    table = pq.read_table(trace / "routing.parquet")
+    pq.write_table(table.slice(0, 5), trace / "routing.parquet")  # drop layers of iteration 2+
+    out = tmp_path / "out"
+    p = fmoesim(*tiny_overrides(trace, out))
+    assert p.returncode == 2
+    line = p.stderr.strip()
+    assert "routing.parquet row 5" in line and "for all 2 layers" in line
+    assert not out.exists()
+
+
+def test_truncated_parquet_refused(tmp_path):
+    trace = write_sequence_trace(tmp_path / "seq", ROUTES)
+    f = trace / "iterations.parquet"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    p = run("fmoesim.cli.trace_cli", "validate", str(trace))
+    assert p.returncode == 2
+    assert "iterations.parquet" in p.stderr and "truncated or corrupt" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_inspect_bundled_trace_prints_statistics():
+    p = run("fmoesim.cli.trace_cli", "inspect", "traces/default")
+    assert p.returncode == 0, p.stderr
+    for needle in (
+        "32 MoE layers x 8 experts, top-2",
+        "synthetic",
+        "H_coarse",
+        "gini",
+        "reuse",
+        "spec_rec",
+        "routing.parquet",
+    ):
+        assert needle in p.stdout
+    table = [ln for ln in p.stdout.splitlines() if ln.strip()[:2].strip().isdigit()]
+    assert len(table) == 32  # one row per layer
+
+
+def test_synth_cli_writes_valid_trace_and_rejects_unknown_knob(tmp_path):
+    p = run(
+        "fmoesim.cli.trace_cli",
+        "synth",
+        "--model",
+        "olmoe-1b-7b",
+        "--requests",
+        "2",
+        "--set",
+        "output_tokens_median=4",
+        "--set",
+        "prompt_tokens_median=8",
+        str(tmp_path / "o"),
+    )
+    assert p.returncode == 0, p.stderr
+    assert "16 x 64, top-8" in p.stdout
+    p = run("fmoesim.cli.trace_cli", "synth", "--set", "skeww=2", str(tmp_path / "x"))
+    assert p.returncode == 2 and "unknown knob" in p.stderr
+    assert not (tmp_path / "x").exists()
+    p = run("fmoesim.cli.trace_cli", "synth", "--model", "nope", str(tmp_path / "y"))
+    assert p.returncode == 2 and "valid: deepseek-v2-lite" in p.stderr
