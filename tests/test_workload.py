@@ -1,0 +1,392 @@
+"""The synthetic workload model: determinism, validity, knob directions, CSV input, configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from fmoesim.errors import ConfigError, FmoesimError
+from fmoesim.specs import ModelSpec
+from fmoesim.trace import Trace, read_trace
+from fmoesim.trace import schema as S
+from fmoesim.workload import SyntheticConfig, SyntheticWorkload, generate, read_azure_csv
+from fmoesim.workload.synthetic import GENERATOR
+
+MODEL = ModelSpec(
+    name="tiny-moe",
+    num_layers=4,
+    num_experts=16,
+    top_k=2,
+    hidden_size=64,
+    expert_intermediate_size=64,
+)
+BASE = SyntheticConfig(
+    num_requests=12,
+    num_topics=4,
+    embedding_dim=16,
+    prompt_tokens_median=16,
+    prompt_tokens_max=64,
+    output_tokens_median=32,
+    output_tokens_max=64,
+)
+SEEDS = (0, 1, 2)
+
+
+def _gen(tmp_path: Path, name: str, model: ModelSpec = MODEL, **knobs: object) -> Trace:
+    cfg = dataclasses.replace(BASE, **knobs)
+    return read_trace(generate(model, cfg, tmp_path / name))
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+# -- statistics the knob tests measure -------------------------------------------------------
+def activation_entropy(tr: Trace) -> float:
+    """Mean over layers of the normalised entropy of the layer's total expert counts."""
+    freq = tr.counts.sum(axis=0, dtype=np.float64)  # (L, E)
+    p = freq / freq.sum(axis=1, keepdims=True)
+    plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
+    return float((-plogp.sum(axis=1) / math.log(tr.num_experts)).mean())
+
+
+def next_token_reuse(tr: Trace) -> float:
+    """Mean fraction of the k experts of decode token n also selected at token n+1."""
+    overlaps = []
+    for r in range(tr.num_requests):
+        decode = list(tr.request_iterations(r))[1:]  # one token each
+        for a, b in zip(decode[:-1], decode[1:], strict=True):
+            both = (tr.counts[a] > 0) & (tr.counts[b] > 0)  # (L, E)
+            overlaps.append(both.sum(axis=1) / tr.top_k)
+    return float(np.mean(overlaps))
+
+
+def test_statistics_on_hand_made_counts() -> None:
+    """The two statistics themselves, on a 2-request trace computed by hand."""
+    counts = np.zeros((5, 1, 4), dtype=np.int32)
+    counts[0, 0] = [2, 2, 2, 2]  # prefill, 4 tokens: not a decode step
+    counts[1, 0] = [1, 1, 0, 0]
+    counts[2, 0] = [1, 0, 1, 0]  # 1 of 2 reused
+    counts[3, 0] = [1, 0, 0, 1]  # prefill of request 1
+    counts[4, 0] = [1, 0, 0, 1]  # only decode of request 1: no pair
+    starts = [0, 3, 5]  # request 0: iterations 0-2, request 1: iterations 3-4
+    tr = SimpleNamespace(
+        counts=counts,
+        num_experts=4,
+        top_k=2,
+        num_requests=2,
+        request_iterations=lambda r: range(starts[r], starts[r + 1]),
+    )
+    assert next_token_reuse(tr) == 0.5
+    # totals [6, 3, 3, 4] of 16
+    p = np.array([6, 3, 3, 4]) / 16
+    assert activation_entropy(tr) == pytest.approx(-(p * np.log(p)).sum() / math.log(4))
+
+
+# -- determinism -------------------------------------------------------------------------
+def test_same_seed_same_bytes_other_seed_differs(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(BASE, seed=3)
+    a = _files(generate(MODEL, cfg, tmp_path / "a"))
+    b = _files(generate(MODEL, cfg, tmp_path / "b"))
+    assert sorted(a) == sorted([S.MANIFEST, S.REQUESTS, S.ITERATIONS, S.ROUTING])
+    assert a == b  # every file, trace.json included, byte for byte
+
+    c = _files(generate(MODEL, dataclasses.replace(cfg, seed=4), tmp_path / "c"))
+    assert c[S.ROUTING] != a[S.ROUTING]
+    assert json.loads(c[S.MANIFEST])["source"]["seed"] == 4
+
+
+def test_writing_twice_from_one_workload_gives_same_bytes(tmp_path: Path) -> None:
+    wl = SyntheticWorkload(MODEL, dataclasses.replace(BASE, num_requests=4))
+    assert _files(wl.write(tmp_path / "a")) == _files(wl.write(tmp_path / "b"))
+
+
+def test_adding_requests_keeps_earlier_requests(tmp_path: Path) -> None:
+    """The docstring's promise: request r does not change when more requests are added."""
+    small = _gen(tmp_path, "r3", num_requests=3, arrival_rate_rps=2.0)
+    big = _gen(tmp_path, "r5", num_requests=5, arrival_rate_rps=2.0)
+    assert big.prompt_tokens[:3].tolist() == small.prompt_tokens.tolist()
+    assert big.output_tokens[:3].tolist() == small.output_tokens.tolist()
+    np.testing.assert_array_equal(big.arrival_s[:3], small.arrival_s)
+    n = small.num_iterations
+    np.testing.assert_array_equal(big.counts[:n], small.counts)
+    np.testing.assert_array_equal(big.probs[:n], small.probs)
+    np.testing.assert_array_equal(big.embedding[:n], small.embedding)
+
+
+# -- validity and shape --------------------------------------------------------------------
+def test_generated_trace_is_valid_and_consistent(tmp_path: Path) -> None:
+    tr = _gen(tmp_path, "t", seed=5)  # read_trace validated every rule
+    m = tr.manifest
+    assert m.source == {
+        "kind": "synthetic",
+        "generator": GENERATOR,
+        "params": dataclasses.asdict(dataclasses.replace(BASE, seed=5)),
+        "seed": 5,
+    }
+    assert m.created_at is None
+    assert (m.model.num_layers, m.model.num_experts, m.model.top_k) == (4, 16, 2)
+    assert m.num_requests == tr.num_requests == 12
+    assert m.num_iterations == tr.num_iterations == int(tr.output_tokens.sum())
+    assert tr.request_id.tolist() == list(range(12))
+    assert ((tr.prompt_tokens >= 1) & (tr.prompt_tokens <= 64)).all()
+    assert ((tr.output_tokens >= 1) & (tr.output_tokens <= 64)).all()
+    assert np.isnan(tr.arrival_s).all()  # no arrival process: a static batch
+    assert set(tr.dataset.tolist()) == {"synthetic"}
+
+    prefill = tr.iteration == 0
+    np.testing.assert_array_equal(tr.num_tokens[prefill], tr.prompt_tokens)
+    assert (tr.num_tokens[~prefill] == 1).all()
+    assert (tr.counts.sum(axis=2) == tr.num_tokens[:, None] * 2).all()
+    np.testing.assert_allclose(tr.probs.astype(np.float64).sum(axis=2), 1.0, atol=1e-2)
+    # spec_probs: null exactly on layer 0 of each prefill
+    expected = np.ones((tr.num_iterations, 4), dtype=bool)
+    expected[prefill, 0] = False
+    np.testing.assert_array_equal(tr.spec_valid, expected)
+    assert tr.embedding.shape == (tr.num_iterations, 16)
+
+
+def test_request_arrays(tmp_path: Path) -> None:
+    wl = SyntheticWorkload(MODEL, BASE)
+    g = wl.request(0, prompt=5, output=4, seed=np.random.SeedSequence(11))
+    assert g["counts"].shape == g["probs"].shape == g["spec_probs"].shape == (4, 4, 16)
+    assert g["num_tokens"].tolist() == [5, 1, 1, 1]
+    np.testing.assert_array_equal(
+        g["counts"].sum(axis=2), np.array([[10] * 4, [2] * 4, [2] * 4, [2] * 4])
+    )
+    assert g["counts"].max() <= 5
+    assert (g["counts"][1:] <= 1).all()  # one token picks k distinct experts
+    np.testing.assert_allclose(g["probs"].sum(axis=2), 1.0, atol=1e-12)
+    assert np.isnan(g["spec_probs"][0, 0]).all()
+    assert not np.isnan(g["spec_probs"][1:]).any() and not np.isnan(g["spec_probs"][0, 1:]).any()
+    assert g["embedding"].shape == (4, 16)
+    assert 0 <= g["topic"] < BASE.num_topics
+
+
+def test_no_embeddings_and_single_layer_without_spec(tmp_path: Path) -> None:
+    tr = _gen(tmp_path, "noemb", embedding_dim=0)
+    assert tr.embedding.shape == (tr.num_iterations, 0)
+    assert "embedding" not in pq.read_schema(tmp_path / "noemb" / S.ITERATIONS).names
+
+    # one layer and one output token per request: no layer has a speculative prediction
+    one = dataclasses.replace(MODEL, num_layers=1)
+    tr = _gen(tmp_path, "nospec", model=one, output_tokens_max=1, num_requests=4)
+    assert not tr.manifest.has_spec_probs
+    assert tr.spec_probs is None and tr.spec_valid is None
+    assert tr.probs is not None and (tr.output_tokens == 1).all()
+
+
+def test_poisson_arrivals() -> None:
+    cfg = dataclasses.replace(BASE, num_requests=2000, arrival_rate_rps=4.0)
+    lens = SyntheticWorkload(MODEL, cfg).lengths()
+    gaps = np.diff(np.concatenate([[0.0], lens.arrival_s]))
+    assert (gaps > 0).all()
+    # mean gap 1/4 s; the sample mean of 2000 exponential gaps has sd 0.25/sqrt(2000) = 0.0056
+    assert gaps.mean() == pytest.approx(0.25, abs=0.025)
+    # log-normal lengths: the median is the configured median (before clipping at the max)
+    assert np.median(lens.prompt) == pytest.approx(16, rel=0.15)
+    assert np.median(lens.output) == pytest.approx(32, rel=0.15)
+
+
+# -- the knobs move the statistics the right way ------------------------------------------
+@pytest.mark.parametrize("seed", SEEDS)
+def test_more_skew_lowers_activation_entropy(tmp_path: Path, seed: int) -> None:
+    flat = activation_entropy(_gen(tmp_path, "flat", skew=0.5, seed=seed))
+    steep = activation_entropy(_gen(tmp_path, "steep", skew=2.5, seed=seed))
+    assert 0 < steep < flat <= 1
+    assert flat - steep > 0.05, (flat, steep)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_more_locality_raises_next_token_reuse(tmp_path: Path, seed: int) -> None:
+    indep = next_token_reuse(_gen(tmp_path, "indep", locality=0.0, seed=seed))
+    local = next_token_reuse(_gen(tmp_path, "local", locality=0.9, seed=seed))
+    assert local - indep > 0.15, (indep, local)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_same_topic_prefill_embeddings_are_closer(seed: int) -> None:
+    cfg = dataclasses.replace(BASE, num_topics=3, embedding_dim=32, seed=seed)
+    wl = SyntheticWorkload(MODEL, cfg)
+    children = np.random.SeedSequence(100 + seed).spawn(30)
+    gens = [wl.request(r, 16, 2, children[r]) for r in range(30)]
+    topics = np.array([g["topic"] for g in gens])
+    x = np.array([g["embedding"][0] for g in gens])
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    cos = x @ x.T
+    same = (topics[:, None] == topics[None, :]) & ~np.eye(30, dtype=bool)
+    other = topics[:, None] != topics[None, :]
+    assert same.any() and other.any()
+    assert cos[same].mean() - cos[other].mean() > 0.3, (cos[same].mean(), cos[other].mean())
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_spec_probs_favour_the_selected_experts(tmp_path: Path, seed: int) -> None:
+    tr = _gen(tmp_path, "spec", seed=seed)
+    spec = tr.spec_probs[:, 1:].astype(np.float64)  # layers >= 1: valid on every row
+    counts = tr.counts[:, 1:]
+    assert tr.spec_valid[:, 1:].all()
+    # mean spec probability at the routed experts, weighted by tokens routed there
+    at_selected = (spec * counts).sum() / counts.sum()
+    assert at_selected > 2.0 / tr.num_experts, at_selected  # uniform guess: 1/E = 0.0625
+
+
+# -- Azure CSV ------------------------------------------------------------------------------
+AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
+2023-11-16 18:15:46.6805900,374,44
+2023-11-16 18:15:50.9951690,396,109
+2023-11-16 18:16:01.0000000,879,20
+"""
+
+
+def test_read_azure_csv(tmp_path: Path) -> None:
+    p = tmp_path / "azure.csv"
+    p.write_text(AZURE)
+    lens = read_azure_csv(p)
+    assert lens.prompt.tolist() == [374, 396, 879]
+    assert lens.output.tolist() == [44, 109, 20]
+    # 50.9951690 - 46.6805900 = 4.3145790; 61.0 - 46.6805900 = 14.3194100
+    np.testing.assert_allclose(lens.arrival_s, [0.0, 4.314579, 14.31941], atol=1e-9)
+    assert read_azure_csv(p, limit=2).prompt.tolist() == [374, 396]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "TIMESTAMP,ContextTokens\n2023-11-16 18:15:46,374\n",
+            ": missing column(s) ['GeneratedTokens'] (rule: Azure format has columns",
+        ),
+        (AZURE.replace("396,109", "0,109"), " row 1: ContextTokens = 0 (rule: a positive integer)"),
+        (
+            AZURE.replace("879,20", "879,2.5"),
+            " row 2: GeneratedTokens = 2.5 (rule: a positive integer)",
+        ),
+        (
+            AZURE.replace("879,20", "879,"),
+            " row 2: GeneratedTokens = nan (rule: a positive integer)",
+        ),
+        (
+            AZURE.replace("2023-11-16 18:15:50.9951690", "yesterday"),
+            " row 1: TIMESTAMP 'yesterday' is not a time",
+        ),
+        (AZURE.replace("18:16:01", "18:15:01"), " row 2: TIMESTAMP goes backwards"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n", ": no rows (rule: at least one request)"),
+    ],
+    ids=[
+        "missing_column",
+        "zero_tokens",
+        "fractional_tokens",
+        "empty_cell",
+        "bad_time",
+        "backwards",
+        "no_rows",
+    ],
+)
+def test_read_azure_csv_rejects(tmp_path: Path, text: str, expected: str) -> None:
+    p = tmp_path / "bad.csv"
+    p.write_text(text)
+    with pytest.raises(FmoesimError) as info:
+        read_azure_csv(p)
+    assert str(info.value).startswith(str(p) + expected), str(info.value)
+
+
+def test_read_azure_csv_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FmoesimError, match="arrival CSV not found"):
+        read_azure_csv(tmp_path / "nope.csv")
+
+
+def test_generate_from_azure_csv(tmp_path: Path) -> None:
+    p = tmp_path / "azure.csv"
+    p.write_text(AZURE)
+    tr = _gen(
+        tmp_path,
+        "az",
+        num_requests=3,
+        arrivals_csv=str(p),
+        prompt_tokens_max=512,
+        output_tokens_max=64,
+    )
+    assert tr.prompt_tokens.tolist() == [374, 396, 512]  # 879 clipped at prompt_tokens_max
+    assert tr.output_tokens.tolist() == [44, 64, 20]  # 109 clipped at output_tokens_max
+    np.testing.assert_allclose(tr.arrival_s, [0.0, 4.314579, 14.31941], atol=1e-9)
+
+    cfg = dataclasses.replace(BASE, num_requests=4, arrivals_csv=str(p))
+    with pytest.raises(
+        ConfigError, match=r"'workload\.synthetic\.num_requests' = 4: .* only 3 rows"
+    ):
+        generate(MODEL, cfg, tmp_path / "too-many")
+    assert not (tmp_path / "too-many").exists()
+
+
+# -- configuration checks ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("knobs", "key"),
+    [
+        ({"num_requests": 0}, "num_requests"),
+        ({"num_topics": 2.5}, "num_topics"),
+        ({"output_tokens_max": -1}, "output_tokens_max"),
+        ({"embedding_dim": -1}, "embedding_dim"),
+        ({"skew": -0.1}, "skew"),
+        ({"noise": math.inf}, "noise"),
+        ({"spec_noise": math.nan}, "spec_noise"),
+        ({"topic_share": 1.5}, "topic_share"),
+        ({"locality": 1.0}, "locality"),
+        ({"locality": -0.1}, "locality"),
+        ({"locality": math.nan}, "locality"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"arrival_rate_rps": 0.0}, "arrival_rate_rps"),
+        ({"arrival_rate_rps": math.inf}, "arrival_rate_rps"),
+        ({"arrival_rate_rps": 1.0, "arrivals_csv": "a.csv"}, "arrivals_csv"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_synthetic_config_rejects(knobs: dict, key: str) -> None:
+    cfg = dataclasses.replace(SyntheticConfig(), **knobs)
+    with pytest.raises(ConfigError) as info:
+        cfg.validate()
+    assert info.value.key == f"workload.synthetic.{key}"
+    assert f"config key 'workload.synthetic.{key}' = " in str(info.value)
+
+
+def test_synthetic_config_defaults_and_edges_are_valid() -> None:
+    assert SyntheticConfig().validate() == SyntheticConfig()
+    SyntheticConfig(
+        locality=0.0, topic_share=1.0, embedding_dim=0, skew=0.0, arrival_rate_rps=0.5
+    ).validate()
+    with pytest.raises(ConfigError, match="'gen.locality'"):
+        SyntheticConfig(locality=2.0).validate(prefix="gen")
+
+
+@pytest.mark.parametrize(
+    ("fields", "key", "rule"),
+    [
+        ({"num_layers": 0}, "num_layers", "must be a positive integer"),
+        ({"num_experts": 8.0}, "num_experts", "must be a positive integer"),
+        ({"top_k": 9}, "top_k", "must be <= num_experts (8)"),
+        ({"dense_layers": -1}, "dense_layers", "must be a non-negative integer"),
+        ({"dtype": "fp7"}, "dtype", "must be one of"),
+    ],
+)
+def test_model_spec_rejects(fields: dict, key: str, rule: str) -> None:
+    spec = dataclasses.replace(ModelSpec(num_experts=8, top_k=2), **fields)
+    with pytest.raises(ConfigError) as info:
+        spec.validate()
+    assert info.value.key == f"model.{key}"
+    assert str(info.value).startswith(f"config key 'model.{key}' = ")
+    assert rule in str(info.value)
+
+
+def test_generate_validates_model_and_config(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"'model\.top_k' = 17"):
+        generate(dataclasses.replace(MODEL, top_k=17), BASE, tmp_path / "x")
+    with pytest.raises(ConfigError, match=r"'workload\.synthetic\.locality' = 1\.5"):
+        generate(MODEL, dataclasses.replace(BASE, locality=1.5), tmp_path / "x")
+    assert not (tmp_path / "x").exists()
