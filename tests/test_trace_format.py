@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from fmoesim.errors import FmoesimError, TraceError
-from fmoesim.trace import TraceManifest, TraceWriter, read_trace
+from fmoesim.trace import TraceManifest, TraceModel, TraceWriter, read_trace
 from fmoesim.trace import schema as S
 from tests._trace_helpers import (
     COUNTS,
@@ -770,3 +770,20 @@ def test_requests_and_iterations_in_hand_built_trace_match_constants(trace_dir: 
     assert (rout[7]["request_id"], rout[7]["iteration"], rout[7]["layer"]) == (0, 2, 1)
     assert (rout[10]["request_id"], rout[10]["iteration"], rout[10]["layer"]) == (1, 0, 1)
     assert rout[13]["expert_counts"] == [1, 1, 0, 0]
+
+
+def test_writer_refuses_probs_of_the_wrong_shape(tmp_path):
+    man = TraceManifest(
+        model=TraceModel("m", 2, 3, 1, 8),
+        embedding_dim=0,
+        source={"kind": "synthetic"},
+        has_probs=True,
+        has_spec_probs=False,
+    )
+    dest = tmp_path / "t"
+    with pytest.raises(FmoesimError, match=r"probs of request 0 iteration 0 has shape \(2, 4\)"):
+        with TraceWriter(dest, man) as w:
+            w.add_request(0, 1, 1)
+            counts = np.array([[1, 0, 0], [0, 1, 0]], np.int32)
+            w.add_iteration(0, 0, 1, None, counts, np.full((2, 4), 0.25))
+    assert not dest.exists()

@@ -390,3 +390,18 @@ def test_generate_validates_model_and_config(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"'workload\.synthetic\.locality' = 1\.5"):
         generate(MODEL, dataclasses.replace(BASE, locality=1.5), tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    ("knob", "value"),
+    [
+        ("temperature", float("inf")),
+        ("temperature", "hot"),
+        ("topic_share", "a"),
+        ("locality", "x"),
+    ],
+)
+def test_synthetic_config_refuses_non_numbers_and_infinite_temperature(knob, value):
+    cfg = dataclasses.replace(BASE, **{knob: value})
+    with pytest.raises(ConfigError, match=f"workload.synthetic.{knob}"):
+        cfg.validate()

@@ -33,6 +33,8 @@ def load_preset(group: str, name: str, schema: type[T]) -> T:
             group, name, f"unknown {group} preset; valid: {', '.join(preset_names(group))}"
         )
     raw = OmegaConf.load(path)
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"{group}/{name}.yaml", "", "must be a YAML mapping")
     if "defaults" in raw:
         del raw["defaults"]
     try:

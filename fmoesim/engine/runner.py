@@ -134,7 +134,12 @@ class Runner:
         w = ntok / ntok.sum()
         if pol.uses_probs and tr.probs is not None:
             probs = w @ tr.probs[rows, layer].astype(np.float32)
-        if pol.uses_spec and tr.spec_probs is not None and layer + 1 < tr.num_layers:
+        if (
+            pol.uses_spec
+            and tr.spec_probs is not None
+            and tr.spec_valid is not None
+            and layer + 1 < tr.num_layers
+        ):
             ok = tr.spec_valid[rows, layer + 1]
             if ok.any():
                 ww = w[ok] / w[ok].sum()

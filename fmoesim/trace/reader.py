@@ -6,12 +6,14 @@ Hot loops (the engine) index these arrays directly; pandas is never used there.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from numpy.typing import ArrayLike
 
 from fmoesim.errors import TraceError
 from fmoesim.trace import schema as S
@@ -76,9 +78,18 @@ def _fixed_block(col: pa.ChunkedArray, width: int, dtype: type) -> tuple[np.ndar
     return block, valid
 
 
-def _first(mask: np.ndarray) -> int:
+def _refuse(
+    bad: ArrayLike, path: Path, rule: str, detail: Callable[[int], str] | None = None
+) -> None:
+    """Raise :class:`TraceError` at the first True row of ``bad``, if any."""
+    if np.any(bad):
+        row = _first(bad)
+        raise TraceError(path, rule, row=row, detail=detail(row) if detail else "")
+
+
+def _first(mask: ArrayLike) -> int:
     """Index of the first True in a flat boolean mask."""
-    return int(np.flatnonzero(mask.reshape(-1))[0])
+    return int(np.flatnonzero(np.asarray(mask).reshape(-1))[0])
 
 
 @dataclass
@@ -276,14 +287,12 @@ def _validate(
             row = _first(bad)
             raise TraceError(fq, f"{name} >= {lo}", row=row, detail=f"{name} = {col[row]}")
     bad = ~np.isnan(arrival_s) & ~(np.isfinite(arrival_s) & (arrival_s >= 0))
-    if bad.any():
-        row = _first(bad)
-        raise TraceError(
-            fq,
-            "arrival_s is null or a finite time >= 0",
-            row=row,
-            detail=f"arrival_s = {arrival_s[row]}",
-        )
+    _refuse(
+        bad,
+        fq,
+        "arrival_s is null or a finite time >= 0",
+        lambda row: f"arrival_s = {arrival_s[row]}",
+    )
 
     # iterations.parquet: sorted, contiguous 0..output_tokens-1 per request
     N = len(iteration)
@@ -315,26 +324,26 @@ def _validate(
     end = np.searchsorted(it_rid, request_id, side="right")
     expected_iter = np.arange(N) - np.repeat(start, end - start)
     bad = iteration != expected_iter
-    if bad.any():
-        row = _first(bad)
-        raise TraceError(
-            fi,
-            "iterations of a request are 0, 1, 2, ... with none missing",
-            row=row,
-            detail=f"request {it_rid[row]} has iteration {iteration[row]} where "
-            f"{expected_iter[row]} was expected",
-        )
+    _refuse(
+        bad,
+        fi,
+        "iterations of a request are 0, 1, 2, ... with none missing",
+        lambda row: (
+            f"request {it_rid[row]} has iteration {iteration[row]} where "
+            f"{expected_iter[row]} was expected"
+        ),
+    )
     n_iter = end - start
     bad = n_iter != output_tokens
-    if bad.any():
-        row = _first(bad)
-        raise TraceError(
-            fq,
-            "a request has output_tokens iterations (prefill + decodes)",
-            row=row,
-            detail=f"request {request_id[row]} has output_tokens={output_tokens[row]} "
-            f"but {n_iter[row]} iterations in {S.ITERATIONS}",
-        )
+    _refuse(
+        bad,
+        fq,
+        "a request has output_tokens iterations (prefill + decodes)",
+        lambda row: (
+            f"request {request_id[row]} has output_tokens={output_tokens[row]} "
+            f"but {n_iter[row]} iterations in {S.ITERATIONS}"
+        ),
+    )
     first_rows = start
     bad = num_tokens[first_rows] != prompt_tokens
     if bad.any():
@@ -369,38 +378,34 @@ def _validate(
     bad = (
         (r_rid != np.repeat(it_rid, L)) | (r_it != np.repeat(iteration, L)) | (r_layer != exp_layer)
     )
-    if bad.any():
-        row = _first(bad)
-        raise TraceError(
-            fr,
-            "rows sorted by (request_id, iteration, layer) with no missing layer or iteration",
-            row=row,
-            detail=f"found ({r_rid[row]}, {r_it[row]}, layer {r_layer[row]}), "
+    _refuse(
+        bad,
+        fr,
+        "rows sorted by (request_id, iteration, layer) with no missing layer or iteration",
+        lambda row: (
+            f"found ({r_rid[row]}, {r_it[row]}, layer {r_layer[row]}), "
             f"expected ({it_rid[row // L]}, {iteration[row // L]}, "
-            f"layer {exp_layer[row]})",
-        )
+            f"layer {exp_layer[row]})"
+        ),
+    )
     bad = r_ntok != np.repeat(num_tokens, L)
-    if bad.any():
-        row = _first(bad)
-        raise TraceError(
-            fr,
-            "num_tokens equals the iteration's num_tokens",
-            row=row,
-            detail=f"{r_ntok[row]} != {num_tokens[row // L]}",
-        )
+    _refuse(
+        bad,
+        fr,
+        "num_tokens equals the iteration's num_tokens",
+        lambda row: f"{r_ntok[row]} != {num_tokens[row // L]}",
+    )
     bad = (counts < 0).any(axis=1)
     if bad.any():
         row = _first(bad)
         raise TraceError(fr, "expert_counts are non-negative", row=row)
     bad = counts.sum(axis=1, dtype=np.int64) != r_ntok.astype(np.int64) * k
-    if bad.any():
-        row = _first(bad)
-        raise TraceError(
-            fr,
-            f"expert_counts sum to num_tokens * top_k (top_k = {k})",
-            row=row,
-            detail=f"sum {counts[row].sum()} != {r_ntok[row]} * {k}",
-        )
+    _refuse(
+        bad,
+        fr,
+        f"expert_counts sum to num_tokens * top_k (top_k = {k})",
+        lambda row: f"sum {counts[row].sum()} != {r_ntok[row]} * {k}",
+    )
     bad = (counts > r_ntok[:, None]).any(axis=1)
     if bad.any():
         row = _first(bad)

@@ -138,6 +138,7 @@ def format_report(trace: Trace) -> str:
             f"{f(s.next_token_reuse[layer], 6)} {f(s.spec_top_k_recall[layer], 8)}"
         )
     lines.append("-" * len(head))
+
     def mean(a: np.ndarray) -> float:
         return float("nan") if np.isnan(a).all() else float(np.nanmean(a))
 

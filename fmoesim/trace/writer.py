@@ -121,6 +121,16 @@ class TraceWriter:
                 f"{iteration} have shape {counts.shape}, manifest says "
                 f"({self._L}, {self._E})"
             )
+        for name, arr, shape in (
+            ("probs", probs, (self._L, self._E)),
+            ("spec_probs", spec_probs, (self._L, self._E)),
+            ("embedding", embedding if self._D else None, (self._D,)),
+        ):
+            if arr is not None and np.shape(arr) != shape:
+                raise FmoesimError(
+                    f"{self.path}: {name} of request {request_id} iteration {iteration} has "
+                    f"shape {np.shape(arr)}, manifest says {shape}"
+                )
         self._buf.append((key[0], key[1], int(num_tokens), embedding, counts, probs, spec_probs))
         if len(self._buf) >= self._row_group:
             self._flush()

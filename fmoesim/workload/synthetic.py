@@ -119,12 +119,12 @@ class SyntheticConfig:
             v = getattr(self, key)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ConfigError(f"{prefix}.{key}", v, "must be a finite number >= 0")
-        if not 0 <= self.topic_share <= 1:
+        if not (isinstance(self.topic_share, (int, float)) and 0 <= self.topic_share <= 1):
             raise ConfigError(f"{prefix}.topic_share", self.topic_share, "must be in [0, 1]")
-        if not 0 <= self.locality < 1:
+        if not (isinstance(self.locality, (int, float)) and 0 <= self.locality < 1):
             raise ConfigError(f"{prefix}.locality", self.locality, "must be in [0, 1)")
-        if not self.temperature > 0:
-            raise ConfigError(f"{prefix}.temperature", self.temperature, "must be > 0")
+        if not (isinstance(self.temperature, (int, float)) and 0 < self.temperature < math.inf):
+            raise ConfigError(f"{prefix}.temperature", self.temperature, "must be finite and > 0")
         if self.arrival_rate_rps is not None and not 0 < self.arrival_rate_rps < math.inf:
             raise ConfigError(
                 f"{prefix}.arrival_rate_rps",
