@@ -94,7 +94,7 @@ def simulate(
     metrics = Metrics(trace.num_layers)
     backend = SimBackend(hardware, ComputeModel.from_specs(model, hardware), cache)
     runner = Runner(trace, model, policy, cache, metrics, serving)
-    n_req = len(runner.batches()) and sum(len(b) for b in runner.batches())
+    n_req = sum(len(b) for b in runner.batches())
     total_iters = int(trace.output_tokens[:n_req].sum())
     bar = None
     if progress:

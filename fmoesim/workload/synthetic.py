@@ -271,7 +271,6 @@ class SyntheticWorkload:
         probs = np.zeros((output, L, E), np.float64)
         spec = np.full((output, L, E), np.nan)
         prev_sel: np.ndarray | None = None  # (T, E) 0/1 experts chosen at layer l-1
-        last_state: np.ndarray | None = None  # (T, E) logits of the last layer
         ntok = np.bincount(it_of_pos, minlength=output).astype(np.float64)  # (O,)
         for layer in range(L):
             eps = rng.standard_normal((T, E))
@@ -304,8 +303,6 @@ class SyntheticWorkload:
                     acc[0] = np.nan  # prefill: nothing precedes layer 0
                 spec[:, layer, :] = acc
             prev_sel = sel
-            last_state = x
-        del last_state
         probs /= ntok[:, None, None]
         # embeddings: request near its topic centroid, tokens around the request
         emb = np.zeros((output, D))
