@@ -124,16 +124,15 @@ class Runner:
             self.on_iteration()
 
     # -- one layer ------------------------------------------------------------------
-    def _gate(self, layer: int, rows: np.ndarray, ntok: np.ndarray) -> GateView:
+    def _gate(self, layer: int, rows: np.ndarray, ntok: np.ndarray, tokens: int) -> GateView:
         tr, pol = self.trace, self.policy
         if len(rows) == 1:
             counts = tr.counts[rows[0], layer]
         else:
             counts = tr.counts[rows, layer].sum(axis=0)
         probs = spec_next = None
-        w = ntok / ntok.sum()
         if pol.uses_probs and tr.probs is not None:
-            probs = w @ tr.probs[rows, layer].astype(np.float32)
+            probs = (ntok / tokens) @ tr.probs[rows, layer].astype(np.float32)
         if (
             pol.uses_spec
             and tr.spec_probs is not None
@@ -142,9 +141,9 @@ class Runner:
         ):
             ok = tr.spec_valid[rows, layer + 1]
             if ok.any():
-                ww = w[ok] / w[ok].sum()
+                ww = ntok[ok] / ntok[ok].sum()
                 spec_next = ww @ tr.spec_probs[rows[ok], layer + 1].astype(np.float32)
-        return GateView(layer, counts, int(ntok.sum()), probs, spec_next)
+        return GateView(layer, counts, tokens, probs, spec_next)
 
     def _admit(self, key: int, reason: str, priority: float) -> Generator[Command, Any, bool]:
         """Reserve room for ``key`` and start its transfer; False if no room."""
@@ -167,7 +166,7 @@ class Runner:
         yield Compute(Op.ATTENTION, layer, tokens, kv_tokens, pairs)
         yield Compute(Op.ROUTER, layer, tokens)
         yield Now()  # sync: the cache must reflect transfers finished by now
-        gate = self._gate(layer, rows, ntok)
+        gate = self._gate(layer, rows, ntok, tokens)
         actions = policy.on_gate(layer, gate)
         for p in actions.prefetch:
             if p.key not in cache.entries:

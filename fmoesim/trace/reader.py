@@ -87,6 +87,11 @@ def _refuse(
         raise TraceError(path, rule, row=row, detail=detail(row) if detail else "")
 
 
+def _after_first(pairwise: np.ndarray) -> np.ndarray:
+    """Align a mask over consecutive pairs (row i-1, row i) to rows: True marks row i."""
+    return np.concatenate([[False], pairwise])
+
+
 def _first(mask: ArrayLike) -> int:
     """Index of the first True in a flat boolean mask."""
     return int(np.flatnonzero(np.asarray(mask).reshape(-1))[0])
@@ -272,20 +277,14 @@ def _validate(
     # requests.parquet
     if len(request_id) == 0:
         raise TraceError(fq, "a trace has at least one request", detail="no rows")
-    bad = np.diff(request_id) <= 0
-    if bad.any():
-        row = _first(bad) + 1
-        raise TraceError(
-            fq,
-            "request_id strictly increasing (sorted, unique)",
-            row=row,
-            detail=f"request_id {request_id[row]} after {request_id[row - 1]}",
-        )
-    for name, col, lo in (("prompt_tokens", prompt_tokens, 1), ("output_tokens", output_tokens, 1)):
-        bad = col < lo
-        if bad.any():
-            row = _first(bad)
-            raise TraceError(fq, f"{name} >= {lo}", row=row, detail=f"{name} = {col[row]}")
+    _refuse(
+        _after_first(np.diff(request_id) <= 0),
+        fq,
+        "request_id strictly increasing (sorted, unique)",
+        lambda row: f"request_id {request_id[row]} after {request_id[row - 1]}",
+    )
+    for name, col in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
+        _refuse(col < 1, fq, f"{name} >= 1", lambda row: f"{name} = {col[row]}")  # noqa: B023 - called at once
     bad = ~np.isnan(arrival_s) & ~(np.isfinite(arrival_s) & (arrival_s >= 0))
     _refuse(
         bad,
@@ -298,28 +297,24 @@ def _validate(
     N = len(iteration)
     if N == 0:
         raise TraceError(fi, "every request has its iterations", detail="no rows")
-    key_bad = (np.diff(it_rid) < 0) | ((np.diff(it_rid) == 0) & (np.diff(iteration) <= 0))
-    if key_bad.any():
-        row = _first(key_bad) + 1
-        raise TraceError(
-            fi,
-            "rows sorted by (request_id, iteration), no duplicates",
-            row=row,
-            detail=f"({it_rid[row]}, {iteration[row]}) after "
-            f"({it_rid[row - 1]}, {iteration[row - 1]})",
-        )
+    _refuse(
+        _after_first((np.diff(it_rid) < 0) | ((np.diff(it_rid) == 0) & (np.diff(iteration) <= 0))),
+        fi,
+        "rows sorted by (request_id, iteration), no duplicates",
+        lambda row: (
+            f"({it_rid[row]}, {iteration[row]}) after ({it_rid[row - 1]}, {iteration[row - 1]})"
+        ),
+    )
     pos = np.searchsorted(request_id, it_rid)
     unknown = (pos >= len(request_id)) | (
         request_id[np.minimum(pos, len(request_id) - 1)] != it_rid
     )
-    if unknown.any():
-        row = _first(unknown)
-        raise TraceError(
-            fi,
-            "request_id appears in requests.parquet",
-            row=row,
-            detail=f"request_id {it_rid[row]} unknown",
-        )
+    _refuse(
+        unknown,
+        fi,
+        "request_id appears in requests.parquet",
+        lambda row: f"request_id {it_rid[row]} unknown",
+    )
     start = np.searchsorted(it_rid, request_id, side="left")
     end = np.searchsorted(it_rid, request_id, side="right")
     expected_iter = np.arange(N) - np.repeat(start, end - start)
@@ -354,15 +349,10 @@ def _validate(
             row=row,
             detail=f"num_tokens = {num_tokens[row]}",
         )
-    bad = num_tokens < 1
-    if bad.any():
-        row = _first(bad)
-        raise TraceError(fi, "num_tokens >= 1", row=row, detail=f"num_tokens = {num_tokens[row]}")
+    _refuse(num_tokens < 1, fi, "num_tokens >= 1", lambda row: f"num_tokens = {num_tokens[row]}")
     if embedding.size:
-        bad = ~np.isfinite(embedding.astype(np.float32)).all(axis=1)
-        if bad.any():
-            row = _first(bad)
-            raise TraceError(fi, "embedding values are finite", row=row)
+        finite = np.isfinite(embedding.astype(np.float32)).all(axis=1)
+        _refuse(~finite, fi, "embedding values are finite")
 
     # routing.parquet: exactly L rows per iteration, in layer order
     if len(r_rid) != N * L:
@@ -395,10 +385,7 @@ def _validate(
         "num_tokens equals the iteration's num_tokens",
         lambda row: f"{r_ntok[row]} != {num_tokens[row // L]}",
     )
-    bad = (counts < 0).any(axis=1)
-    if bad.any():
-        row = _first(bad)
-        raise TraceError(fr, "expert_counts are non-negative", row=row)
+    _refuse((counts < 0).any(axis=1), fr, "expert_counts are non-negative")
     bad = counts.sum(axis=1, dtype=np.int64) != r_ntok.astype(np.int64) * k
     _refuse(
         bad,
@@ -406,18 +393,18 @@ def _validate(
         f"expert_counts sum to num_tokens * top_k (top_k = {k})",
         lambda row: f"sum {counts[row].sum()} != {r_ntok[row]} * {k}",
     )
-    bad = (counts > r_ntok[:, None]).any(axis=1)
-    if bad.any():
-        row = _first(bad)
-        raise TraceError(fr, "no expert gets more tokens than the iteration has", row=row)
+    _refuse(
+        (counts > r_ntok[:, None]).any(axis=1),
+        fr,
+        "no expert gets more tokens than the iteration has",
+    )
 
-    if manifest.has_probs and not probs_valid.all():
-        row = _first(~probs_valid)
-        raise TraceError(
+    if manifest.has_probs:
+        _refuse(
+            ~probs_valid,
             fr,
             "probs present on every row (trace.json says has_probs)",
-            row=row,
-            detail="probs is null",
+            lambda row: "probs is null",
         )
     _check_probs(fr, "probs", probs, probs_valid)
     if manifest.has_spec_probs and not spec_valid.any():
