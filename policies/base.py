@@ -1,15 +1,30 @@
-"""The policy protocol: events in, decisions out.
+"""The policy protocol: events in, decisions out.  (Frozen in issue 3.)
 
-A policy never reads a clock, never sleeps and never touches SimPy or torch, so the
-same object drives the simulator (:mod:`fmoesim.engine`) and the GPU replay
-(:mod:`replay`).  Randomness comes only from the ``np.random.Generator`` handed to
-:meth:`Policy.reset`.
+A policy never reads a clock, never sleeps and never touches SimPy, torch or the
+backend, so the same object drives the simulator (:mod:`fmoesim.engine`) and the GPU
+replay (:mod:`replay`).  Randomness comes only from the ``np.random.Generator`` in the
+:class:`PolicyContext` handed to :meth:`Policy.reset`.
 
 Experts are identified by an integer key ``layer * num_experts + expert``
-(:func:`expert_key`); the cache (:class:`fmoesim.engine.cache.ExpertCache`) does all the
-accounting (bytes, residency, pins, in-flight transfers) and calls the policy's hooks;
-the policy only chooses.  :meth:`Policy.victim` must be free of side effects: it peeks,
-the cache evicts.
+(:func:`expert_key`).  The cache (:class:`fmoesim.engine.cache.ExpertCache`, one per
+GPU) does all the accounting (bytes, residency, pins, in-flight transfers) and calls
+the policy's hooks; the policy only chooses.  :meth:`Policy.victim` must be free of
+side effects: it peeks, the cache evicts.
+
+Order of events the Runner guarantees, per iteration (one forward pass of a batch)::
+
+    on_request_start(r)            for each request entering service (before its prefill)
+    on_iteration_start(batch)
+    for each MoE layer l:
+        on_gate(l, gate)     -> Actions(prefetch=[...], cancel=[...])
+        on_access(key, outcome)   for each expert the batch routes to in layer l,
+                                  in ascending expert order, all classified before any load
+        [on_insert(key) / on_evict(key) / victim(...)]  whenever the cache admits or evicts
+    on_iteration_end(batch)
+    on_request_end(request_id)     for each request that produced its last token
+
+``on_insert`` is called when a transfer is *issued* (the bytes are reserved at once);
+``on_evict`` when an entry leaves the cache, including a cancelled prefetch.
 """
 
 from __future__ import annotations
@@ -27,7 +42,7 @@ if TYPE_CHECKING:
 
 
 class Outcome(IntEnum):
-    """What an expert access found: resident, still in flight, or absent."""
+    """What an expert access found: resident (HIT), still in flight (LATE), or absent (MISS)."""
 
     HIT = 0
     LATE = 1
@@ -45,18 +60,47 @@ def split_key(key: int, num_experts: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class FutureAccesses:
+    """The whole access sequence of a run, known in advance (for oracle policies).
+
+    Global layer step ``s`` (the ``s``-th call of :meth:`Policy.on_gate` in a run, see
+    :attr:`GateView.step`) accesses ``keys[ptr[s]:ptr[s + 1]]`` in ascending order.
+    Only available when the schedule does not depend on timing (static batching).
+    """
+
+    ptr: np.ndarray  # (S + 1,) int64 offsets into keys
+    keys: np.ndarray  # (A,) int64 expert keys
+
+    @property
+    def num_steps(self) -> int:
+        """Number of layer steps in the run."""
+        return len(self.ptr) - 1
+
+
+@dataclass(frozen=True)
 class PolicyContext:
-    """What a policy learns at :meth:`Policy.reset`."""
+    """What a policy learns at :meth:`Policy.reset`.
+
+    ``budget_bytes`` is the expert budget of *each* GPU; with ``num_gpus > 1`` expert
+    ``e`` of every layer lives on GPU ``e % num_gpus`` (round-robin, fMoE §5) and each
+    GPU has its own cache, whose victims are chosen from that GPU's entries only.
+    """
 
     model: ModelSpec
     budget_bytes: int
     expert_size_bytes: int
     rng: np.random.Generator
+    num_gpus: int = 1
+    future: FutureAccesses | None = None  # set only for policies with uses_future = True
 
     @property
     def capacity_experts(self) -> int:
-        """How many whole experts fit in the budget."""
+        """How many whole experts fit in one GPU's budget."""
         return self.budget_bytes // self.expert_size_bytes
+
+    def gpu_of(self, key: int) -> int:
+        """The GPU that holds expert ``key``."""
+        return (key % self.model.num_experts) % self.num_gpus
 
 
 @dataclass(frozen=True)
@@ -71,28 +115,60 @@ class RequestInfo:
 
 @dataclass(frozen=True)
 class BatchInfo:
-    """The requests of one iteration (one forward pass)."""
+    """The requests of one iteration (one forward pass).
 
-    iteration: int  # index of this iteration within the batch's lifetime (0 = prefill)
+    ``iteration`` counts forward passes in the run (0, 1, 2...).  ``request_iterations``
+    gives each request's own iteration index (0 = its prefill); in static batching all
+    are equal, in online (continuous) batching a prefill pass holds only new requests
+    and a decode pass holds requests at different points.
+    """
+
+    iteration: int
     request_ids: tuple[int, ...]
+    request_iterations: tuple[int, ...]
     num_tokens: int
+    prefill: bool
     embeddings: np.ndarray | None = None  # (B, D) per-request iteration embeddings
 
 
-@dataclass(frozen=True)
 class GateView:
-    """The gate output of one layer for the current batch, as revealed by the trace."""
+    """The gate output of one layer for the current batch, as revealed by the trace.
 
-    layer: int
-    counts: np.ndarray  # (E,) tokens routed to each expert
-    num_tokens: int
-    probs: np.ndarray | None = None  # (E,) token-weighted mean gate probability
-    spec_next: np.ndarray | None = None  # (E,) speculative probs of layer+1 (None if unknown)
+    ``counts`` (E,) tokens routed to each expert (summed over the batch: a decode batch
+    needs the union of its requests' experts); ``probs`` (E,) the token-weighted mean
+    gate probability (None unless the policy sets ``uses_probs`` and the trace has
+    them); ``spec_next`` (E,) the speculative probabilities of layer ``layer + 1``
+    computed one layer early (None unless ``uses_spec``, the trace has them and they are
+    valid for every request of the batch); ``step`` is the global layer-step index
+    (see :class:`FutureAccesses`).  Treat every array as read-only.
+    """
+
+    __slots__ = ("layer", "counts", "num_tokens", "probs", "spec_next", "step")
+
+    def __init__(
+        self,
+        layer: int,
+        counts: np.ndarray,
+        num_tokens: int,
+        probs: np.ndarray | None = None,
+        spec_next: np.ndarray | None = None,
+        step: int = 0,
+    ) -> None:
+        self.layer = layer
+        self.counts = counts
+        self.num_tokens = num_tokens
+        self.probs = probs
+        self.spec_next = spec_next
+        self.step = step
 
 
 @dataclass(frozen=True)
 class Prefetch:
-    """Ask the engine to load expert ``key``; lower ``priority`` values go first."""
+    """Ask the engine to load expert ``key``; lower ``priority`` values go first.
+
+    Priorities only order prefetches among themselves: an on-demand load always goes
+    first.  Prefetching a key that is already resident or in flight does nothing.
+    """
 
     key: int
     priority: float = 1.0
@@ -100,7 +176,13 @@ class Prefetch:
 
 @dataclass
 class Actions:
-    """A policy's answer to an event: prefetches to issue and keys whose prefetch to cancel."""
+    """A policy's answer to :meth:`Policy.on_gate`.
+
+    ``prefetch``: loads to issue, in the order given (the cache admits them one by one
+    and may evict for each).  ``cancel``: keys whose prefetch is queued on the link and
+    has not started; a cancelled prefetch frees its reserved bytes and is reported back
+    through :meth:`Policy.on_evict`.  Cancelling anything else does nothing.
+    """
 
     prefetch: Sequence[Prefetch] = field(default_factory=tuple)
     cancel: Sequence[int] = field(default_factory=tuple)
@@ -110,16 +192,23 @@ NO_ACTIONS = Actions()
 
 
 class Policy(ABC):
-    """Base class of every offloading policy.  Subclasses set ``name`` and implement
-    :meth:`victim`; every other hook defaults to doing nothing."""
+    """Base class of every offloading policy.
+
+    Subclasses set ``name`` and implement :meth:`victim`; every other hook defaults to
+    doing nothing.  Class flags tell the Runner what to build (each costs time):
+    ``uses_probs`` / ``uses_spec`` fill :attr:`GateView.probs` / ``spec_next``;
+    ``uses_future`` fills :attr:`PolicyContext.future` (static batching only).
+    """
 
     name: ClassVar[str] = "policy"
-    #: Whether :class:`GateView` must carry ``probs`` / ``spec_next`` (they cost time to build).
     uses_probs: ClassVar[bool] = False
     uses_spec: ClassVar[bool] = False
+    uses_future: ClassVar[bool] = False
+
+    ctx: PolicyContext
 
     def reset(self, ctx: PolicyContext) -> None:
-        """Start a fresh run."""
+        """Start a fresh run: forget everything learned in a previous one."""
         self.ctx = ctx
 
     def on_request_start(self, request: RequestInfo) -> None:
@@ -139,11 +228,19 @@ class Policy(ABC):
         """The cache admitted ``key`` (its transfer was issued)."""
 
     def on_evict(self, key: int) -> None:
-        """The cache evicted ``key``."""
+        """``key`` left the cache (evicted, or its queued prefetch was cancelled)."""
 
     @abstractmethod
-    def victim(self, candidates: Collection[int]) -> int:
-        """Choose which of ``candidates`` (resident, unpinned) to evict; no side effects."""
+    def victim(self, candidates: Collection[int], incoming: int) -> int:
+        """Choose which of ``candidates`` to evict to make room for ``incoming``.
 
-    def on_iteration_end(self, iteration: int) -> None:
+        ``candidates`` holds the resident, unpinned entries of the GPU whose cache
+        needs room (membership tests are O(1); iteration is in admission order).
+        ``incoming`` is the key being admitted.  Must not change any state.
+        """
+
+    def on_iteration_end(self, batch: BatchInfo) -> None:
         """An iteration finished."""
+
+    def on_request_end(self, request_id: int) -> None:
+        """A request produced its last token."""

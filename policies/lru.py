@@ -39,7 +39,7 @@ class LRU(Policy):
         """Drop ``key`` from the recency list."""
         self._order.pop(key, None)
 
-    def victim(self, candidates: Collection[int]) -> int:
+    def victim(self, candidates: Collection[int], incoming: int) -> int:
         """The least recently used of ``candidates``."""
         for key in self._order:
             if key in candidates:

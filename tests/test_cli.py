@@ -62,7 +62,7 @@ def test_run_writes_summary_with_hand_computed_hit_rate(tmp_path):
 
 
 BAD = [
-    (["policy=nope"], "policy=nope: unknown policy; valid: lru"),
+    (["policy=nope"], "policy=nope: unknown policy; valid: "),
     (["model=nope"], "valid: deepseek-v2-lite, mixtral-8x7b"),
     (["hardware=nope"], "valid: a5000-pcie4, a6000-pcie4"),
     (["cache.budgt_gb=3"], "config key 'cache.budgt_gb': unknown key"),

@@ -87,7 +87,7 @@ def test_same_seed_same_results(seq_trace):
 
 def test_batched_decode_needs_union_of_experts(tmp_path):
     # Two identical requests batched: each layer needs one expert, counted once per batch.
-    from fmoesim.engine.runner import ServingConfig
+    from fmoesim.engine.serving import ServingConfig
     from fmoesim.trace import TraceManifest, TraceModel, TraceWriter
 
     man = TraceManifest(

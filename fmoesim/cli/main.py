@@ -143,6 +143,9 @@ def run_config(cfg: Any) -> dict[str, Any]:
         spec.budget_bytes,
         serving=spec.serving,
         seed=spec.seed,
+        timing=spec.engine.timing,
+        preempt=spec.engine.preempt,
+        access_log=spec.output.access_log,
         progress=spec.progress,
     )
     resolved = config_to_dict(cfg)
@@ -206,7 +209,8 @@ def format_summary(row: dict[str, Any]) -> str:
 def write_results(
     spec: RunSpec, row: dict[str, Any], resolved: dict[str, Any], result: Any
 ) -> Path:
-    """Write ``summary.parquet`` (+ ``config.yaml``, ``hit_rate.png``) atomically."""
+    """Write ``summary.parquet``, ``layers.parquet``, ``transfers.parquet`` (+
+    ``accesses.parquet``, ``config.yaml``, ``hit_rate.png``) atomically."""
     import pandas as pd
     import yaml
 
@@ -233,6 +237,10 @@ def write_results(
             }
         )
         pd.DataFrame([full]).to_parquet(tmp / "summary.parquet", index=False)
+        pd.DataFrame(result.metrics.layer_table()).to_parquet(tmp / "layers.parquet", index=False)
+        pd.DataFrame(result.transfer_table()).to_parquet(tmp / "transfers.parquet", index=False)
+        if result.accesses is not None:
+            pd.DataFrame(result.accesses).to_parquet(tmp / "accesses.parquet", index=False)
         (tmp / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
         if spec.output.plot:
             from fmoesim.plots.run import plot_run

@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fmoesim.config.schema import CONF_DIR, OutputConfig, WorkloadConfig
-from fmoesim.engine.runner import ServingConfig
+from fmoesim.config.schema import CONF_DIR, EngineConfig, OutputConfig, WorkloadConfig
+from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import GB, check_budget
 from fmoesim.errors import ConfigError
 from fmoesim.specs.hardware import HardwareSpec
@@ -58,6 +58,7 @@ class RunSpec:
     policy: Policy
     budget_bytes: int
     serving: ServingConfig
+    engine: EngineConfig
     workload: WorkloadConfig
     output: OutputConfig
     seed: int
@@ -75,10 +76,10 @@ def build_run(cfg: DictConfig) -> RunSpec:
     budget_gb = cfg.cache.budget_gb
     check_budget(model, int(budget_gb * GB))
     serving: ServingConfig = OmegaConf.to_object(cfg.serving)  # type: ignore[assignment]
-    if serving.batch_size < 1:
-        raise ConfigError("serving.batch_size", serving.batch_size, "must be >= 1")
-    if serving.max_requests is not None and serving.max_requests < 1:
-        raise ConfigError("serving.max_requests", serving.max_requests, "must be >= 1 or null")
+    serving.validate()
+    engine: EngineConfig = OmegaConf.to_object(cfg.engine)  # type: ignore[assignment]
+    if serving.mode == "online" and not engine.timing:
+        raise ConfigError("engine.timing", False, "hit-rate-only mode needs serving.mode=static")
     workload: WorkloadConfig = OmegaConf.to_object(cfg.workload)  # type: ignore[assignment]
     if workload.kind not in ("trace", "synthetic"):
         raise ConfigError("workload.kind", workload.kind, "must be 'trace' or 'synthetic'")
@@ -101,6 +102,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
         policy,
         int(budget_gb * GB),
         serving,
+        engine,
         workload,
         output,
         int(cfg.seed),

@@ -15,7 +15,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from fmoesim.engine.runner import ServingConfig
+from fmoesim.engine.serving import ServingConfig
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
 from fmoesim.workload.synthetic import SyntheticConfig
@@ -53,13 +53,24 @@ class WorkloadConfig:
 
 
 @dataclass
+class EngineConfig:
+    """The simulator backend: ``timing=False`` is the hit-rate-only mode (no clock, much
+    faster); ``preempt`` lets on-demand loads pause a prefetch at a chunk boundary."""
+
+    timing: bool = True
+    preempt: bool = True
+
+
+@dataclass
 class OutputConfig:
-    """Where a run writes: ``<dir>/<name>/`` (summary.parquet, hit_rate.png, config.yaml)."""
+    """Where a run writes: ``<dir>/<name>/`` (summary.parquet, layers.parquet,
+    transfers.parquet, config.yaml, hit_rate.png; accesses.parquet if ``access_log``)."""
 
     dir: str = "results/runs"
     name: str | None = None
     plot: bool = True
     write: bool = True
+    access_log: bool = False
 
 
 @dataclass
@@ -72,6 +83,7 @@ class RunConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     serving: ServingConfig = field(default_factory=ServingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     seed: int = 0
     progress: bool = True

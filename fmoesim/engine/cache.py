@@ -1,6 +1,6 @@
 """Expert residency and byte accounting, shared by the simulator and the GPU backend.
 
-The cache owns the truth about what is on the GPU: resident entries, in-flight
+The cache owns the truth about what is on one GPU: resident entries, in-flight
 transfers (their bytes are reserved when the transfer is issued), pins (entries in use
 by the current layer) and the peak of bytes used.  The policy only chooses victims via
 :meth:`policies.base.Policy.victim`; eviction itself happens here.
@@ -8,36 +8,71 @@ by the current layer) and the peak of bytes used.  The policy only chooses victi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from typing import Any
 
 from policies.base import Outcome, Policy
 
 
-@dataclass(slots=True)
 class Entry:
     """One cached (or arriving) expert."""
 
-    size_bytes: int
-    resident: bool
-    reason: str
-    pins: int = 0
-    used: bool = False
+    __slots__ = ("size_bytes", "resident", "reason", "pins", "used", "record")
+
+    def __init__(self, size_bytes: int, reason: str) -> None:
+        self.size_bytes = size_bytes
+        self.resident = False
+        self.reason = reason
+        self.pins = 0
+        self.used = False
+        self.record: Any = None  # the backend's transfer record, whose ``used`` flag we set
+
+
+class Evictable:
+    """Read-only view of a cache's resident, unpinned entries (what ``victim`` may pick).
+
+    perf: membership is an O(1) dict lookup and nothing is copied, so asking the policy
+    for a victim costs O(1) for policies that walk their own order (LRU, FIFO...).
+    """
+
+    __slots__ = ("_entries", "_cache")
+
+    def __init__(self, entries: dict[int, Entry], cache: ExpertCache) -> None:
+        self._entries = entries
+        self._cache = cache
+
+    def __contains__(self, key: object) -> bool:
+        e = self._entries.get(key)  # type: ignore[call-overload]
+        return e is not None and e.resident and not e.pins
+
+    def __iter__(self) -> Iterator[int]:
+        return (k for k, e in self._entries.items() if e.resident and not e.pins)
+
+    def __len__(self) -> int:
+        return self._cache.num_evictable
 
 
 class ExpertCache:
-    """Byte-budgeted expert cache.
+    """Byte-budgeted expert cache of one GPU.
 
     Invariants (checked by the contract tests): ``used_bytes <= budget_bytes``;
-    pinned or in-flight entries are never evicted.
+    pinned or in-flight entries are never evicted; ``used_bytes`` equals the sum of the
+    entries' sizes.
     """
 
-    def __init__(self, budget_bytes: int, policy: Policy) -> None:
+    def __init__(self, budget_bytes: int, policy: Policy, gpu: int = 0) -> None:
         self.budget_bytes = int(budget_bytes)
         self.policy = policy
+        self.gpu = gpu
         self.entries: dict[int, Entry] = {}
+        self.evictable = Evictable(self.entries, self)
+        # perf: resident, unpinned entries, kept up to date by complete/pin/unpin/evict so
+        # that admit() knows in O(1) whether eviction can make room.
+        self.num_evictable = 0
         self.used_bytes = 0
         self.peak_bytes = 0
         self.evictions = 0
+        self.cancelled = 0
         self.wasted_bytes = 0  # prefetched bytes evicted before any use
 
     def outcome(self, key: int) -> Outcome:
@@ -55,52 +90,75 @@ class ExpertCache:
     def admit(self, key: int, size_bytes: int, reason: str) -> bool:
         """Reserve ``size_bytes`` for ``key`` about to be transferred, evicting as needed.
 
-        Returns False (and changes nothing but evictions already made) when the
-        resident, unpinned entries cannot free enough room.
+        Returns False when the resident, unpinned entries cannot free enough room (the
+        evictions already made stay made).
         """
         if key in self.entries:
-            raise ValueError(f"expert {key} is already cached or in flight")
+            raise ValueError(f"expert {key} is already cached or in flight on GPU {self.gpu}")
         if size_bytes > self.budget_bytes:
             return False
+        view = self.evictable
         while self.used_bytes + size_bytes > self.budget_bytes:
-            candidates = {k for k, e in self.entries.items() if e.resident and e.pins == 0}
-            if not candidates:
+            if not self.num_evictable:
                 return False
-            victim = self.policy.victim(candidates)
-            if victim not in candidates:
+            victim = self.policy.victim(view, key)
+            if victim not in view:
                 raise RuntimeError(
-                    f"policy {self.policy.name!r} chose victim {victim}, "
+                    f"policy {self.policy.name!r} chose victim {victim} on GPU {self.gpu}, "
                     "which is pinned, in flight or absent"
                 )
             self.evict(victim)
-        self.entries[key] = Entry(size_bytes=size_bytes, resident=False, reason=reason)
+        self.entries[key] = Entry(size_bytes, reason)
         self.used_bytes += size_bytes
-        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        if self.used_bytes > self.peak_bytes:
+            self.peak_bytes = self.used_bytes
         self.policy.on_insert(key)
         return True
 
     def complete(self, key: int) -> None:
         """The transfer of ``key`` finished: it is resident now."""
-        self.entries[key].resident = True
+        e = self.entries[key]
+        e.resident = True
+        if not e.pins:
+            self.num_evictable += 1
 
     def evict(self, key: int) -> None:
         """Remove a resident, unpinned entry and free its bytes."""
         e = self.entries[key]
         if not e.resident or e.pins:
-            raise RuntimeError(f"cannot evict expert {key}: in flight or pinned")
+            raise RuntimeError(f"cannot evict expert {key} on GPU {self.gpu}: in flight or pinned")
         del self.entries[key]
+        self.num_evictable -= 1
         self.used_bytes -= e.size_bytes
         self.evictions += 1
         if not e.used and e.reason == "prefetch":
             self.wasted_bytes += e.size_bytes
         self.policy.on_evict(key)
 
+    def abort(self, key: int) -> None:
+        """Drop an in-flight entry whose transfer was cancelled before it started."""
+        e = self.entries[key]
+        if e.resident or e.pins:
+            raise RuntimeError(f"cannot cancel expert {key} on GPU {self.gpu}: resident or pinned")
+        del self.entries[key]
+        self.used_bytes -= e.size_bytes
+        self.cancelled += 1
+        self.policy.on_evict(key)
+
     def pin(self, key: int) -> None:
         """Mark ``key`` in use (not evictable) and used."""
         e = self.entries[key]
+        if e.resident and not e.pins:
+            self.num_evictable -= 1
         e.pins += 1
-        e.used = True
+        if not e.used:
+            e.used = True
+            if e.record is not None:
+                e.record.used = True
 
     def unpin(self, key: int) -> None:
         """Release one pin of ``key``."""
-        self.entries[key].pins -= 1
+        e = self.entries[key]
+        e.pins -= 1
+        if e.resident and not e.pins:
+            self.num_evictable += 1

@@ -1,26 +1,41 @@
-"""Metrics, one definition for both backends (DESIGN.md "Metrics")."""
+"""Metrics, one definition for both backends (DESIGN.md "Metrics").
+
+- hit rate: HIT / accesses, per layer and overall; LATE (found in flight) and MISS
+  (absent) are counted apart.  An access is one (layer step, expert) the batch needs.
+- stall: per layer, the longest time any GPU's compute waited for an expert; summed.
+- TTFT / TPOT / end-to-end per request (from batch start in static mode, from arrival
+  in online mode); TPOT = (end - first token) / (output tokens - 1).
+- PCIe bytes moved (by reason), bytes wasted (prefetched then evicted unused), unused
+  prefetch bytes (prefetched and never used, including still resident at the end).
+- peak expert memory (per GPU, max over GPUs).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from fmoesim.engine.backend import TransferRecord
+from fmoesim.engine.cache import ExpertCache
 from policies.base import Outcome
 
 
 @dataclass
 class Metrics:
-    """Counters filled by the Runner; :meth:`summary` turns them into one row."""
+    """Counters filled by the Runner; :meth:`summary` turns them into one row.
+
+    perf: the per-access counters are plain Python lists (``acc`` (L, 3),
+    ``stall_layer_s`` (L,)) because incrementing numpy scalars costs several times more.
+    """
 
     num_layers: int
-    accesses: np.ndarray = field(init=False)  # (L, 3) counts of HIT, LATE, MISS
+    acc: list[list[int]] = field(init=False)  # (L, 3) HIT, LATE, MISS
+    stall_layer_s: list[float] = field(init=False)  # (L,)
     stall_s: float = 0.0
-    stall_per_layer_s: np.ndarray = field(init=False)  # (L,)
-    transfers: int = 0
-    pcie_bytes: int = 0
-    pcie_bytes_by_reason: dict[str, int] = field(default_factory=dict)
+    prefetch_dropped: int = 0
     request_start_s: dict[int, float] = field(default_factory=dict)
     request_first_token_s: dict[int, float] = field(default_factory=dict)
     request_end_s: dict[int, float] = field(default_factory=dict)
@@ -29,24 +44,37 @@ class Metrics:
     layer_steps: int = 0
 
     def __post_init__(self) -> None:
-        self.accesses = np.zeros((self.num_layers, 3), dtype=np.int64)
-        self.stall_per_layer_s = np.zeros(self.num_layers)
+        self.acc = [[0, 0, 0] for _ in range(self.num_layers)]
+        self.stall_layer_s = [0.0] * self.num_layers
 
-    def access(self, layer: int, outcome: Outcome) -> None:
-        """Count one expert access."""
-        self.accesses[layer, outcome] += 1
+    @property
+    def accesses(self) -> np.ndarray:
+        """(L, 3) counts of HIT, LATE, MISS per MoE layer."""
+        return np.array(self.acc, dtype=np.int64).reshape(self.num_layers, 3)
 
-    def transfer(self, size_bytes: int, reason: str) -> None:
-        """Count one host-to-device transfer."""
-        self.transfers += 1
-        self.pcie_bytes += size_bytes
-        self.pcie_bytes_by_reason[reason] = self.pcie_bytes_by_reason.get(reason, 0) + size_bytes
+    @property
+    def stall_per_layer_s(self) -> np.ndarray:
+        """(L,) stall seconds per MoE layer."""
+        return np.array(self.stall_layer_s)
 
     def hit_rate_per_layer(self) -> np.ndarray:
         """HIT / accesses per layer (NaN where a layer had no access)."""
-        total = self.accesses.sum(axis=1)
+        a = self.accesses
+        total = a.sum(axis=1)
         with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(total > 0, self.accesses[:, Outcome.HIT] / total, np.nan)
+            return np.where(total > 0, a[:, Outcome.HIT] / total, np.nan)
+
+    def layer_table(self) -> dict[str, np.ndarray]:
+        """Per-layer metrics as columns."""
+        a = self.accesses
+        return {
+            "layer": np.arange(self.num_layers),
+            "hits": a[:, 0],
+            "late": a[:, 1],
+            "misses": a[:, 2],
+            "hit_rate": self.hit_rate_per_layer(),
+            "stall_s": self.stall_per_layer_s,
+        }
 
     def request_table(self) -> dict[str, np.ndarray]:
         """Per-request TTFT, TPOT and end-to-end latency (seconds)."""
@@ -59,7 +87,9 @@ class Metrics:
             tpot = np.where(out > 1, (end - first) / np.maximum(out - 1, 1), np.nan)
         return {"request_id": ids, "ttft_s": first - start, "tpot_s": tpot, "e2e_s": end - start}
 
-    def summary(self) -> dict[str, Any]:
+    def summary(
+        self, transfers: Sequence[TransferRecord] = (), caches: Sequence[ExpertCache] = ()
+    ) -> dict[str, Any]:
         """The metrics of DESIGN.md as one flat row."""
         hits, late, miss = (int(x) for x in self.accesses.sum(axis=0))
         total = hits + late + miss
@@ -71,6 +101,19 @@ class Metrics:
                 return float("nan")
             return float(np.mean(a)) if fn == "mean" else float(np.percentile(a, float(fn[1:])))
 
+        by_reason: dict[str, int] = {"prefetch": 0, "on_demand": 0, "configure": 0}
+        moved = n_moved = cancelled = unused = preempted = escalated = 0
+        for t in transfers:
+            if t.cancelled:
+                cancelled += 1
+                continue
+            n_moved += 1
+            moved += t.size_bytes
+            by_reason[t.reason] = by_reason.get(t.reason, 0) + t.size_bytes
+            if t.reason == "prefetch" and not t.used:
+                unused += t.size_bytes
+            preempted += t.preemptions
+            escalated += t.escalated
         return {
             "accesses": total,
             "hits": hits,
@@ -86,9 +129,21 @@ class Metrics:
             "tpot_p50_s": stat(req["tpot_s"], "p50"),
             "tpot_p99_s": stat(req["tpot_s"], "p99"),
             "e2e_mean_s": stat(req["e2e_s"], "mean"),
+            "e2e_p50_s": stat(req["e2e_s"], "p50"),
             "e2e_p99_s": stat(req["e2e_s"], "p99"),
-            "transfers": self.transfers,
-            "pcie_bytes": self.pcie_bytes,
+            "transfers": n_moved,
+            "pcie_bytes": moved,
+            "prefetch_bytes": by_reason["prefetch"],
+            "on_demand_bytes": by_reason["on_demand"],
+            "configure_bytes": by_reason["configure"],
+            "wasted_bytes": sum(c.wasted_bytes for c in caches),
+            "unused_prefetch_bytes": unused,
+            "cancelled_transfers": cancelled,
+            "preemptions": preempted,
+            "escalations": escalated,
+            "prefetch_dropped": self.prefetch_dropped,
+            "evictions": sum(c.evictions for c in caches),
+            "peak_expert_bytes": max((c.peak_bytes for c in caches), default=0),
             "requests": len(req["request_id"]),
             "iterations": self.iterations,
             "layer_steps": self.layer_steps,

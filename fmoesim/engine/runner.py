@@ -1,223 +1,421 @@
 """The Runner: the serving loop, written once for both backends.
 
-It is a generator that yields backend commands (:mod:`fmoesim.engine.commands`) and
-receives their answers.  It owns batching, prefill and decode iterations, the layer
-loop, revealing each gate from the trace, asking the policy, classifying accesses,
-admitting experts into the cache, and the metrics.  A backend only executes.
+It owns scheduling (static batches or online arrivals), prefill and decode iterations,
+the layer loop, revealing each gate from the trace, asking the policy, classifying
+accesses, admitting experts into the per-GPU caches and the metrics.  A backend
+(:class:`fmoesim.engine.backend.Backend`) only executes and keeps time.
+
+One MoE layer, in order: attention + router; sync (finished transfers become
+resident); ``policy.on_gate`` and its cancellations and prefetches; every routed
+expert classified HIT / LATE / MISS (``policy.on_access``) and pinned; LATE transfers
+escalated to on-demand priority; MISSes admitted and loaded on demand (jumping the
+link's queue); shared experts; then on each GPU, resident experts compute while the
+missing ones load, and the layer ends when the slowest GPU is done.
+
+When an on-demand load finds no room because the budget is held by prefetches still in
+flight, the Runner cancels the queued, never-started ones (least urgent first) and
+otherwise waits for one to land; a real server must do the same to make room.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from fmoesim.engine.backend import ON_DEMAND, Backend
 from fmoesim.engine.cache import ExpertCache
-from fmoesim.engine.commands import ON_DEMAND, Compute, Now, Op, Transfer, WaitAny
 from fmoesim.engine.metrics import Metrics
+from fmoesim.engine.serving import ServingConfig, static_batches
 from fmoesim.specs.model import ModelSpec
 from fmoesim.trace.reader import Trace
-from policies.base import BatchInfo, GateView, Outcome, Policy, RequestInfo
+from policies.base import NO_ACTIONS, Actions, BatchInfo, GateView, Outcome, Policy, RequestInfo
 
-Command = Compute | Transfer | WaitAny | Now
-
-
-@dataclass
-class ServingConfig:
-    """How requests are served.
-
-    ``batch_size`` requests are grouped in request order into static batches; a batch
-    runs its prefill, then decode iterations until its longest request finishes (a
-    finished request leaves the batch).  Batches run back to back from time 0 (the
-    trace's arrival times are used by the online mode of the engine issue).
-    """
-
-    batch_size: int = 1
-    max_requests: int | None = None
+_HIT, _LATE, _MISS = Outcome.HIT, Outcome.LATE, Outcome.MISS
 
 
 class Runner:
-    """Serve ``trace`` with ``policy`` on a cache; see the module docstring."""
+    """Serve ``trace`` with ``policy``; see the module docstring."""
 
     def __init__(
         self,
         trace: Trace,
         model: ModelSpec,
         policy: Policy,
-        cache: ExpertCache,
+        caches: list[ExpertCache],
+        backend: Backend,
         metrics: Metrics,
         serving: ServingConfig,
+        arrival_s: np.ndarray | None = None,
+        access_log: bool = False,
         on_iteration: Callable[[], None] | None = None,
     ) -> None:
-        self.trace, self.model, self.policy, self.cache = trace, model, policy, cache
-        self.metrics, self.serving = metrics, serving
-        self.expert_bytes = model.expert_size_bytes
-        self.E = trace.num_experts
+        self.trace, self.model, self.policy = trace, model, policy
+        self.caches, self.backend, self.metrics, self.serving = caches, backend, metrics, serving
+        self.arrival_s = arrival_s
         self.on_iteration = on_iteration
+        self.expert_bytes = model.expert_size_bytes
+        self.L, self.E, self.N = trace.num_layers, trace.num_experts, len(caches)
+        self.step = 0  # global layer step (GateView.step)
+        self.iteration = 0  # forward passes so far
+        cls = type(policy)
+        # perf: hooks a policy does not override are not called in the per-layer loop.
+        self._has_gate = cls.on_gate is not Policy.on_gate
+        self._has_access = cls.on_access is not Policy.on_access
+        self._want_probs = policy.uses_probs and trace.probs is not None
+        self._want_spec = policy.uses_spec and trace.spec_probs is not None
+        # python copies of per-request / per-row columns: scalar reads from lists are
+        # several times cheaper than from numpy arrays in the loop.
+        self._iter_start = trace.iter_start.tolist()
+        self._num_tokens = trace.num_tokens.tolist()
+        self._prompt = trace.prompt_tokens.tolist()
+        self._output = trace.output_tokens.tolist()
+        self._rid = trace.request_id.tolist()
+        # perf: the routed experts of every (row, layer), flattened once, so a batch of
+        # one request reads its iteration's routing with three slices.
+        flat = trace.counts.reshape(-1, self.E)  # (rows * L, E)
+        nz_row, self._nz_expert = np.nonzero(flat)  # (A,), (A,) row-major
+        self._nz_tokens = flat[nz_row, self._nz_expert]  # (A,)
+        self._nz_off = np.zeros(len(flat) + 1, dtype=np.int64)  # (rows * L + 1,)
+        np.cumsum(np.bincount(nz_row, minlength=len(flat)), out=self._nz_off[1:])
+        self.log: dict[str, list[Any]] | None = None
+        if access_log:
+            self.log = {
+                k: [] for k in ("step", "iteration", "layer", "expert", "gpu", "outcome", "time_s")
+            }
 
-    def batches(self) -> list[list[int]]:
-        """Request positions grouped into static batches."""
+    def num_served(self) -> int:
+        """How many requests of the trace this run serves."""
         n = self.trace.num_requests
-        if self.serving.max_requests is not None:
-            n = min(n, self.serving.max_requests)
-        b = self.serving.batch_size
-        return [list(range(i, min(i + b, n))) for i in range(0, n, b)]
+        mr = self.serving.max_requests
+        return n if mr is None else min(n, mr)
 
-    def run(self) -> Generator[Command, Any, None]:
+    def run(self) -> None:
         """The whole serving loop."""
-        for batch in self.batches():
-            yield from self._serve_batch(batch)
+        if self.serving.mode == "online":
+            self._run_online()
+        else:
+            self._run_static()
 
-    # -- one batch ------------------------------------------------------------------
-    def _serve_batch(self, batch: list[int]) -> Generator[Command, Any, None]:
-        tr, m = self.trace, self.metrics
-        start = yield Now()
-        for r in batch:
-            rid = int(tr.request_id[r])
-            m.request_start_s[rid] = start
-            m.request_output_tokens[rid] = int(tr.output_tokens[r])
-            first = int(tr.iter_start[r])
-            emb = tr.embedding[first] if tr.embedding.shape[1] else None
-            self.policy.on_request_start(
-                RequestInfo(rid, int(tr.prompt_tokens[r]), int(tr.output_tokens[r]), emb)
-            )
-        longest = max(int(tr.output_tokens[r]) for r in batch)
-        for j in range(longest):
-            active = [r for r in batch if tr.output_tokens[r] > j]
-            rows = np.array([tr.iter_start[r] + j for r in active], dtype=np.int64)  # (B,)
-            yield from self._iteration(j, active, rows)
-            now = yield Now()
-            for r in active:
-                rid = int(tr.request_id[r])
-                if j == 0:
-                    m.request_first_token_s[rid] = now
-                if j == tr.output_tokens[r] - 1:
-                    m.request_end_s[rid] = now
+    # -- scheduling -------------------------------------------------------------------
+    def _start_request(self, r: int, start_s: float) -> None:
+        tr = self.trace
+        rid = self._rid[r]
+        self.metrics.request_start_s[rid] = start_s
+        self.metrics.request_output_tokens[rid] = self._output[r]
+        emb = tr.embedding[self._iter_start[r]] if tr.embedding.shape[1] else None
+        self.policy.on_request_start(RequestInfo(rid, self._prompt[r], self._output[r], emb))
 
-    def _iteration(
-        self, j: int, active: list[int], rows: np.ndarray
-    ) -> Generator[Command, Any, None]:
-        tr, model = self.trace, self.model
-        ntok = tr.num_tokens[rows]  # (B,)
-        tokens = int(ntok.sum())
-        prompt = tr.prompt_tokens[active].astype(np.int64)
-        if j == 0:  # prefill: causal attention over the prompt
-            kv_tokens, pairs = 0, int((prompt * (prompt + 1) // 2).sum())
-        else:  # decode: one new token attends over prompt + j - 1 cached tokens and itself
-            ctx = prompt + j
-            kv_tokens, pairs = int((ctx - 1).sum()), int(ctx.sum())
-        emb = tr.embedding[rows] if tr.embedding.shape[1] else None
-        self.policy.on_iteration_start(
-            BatchInfo(j, tuple(int(tr.request_id[r]) for r in active), tokens, emb)
+    def _finish_request(self, r: int, now: float) -> None:
+        rid = self._rid[r]
+        self.metrics.request_end_s[rid] = now
+        self.policy.on_request_end(rid)
+
+    def _run_static(self) -> None:
+        be, out = self.backend, self._output
+        for batch in static_batches(self.num_served(), self.serving.batch_size):
+            start = be.now()
+            for r in batch:
+                self._start_request(r, start)
+            for j in range(max(out[r] for r in batch)):
+                active = [r for r in batch if out[r] > j]
+                self._iteration(active, [j] * len(active), j == 0)
+                now = be.now()
+                for r in active:
+                    if j == 0:
+                        self.metrics.request_first_token_s[self._rid[r]] = now
+                    if j == out[r] - 1:
+                        self._finish_request(r, now)
+
+    def _run_online(self) -> None:
+        be, out, m = self.backend, self._output, self.metrics
+        assert self.arrival_s is not None, "online mode needs arrival times"
+        arrival = self.arrival_s.tolist()
+        queue = deque(sorted(range(self.num_served()), key=lambda r: (arrival[r], r)))
+        running: list[int] = []
+        next_j: dict[int, int] = {}
+        max_b = self.serving.max_batch_size
+        while queue or running:
+            now = be.now()
+            if not running and arrival[queue[0]] > now:
+                be.idle_until(arrival[queue[0]])
+                now = be.now()
+            new: list[int] = []
+            while queue and len(running) + len(new) < max_b and arrival[queue[0]] <= now:
+                new.append(queue.popleft())
+            if new:
+                for r in new:
+                    self._start_request(r, arrival[r])
+                self._iteration(new, [0] * len(new), True)
+                now = be.now()
+                for r in new:
+                    m.request_first_token_s[self._rid[r]] = now
+                    if out[r] == 1:
+                        self._finish_request(r, now)
+                    else:
+                        running.append(r)
+                        next_j[r] = 1
+                continue
+            self._iteration(running, [next_j[r] for r in running], False)
+            now = be.now()
+            still = []
+            for r in running:
+                j = next_j[r]
+                if j == out[r] - 1:
+                    self._finish_request(r, now)
+                    del next_j[r]
+                else:
+                    next_j[r] = j + 1
+                    still.append(r)
+            running = still
+
+    # -- one iteration ----------------------------------------------------------------
+    def _iteration(self, reqs: list[int], js: list[int], prefill: bool) -> None:
+        tr, be, policy = self.trace, self.backend, self.policy
+        rows = [self._iter_start[r] + j for r, j in zip(reqs, js, strict=True)]
+        ntok = [self._num_tokens[row] for row in rows]
+        tokens = sum(ntok)
+        kv_tokens = pairs = 0
+        for r, j in zip(reqs, js, strict=True):
+            p = self._prompt[r]
+            if j == 0:  # prefill: causal attention over the prompt
+                pairs += p * (p + 1) // 2
+            else:  # decode: one new token attends over p + j - 1 cached tokens and itself
+                kv_tokens += p + j - 1
+                pairs += p + j
+        batch = BatchInfo(
+            self.iteration,
+            tuple(self._rid[r] for r in reqs),
+            tuple(js),
+            tokens,
+            prefill,
+            tr.embedding[rows] if tr.embedding.shape[1] else None,
         )
-        for layer in range(model.dense_layers):
-            yield Compute(Op.ATTENTION, -1 - layer, tokens, kv_tokens, pairs)
-            yield Compute(Op.DENSE_MLP, -1 - layer, tokens)
-        for layer in range(tr.num_layers):
-            yield from self._layer(layer, rows, ntok, tokens, kv_tokens, pairs)
-        yield Compute(Op.LM_HEAD, tokens=len(active))
+        policy.on_iteration_start(batch)
+        for d in range(self.model.dense_layers):
+            be.dense_layer(d, tokens, kv_tokens, pairs)
+        # The routing of the whole iteration at once: per layer, the experts the batch
+        # needs (union over requests) and their token counts.
+        if len(rows) == 1:
+            row = rows[0]
+            counts = tr.counts[row]  # (L, E)
+            lo, hi = row * self.L, (row + 1) * self.L
+            a, b = self._nz_off[lo], self._nz_off[hi]
+            experts = self._nz_expert[a:b].tolist()
+            expert_tokens = self._nz_tokens[a:b].tolist()
+            offsets = (self._nz_off[lo : hi + 1] - a).tolist()  # (L + 1,)
+        else:
+            counts = tr.counts[rows].sum(axis=0, dtype=np.int64)  # (L, E)
+            mask = counts > 0  # (L, E)
+            experts = np.nonzero(mask)[1].tolist()  # layer-major
+            expert_tokens = counts[mask].tolist()
+            offsets = [0, *np.cumsum(mask.sum(axis=1)).tolist()]  # (L + 1,)
+        weights = probs = spec = spec_ok = None
+        if self._want_probs or self._want_spec:
+            weights = np.asarray(ntok, dtype=np.float32) / tokens  # (B,)
+        if self._want_probs:
+            assert tr.probs is not None and weights is not None
+            probs = np.einsum("b,ble->le", weights, tr.probs[rows].astype(np.float32))  # (L, E)
+        if self._want_spec:
+            assert tr.spec_probs is not None and tr.spec_valid is not None
+            spec_ok = tr.spec_valid[rows].all(axis=0)  # (L,)
+            spec = np.einsum("b,ble->le", weights, tr.spec_probs[rows].astype(np.float32))
+        for layer in range(self.L):
+            view = None
+            if self._has_gate:
+                spec_next = None
+                if spec is not None and layer + 1 < self.L and spec_ok[layer + 1]:  # type: ignore[index]
+                    spec_next = spec[layer + 1]
+                view = GateView(
+                    layer,
+                    counts[layer],
+                    tokens,
+                    None if probs is None else probs[layer],
+                    spec_next,
+                    self.step,
+                )
+            o0, o1 = offsets[layer], offsets[layer + 1]
+            self._layer(layer, experts[o0:o1], expert_tokens[o0:o1], tokens, kv_tokens, pairs, view)
+        be.lm_head(len(reqs))
         self.metrics.iterations += 1
-        self.policy.on_iteration_end(j)
+        policy.on_iteration_end(batch)
+        self.iteration += 1
         if self.on_iteration is not None:
             self.on_iteration()
 
-    # -- one layer ------------------------------------------------------------------
-    def _gate(self, layer: int, rows: np.ndarray, ntok: np.ndarray, tokens: int) -> GateView:
-        tr, pol = self.trace, self.policy
-        if len(rows) == 1:
-            counts = tr.counts[rows[0], layer]
-        else:
-            counts = tr.counts[rows, layer].sum(axis=0)
-        probs = spec_next = None
-        if pol.uses_probs and tr.probs is not None:
-            probs = (ntok / tokens) @ tr.probs[rows, layer].astype(np.float32)
-        if (
-            pol.uses_spec
-            and tr.spec_probs is not None
-            and tr.spec_valid is not None
-            and layer + 1 < tr.num_layers
-        ):
-            ok = tr.spec_valid[rows, layer + 1]
-            if ok.any():
-                ww = ntok[ok] / ntok[ok].sum()
-                spec_next = ww @ tr.spec_probs[rows[ok], layer + 1].astype(np.float32)
-        return GateView(layer, counts, tokens, probs, spec_next)
-
-    def _admit(self, key: int, reason: str, priority: float) -> Generator[Command, Any, bool]:
-        """Reserve room for ``key`` and start its transfer; False if no room."""
-        if not self.cache.admit(key, self.expert_bytes, reason):
-            return False
-        self.metrics.transfer(self.expert_bytes, reason)
-        yield Transfer(key, self.expert_bytes, priority, reason)
-        return True
+    # -- one layer --------------------------------------------------------------------
+    def apply(self, actions: Actions) -> None:
+        """Carry out a policy's cancellations, then its prefetches, in order."""
+        be, caches, m, N, size = self.backend, self.caches, self.metrics, self.N, self.expert_bytes
+        E, n_keys = self.E, self.L * self.E
+        for key in actions.cancel:
+            g = (key % E) % N
+            cache = caches[g]
+            ent = cache.entries.get(key)
+            if ent is not None and not ent.resident and be.cancel(g, key):
+                cache.abort(key)
+        for p in actions.prefetch:
+            key = p.key
+            if not 0 <= key < n_keys:
+                raise ValueError(
+                    f"policy {self.policy.name!r} prefetched key {key}, outside [0, {n_keys})"
+                )
+            g = (key % E) % N
+            cache = caches[g]
+            if key in cache.entries:
+                continue
+            if cache.admit(key, size, "prefetch"):
+                cache.entries[key].record = be.submit(g, key, size, p.priority, "prefetch")
+            else:
+                m.prefetch_dropped += 1
 
     def _layer(
         self,
         layer: int,
-        rows: np.ndarray,
-        ntok: np.ndarray,
+        experts: list[int],
+        expert_tokens: list[int],
         tokens: int,
         kv_tokens: int,
         pairs: int,
-    ) -> Generator[Command, Any, None]:
-        cache, policy, metrics, E = self.cache, self.policy, self.metrics, self.E
-        yield Compute(Op.ATTENTION, layer, tokens, kv_tokens, pairs)
-        yield Compute(Op.ROUTER, layer, tokens)
-        yield Now()  # sync: the cache must reflect transfers finished by now
-        gate = self._gate(layer, rows, ntok, tokens)
-        actions = policy.on_gate(layer, gate)
-        for p in actions.prefetch:
-            if p.key not in cache.entries:
-                yield from self._admit(p.key, "prefetch", p.priority)
-        metrics.layer_steps += 1
-        counts = gate.counts
-        ready: list[int] = []
-        pending: list[int] = []
-        missing: list[int] = []
-        base = layer * E
-        for e in np.flatnonzero(counts).tolist():
+        view: GateView | None,
+    ) -> None:
+        be, caches, policy, m = self.backend, self.caches, self.policy, self.metrics
+        N, size = self.N, self.expert_bytes
+        be.pre_gate(layer, tokens, kv_tokens, pairs)  # attention + router, then sync
+        step = self.step
+        self.step = step + 1
+        if view is not None:
+            actions = policy.on_gate(layer, view)
+            if actions is not NO_ACTIONS:
+                self.apply(actions)
+        m.layer_steps += 1
+        acc = m.acc[layer]
+        base = layer * self.E
+        log = self.log
+        has_access = self._has_access
+        # (gpu, key, tokens) of the experts needed, by what the access found
+        ready: list[tuple[int, int, int]] = []
+        pending: list[tuple[int, int, int]] = []
+        missing: list[tuple[int, int, int]] = []
+        cache = caches[0]
+        g = 0
+        for e, tok in zip(experts, expert_tokens, strict=True):
             key = base + e
-            outcome = cache.outcome(key)
-            metrics.access(layer, outcome)
-            policy.on_access(key, outcome)
-            if outcome is Outcome.MISS:
-                missing.append(key)
+            if N > 1:
+                g = e % N
+                cache = caches[g]
+            ent = cache.entries.get(key)
+            if ent is None:
+                outcome = _MISS
+                missing.append((g, key, tok))
             else:
                 cache.pin(key)
-                (ready if outcome is Outcome.HIT else pending).append(key)
-        deferred: list[int] = []
-        for key in missing:  # on-demand loads jump the link's queue
-            if (yield from self._admit(key, "on_demand", ON_DEMAND)):
+                if ent.resident:
+                    outcome = _HIT
+                    ready.append((g, key, tok))
+                else:
+                    outcome = _LATE
+                    pending.append((g, key, tok))
+                    be.escalate(g, key)  # an in-flight prefetch needed now jumps the queue
+            acc[outcome] += 1
+            if has_access:
+                policy.on_access(key, outcome)
+            if log is not None:
+                for col, v in zip(
+                    ("step", "iteration", "layer", "expert", "gpu", "outcome", "time_s"),
+                    (step, self.iteration, layer, e, g, int(outcome), be.now()),
+                    strict=True,
+                ):
+                    log[col].append(v)
+        deferred: list[tuple[int, int, int]] = []
+        for g, key, tok in missing:  # on-demand loads jump the link's queue
+            cache = caches[g]
+            if cache.admit(key, size, "on_demand"):
+                cache.entries[key].record = be.submit(g, key, size, ON_DEMAND, "on_demand")
                 cache.pin(key)
-                pending.append(key)
+                pending.append((g, key, tok))
             else:
-                deferred.append(key)
-        if self.model.num_shared_experts:
-            yield Compute(Op.SHARED, layer, tokens)
-        for key in ready:  # experts already here compute while the others load
-            yield Compute(Op.EXPERT, layer, int(counts[key - base]), key=key)
-            cache.unpin(key)
+                deferred.append((g, key, tok))
+        be.begin_experts(layer, tokens)  # shared experts, then each GPU's expert phase
+        if N == 1:
+            self._experts_on(0, ready, pending, deferred, layer)
+        else:
+            for g in range(N):
+                self._experts_on(
+                    g,
+                    [x for x in ready if x[0] == g],
+                    [x for x in pending if x[0] == g],
+                    [x for x in deferred if x[0] == g],
+                    layer,
+                )
+        stall = be.end_experts()
+        if stall:
+            m.stall_s += stall
+            m.stall_layer_s[layer] += stall
+
+    def _reclaim(self, g: int) -> bool:
+        """An on-demand load finds GPU ``g``'s budget held by unused prefetches in
+        flight: cancel the queued, never-started ones (least urgent first); if none can
+        be cancelled, wait for one to land (it then becomes evictable).  False when
+        nothing is in flight."""
+        cache, be = self.caches[g], self.backend
+        inflight = [
+            (e.record.priority, -e.record.submit_s, k)
+            for k, e in cache.entries.items()
+            if not e.resident and not e.pins and e.record is not None
+        ]
+        if not inflight:
+            return False
+        freed = False
+        for _, _, key in sorted(inflight, reverse=True):
+            if be.cancel(g, key):
+                cache.abort(key)
+                freed = True
+        if not freed:
+            be.wait_any(g, [k for _, _, k in inflight])
+        return True
+
+    def _experts_on(
+        self,
+        g: int,
+        ready: list[tuple[int, int, int]],
+        pending: list[tuple[int, int, int]],
+        deferred: list[tuple[int, int, int]],
+        layer: int,
+    ) -> None:
+        """GPU ``g``'s expert phase: resident experts compute while the others load."""
+        be, cache, size = self.backend, self.caches[g], self.expert_bytes
+        if ready:
+            be.experts(g, [x[2] for x in ready])
+            for x in ready:
+                cache.unpin(x[1])
         while pending or deferred:
             if deferred:  # room may have been freed by experts computed since
                 still = []
-                for key in deferred:
-                    if (yield from self._admit(key, "on_demand", ON_DEMAND)):
+                for x in deferred:
+                    key = x[1]
+                    if cache.admit(key, size, "on_demand"):
+                        cache.entries[key].record = be.submit(g, key, size, ON_DEMAND, "on_demand")
                         cache.pin(key)
-                        pending.append(key)
+                        pending.append(x)
                     else:
-                        still.append(key)
+                        still.append(x)
                 deferred = still
             if not pending:
+                if self._reclaim(g):
+                    continue
                 raise RuntimeError(
-                    f"layer {layer}: the expert budget cannot hold the experts this layer needs"
+                    f"layer {layer}: GPU {g}'s expert budget cannot hold the experts "
+                    "this layer needs"
                 )
-            t0 = yield Now()
-            key = yield WaitAny(tuple(pending))
-            t1 = yield Now()
-            metrics.stall_s += t1 - t0
-            metrics.stall_per_layer_s[layer] += t1 - t0
-            pending.remove(key)
-            yield Compute(Op.EXPERT, layer, int(counts[key - base]), key=key)
-            cache.unpin(key)
+            if len(pending) == 1:
+                x = pending.pop()
+                be.wait_any(g, (x[1],))
+            else:
+                key = be.wait_any(g, [x[1] for x in pending])
+                i = next(i for i, x in enumerate(pending) if x[1] == key)
+                x = pending.pop(i)
+            be.expert(g, x[1], x[2])
+            cache.unpin(x[1])

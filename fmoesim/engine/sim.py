@@ -1,152 +1,434 @@
-"""The simulator backend: a SimPy clock, a PCIe link model and the compute model."""
+"""The simulator backends: a modelled clock over a PCIe link model and the compute model.
+
+Why no general event loop: the GPU runs one operator at a time in program order, so
+compute time is a running sum, and each GPU's host-to-device link is a single server
+whose schedule depends only on what was submitted to it.  Each link therefore keeps
+its own event state (current transfer, its end time, a priority queue) and is
+*advanced lazily* to the times the Runner looks at it: when it syncs before a gate,
+submits, or waits for an expert.  This is the event-queue semantics of a SimPy model
+(events ordered by (time, priority, sequence)) without paying for a scheduler object
+per transfer; ``tests/test_engine_timing.py`` checks it against closed forms.
+
+- :class:`SimLink` — one host-to-device link: bandwidth, fixed cost per transfer,
+  chunked transfers, priority queue, on-demand preemption, cancellation.
+- :class:`SimBackend` — the timed backend.
+- :class:`InstantBackend` — the hit-rate-only backend: no clock; a transfer issued
+  during a layer step is resident from the next step.
+"""
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Generator
-from dataclasses import dataclass
-from typing import Any
+import math
+from collections.abc import Callable, Sequence
 
-import simpy
-
+from fmoesim.engine.backend import ON_DEMAND, Backend, TransferRecord
 from fmoesim.engine.cache import ExpertCache
-from fmoesim.engine.commands import Compute, Now, Op, Transfer, WaitAny
 from fmoesim.engine.compute import ComputeModel
 from fmoesim.specs.hardware import HardwareSpec
 
+INF = float("inf")
+_QUEUED, _RUNNING, _DONE, _CANCELLED = range(4)
 
-@dataclass(frozen=True, slots=True)
-class TransferRecord:
-    """One finished host-to-device transfer."""
 
-    key: int
-    size_bytes: int
-    reason: str
-    start_s: float
-    end_s: float
+class _Job:
+    """A transfer on a link: what is left of it and where it stands."""
+
+    __slots__ = ("key", "size_bytes", "remaining_bytes", "priority", "seq", "record", "state")
+
+    def __init__(self, record: TransferRecord, seq: int) -> None:
+        self.key = record.key
+        self.size_bytes = record.size_bytes
+        self.remaining_bytes = record.size_bytes
+        self.priority = record.priority
+        self.seq = seq
+        self.record = record
+        self.state = _QUEUED
 
 
 class SimLink:
-    """One host-to-device link: transfers run one at a time, lowest priority value first.
+    """One host-to-device link (one per GPU).
 
-    Each transfer takes ``transfer_overhead_s + size / pcie_bytes_per_s``.  Ties in
-    priority break by submission order (a sequence number), so runs are reproducible.
+    Model: transfers are served one at a time, lowest ``priority`` value first, ties by
+    submission order.  A transfer costs ``overhead_s`` once (when it first starts) plus
+    ``size / bytes_per_s``.  It moves in chunks of ``chunk_bytes``; when an on-demand
+    load arrives while a prefetch is moving and ``preempt`` is on, the prefetch pauses
+    at its next chunk boundary (at the end of its fixed cost if it has not moved data
+    yet), the on-demand loads run, and the prefetch resumes later without paying the
+    fixed cost again (fMoE §4.5).  Only a queued transfer that has never started can
+    be cancelled (MoE-Infinity §5.1).
     """
 
     def __init__(
-        self, env: simpy.Environment, hw: HardwareSpec, on_done: Callable[[int], None]
+        self,
+        bytes_per_s: float,
+        overhead_s: float,
+        chunk_bytes: int,
+        preempt: bool,
+        on_done: Callable[[int], None],
     ) -> None:
-        self.env, self.hw, self.on_done = env, hw, on_done
-        self._queue: list[tuple[float, int, Transfer]] = []
+        self.bytes_per_s = bytes_per_s
+        self.overhead_s = overhead_s
+        self.chunk_bytes = chunk_bytes
+        self.preempt = preempt
+        self.on_done = on_done
+        self._heap: list[tuple[float, int, _Job]] = []
+        self._jobs: dict[int, _Job] = {}  # key -> queued or running job
         self._seq = 0
-        self.busy = False
-        self.log: list[TransferRecord] = []
+        self.cur: _Job | None = None
+        self.cur_end_s = INF  # when the current job finishes or reaches its pause point
+        self._pausing = False
+        self._pause_left_bytes = 0
+        self._data_start_s = 0.0  # when the current run of the job starts moving bytes
+        self._done_at_start = 0  # bytes of the job already moved when this run started
+        self.busy_s = 0.0
 
-    def submit(self, t: Transfer) -> None:
-        """Queue a transfer; start serving if the link is idle."""
-        heapq.heappush(self._queue, (t.priority, self._seq, t))
+    # -- the event loop ---------------------------------------------------------------
+    def advance(self, t_s: float) -> None:
+        """Process every link event at or before ``t_s``."""
+        while self.cur is not None and self.cur_end_s <= t_s:
+            self._end_current()
+
+    def _end_current(self) -> None:
+        job = self.cur
+        assert job is not None
+        t = self.cur_end_s
+        if self._pausing:
+            job.remaining_bytes = self._pause_left_bytes
+            job.state = _QUEUED
+            job.record.preemptions += 1
+            heapq.heappush(self._heap, (job.priority, job.seq, job))
+        else:
+            job.state = _DONE
+            job.remaining_bytes = 0
+            job.record.end_s = t
+            del self._jobs[job.key]
+            self.on_done(job.key)
+        self._start_next(t)
+
+    def _start_next(self, t_s: float) -> None:
+        heap = self._heap
+        while heap:
+            prio, _, job = heapq.heappop(heap)
+            if job.state != _QUEUED or prio != job.priority:
+                continue  # stale entry: cancelled, or re-pushed with a higher priority
+            self._start(job, t_s)
+            return
+        self.cur = None
+        self.cur_end_s = INF
+
+    def _start(self, job: _Job, t_s: float) -> None:
+        job.state = _RUNNING
+        rec = job.record
+        overhead = 0.0
+        if rec.start_s != rec.start_s:  # NaN: the first start pays the fixed cost
+            rec.start_s = t_s
+            overhead = self.overhead_s
+        self.cur = job
+        self._pausing = False
+        self._data_start_s = t_s + overhead
+        self._done_at_start = job.size_bytes - job.remaining_bytes
+        self.cur_end_s = self._data_start_s + job.remaining_bytes / self.bytes_per_s
+        self.busy_s += self.cur_end_s - t_s
+
+    def _pause_current(self, t_s: float) -> None:
+        """Pause the running prefetch at its next chunk boundary after ``t_s``."""
+        job = self.cur
+        if job is None or self._pausing or job.priority == ON_DEMAND or not self.preempt:
+            return
+        chunk = self.chunk_bytes
+        if chunk >= job.size_bytes:
+            return  # one chunk: nothing to pause between
+        moved = self._done_at_start + max(0.0, t_s - self._data_start_s) * self.bytes_per_s
+        boundary = min(job.size_bytes, math.ceil(moved / chunk) * chunk)
+        if boundary >= job.size_bytes:
+            return
+        end = self._data_start_s + (boundary - self._done_at_start) / self.bytes_per_s
+        self.busy_s -= self.cur_end_s - end
+        self.cur_end_s = end
+        self._pausing = True
+        self._pause_left_bytes = job.size_bytes - boundary
+
+    # -- the Runner's requests --------------------------------------------------------
+    def submit(self, record: TransferRecord, t_s: float) -> None:
+        """Queue ``record``'s transfer at ``t_s`` (the link must be advanced to ``t_s``)."""
+        job = _Job(record, self._seq)
         self._seq += 1
-        if not self.busy:
-            self.busy = True
-            self.env.process(self._serve())
+        self._jobs[job.key] = job
+        if self.cur is None and not self._heap:  # perf: an idle link starts it directly
+            self._start(job, t_s)
+            return
+        heapq.heappush(self._heap, (job.priority, job.seq, job))
+        if self.cur is None:
+            self._start_next(t_s)
+        elif job.priority == ON_DEMAND:
+            self._pause_current(t_s)
 
-    def _serve(self) -> Generator[simpy.Event, Any, None]:
-        while self._queue:
-            _, _, t = heapq.heappop(self._queue)
-            start = self.env.now
-            yield self.env.timeout(self.hw.transfer_time_s(t.size_bytes))
-            self.log.append(TransferRecord(t.key, t.size_bytes, t.reason, start, self.env.now))
-            self.on_done(t.key)
-        self.busy = False
+    def escalate(self, key: int, t_s: float) -> None:
+        """Give ``key``'s queued or running transfer on-demand priority."""
+        job = self._jobs.get(key)
+        if job is None or job.priority == ON_DEMAND:
+            return
+        job.priority = ON_DEMAND
+        job.record.escalated = True
+        if job.state == _QUEUED:
+            heapq.heappush(self._heap, (ON_DEMAND, job.seq, job))
+            self._pause_current(t_s)
+
+    def cancel(self, key: int) -> bool:
+        """Drop ``key``'s transfer if it is queued and never started."""
+        job = self._jobs.get(key)
+        if job is None or job.state != _QUEUED or job.record.start_s == job.record.start_s:
+            return False
+        job.state = _CANCELLED
+        del self._jobs[key]
+        return True
+
+    def idle(self) -> bool:
+        """Whether nothing is moving or queued."""
+        return self.cur is None
 
 
-class SimBackend:
-    """Executes a Runner's commands in simulated time."""
+class SimBackend(Backend):
+    """The timed simulator backend (see the module docstring)."""
 
-    def __init__(self, hw: HardwareSpec, compute: ComputeModel, cache: ExpertCache) -> None:
-        self.env = simpy.Environment()
-        self.compute, self.cache = compute, cache
-        self.link = SimLink(self.env, hw, self._transfer_done)
-        self._waiters: dict[int, list[simpy.Event]] = {}
-        # perf: compute on the single GPU stream is sequential and touches nothing shared,
-        # so consecutive Compute commands are summed and turned into one SimPy timeout only
-        # at the next point where the Runner interacts with the link (Transfer, WaitAny, or
-        # Now while a transfer is in flight).
-        self._pending_s = 0.0
+    def __init__(
+        self,
+        hw: HardwareSpec,
+        compute: ComputeModel,
+        caches: Sequence[ExpertCache],
+        preempt: bool = True,
+    ) -> None:
+        self.compute = compute
+        self.caches = caches
+        self.num_gpus = len(caches)
+        self.links = [
+            SimLink(
+                hw.pcie_bytes_per_s, hw.transfer_overhead_s, hw.chunk_bytes, preempt, c.complete
+            )
+            for c in caches
+        ]
+        self.transfers: list[TransferRecord] = []
+        self.clock_s = 0.0
+        self.busy_compute_s = 0.0
+        self._gpu_s = [0.0] * self.num_gpus
+        self._wait_s = [0.0] * self.num_gpus
+        self._in_experts = False
+        self._shared = compute.shared_a_s > 0
+        # perf: every MoE layer of an iteration has the same attention/router arguments,
+        # so the last duration is memoised.
+        self._pre_args: tuple[int, int, int] = (-1, -1, -1)
+        self._pre_s = 0.0
+
+    def now(self) -> float:
+        """The forward pass's clock."""
+        return self.clock_s
+
+    def sync(self) -> float:
+        """Advance every link to now."""
+        t = self.clock_s
+        for link in self.links:
+            if link.cur_end_s <= t:
+                link.advance(t)
+        return t
+
+    def idle_until(self, t_s: float) -> None:
+        """Jump the clock forward to ``t_s`` (no-op if it is already later)."""
+        if t_s > self.clock_s:
+            self.clock_s = t_s
+
+    def _run(self, d: float) -> None:
+        self.clock_s += d
+        self.busy_compute_s += d
+
+    def pre_gate(self, layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
+        """Attention + router, then sync."""
+        args = (tokens, kv_tokens, pairs)
+        if args != self._pre_args:
+            c = self.compute
+            self._pre_args = args
+            self._pre_s = c.attention_s(tokens, kv_tokens, pairs) + c.router_s(tokens)
+        d = self._pre_s
+        t = self.clock_s = self.clock_s + d
+        self.busy_compute_s += d
+        for link in self.links:
+            if link.cur_end_s <= t:
+                link.advance(t)
+
+    def dense_layer(self, index: int, tokens: int, kv_tokens: int, pairs: int) -> None:
+        """Attention + dense MLP."""
+        c = self.compute
+        self._run(c.attention_s(tokens, kv_tokens, pairs) + c.dense_mlp_s(tokens))
+
+    def lm_head(self, sequences: int) -> None:
+        """LM head."""
+        self._run(self.compute.lm_head_s(sequences))
+
+    def submit(
+        self, gpu: int, key: int, size_bytes: int, priority: float, reason: str
+    ) -> TransferRecord:
+        """Queue a transfer on ``gpu``'s link at that GPU's current time."""
+        t = self._gpu_s[gpu] if self._in_experts else self.clock_s
+        link = self.links[gpu]
+        if link.cur_end_s <= t:
+            link.advance(t)
+        rec = TransferRecord(key, gpu, size_bytes, reason, priority, t)
+        self.transfers.append(rec)
+        link.submit(rec, t)
+        return rec
+
+    def escalate(self, gpu: int, key: int) -> None:
+        """Raise an in-flight transfer to on-demand priority."""
+        t = self._gpu_s[gpu] if self._in_experts else self.clock_s
+        link = self.links[gpu]
+        if link.cur_end_s <= t:
+            link.advance(t)
+        link.escalate(key, t)
+
+    def cancel(self, gpu: int, key: int) -> bool:
+        """Cancel a queued, never-started transfer."""
+        link = self.links[gpu]
+        job = link._jobs.get(key)
+        if job is None or not link.cancel(key):
+            return False
+        rec = job.record
+        rec.cancelled = True
+        rec.start_s = rec.end_s = rec.submit_s
+        return True
+
+    def begin_experts(self, layer: int, tokens: int) -> None:
+        """Shared experts, then every GPU starts its experts at the forward pass's clock."""
+        if self._shared:
+            self._run(self.compute.shared_s(tokens))
+        n = self.num_gpus
+        self._gpu_s = [self.clock_s] * n
+        self._wait_s = [0.0] * n
+        self._in_experts = True
+
+    def expert(self, gpu: int, key: int, tokens: int) -> None:
+        """One expert FFN on ``gpu``."""
+        c = self.compute
+        d = c.expert_a_s + c.expert_b_s * tokens
+        self._gpu_s[gpu] += d
+        self.busy_compute_s += d
+
+    def experts(self, gpu: int, tokens: list[int]) -> None:
+        """Several experts on ``gpu``: ``n * a + b * sum(tokens)``."""
+        c = self.compute
+        d = len(tokens) * c.expert_a_s + c.expert_b_s * sum(tokens)
+        self._gpu_s[gpu] += d
+        self.busy_compute_s += d
+
+    def wait_any(self, gpu: int, keys: Sequence[int]) -> int:
+        """Advance ``gpu``'s link event by event until one of ``keys`` is resident."""
+        link, entries = self.links[gpu], self.caches[gpu].entries
+        t0 = self._gpu_s[gpu]
+        if link.cur_end_s <= t0:
+            link.advance(t0)
+        t = t0
+        while True:
+            for k in keys:
+                if entries[k].resident:  # every waited-for key is in flight or resident
+                    if t > t0:
+                        self._gpu_s[gpu] = t
+                        self._wait_s[gpu] += t - t0
+                    return k
+            if link.cur is None:
+                raise RuntimeError(
+                    f"GPU {gpu} waits for experts {list(keys)} that are not in flight"
+                )
+            t = link.cur_end_s
+            link.advance(t)
+
+    def end_experts(self) -> float:
+        """The layer ends when the slowest GPU is done."""
+        self._in_experts = False
+        if self.num_gpus == 1:
+            self.clock_s = self._gpu_s[0]
+            return self._wait_s[0]
+        self.clock_s = max(self._gpu_s)
+        return max(self._wait_s)
+
+
+class InstantBackend(Backend):
+    """The hit-rate-only backend: no time at all.
+
+    A transfer issued during a layer step (prefetch or on-demand) becomes resident at
+    the next :meth:`sync` (the start of the next layer step), or at once when the
+    Runner waits for it; so a prefetch issued at layer ``l`` for layer ``l + 1`` is a
+    HIT there, and an access that finds its expert in flight is LATE but costs nothing.
+    """
+
+    def __init__(self, caches: Sequence[ExpertCache]) -> None:
+        self.caches = caches
+        self.num_gpus = len(caches)
+        self.transfers: list[TransferRecord] = []
+        self._pending: list[TransferRecord] = []
+        self.clock_s = 0.0
         self.busy_compute_s = 0.0
 
-    def run(self, commands: Generator[Any, Any, None]) -> float:
-        """Run the command generator to the end; return the simulated end time (s)."""
-        self.env.process(self._drive(commands))
-        self.env.run()
-        return float(self.env.now)
+    def now(self) -> float:
+        """Always 0."""
+        return 0.0
 
-    def duration_s(self, c: Compute) -> float:
-        """Simulated time of one compute command."""
-        cm = self.compute
-        op = c.op
-        if op is Op.EXPERT:
-            return cm.expert_s(c.tokens)
-        if op is Op.ATTENTION:
-            return cm.attention_s(c.tokens, c.kv_tokens, c.pairs)
-        if op is Op.ROUTER:
-            return cm.router_s(c.tokens)
-        if op is Op.SHARED:
-            return cm.shared_s(c.tokens)
-        if op is Op.DENSE_MLP:
-            return cm.dense_mlp_s(c.tokens)
-        return cm.lm_head_s(c.tokens)
+    def sync(self) -> float:
+        """Land every pending transfer."""
+        if self._pending:
+            for rec in self._pending:
+                if not rec.cancelled:
+                    self.caches[rec.gpu].complete(rec.key)
+            self._pending.clear()
+        return 0.0
 
-    def _drive(self, gen: Generator[Any, Any, None]) -> Generator[simpy.Event, Any, None]:
-        reply: Any = None
-        while True:
-            try:
-                cmd = gen.send(reply)
-            except StopIteration:
-                break
-            reply = None
-            kind = type(cmd)
-            if kind is Compute:
-                d = self.duration_s(cmd)
-                self._pending_s += d
-                self.busy_compute_s += d
-                continue
-            if kind is Now and not self.link.busy:
-                reply = self.env.now + self._pending_s  # perf: nothing can happen meanwhile
-                continue
-            if self._pending_s:
-                yield self.env.timeout(self._pending_s)
-                self._pending_s = 0.0
-            if kind is Now:
-                reply = self.env.now
-            elif kind is Transfer:
-                self.link.submit(cmd)
-            elif kind is WaitAny:
-                reply = yield from self._wait_any(cmd.keys)
-            else:
-                raise TypeError(f"unknown command {cmd!r}")
-        if self._pending_s:
-            yield self.env.timeout(self._pending_s)
-            self._pending_s = 0.0
+    def idle_until(self, t_s: float) -> None:
+        """No clock."""
 
-    def _wait_any(self, keys: tuple[int, ...]) -> Generator[simpy.Event, Any, int]:
+    def pre_gate(self, layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
+        """Sync: land what was issued in the previous step."""
+        if self._pending:
+            self.sync()
+
+    def dense_layer(self, index: int, tokens: int, kv_tokens: int, pairs: int) -> None:
+        """No time."""
+
+    def lm_head(self, sequences: int) -> None:
+        """No time."""
+
+    def submit(
+        self, gpu: int, key: int, size_bytes: int, priority: float, reason: str
+    ) -> TransferRecord:
+        """Record the transfer; it lands at the next sync."""
+        rec = TransferRecord(key, gpu, size_bytes, reason, priority, 0.0)
+        rec.start_s = rec.end_s = 0.0
+        self.transfers.append(rec)
+        self._pending.append(rec)
+        return rec
+
+    def escalate(self, gpu: int, key: int) -> None:
+        """Nothing to reorder."""
+
+    def cancel(self, gpu: int, key: int) -> bool:
+        """Drop a transfer issued in this step (it has not landed yet)."""
+        for rec in self._pending:
+            if rec.key == key and rec.gpu == gpu and not rec.cancelled:
+                rec.cancelled = True
+                return True
+        return False
+
+    def begin_experts(self, layer: int, tokens: int) -> None:
+        """No time."""
+
+    def expert(self, gpu: int, key: int, tokens: int) -> None:
+        """No time."""
+
+    def wait_any(self, gpu: int, keys: Sequence[int]) -> int:
+        """Land everything in flight and return the first of ``keys``."""
+        self.sync()
         for k in keys:
-            if self.cache.is_resident(k):
+            if self.caches[gpu].is_resident(k):
                 return k
-        ev = self.env.event()
-        for k in keys:
-            self._waiters.setdefault(k, []).append(ev)
-        key = yield ev
-        for k in keys:
-            lst = self._waiters.get(k)
-            if lst is not None and ev in lst:
-                lst.remove(ev)
-                if not lst:
-                    del self._waiters[k]
-        return int(key)
+        raise RuntimeError(f"GPU {gpu} waits for experts {list(keys)} that are not in flight")
 
-    def _transfer_done(self, key: int) -> None:
-        self.cache.complete(key)
-        for ev in self._waiters.pop(key, ()):
-            if not ev.triggered:
-                ev.succeed(key)
+    def end_experts(self) -> float:
+        """No stall without a clock."""
+        return 0.0

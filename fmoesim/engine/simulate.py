@@ -8,16 +8,20 @@ from typing import Any
 
 import numpy as np
 
+from fmoesim.engine.backend import Backend, TransferRecord
 from fmoesim.engine.cache import ExpertCache
 from fmoesim.engine.compute import ComputeModel
+from fmoesim.engine.fast import NotApplicable, lru_hit_only
 from fmoesim.engine.metrics import Metrics
-from fmoesim.engine.runner import Runner, ServingConfig
-from fmoesim.engine.sim import SimBackend, TransferRecord
+from fmoesim.engine.runner import Runner
+from fmoesim.engine.serving import ServingConfig, arrival_times_s, static_batches
+from fmoesim.engine.sim import InstantBackend, SimBackend
 from fmoesim.errors import ConfigError
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
 from fmoesim.trace.reader import Trace
-from policies.base import Policy, PolicyContext
+from policies.base import FutureAccesses, Policy, PolicyContext
+from policies.lru import LRU
 
 GB = 1e9
 
@@ -29,6 +33,16 @@ class RunResult:
     summary: dict[str, Any]
     metrics: Metrics
     transfers: list[TransferRecord] = field(default_factory=list)
+    accesses: dict[str, np.ndarray] | None = None  # the per-access log, if asked for
+    caches: list[ExpertCache] = field(default_factory=list)
+
+    def transfer_table(self) -> dict[str, np.ndarray]:
+        """The transfer log as columns (one row per transfer, in submission order)."""
+        cols = (
+            "key", "gpu", "size_bytes", "reason", "priority", "submit_s", "start_s", "end_s",
+            "used", "escalated", "preemptions", "cancelled",
+        )  # fmt: skip
+        return {c: np.array([getattr(t, c) for t in self.transfers]) for c in cols}
 
     @property
     def hit_rate_per_layer(self) -> np.ndarray:
@@ -62,6 +76,33 @@ def check_budget(model: ModelSpec, budget_bytes: int, key: str = "cache.budget_g
         )
 
 
+def future_accesses(
+    trace: Trace, batches: list[list[int]], iter_start: np.ndarray, output_tokens: np.ndarray
+) -> FutureAccesses:
+    """The access sequence of static batching, step by step (for ``uses_future`` policies)."""
+    E, L = trace.num_experts, trace.num_layers
+    if all(len(b) == 1 for b in batches):
+        # perf: one request per batch: the steps are the served rows' layers, in order
+        n_rows = int(iter_start[batches[-1][0]] + output_tokens[batches[-1][0]]) if batches else 0
+        flat = trace.counts[:n_rows].reshape(-1, E)  # (rows * L, E)
+        rl, exp = np.nonzero(flat)
+        ptr = np.zeros(len(flat) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(rl, minlength=len(flat)), out=ptr[1:])
+        return FutureAccesses(ptr=ptr, keys=((rl % L) * E + exp).astype(np.int64))
+    keys: list[np.ndarray] = []
+    sizes: list[np.ndarray] = []
+    for batch in batches:
+        for j in range(int(max(output_tokens[r] for r in batch))):
+            rows = [int(iter_start[r]) + j for r in batch if output_tokens[r] > j]
+            counts = trace.counts[rows].sum(axis=0)  # (L, E)
+            lay, exp = np.nonzero(counts)
+            keys.append(lay * E + exp)
+            sizes.append(np.count_nonzero(counts, axis=1))
+    ptr = np.zeros(sum(len(s) for s in sizes) + 1, dtype=np.int64)
+    np.cumsum(np.concatenate(sizes), out=ptr[1:])
+    return FutureAccesses(ptr=ptr, keys=np.concatenate(keys).astype(np.int64))
+
+
 def simulate(
     trace: Trace,
     model: ModelSpec,
@@ -71,30 +112,82 @@ def simulate(
     *,
     serving: ServingConfig | None = None,
     seed: int = 0,
+    timing: bool = True,
+    preempt: bool = True,
+    access_log: bool = False,
     progress: bool = False,
+    fast: bool = True,
 ) -> RunResult:
-    """Simulate serving ``trace`` with ``policy`` under an expert budget of ``budget_bytes``."""
+    """Simulate serving ``trace`` with ``policy`` under an expert budget of ``budget_bytes``
+    per GPU (``hardware.num_gpus`` GPUs, experts round-robin).
+
+    ``timing=False`` is the hit-rate-only mode (:class:`InstantBackend`: no clock, a
+    transfer lands at the next layer step); ``preempt`` lets on-demand loads pause a
+    prefetch at a chunk boundary; ``access_log`` keeps one row per expert access.
+    ``fast`` allows an exact fast path (:mod:`fmoesim.engine.fast`) for hit-rate-only
+    runs of plain LRU on one GPU; it keeps no transfer log and no cache objects.
+    """
     model.validate()
     hardware.validate()
     check_shapes(trace, model)
     check_budget(model, budget_bytes)
-    serving = serving or ServingConfig()
-    if serving.batch_size < 1:
-        raise ConfigError("serving.batch_size", serving.batch_size, "must be >= 1")
+    serving = (serving or ServingConfig()).validate()
+    if serving.mode == "online" and not timing:
+        raise ConfigError("engine.timing", False, "hit-rate-only mode needs serving.mode=static")
+    if serving.mode == "online" and policy.uses_future:
+        raise ConfigError(
+            "policy",
+            policy.name,
+            "needs static batching (serving.mode=static): the future must be known",
+        )
     rng = np.random.default_rng(seed)
+    n_req = trace.num_requests
+    if serving.max_requests is not None:
+        n_req = min(n_req, serving.max_requests)
+    future = None
+    if policy.uses_future:
+        future = future_accesses(
+            trace, static_batches(n_req, serving.batch_size), trace.iter_start, trace.output_tokens
+        )
+    arrival_s = None
+    if serving.mode == "online":
+        # arrivals draw from their own stream so a policy's draws never shift them
+        arrival_s = arrival_times_s(
+            serving, trace.arrival_s, n_req, np.random.default_rng([seed, 1]), trace.path
+        )
+    num_gpus = hardware.num_gpus
+    if (
+        fast
+        and not timing
+        and not access_log
+        and num_gpus == 1
+        and serving.mode == "static"
+        and type(policy) is LRU
+    ):
+        try:
+            return _lru_hit_only(trace, model, hardware, policy, budget_bytes, serving, n_req, seed)
+        except NotApplicable:
+            pass
     policy.reset(
         PolicyContext(
             model=model,
             budget_bytes=int(budget_bytes),
             expert_size_bytes=model.expert_size_bytes,
             rng=rng,
+            num_gpus=num_gpus,
+            future=future,
         )
     )
-    cache = ExpertCache(int(budget_bytes), policy)
+    caches = [ExpertCache(int(budget_bytes), policy, gpu=g) for g in range(num_gpus)]
     metrics = Metrics(trace.num_layers)
-    backend = SimBackend(hardware, ComputeModel.from_specs(model, hardware), cache)
-    runner = Runner(trace, model, policy, cache, metrics, serving)
-    n_req = sum(len(b) for b in runner.batches())
+    backend: Backend
+    if timing:
+        backend = SimBackend(hardware, ComputeModel.from_specs(model, hardware), caches, preempt)
+    else:
+        backend = InstantBackend(caches)
+    runner = Runner(
+        trace, model, policy, caches, backend, metrics, serving, arrival_s, access_log=access_log
+    )
     total_iters = int(trace.output_tokens[:n_req].sum())
     bar = None
     if progress:
@@ -106,29 +199,106 @@ def simulate(
         runner.on_iteration = bar.update
     t0 = time.perf_counter()
     try:
-        sim_s = backend.run(runner.run())
+        runner.run()
+        if timing:
+            assert isinstance(backend, SimBackend)
+            for link in backend.links:  # let prefetches still in flight land
+                link.advance(float("inf"))
     finally:
         if bar is not None:
             bar.close()
     wall = time.perf_counter() - t0
-    s = metrics.summary()
+    sim_s = backend.now()
+    s = metrics.summary(backend.transfers, caches)
+    link_busy = (
+        sum(link.busy_s for link in backend.links) if isinstance(backend, SimBackend) else 0.0
+    )
     s.update(
         {
             "policy": policy.name,
             "model": model.name,
             "hardware": hardware.name,
+            "num_gpus": num_gpus,
             "budget_gb": budget_bytes / GB,
-            "batch_size": serving.batch_size,
+            "serving_mode": serving.mode,
+            "batch_size": serving.batch_size
+            if serving.mode == "static"
+            else serving.max_batch_size,
             "seed": seed,
+            "timing": timing,
             "expert_size_bytes": model.expert_size_bytes,
             "budget_experts": int(budget_bytes // model.expert_size_bytes),
-            "wasted_bytes": cache.wasted_bytes,
-            "evictions": cache.evictions,
-            "peak_expert_bytes": cache.peak_bytes,
             "simulated_s": sim_s,
             "gpu_busy_s": backend.busy_compute_s,
+            "link_busy_s": link_busy,
             "wall_s": wall,
             "speedup_vs_real": sim_s / wall if wall > 0 else float("inf"),
         }
     )
-    return RunResult(summary=s, metrics=metrics, transfers=backend.link.log)
+    log = None
+    if runner.log is not None:
+        log = {k: np.asarray(v) for k, v in runner.log.items()}
+    return RunResult(
+        summary=s, metrics=metrics, transfers=backend.transfers, accesses=log, caches=caches
+    )
+
+
+def _lru_hit_only(
+    trace: Trace,
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    policy: Policy,
+    budget_bytes: int,
+    serving: ServingConfig,
+    n_req: int,
+    seed: int,
+) -> RunResult:
+    """The hit-rate-only run of plain LRU through :func:`fmoesim.engine.fast.lru_hit_only`,
+    summarised exactly as the generic path would."""
+    batches = static_batches(n_req, serving.batch_size)
+    fut = future_accesses(trace, batches, trace.iter_start, trace.output_tokens)
+    size = model.expert_size_bytes
+    t0 = time.perf_counter()
+    acc, evictions = lru_hit_only(
+        fut.keys, fut.ptr, trace.num_layers, trace.num_experts, int(budget_bytes // size)
+    )
+    wall = time.perf_counter() - t0
+    metrics = Metrics(trace.num_layers)
+    metrics.acc = acc
+    metrics.layer_steps = fut.num_steps
+    out = trace.output_tokens
+    metrics.iterations = sum(int(max(out[r] for r in b)) for b in batches)
+    for r in range(n_req):
+        rid = int(trace.request_id[r])
+        metrics.request_start_s[rid] = metrics.request_first_token_s[rid] = 0.0
+        metrics.request_end_s[rid] = 0.0
+        metrics.request_output_tokens[rid] = int(out[r])
+    s = metrics.summary()
+    misses = s["misses"]
+    distinct = len(np.unique(fut.keys))
+    s.update(
+        {
+            "transfers": misses,
+            "pcie_bytes": misses * size,
+            "on_demand_bytes": misses * size,
+            "evictions": evictions,
+            "peak_expert_bytes": min(distinct, int(budget_bytes // size)) * size,
+            "policy": policy.name,
+            "model": model.name,
+            "hardware": hardware.name,
+            "num_gpus": 1,
+            "budget_gb": budget_bytes / GB,
+            "serving_mode": "static",
+            "batch_size": serving.batch_size,
+            "seed": seed,
+            "timing": False,
+            "expert_size_bytes": size,
+            "budget_experts": int(budget_bytes // size),
+            "simulated_s": 0.0,
+            "gpu_busy_s": 0.0,
+            "link_busy_s": 0.0,
+            "wall_s": wall,
+            "speedup_vs_real": 0.0,
+        }
+    )
+    return RunResult(summary=s, metrics=metrics)

@@ -1,0 +1,142 @@
+"""What a backend must do for the Runner: execute compute and transfers, report time.
+
+The Runner (:mod:`fmoesim.engine.runner`) holds all serving logic and calls these
+methods in program order, as a host thread drives CUDA streams.  The simulator backend
+(:mod:`fmoesim.engine.sim`) advances a modelled clock; the GPU backend (``replay/``)
+issues real copies and matmuls and waits on CUDA events.  Each backend owns one
+host-to-device link per GPU and updates the per-GPU :class:`ExpertCache` (``complete``)
+when a transfer lands; residency accounting stays in the cache.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from fmoesim.engine.cache import ExpertCache
+
+#: Priority of an on-demand load: ahead of every prefetch (lower values go first).
+ON_DEMAND = float("-inf")
+
+
+class TransferRecord:
+    """One host-to-device transfer: the transfer log row of DESIGN.md.
+
+    ``reason`` is ``"prefetch"``, ``"on_demand"`` or ``"configure"``; ``used`` turns
+    True when the expert is first used after this transfer; ``escalated`` when an
+    access found it in flight and raised it to on-demand priority; ``preemptions``
+    counts the times an on-demand load paused it at a chunk boundary.  A transfer
+    cancelled before it started has ``cancelled=True``, moved no bytes and
+    ``start_s = end_s = submit_s``.
+    """
+
+    __slots__ = (
+        "key",
+        "gpu",
+        "size_bytes",
+        "reason",
+        "priority",
+        "submit_s",
+        "start_s",
+        "end_s",
+        "used",
+        "escalated",
+        "preemptions",
+        "cancelled",
+    )
+
+    def __init__(
+        self, key: int, gpu: int, size_bytes: int, reason: str, priority: float, submit_s: float
+    ) -> None:
+        self.key = key
+        self.gpu = gpu
+        self.size_bytes = size_bytes
+        self.reason = reason
+        self.priority = priority
+        self.submit_s = submit_s
+        self.start_s = float("nan")
+        self.end_s = float("nan")
+        self.used = False
+        self.escalated = False
+        self.preemptions = 0
+        self.cancelled = False
+
+    def __repr__(self) -> str:
+        return (
+            f"TransferRecord(key={self.key}, gpu={self.gpu}, {self.reason}, "
+            f"{self.start_s:.6f}-{self.end_s:.6f}s, used={self.used})"
+        )
+
+
+class Backend(ABC):
+    """The operations the Runner needs.  Times are seconds; GPUs are numbered from 0.
+
+    The clock of the forward pass (``now``) advances through the non-expert operators;
+    between :meth:`begin_experts` and :meth:`end_experts` each GPU runs its own experts
+    (expert parallelism) and the layer ends when the slowest GPU is done.
+    """
+
+    caches: Sequence[ExpertCache]
+    transfers: list[TransferRecord]
+
+    @abstractmethod
+    def now(self) -> float:
+        """The current time of the forward pass."""
+
+    @abstractmethod
+    def sync(self) -> float:
+        """Make every transfer finished by now resident in its cache; return now."""
+
+    @abstractmethod
+    def idle_until(self, t_s: float) -> None:
+        """Nothing to run before ``t_s`` (online serving waits for an arrival)."""
+
+    @abstractmethod
+    def pre_gate(self, layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
+        """Attention and router of MoE layer ``layer``; then :meth:`sync` (the gate's
+        output is known when the router is done, and so is what has landed by then)."""
+
+    @abstractmethod
+    def dense_layer(self, index: int, tokens: int, kv_tokens: int, pairs: int) -> None:
+        """A whole dense (non-MoE) decoder layer: attention and MLP."""
+
+    @abstractmethod
+    def lm_head(self, sequences: int) -> None:
+        """The LM head for ``sequences`` next tokens."""
+
+    @abstractmethod
+    def submit(
+        self, gpu: int, key: int, size_bytes: int, priority: float, reason: str
+    ) -> TransferRecord:
+        """Queue a host-to-device copy of ``key`` on ``gpu``'s link."""
+
+    @abstractmethod
+    def escalate(self, gpu: int, key: int) -> None:
+        """An access needs in-flight ``key`` now: give its transfer on-demand priority."""
+
+    @abstractmethod
+    def cancel(self, gpu: int, key: int) -> bool:
+        """Drop ``key``'s transfer if it is queued and has not started; True if dropped."""
+
+    @abstractmethod
+    def begin_experts(self, layer: int, tokens: int) -> None:
+        """The layer's always-on shared experts run (resident, outside the budget; none
+        for most models), then the expert phase starts on every GPU."""
+
+    @abstractmethod
+    def expert(self, gpu: int, key: int, tokens: int) -> None:
+        """Run resident expert ``key`` on ``tokens`` tokens on ``gpu``."""
+
+    def experts(self, gpu: int, tokens: list[int]) -> None:
+        """Run several resident experts back to back on ``gpu`` (``tokens`` each)."""
+        for tok in tokens:
+            self.expert(gpu, -1, tok)
+
+    @abstractmethod
+    def wait_any(self, gpu: int, keys: Sequence[int]) -> int:
+        """Block ``gpu``'s compute until one of ``keys`` is resident; return it."""
+
+    @abstractmethod
+    def end_experts(self) -> float:
+        """All GPUs finished the layer's experts; return the layer's stall (seconds):
+        the longest time any GPU's compute waited for an expert in this layer."""

@@ -1,0 +1,117 @@
+"""How requests are served: static batches or online (continuous) batching with arrivals."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from fmoesim.errors import ConfigError
+
+
+@dataclass
+class ServingConfig:
+    """The serving scheduler.
+
+    ``mode="static"``: requests, in trace order, are grouped into batches of
+    ``batch_size``; a batch runs its prefill, then decode iterations until its longest
+    request finishes (a finished request leaves the batch); batches run back to back
+    from time 0 and latencies are measured from the start of a request's batch
+    (service latency, as an offline benchmark reports it).
+
+    ``mode="online"``: requests arrive at their arrival times (``arrivals``: ``"trace"``
+    = the trace's ``arrival_s``; ``"poisson"`` = a Poisson process of ``rate_rps``
+    drawn from the run's seed; ``"csv"`` = the timestamps of an Azure-format CSV
+    ``arrivals_csv``, in order) and wait in a FCFS queue.  At each iteration boundary
+    the scheduler admits queued requests that have arrived while fewer than
+    ``max_batch_size`` are running and runs their prefill as one iteration
+    (prefill-first, like vLLM's default); otherwise it runs one decode iteration of all
+    running requests, which needs the union of their experts.  Latencies are measured
+    from arrival, so they include queueing.
+    """
+
+    mode: str = "static"
+    batch_size: int = 1
+    max_batch_size: int = 8
+    max_requests: int | None = None
+    arrivals: str = "trace"
+    rate_rps: float = 1.0
+    arrivals_csv: str | None = None
+
+    def validate(self, prefix: str = "serving") -> ServingConfig:
+        """Check every field; raise :class:`ConfigError` naming the first bad one."""
+        if self.mode not in ("static", "online"):
+            raise ConfigError(f"{prefix}.mode", self.mode, "must be 'static' or 'online'")
+        for key in ("batch_size", "max_batch_size"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{prefix}.{key}", v, "must be an integer >= 1")
+        if self.max_requests is not None and (
+            not isinstance(self.max_requests, int) or self.max_requests < 1
+        ):
+            raise ConfigError(f"{prefix}.max_requests", self.max_requests, "must be >= 1 or null")
+        if self.arrivals not in ("trace", "poisson", "csv"):
+            raise ConfigError(
+                f"{prefix}.arrivals", self.arrivals, "must be 'trace', 'poisson' or 'csv'"
+            )
+        if self.mode == "online" and self.arrivals == "poisson":
+            if not (isinstance(self.rate_rps, (int, float)) and math.isfinite(self.rate_rps)):
+                raise ConfigError(f"{prefix}.rate_rps", self.rate_rps, "must be a finite number")
+            if self.rate_rps <= 0:
+                raise ConfigError(f"{prefix}.rate_rps", self.rate_rps, "must be > 0")
+        if self.mode == "online" and self.arrivals == "csv" and not self.arrivals_csv:
+            raise ConfigError(
+                f"{prefix}.arrivals_csv",
+                self.arrivals_csv,
+                "a CSV path is required with arrivals=csv",
+            )
+        return self
+
+
+def static_batches(num_requests: int, batch_size: int) -> list[list[int]]:
+    """Request positions grouped, in order, into batches of ``batch_size``."""
+    return [
+        list(range(i, min(i + batch_size, num_requests)))
+        for i in range(0, num_requests, batch_size)
+    ]
+
+
+def arrival_times_s(
+    serving: ServingConfig,
+    trace_arrival_s: np.ndarray,
+    num_requests: int,
+    rng: np.random.Generator,
+    trace_path: object = "trace",
+) -> np.ndarray:
+    """Arrival time (s) of each of the first ``num_requests`` requests in online mode.
+
+    Reads the CSV for ``arrivals="csv"`` (the only I/O here).  Raises a one-line error
+    naming the file or key when the source cannot cover every request.
+    """
+    if serving.arrivals == "trace":
+        a = np.asarray(trace_arrival_s[:num_requests], dtype=np.float64)
+        bad = np.flatnonzero(np.isnan(a))
+        if len(bad):
+            raise ConfigError(
+                "serving.arrivals",
+                "trace",
+                f"{trace_path}/requests.parquet row {int(bad[0])} has a null arrival_s; "
+                "use serving.arrivals=poisson or csv",
+            )
+        return a
+    if serving.arrivals == "poisson":
+        gaps = rng.exponential(1.0 / serving.rate_rps, size=num_requests)
+        return np.cumsum(gaps) - gaps[0]  # the first request arrives at 0
+    from fmoesim.workload.synthetic import read_azure_csv
+
+    assert serving.arrivals_csv is not None
+    lengths = read_azure_csv(serving.arrivals_csv)
+    assert lengths.arrival_s is not None
+    if len(lengths.arrival_s) < num_requests:
+        raise ConfigError(
+            "serving.arrivals_csv",
+            serving.arrivals_csv,
+            f"has {len(lengths.arrival_s)} rows but {num_requests} requests are served",
+        )
+    return np.asarray(lengths.arrival_s[:num_requests], dtype=np.float64)
