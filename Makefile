@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check fmoesim policies replay tests
 
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.run
+	$(BIN)/python -m benchmarks.engine
 
 clean:
 	rm -rf $(VENV) build *.egg-info

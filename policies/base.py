@@ -18,7 +18,9 @@ Order of events the Runner guarantees, per iteration (one forward pass of a batc
     for each MoE layer l:
         on_gate(l, gate)     -> Actions(prefetch=[...], cancel=[...])
         on_access(key, outcome)   for each expert the batch routes to in layer l,
-                                  in ascending expert order, all classified before any load
+                                  in ascending expert order, all classified before any load;
+                                  the accessed experts are pinned
+        on-demand loads of layer l's misses, then the gate's cancellations and prefetches
         [on_insert(key) / on_evict(key) / victim(...)]  whenever the cache admits or evicts
     on_iteration_end(batch)
     on_request_end(request_id)     for each request that produced its last token

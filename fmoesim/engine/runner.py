@@ -6,11 +6,13 @@ accesses, admitting experts into the per-GPU caches and the metrics.  A backend
 (:class:`fmoesim.engine.backend.Backend`) only executes and keeps time.
 
 One MoE layer, in order: attention + router; sync (finished transfers become
-resident); ``policy.on_gate`` and its cancellations and prefetches; every routed
-expert classified HIT / LATE / MISS (``policy.on_access``) and pinned; LATE transfers
-escalated to on-demand priority; MISSes admitted and loaded on demand (jumping the
-link's queue); shared experts; then on each GPU, resident experts compute while the
-missing ones load, and the layer ends when the slowest GPU is done.
+resident); ``policy.on_gate``; every routed expert classified HIT / LATE / MISS
+(``policy.on_access``) and pinned; LATE transfers escalated to on-demand priority;
+MISSes admitted and loaded on demand (jumping the link's queue); then the gate's
+cancellations and prefetches (so a prefetch can never evict an expert the current
+layer is using, and it queues behind the on-demand loads); shared experts; then on
+each GPU, resident experts compute while the missing ones load, and the layer ends
+when the slowest GPU is done.
 
 When an on-demand load finds no room because the budget is held by prefetches still in
 flight, the Runner cancels the queued, never-started ones (least urgent first) and
@@ -286,10 +288,9 @@ class Runner:
         be.pre_gate(layer, tokens, kv_tokens, pairs)  # attention + router, then sync
         step = self.step
         self.step = step + 1
+        actions = NO_ACTIONS
         if view is not None:
             actions = policy.on_gate(layer, view)
-            if actions is not NO_ACTIONS:
-                self.apply(actions)
         m.layer_steps += 1
         acc = m.acc[layer]
         base = layer * self.E
@@ -338,6 +339,8 @@ class Runner:
                 pending.append((g, key, tok))
             else:
                 deferred.append((g, key, tok))
+        if actions is not NO_ACTIONS:  # after the layer's own experts are pinned and loading
+            self.apply(actions)
         be.begin_experts(layer, tokens)  # shared experts, then each GPU's expert phase
         if N == 1:
             self._experts_on(0, ready, pending, deferred, layer)

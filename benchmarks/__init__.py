@@ -1,0 +1,1 @@
+"""Benchmarks: speed and memory targets live here, never in timed unit tests."""
