@@ -141,7 +141,9 @@ class GateView:
     gate probability (None unless the policy sets ``uses_probs`` and the trace has
     them); ``spec_next`` (E,) the speculative probabilities of layer ``layer + 1``
     computed one layer early (None unless ``uses_spec``, the trace has them and they are
-    valid for every request of the batch); ``step`` is the global layer-step index
+    valid for every request of the batch; at the last layer it predicts layer 0 of the
+    next iteration of the requests that keep decoding, from this iteration's last hidden
+    state, as AdapMoE and MoEpic do); ``step`` is the global layer-step index
     (see :class:`FutureAccesses`).  Treat every array as read-only.
     """
 

@@ -15,8 +15,8 @@ each GPU, resident experts compute while the missing ones load, and the layer en
 when the slowest GPU is done.
 
 When an on-demand load finds no room because the budget is held by prefetches still in
-flight, the Runner cancels the queued, never-started ones (least urgent first) and
-otherwise waits for one to land; a real server must do the same to make room.
+flight, the Runner cancels queued, never-started ones (least urgent first, only as many
+as it needs) and otherwise waits for one to land; a real server must do the same.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ class Runner:
             experts = np.nonzero(mask)[1].tolist()  # layer-major
             expert_tokens = counts[mask].tolist()
             offsets = [0, *np.cumsum(mask.sum(axis=1)).tolist()]  # (L + 1,)
-        weights = probs = spec = spec_ok = None
+        weights = probs = spec = spec_ok = spec_first = None
         if self._want_probs or self._want_spec:
             weights = np.asarray(ntok, dtype=np.float32) / tokens  # (B,)
         if self._want_probs:
@@ -223,13 +223,27 @@ class Runner:
         if self._want_spec:
             assert tr.spec_probs is not None and tr.spec_valid is not None
             spec_ok = tr.spec_valid[rows].all(axis=0)  # (L,)
+            # layer 0 of the next iteration, predicted at this iteration's last layer, for
+            # the requests that go on decoding
+            cont = [
+                row + 1 for r, j, row in zip(reqs, js, rows, strict=True) if j + 1 < self._output[r]
+            ]
+            if cont and tr.spec_valid[cont, 0].all():
+                w = tr.num_tokens[cont].astype(np.float32)
+                spec_first = (w / w.sum()) @ tr.spec_probs[cont, 0].astype(np.float32)  # (E,)
+            else:
+                spec_first = None
             spec = np.einsum("b,ble->le", weights, tr.spec_probs[rows].astype(np.float32))
         for layer in range(self.L):
             view = None
             if self._has_gate:
                 spec_next = None
-                if spec is not None and layer + 1 < self.L and spec_ok[layer + 1]:  # type: ignore[index]
-                    spec_next = spec[layer + 1]
+                if spec is not None:
+                    if layer + 1 < self.L:
+                        if spec_ok[layer + 1]:  # type: ignore[index]
+                            spec_next = spec[layer + 1]
+                    else:
+                        spec_next = spec_first
                 view = GateView(
                     layer,
                     counts[layer],
@@ -360,9 +374,9 @@ class Runner:
 
     def _reclaim(self, g: int) -> bool:
         """An on-demand load finds GPU ``g``'s budget held by unused prefetches in
-        flight: cancel the queued, never-started ones (least urgent first); if none can
-        be cancelled, wait for one to land (it then becomes evictable).  False when
-        nothing is in flight."""
+        flight: cancel the least urgent queued, never-started one; if none can be
+        cancelled, wait for one to land (it then becomes evictable).  False when nothing
+        is in flight."""
         cache, be = self.caches[g], self.backend
         inflight = [
             (e.record.priority, -e.record.submit_s, k)
@@ -371,13 +385,11 @@ class Runner:
         ]
         if not inflight:
             return False
-        freed = False
         for _, _, key in sorted(inflight, reverse=True):
-            if be.cancel(g, key):
+            if be.cancel(g, key):  # one at a time: the caller retries its admissions
                 cache.abort(key)
-                freed = True
-        if not freed:
-            be.wait_any(g, [k for _, _, k in inflight])
+                return True
+        be.wait_any(g, [k for _, _, k in inflight])
         return True
 
     def _experts_on(

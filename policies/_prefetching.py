@@ -1,0 +1,141 @@
+"""Shared pieces of the prefetching baselines (dependency, BrainStorm, speculative ones).
+
+Not a policy: helpers for ranking experts, building prefetch actions, a layer guard and a
+global LRU with that guard.
+
+The guard: a victim chosen while the current layer runs should not be an expert that
+layer routes to.  The Runner already pins those experts before it admits the gate's
+prefetches, so the guard only decides between candidates when a pinned expert has
+been computed and released (loads deferred for lack of room), and keeps the policies
+correct should the admission order change; subclasses extend it with "predicted for
+the next layer" (BrainStorm, Pre-gated MoE).  It is built lazily, at the first victim
+asked for after a gate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import numpy as np
+
+from policies.base import Actions, GateView, PolicyContext, Prefetch
+from policies.lru import LRU
+
+
+def top_experts(scores: np.ndarray, n: int) -> list[int]:
+    """Indices of the ``n`` largest ``scores``, largest first, ties to the smaller index.
+
+    perf: one ``argmax`` for ``n == 1``; a Python sort of the ``tolist()`` for small
+    layers; otherwise a stable argsort of the negated scores.
+    """
+    if n <= 0:
+        return []
+    if n == 1:
+        return [int(scores.argmax())]
+    if len(scores) <= 16:
+        s = scores.tolist()
+        order = sorted(range(len(s)), key=s.__getitem__, reverse=True)  # stable
+        return order[:n]
+    return (-scores).argsort(kind="stable")[:n].tolist()
+
+
+def routed_by_count(gate: GateView) -> list[int]:
+    """Experts the gate routes to, most tokens first, ties to the smaller index.
+
+    perf: one token routes to its top-k with one token each, so no sort is needed then.
+    """
+    nz = np.flatnonzero(gate.counts).tolist()
+    if gate.num_tokens > 1 and len(nz) > 1:
+        c = gate.counts.tolist()
+        nz.sort(key=c.__getitem__, reverse=True)  # stable: equal counts keep id order
+    return nz
+
+
+def prefetch_actions(
+    keys: Sequence[int], num_experts: int, distance_layers: int = 1, cancel: Sequence[int] = ()
+) -> Actions:
+    """Prefetch ``keys`` in the given order for a layer ``distance_layers`` ahead.
+
+    Priority (lower = earlier) is ``distance_layers + rank / num_experts``: nearer layers
+    first (MoE-Infinity §5.1's layer proximity), then the order given.
+    """
+    return Actions(
+        prefetch=[Prefetch(k, distance_layers + r / num_experts) for r, k in enumerate(keys)],
+        cancel=cancel,
+    )
+
+
+class LayerGuard:
+    """Remembers the current gate's layer and counts to protect its routed experts.
+
+    Call :meth:`_guard` at the top of ``on_gate``; :meth:`_guarded` is then true for
+    every expert the current layer routes tokens to.  The guard stays until the next gate
+    (after the accesses those experts are pinned or not resident, so it is harmless).
+    """
+
+    _guard_layer: int = -1
+    _guard_counts: np.ndarray | None = None
+    _guard_keys: set[int] | None = None
+    _guard_E: int = 1
+    _guard_K: int = 1
+    _capacity_total: int = 0
+
+    def _guard_reset(self, ctx: PolicyContext) -> None:
+        self._guard_layer = -1
+        self._guard_counts = None
+        self._guard_keys = None
+        self._guard_E = ctx.model.num_experts
+        self._guard_K = ctx.model.top_k
+        self._capacity_total = ctx.capacity_experts * ctx.num_gpus
+
+    def _guard(self, layer: int, counts: np.ndarray) -> None:
+        self._guard_layer = layer
+        self._guard_counts = counts
+        self._guard_keys = None  # built on first use: most gates never need a victim
+
+    def _guarded(self, key: int) -> bool:
+        """Whether ``key`` is routed to by the layer whose gate was seen last."""
+        if key // self._guard_E != self._guard_layer:
+            return False
+        keys = self._guard_keys
+        if keys is None:
+            base = self._guard_layer * self._guard_E
+            nz = np.flatnonzero(self._guard_counts)  # type: ignore[arg-type]
+            keys = self._guard_keys = {base + e for e in nz.tolist()}
+        return key in keys
+
+    def _routed(self, gate: GateView) -> int:
+        """Distinct experts the gate routes to (``top_k`` for one token, no numpy call)."""
+        if gate.num_tokens == 1:
+            return self._guard_K
+        return int(np.count_nonzero(gate.counts))
+
+    def _room_experts(self, routed: int) -> int:
+        """How many prefetches fit next to the ``routed`` experts of the current layer."""
+        return self._capacity_total - routed
+
+
+class GuardedLRU(LayerGuard, LRU):
+    """Global LRU whose victim skips the current layer's routed experts when it can.
+
+    Prefetching a resident expert leaves its recency unchanged (the prefetch is a no-op
+    in the engine and not a use).
+    """
+
+    def reset(self, ctx: PolicyContext) -> None:
+        """Forget recency and the guard."""
+        super().reset(ctx)
+        self._guard_reset(ctx)
+
+    def victim(self, candidates: Collection[int], incoming: int) -> int:
+        """Least recently used candidate not routed by the current layer (else plain LRU)."""
+        fallback = -1
+        for key in self._order:
+            if key in candidates:
+                if not self._guarded(key):
+                    return key
+                if fallback < 0:
+                    fallback = key
+        if fallback >= 0:
+            return fallback
+        raise ValueError("no candidate is tracked by this LRU")

@@ -1,0 +1,52 @@
+"""A set of keys kept sorted by a rank, for policies that evict the lowest-ranked entry.
+
+perf: LFU and LCP rank every admitted expert by a tuple that changes only when that
+expert is accessed, so a sorted list answers ``victim`` by walking from the front to
+the first candidate (usually the first entry), and each access costs one bisect-delete
+plus one bisect-insert (O(log n) comparisons and an O(n) memmove done in C).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Collection
+from typing import Any
+
+Rank = tuple[Any, ...]
+
+
+class RankedKeys:
+    """Keys sorted by a rank tuple whose last element is the key itself (so ranks are unique)."""
+
+    __slots__ = ("_items", "_rank")
+
+    def __init__(self) -> None:
+        self._items: list[Rank] = []  # ascending
+        self._rank: dict[int, Rank] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._rank
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, key: int, rank: Rank) -> None:
+        """Add ``key`` with ``rank`` (``rank[-1] == key``), or move it there (O(log n))."""
+        old = self._rank.get(key)
+        if old is not None:
+            del self._items[bisect_left(self._items, old)]
+        insort(self._items, rank)
+        self._rank[key] = rank
+
+    def discard(self, key: int) -> None:
+        """Remove ``key`` if present (O(log n))."""
+        old = self._rank.pop(key, None)
+        if old is not None:
+            del self._items[bisect_left(self._items, old)]
+
+    def first_in(self, candidates: Collection[int]) -> int | None:
+        """The lowest-ranked key that is in ``candidates``, or None."""
+        for rank in self._items:
+            if rank[-1] in candidates:
+                return int(rank[-1])
+        return None

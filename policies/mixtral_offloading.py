@@ -1,0 +1,175 @@
+"""Mixtral-Offloading: per-layer LRU expert caches plus speculative next-layer prefetch."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+
+from policies._prefetching import LayerGuard, prefetch_actions, top_experts
+from policies.base import NO_ACTIONS, Actions, GateView, Outcome, Policy, PolicyContext
+
+
+class MixtralOffloading(LayerGuard, Policy):
+    """Each layer owns ``capacity // L`` slots managed by LRU; prefetch layer ``l + 1``'s
+    speculatively predicted experts at the gate of layer ``l``.
+
+    paper: Mixtral-Offloading (Eliseev & Mazur 2023): an LRU cache per layer with the same
+    size for every layer (fMoE §6.1 of ``000``: "a layer-wise speculative expert
+    prefetching and a LRU-based expert cache"; MoEpic §4.1 of ``002``: "caches a subset of
+    experts via the LRU policy with a fixed cache size for all layers"), and a guess of
+    the next layer's experts from the current hidden state fed to the next router
+    (MoEpic eq. 3).  The public code (``notes-anchors.md``) has the per-layer LRU
+    (eviction group = layer) and lists speculative prefetch as work in progress.
+    here: quota ``layer_slots`` (default ``capacity_experts // L``) per layer and GPU; at
+    the gate of layer ``l`` the ``n`` experts of layer ``l + 1`` with the highest
+    ``gate.spec_next`` are prefetched, most probable first, where ``n`` =
+    ``prefetch_experts`` or, if ``None``, the number of distinct experts layer ``l``
+    routed to (never below ``top_k``): top-k for one decode token, and as many as a
+    batch or prefill needs, because a batch needs the union of its tokens' top-k; ``n``
+    is capped by the layer's quota and the room next to the current layer's experts.
+    A prefetch request counts as a use of an expert already cached (moves it to the
+    MRU end of its layer), so one predicted expert is not evicted to make room for
+    another predicted one.  Victims come from the incoming key's layer while that layer
+    holds at least its quota; the byte budget is global, so a layer may borrow free
+    slots while the cache fills, and a layer below its quota takes a slot back from the
+    layer most over its quota (its LRU expert).  Layer 0 is not prefetched by default
+    (the public code has no speculation at all); ``first_layer_spec=True`` prefetches it
+    at the last layer's gate from the prediction the engine gives there (the previous
+    token's last hidden state fed to router 0, as AdapMoE does).
+    """
+
+    name = "mixtral-offloading"
+    uses_spec = True
+
+    def __init__(
+        self,
+        prefetch_experts: int | None = None,
+        layer_slots: int | None = None,
+        first_layer_spec: bool = False,
+    ) -> None:
+        self.first_layer_spec = bool(first_layer_spec)
+        for knob, v in (("prefetch_experts", prefetch_experts), ("layer_slots", layer_slots)):
+            if v is not None and int(v) < 1:
+                raise ValueError(f"{knob} must be >= 1 or None, got {v}")
+        self.prefetch_experts = None if prefetch_experts is None else int(prefetch_experts)
+        self.layer_slots = None if layer_slots is None else int(layer_slots)
+
+    # -- state ------------------------------------------------------------------------
+    def reset(self, ctx: PolicyContext) -> None:
+        """Empty per-layer LRU lists; uniform quotas."""
+        super().reset(ctx)
+        self._guard_reset(ctx)
+        m = ctx.model
+        self._L, self._E, self._K, self._G = m.num_layers, m.num_experts, m.top_k, ctx.num_gpus
+        self._orders: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self._L)]
+        self._held = [0] * (self._G * self._L)  # entries (resident or in flight) per (gpu, layer)
+        slots = self.layer_slots or ctx.capacity_experts // self._L
+        self._set_quotas([slots] * self._L)
+
+    def _set_quotas(self, per_layer_slots: Sequence[int]) -> None:
+        """Install per-layer slot quotas (of the whole model; split evenly over GPUs)."""
+        self.quotas = [int(q) for q in per_layer_slots]
+        G = self._G
+        self._quota_gpu = [q if G == 1 else max(1, q // G) for q in self.quotas]
+
+    def layer_entries(self, layer: int, gpu: int = 0) -> int:
+        """Experts of ``layer`` held (resident or in flight) on ``gpu``."""
+        return self._held[gpu * self._L + layer]
+
+    def _slot(self, key: int) -> int:
+        layer, e = divmod(key, self._E)
+        return (e % self._G) * self._L + layer
+
+    # -- decisions --------------------------------------------------------------------
+    def _predict(self, layer: int, gate: GateView) -> list[int]:
+        """Keys of the next layer to prefetch, most probable first."""
+        spec = gate.spec_next
+        target = layer + 1
+        if target == self._L and self.first_layer_spec:
+            target = 0  # the last layer's gate predicts layer 0 of the next iteration
+        if spec is None or target >= self._L:
+            return []
+        routed = self._routed(gate)
+        n = self.prefetch_experts or max(self._K, routed)
+        n = min(n, self._E, self.quotas[target] or 1, self._room_experts(routed))
+        base = target * self._E
+        return [base + e for e in top_experts(spec, n)]
+
+    def on_gate(self, layer: int, gate: GateView) -> Actions:
+        """Prefetch the speculative top experts of the next layer."""
+        self._guard(layer, gate.counts)
+        keys = self._predict(layer, gate)
+        if not keys:
+            return NO_ACTIONS
+        order = self._orders[keys[0] // self._E]
+        for k in keys:  # a predicted expert counts as used: keep it over the others
+            if k in order:
+                order.move_to_end(k)
+        return prefetch_actions(keys, self._E)
+
+    def on_insert(self, key: int) -> None:
+        """A newly admitted expert is its layer's most recently used."""
+        order = self._orders[key // self._E]
+        order[key] = None
+        order.move_to_end(key)
+        self._held[self._slot(key)] += 1
+
+    def on_access(self, key: int, outcome: Outcome) -> None:
+        """Mark ``key`` most recently used in its layer."""
+        order = self._orders[key // self._E]
+        if key in order:
+            order.move_to_end(key)
+
+    def on_evict(self, key: int) -> None:
+        """Drop ``key`` from its layer's list."""
+        order = self._orders[key // self._E]
+        if key in order:
+            del order[key]
+            self._held[self._slot(key)] -= 1
+
+    def _lru_of(self, layer: int, candidates: Collection[int]) -> int:
+        for key in self._orders[layer]:
+            if key in candidates and not self._guarded(key):
+                return key
+        return -1
+
+    def victim(self, candidates: Collection[int], incoming: int) -> int:
+        """LRU expert of the incoming key's layer; else of the layer most over its quota."""
+        layer = incoming // self._E
+        g = (incoming % self._E) % self._G
+        row = g * self._L
+        held, quota = self._held, self._quota_gpu
+        if held[row + layer] >= quota[layer]:
+            key = self._lru_of(layer, candidates)
+            if key >= 0:
+                return key
+        # perf: one pass for the layer most over its quota (ties: smaller layer); the sort
+        # over all layers is needed only if that layer has nothing evictable
+        best, best_excess = -1, 0
+        for lay in range(self._L):
+            excess = held[row + lay] - quota[lay]
+            if excess > best_excess and lay != layer:
+                best, best_excess = lay, excess
+        if best >= 0:
+            key = self._lru_of(best, candidates)
+            if key >= 0:
+                return key
+            over = sorted(
+                (lay for lay in range(self._L) if lay not in (layer, best)),
+                key=lambda lay: (quota[lay] - held[row + lay], lay),
+            )
+            for lay in over:
+                if held[row + lay] <= quota[lay]:
+                    break
+                key = self._lru_of(lay, candidates)
+                if key >= 0:
+                    return key
+        fallback = -1
+        for key in candidates:  # admission order: the oldest unguarded entry
+            if not self._guarded(key):
+                return key
+            if fallback < 0:
+                fallback = key
+        if fallback >= 0:
+            return fallback
+        raise ValueError("MixtralOffloading.victim called with no candidates")

@@ -1,0 +1,80 @@
+"""Pre-gated MoE: prefetch the next layer's predicted experts, keep nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from policies._prefetching import LayerGuard, prefetch_actions, top_experts
+from policies.base import NO_ACTIONS, Actions, GateView, Policy, PolicyContext
+
+
+class PreGated(LayerGuard, Policy):
+    """Prefetch layer ``l + 1``'s predicted experts at the gate of layer ``l``; no cache.
+
+    paper: Pre-gated MoE (Hwang et al., ISCA 2024), as MoEpic §4.1 (``002``) states it:
+    "trains a pre-gated function for each layer to predict the activated experts for the
+    next layer. The predicted experts are prefetched into VRAM in parallel with the
+    computation of the current layer"; §4.2: "there are no cached experts in Pre-gated
+    MoE, [so] variations in the VRAM budget do not affect its performance".
+    here: the pre-gate is the trace's speculative probabilities ``gate.spec_next`` (the
+    next router applied one layer early, MoEpic eq. 3), because the trained pre-gate is
+    not in any trace; its ``n`` most probable experts are prefetched, ``n`` =
+    ``prefetch_experts`` or, if ``None``, the number of distinct experts the current layer
+    routed to (never below ``top_k``), as in :class:`policies.mixtral_offloading.
+    MixtralOffloading`.  "No cache": the victim is the oldest admitted candidate that
+    neither the current layer routes to nor this gate predicted for the next layer, so
+    only what the current and next layer need is protected.  The protocol has no way to
+    drop an entry before the budget is full, so with a budget larger than two layers'
+    experts, leftovers can still hit; run it with ``2 * top_k`` experts of budget to
+    reproduce the paper's budget-independent behaviour.
+    """
+
+    name = "pregated"
+    uses_spec = True
+
+    def __init__(self, prefetch_experts: int | None = None) -> None:
+        if prefetch_experts is not None and int(prefetch_experts) < 1:
+            raise ValueError(f"prefetch_experts must be >= 1 or None, got {prefetch_experts}")
+        self.prefetch_experts = None if prefetch_experts is None else int(prefetch_experts)
+
+    def reset(self, ctx: PolicyContext) -> None:
+        """Forget the last prediction."""
+        super().reset(ctx)
+        self._guard_reset(ctx)
+        m = ctx.model
+        self._L, self._E, self._K = m.num_layers, m.num_experts, m.top_k
+        self._next: set[int] = set()  # keys predicted for the next layer at the last gate
+
+    def on_gate(self, layer: int, gate: GateView) -> Actions:
+        """Prefetch the pre-gate's top experts of the next layer."""
+        self._guard(layer, gate.counts)
+        spec = gate.spec_next
+        if spec is None or layer + 1 >= self._L:
+            self._next = set()
+            return NO_ACTIONS
+        routed = self._routed(gate)
+        n = self.prefetch_experts or max(self._K, routed)
+        n = min(n, self._E, self._room_experts(routed))
+        base = (layer + 1) * self._E
+        keys = [base + e for e in top_experts(spec, n)]
+        self._next = set(keys)
+        return prefetch_actions(keys, self._E)
+
+    def victim(self, candidates: Collection[int], incoming: int) -> int:
+        """Oldest candidate the current and next layer do not need (else the oldest unguarded)."""
+        nxt = self._next
+        fallback = first = -1
+        for key in candidates:  # admission order
+            if first < 0:
+                first = key
+            if self._guarded(key):
+                continue
+            if key not in nxt:
+                return key
+            if fallback < 0:
+                fallback = key
+        if fallback >= 0:
+            return fallback
+        if first >= 0:
+            return first
+        raise ValueError("PreGated.victim called with no candidates")

@@ -1,0 +1,91 @@
+"""ProMoE-style stride prefetching: prefetch ``stride`` layers ahead, LRU cache."""
+
+from __future__ import annotations
+
+from policies._prefetching import GuardedLRU, routed_by_count, top_experts
+from policies.base import NO_ACTIONS, Actions, GateView, PolicyContext, Prefetch
+
+
+class ProMoE(GuardedLRU):
+    """At the gate of layer ``l``, prefetch the predicted experts of layer ``l + stride``.
+
+    paper: ProMoE (Song et al. 2024, arXiv 2410.22134) trains a predictor per layer and
+    prefetches "stride-based" (fMoE §6.1 of ``000``), i.e. a prefetch distance of
+    ``stride`` layers; fMoE reproduced it on MoE-Infinity and, "following the evaluation
+    of existing works [ProMoE]", set the prefetch distance ``d`` to three (fMoE §6.1),
+    hence ``stride = 3``.  fMoE §6.5 groups ProMoE's prediction with Mixtral-Offloading's
+    as "speculative", whose accuracy "decreases drastically as prefetch distance
+    increases".
+    here: the trace records one speculative prediction per layer, ``router_{l+1}(h_l)``
+    (``gate.spec_next``), so a true ``stride``-ahead guess ``router_{l+d}(h_l)`` is not
+    available.  Using ``spec_next`` as the guess for layer ``l + d`` would name experts of
+    the wrong layer (expert ids are unrelated across layers), and reading the trace's
+    prediction of layer ``l + d`` would use ``h_{l+d-1}``, which ProMoE does not have at
+    layer ``l``.  So the ``d``-ahead guess is recent history, because it is the freshest
+    signal about layer ``l + d`` that exists at layer ``l``: the experts routed at layer
+    ``l + d`` the last time that layer ran (for a decode batch, the same requests one
+    token ago: consecutive tokens reuse experts, MoE-Infinity §3.1 obs. 3), most tokens
+    first; when ``l + d >= L`` it targets layer ``l + d - L`` of the next iteration, whose
+    routing in the current iteration is already known.  Like a real ``d``-ahead
+    predictor it is wrong where routing changes from token to token.  ``use_spec_next``
+    (default on): also prefetch the speculative top experts of layer ``l + 1`` first
+    (layer proximity, MoE-Infinity §5.1), because the engine offers that prediction and
+    a one-layer-ahead guess is the most accurate one (fMoE §6.5); this refinement is
+    ours, not ProMoE's, so ``false`` gives the pure stride reading.
+    ``n`` per target = ``prefetch_experts`` or, if ``None``, the experts the current layer
+    routed to (never below ``top_k``) for the speculative part and all of the remembered
+    routing for the stride part; all capped by the room next to the current layer's
+    experts.  Cache: global LRU whose victim skips the current layer's routed experts
+    (ProMoE's cache policy is not described in ``000``/``002``).
+    """
+
+    name = "promoe"
+    uses_spec = True
+
+    def __init__(
+        self, stride: int = 3, prefetch_experts: int | None = None, use_spec_next: bool = True
+    ) -> None:
+        if int(stride) < 1:
+            raise ValueError(f"stride must be >= 1, got {stride}")
+        if prefetch_experts is not None and int(prefetch_experts) < 1:
+            raise ValueError(f"prefetch_experts must be >= 1 or None, got {prefetch_experts}")
+        self.stride = int(stride)
+        self.prefetch_experts = None if prefetch_experts is None else int(prefetch_experts)
+        self.use_spec_next = bool(use_spec_next)
+
+    def reset(self, ctx: PolicyContext) -> None:
+        """Forget recency and routing history."""
+        super().reset(ctx)
+        m = ctx.model
+        self._L, self._E, self._K = m.num_layers, m.num_experts, m.top_k
+        if self.stride > self._L:
+            raise ValueError(f"stride {self.stride} exceeds the model's {self._L} MoE layers")
+        self._last: list[list[int]] = [[] for _ in range(self._L)]  # experts, most tokens first
+
+    def on_gate(self, layer: int, gate: GateView) -> Actions:
+        """Remember this layer's routing; prefetch layer ``l + 1`` (spec) and ``l + stride``."""
+        counts = gate.counts
+        self._guard(layer, counts)
+        self._last[layer] = routed_by_count(gate)
+        routed = self._routed(gate)
+        room = self._room_experts(routed)
+        E, cap = self._E, self.prefetch_experts
+        prefetch: list[Prefetch] = []
+        chosen: set[int] = set()
+        spec = gate.spec_next
+        if self.use_spec_next and spec is not None and layer + 1 < self._L:
+            n = cap or max(self._K, routed)
+            base = (layer + 1) * E
+            keys = [base + e for e in top_experts(spec, min(n, E, room))]
+            prefetch += [Prefetch(k, 1 + r / E) for r, k in enumerate(keys)]
+            chosen.update(keys)
+        target = (layer + self.stride) % self._L
+        if self.stride > 1 or not prefetch:
+            hist = self._last[target]
+            if cap is not None:
+                hist = hist[:cap]
+            base = target * E
+            keys = [base + e for e in hist if base + e not in chosen]
+            keys = keys[: max(0, room - len(prefetch))]
+            prefetch += [Prefetch(k, self.stride + r / E) for r, k in enumerate(keys)]
+        return Actions(prefetch=prefetch) if prefetch else NO_ACTIONS

@@ -1,0 +1,133 @@
+"""Helpers of the engine timing and serving tests: hand-routed traces and closed forms.
+
+Every trace written here routes *all* tokens of an iteration of a request to the same
+``top_k`` experts per layer, so an iteration of ``n`` tokens puts ``n`` tokens on each
+of its experts and the expected compute times are plain sums of the ComputeModel's
+``a + b * tokens`` terms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fmoesim.engine.compute import ComputeModel
+from fmoesim.specs import HardwareSpec, ModelSpec
+from fmoesim.trace import TraceManifest, TraceModel, TraceWriter, read_trace
+from fmoesim.trace.reader import Trace
+from policies.base import NO_ACTIONS, Actions, BatchInfo, GateView, PolicyContext, Prefetch
+from policies.lru import LRU
+
+#: The columns of ``RunResult.transfer_table()`` (one per TransferRecord field).
+TRANSFER_COLUMNS = {
+    "key", "gpu", "size_bytes", "reason", "priority", "submit_s", "start_s", "end_s",
+    "used", "escalated", "preemptions", "cancelled",
+}  # fmt: skip
+
+#: routes[i][l] = the experts (``top_k`` of them) iteration ``i`` routes to in layer ``l``.
+Routes = Sequence[Sequence[Sequence[int]]]
+
+
+@dataclass
+class Req:
+    """One request of a hand-made trace: ``len(routes)`` output tokens."""
+
+    request_id: int
+    prompt_tokens: int
+    routes: Routes
+    arrival_s: float | None = None
+
+
+def write_trace(path: Path, model: ModelSpec, reqs: Sequence[Req]) -> Trace:
+    """Write ``reqs`` as a trace of ``model``'s shape and read it back."""
+    L, E = model.num_layers, model.num_experts
+    man = TraceManifest(
+        model=TraceModel(model.name, L, E, model.top_k, model.hidden_size),
+        embedding_dim=0,
+        source={"kind": "synthetic", "generator": "tests/_engine_helpers.py"},
+        has_probs=False,
+        has_spec_probs=False,
+    )
+    with TraceWriter(path, man, overwrite=True) as w:
+        for r in reqs:
+            w.add_request(r.request_id, r.prompt_tokens, len(r.routes), arrival_s=r.arrival_s)
+        for r in sorted(reqs, key=lambda r: r.request_id):
+            for i, route in enumerate(r.routes):
+                n = r.prompt_tokens if i == 0 else 1
+                counts = np.zeros((L, E), np.int32)
+                for layer, experts in enumerate(route):
+                    assert len(set(experts)) == model.top_k, (layer, experts)
+                    counts[layer, list(experts)] = n
+                w.add_iteration(r.request_id, i, n, None, counts)
+    return read_trace(path)
+
+
+def transfer_s(hw: HardwareSpec, model: ModelSpec) -> float:
+    """One expert over an idle link: fixed cost + size / bandwidth."""
+    return hw.transfer_overhead_s + model.expert_size_bytes / (hw.pcie_gbps * 1e9)
+
+
+def pre_gate_s(c: ComputeModel, batch: Sequence[tuple[int, int]]) -> float:
+    """Attention + router of one MoE layer for a batch of ``(prompt_tokens, iteration)``.
+
+    Prefill (iteration 0) of a prompt of ``p`` tokens: ``p`` new tokens, no KV cache,
+    ``p (p + 1) / 2`` causal (query, key) pairs.  Decode iteration ``j``: one new token
+    reading the ``p + j - 1`` cached tokens and attending over ``p + j`` keys.
+    """
+    tokens = kv = pairs = 0
+    for p, j in batch:
+        if j == 0:
+            tokens += p
+            pairs += p * (p + 1) // 2
+        else:
+            tokens += 1
+            kv += p + j - 1
+            pairs += p + j
+    return c.attention_s(tokens, kv, pairs) + c.router_s(tokens)
+
+
+class Recording(LRU):
+    """LRU that records what the Runner shows it (batches and gate token counts)."""
+
+    name = "recording-lru"
+
+    def reset(self, ctx: PolicyContext) -> None:
+        """Forget recorded events too."""
+        super().reset(ctx)
+        self.batches: list[tuple[tuple[int, ...], tuple[int, ...], bool]] = []
+        self.gates: list[tuple[int, int, np.ndarray]] = []  # (iteration, layer, counts)
+
+    def on_iteration_start(self, batch: BatchInfo) -> None:
+        """Record the batch composition."""
+        self.batches.append((batch.request_ids, batch.request_iterations, batch.prefill))
+        self._it = batch.iteration
+
+    def on_gate(self, layer: int, gate: GateView) -> Actions:
+        """Record the gate's token counts; no prefetch."""
+        self.gates.append((self._it, layer, np.array(gate.counts)))
+        return NO_ACTIONS
+
+
+class ScheduledPrefetch(LRU):
+    """LRU plus prefetches from a fixed schedule: global layer step -> expert keys.
+
+    A scheduled entry is a key (priority 1.0) or a ``(key, priority)`` pair.
+    """
+
+    name = "scheduled-prefetch"
+
+    def __init__(self, schedule: dict[int, Sequence[int | tuple[int, float]]]) -> None:
+        super().__init__()
+        self.schedule = schedule
+
+    def on_gate(self, layer: int, gate: GateView) -> Actions:
+        """Prefetch the keys scheduled for this step."""
+        keys = self.schedule.get(gate.step, ())
+        if not keys:
+            return NO_ACTIONS
+        return Actions(
+            prefetch=[Prefetch(*k) if isinstance(k, tuple) else Prefetch(k) for k in keys]
+        )

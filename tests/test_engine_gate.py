@@ -1,0 +1,63 @@
+"""What a policy sees at each gate: counts, probabilities and speculative predictions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fmoesim.engine.serving import ServingConfig
+from fmoesim.engine.simulate import simulate
+from fmoesim.trace import read_trace
+from fmoesim.workload.synthetic import SyntheticConfig, generate
+from policies.base import NO_ACTIONS, Actions, GateView
+from policies.lru import LRU
+from tests.test_policy_contract import MODEL
+from tests.tiny import TINY_HW
+
+
+class Recording(LRU):
+    """LRU that records every gate it is shown."""
+
+    uses_probs = True
+    uses_spec = True
+
+    def reset(self, ctx):  # type: ignore[no-untyped-def]
+        super().reset(ctx)
+        self.gates: list[tuple[int, int, np.ndarray, np.ndarray | None, np.ndarray | None]] = []
+
+    def on_gate(self, layer: int, gate: GateView) -> Actions:
+        spec = None if gate.spec_next is None else gate.spec_next.copy()
+        probs = None if gate.probs is None else gate.probs.copy()
+        self.gates.append((gate.step, layer, gate.counts.copy(), probs, spec))
+        return NO_ACTIONS
+
+
+def test_gate_views_match_the_trace(tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    cfg = SyntheticConfig(num_requests=3, embedding_dim=4, output_tokens_median=6, seed=1)
+    generate(MODEL, cfg, path, overwrite=True)
+    tr = read_trace(path)
+    assert tr.spec_probs is not None and tr.spec_valid is not None and tr.probs is not None
+    pol = Recording()
+    simulate(tr, MODEL, TINY_HW, pol, 12 * MODEL.expert_size_bytes, serving=ServingConfig())
+    L = MODEL.num_layers
+    rows = [int(tr.iter_start[r]) + j for r in range(3) for j in range(int(tr.output_tokens[r]))]
+    assert len(pol.gates) == len(rows) * L
+    last_of_request = {int(tr.iter_start[r] + tr.output_tokens[r] - 1) for r in range(3)}
+    for i, (step, layer, counts, probs, spec) in enumerate(pol.gates):
+        row = rows[i // L]
+        assert step == i and layer == i % L
+        np.testing.assert_array_equal(counts, tr.counts[row, layer])
+        np.testing.assert_allclose(probs, tr.probs[row, layer].astype(np.float32), rtol=1e-6)
+        if layer + 1 < L:  # the prediction of the next layer, made one layer early
+            nxt = (row, layer + 1)
+        elif row not in last_of_request:  # layer 0 of the same request's next iteration
+            nxt = (row + 1, 0)
+        else:
+            assert spec is None  # the request ends: nothing to predict
+            continue
+        if tr.spec_valid[nxt]:
+            np.testing.assert_allclose(spec, tr.spec_probs[nxt].astype(np.float32), rtol=1e-6)
+        else:
+            assert spec is None

@@ -1,0 +1,540 @@
+"""The simulator's timing model against closed forms (DESIGN.md "Timing model", "Metrics").
+
+Every expectation is derived by hand from the model and hardware parameters: an expert
+over an idle link takes ``t_x = overhead + size / bandwidth``; compute times are the
+:class:`ComputeModel` terms (``a + b * tokens``) of the operators the Runner runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from fmoesim.engine import simulate
+from fmoesim.engine.backend import ON_DEMAND, TransferRecord
+from fmoesim.engine.compute import ComputeModel
+from fmoesim.engine.sim import SimLink
+from fmoesim.trace import read_trace
+from policies.base import Outcome
+from policies.lru import LRU
+from tests._engine_helpers import (
+    TRANSFER_COLUMNS,
+    Req,
+    ScheduledPrefetch,
+    pre_gate_s,
+    transfer_s,
+    write_trace,
+)
+from tests.tiny import TINY, TINY_HW, write_sequence_trace
+
+SIZE = TINY.expert_size_bytes  # 6 MB
+C = ComputeModel.from_specs(TINY, TINY_HW)
+T_X = transfer_s(TINY_HW, TINY)  # 1e-4 + 6e6 / 1e10 = 7e-4 s
+L = TINY.num_layers
+#: TINY with two experts per token (layer 0 of an iteration may hold a HIT and a MISS)
+TINY2 = replace(TINY, top_k=2)
+
+
+def test_hand_constants():
+    # the numbers every closed form below relies on
+    assert SIZE == 6_000_000
+    assert T_X == pytest.approx(7e-4, rel=1e-12)
+    assert TINY_HW.chunk_bytes > SIZE  # the default chunk holds a whole expert
+
+
+# -- 1. every layer misses: stall = t_x per layer, time = compute + misses * t_x ----------
+CYCLE = [[i % 4, (i + 1) % 4] for i in range(6)]  # a key recurs only 8 accesses later
+
+
+def decode_compute_s(c: ComputeModel, p: int, j: int) -> float:
+    """Compute of decode iteration ``j`` of one request of prompt ``p`` (batch 1)."""
+    return L * (pre_gate_s(c, [(p, j)]) + c.expert_s(1)) + c.lm_head_s(1)
+
+
+def prefill_compute_s(c: ComputeModel, p: int) -> float:
+    """Compute of the prefill of one request of prompt ``p``."""
+    return L * (pre_gate_s(c, [(p, 0)]) + c.expert_s(p)) + c.lm_head_s(1)
+
+
+@pytest.mark.parametrize("chunk_bytes", [TINY_HW.chunk_bytes, SIZE, 1_000_000, 4096])
+def test_every_layer_misses_one_expert(tmp_path, chunk_bytes):
+    p = 3
+    hw = replace(TINY_HW, chunk_bytes=chunk_bytes)  # no prefetch: chunking changes nothing
+    tr = read_trace(write_sequence_trace(tmp_path / "t", CYCLE, prompt_tokens=p))
+    r = simulate(tr, TINY, hw, LRU(), 2 * SIZE)
+    s = r.summary
+    n = len(CYCLE)
+    assert (s["hits"], s["late"], s["misses"]) == (0, 0, n * L)
+    np.testing.assert_allclose(r.metrics.stall_per_layer_s, [n * T_X] * L, rtol=1e-12)
+    compute = prefill_compute_s(C, p) + sum(decode_compute_s(C, p, j) for j in range(1, n))
+    assert s["gpu_busy_s"] == pytest.approx(compute, rel=1e-12)
+    assert s["stall_s"] == pytest.approx(n * L * T_X, rel=1e-12)
+    assert s["simulated_s"] == pytest.approx(compute + n * L * T_X, rel=1e-12)
+    req = r.metrics.request_table()
+    assert req["ttft_s"][0] == pytest.approx(prefill_compute_s(C, p) + L * T_X, rel=1e-12)
+    assert s["preemptions"] == 0
+    for t in r.transfers:  # each on-demand load runs alone on an idle link
+        assert t.end_s - t.start_s == pytest.approx(T_X, rel=1e-9)
+        assert t.start_s == t.submit_s
+
+
+def test_a_hit_costs_no_stall(tmp_path):
+    p, n = 2, 5
+    tr = write_trace(tmp_path / "t", TINY, [Req(0, p, [[[0], [3]]] * n)])
+    r = simulate(tr, TINY, TINY_HW, LRU(), 2 * SIZE)
+    s = r.summary
+    assert (s["hits"], s["misses"]) == ((n - 1) * L, L)  # only the prefill is cold
+    np.testing.assert_allclose(r.metrics.stall_per_layer_s, [T_X] * L, rtol=1e-12)
+    decode = [decode_compute_s(C, p, j) for j in range(1, n)]
+    req = r.metrics.request_table()
+    # decode steps hit everything: their time is compute alone
+    assert req["tpot_s"][0] == pytest.approx(sum(decode) / (n - 1), rel=1e-12)
+    assert s["simulated_s"] == pytest.approx(
+        prefill_compute_s(C, p) + L * T_X + sum(decode), rel=1e-12
+    )
+
+
+# -- 2. SimLink ---------------------------------------------------------------------------
+MB = 1_000_000
+BW = 1e9  # 1 GB/s: 1 MB takes 1 ms
+OV = 1e-3  # fixed cost per transfer
+
+
+class Link:
+    """A SimLink with the completions it reported, driven at explicit times."""
+
+    def __init__(self, chunk: int = 4 * MB, preempt: bool = True) -> None:
+        self.done: list[int] = []
+        self.link = SimLink(BW, OV, chunk, preempt, self.done.append)
+
+    def submit(self, key: int, size: int, t: float, prio: float = 1.0) -> TransferRecord:
+        reason = "on_demand" if prio == ON_DEMAND else "prefetch"
+        rec = TransferRecord(key, 0, size, reason, prio, t)
+        self.link.advance(t)
+        self.link.submit(rec, t)
+        return rec
+
+    def finish(self) -> None:
+        self.link.advance(float("inf"))
+
+
+def test_link_fifo_among_equal_priorities():
+    lk = Link()
+    a = lk.submit(1, 1 * MB, 0.0)
+    b = lk.submit(2, 1 * MB, 0.0)
+    c = lk.submit(3, 1 * MB, 0.0)
+    lk.finish()
+    assert lk.done == [1, 2, 3]
+    # each pays its fixed cost when it starts: 2 ms apiece
+    assert (a.start_s, b.start_s, c.start_s) == pytest.approx((0.0, 2e-3, 4e-3))
+    assert (a.end_s, b.end_s, c.end_s) == pytest.approx((2e-3, 4e-3, 6e-3))
+
+
+def test_link_lower_priority_value_first_among_queued():
+    lk = Link()
+    lk.submit(1, 1 * MB, 0.0, prio=5.0)  # running: not reordered
+    lk.submit(2, 1 * MB, 0.0, prio=2.0)
+    lk.submit(3, 1 * MB, 0.0, prio=1.0)
+    lk.submit(4, 1 * MB, 0.0, prio=1.0)
+    lk.submit(5, 1 * MB, 0.0, prio=0.5)
+    lk.finish()
+    assert lk.done == [1, 5, 3, 4, 2]
+
+
+def test_link_on_demand_pauses_prefetch_at_next_chunk_boundary():
+    lk = Link(chunk=4 * MB)
+    pf = lk.submit(1, 10 * MB, 0.0)  # data moves from 1 ms, 1 MB per ms
+    t_od = OV + 5 * MB / BW  # 5 MB moved: the next boundary is 8 MB, at 9 ms
+    od = lk.submit(2, 2 * MB, t_od, prio=ON_DEMAND)
+    lk.link.advance(8.9e-3)
+    assert lk.done == [] and pf.preemptions == 0  # still moving its 8th MB
+    lk.finish()
+    assert lk.done == [2, 1]
+    assert od.start_s == pytest.approx(9e-3)
+    assert od.end_s == pytest.approx(9e-3 + OV + 2e-3)  # on-demand pays its fixed cost
+    # the prefetch resumes at 12 ms with 2 MB left and no second fixed cost
+    assert pf.start_s == 0.0
+    assert pf.end_s == pytest.approx(12e-3 + 2e-3)
+    assert pf.preemptions == 1
+    assert lk.link.busy_s == pytest.approx(14e-3)  # no idle time: 9 + 3 + 2 ms
+
+
+def test_link_on_demand_during_fixed_cost_pauses_before_any_byte():
+    lk = Link(chunk=4 * MB)
+    pf = lk.submit(1, 10 * MB, 0.0)
+    od = lk.submit(2, 2 * MB, 0.5e-3, prio=ON_DEMAND)
+    lk.finish()
+    assert od.start_s == pytest.approx(OV)  # the prefetch's fixed cost is not interrupted
+    assert od.end_s == pytest.approx(OV + OV + 2e-3)
+    assert pf.end_s == pytest.approx(4e-3 + 10e-3)  # all 10 MB after, no second fixed cost
+    assert pf.preemptions == 1
+
+
+def test_link_last_chunk_is_not_paused():
+    lk = Link(chunk=4 * MB)
+    pf = lk.submit(1, 10 * MB, 0.0)
+    lk.submit(2, 2 * MB, OV + 5e-3, prio=ON_DEMAND)  # pauses pf at 8 MB (9 ms) -> 12 ms
+    # pf resumes at 12 ms with its last 2 MB (8..10 MB): no boundary left before its end
+    od2 = lk.submit(3, 1 * MB, 12.5e-3, prio=ON_DEMAND)
+    lk.finish()
+    assert lk.done == [2, 1, 3]
+    assert pf.end_s == pytest.approx(14e-3) and pf.preemptions == 1
+    assert od2.start_s == pytest.approx(14e-3)
+    assert od2.end_s == pytest.approx(14e-3 + OV + 1e-3)
+
+
+def test_link_without_preemption_keeps_prefetch_running():
+    lk = Link(chunk=4 * MB, preempt=False)
+    pf = lk.submit(1, 10 * MB, 0.0)
+    od = lk.submit(2, 2 * MB, OV + 5e-3, prio=ON_DEMAND)
+    lk.finish()
+    assert lk.done == [1, 2]
+    assert pf.end_s == pytest.approx(OV + 10e-3) and pf.preemptions == 0
+    assert (od.start_s, od.end_s) == pytest.approx((11e-3, 11e-3 + OV + 2e-3))
+
+
+@pytest.mark.parametrize("chunk", [10 * MB, 16 * MB])
+def test_link_chunk_not_smaller_than_transfer_never_pauses(chunk):
+    lk = Link(chunk=chunk)
+    pf = lk.submit(1, 10 * MB, 0.0)
+    od = lk.submit(2, 2 * MB, OV + 5e-3, prio=ON_DEMAND)
+    lk.finish()
+    assert lk.done == [1, 2]
+    assert pf.preemptions == 0 and pf.end_s == pytest.approx(11e-3)
+    assert od.start_s == pytest.approx(11e-3)
+
+
+def test_link_cancel_only_queued_never_started():
+    lk = Link(chunk=4 * MB)
+    run = lk.submit(1, 10 * MB, 0.0)
+    queued = lk.submit(2, 1 * MB, 0.0)
+    od = lk.submit(3, 2 * MB, OV + 5e-3, prio=ON_DEMAND)  # pauses key 1 at 9 ms
+    assert not lk.link.cancel(1)  # running
+    assert lk.link.cancel(2)  # queued, never started
+    assert not lk.link.cancel(2)  # already cancelled
+    assert not lk.link.cancel(99)  # unknown
+    lk.link.advance(10e-3)  # key 1 paused after moving 8 MB, key 3 running
+    assert run.preemptions == 1
+    assert not lk.link.cancel(1)  # paused after it started: not cancellable
+    lk.finish()
+    assert not lk.link.cancel(3)  # finished
+    assert lk.done == [3, 1]
+    assert queued.start_s != queued.start_s  # NaN: never started
+    assert run.end_s == pytest.approx(14e-3)
+    assert od.end_s == pytest.approx(12e-3)
+    assert lk.link.busy_s == pytest.approx(14e-3)  # the cancelled one moved nothing
+
+
+def test_link_escalate_moves_queued_prefetch_ahead():
+    lk = Link(chunk=16 * MB)  # no pausing: only the queue order changes
+    a = lk.submit(1, 1 * MB, 0.0)
+    b = lk.submit(2, 1 * MB, 0.0)
+    c = lk.submit(3, 1 * MB, 0.0)
+    lk.link.escalate(3, 0.5e-3)
+    lk.finish()
+    assert lk.done == [1, 3, 2]
+    assert c.escalated and not b.escalated and not a.escalated
+    assert c.priority == 1.0  # the record keeps the priority it was submitted with
+    assert (c.start_s, b.start_s) == pytest.approx((2e-3, 4e-3))
+
+
+def test_link_escalate_pauses_running_prefetch_at_chunk_boundary():
+    lk = Link(chunk=4 * MB)
+    a = lk.submit(1, 10 * MB, 0.0)
+    b = lk.submit(2, 1 * MB, 0.0)
+    c = lk.submit(3, 1 * MB, 0.0)
+    lk.link.escalate(3, OV + 5e-3)  # a pauses at 8 MB (9 ms)
+    lk.finish()
+    assert lk.done == [3, 1, 2]  # a resumes before b: same priority, submitted first
+    assert (c.start_s, c.end_s) == pytest.approx((9e-3, 11e-3))
+    assert a.end_s == pytest.approx(13e-3) and a.preemptions == 1
+    assert (b.start_s, b.end_s) == pytest.approx((13e-3, 15e-3))
+
+
+def test_link_escalated_running_transfer_is_not_paused():
+    lk = Link(chunk=4 * MB)
+    a = lk.submit(1, 10 * MB, 0.0)
+    lk.link.escalate(1, 2e-3)  # an access waits for it now: it is on-demand
+    od = lk.submit(2, 2 * MB, OV + 5e-3, prio=ON_DEMAND)
+    lk.finish()
+    assert a.escalated and a.preemptions == 0
+    assert a.end_s == pytest.approx(11e-3)
+    assert od.start_s == pytest.approx(11e-3)
+
+
+def test_link_busy_time_is_sum_of_busy_intervals():
+    lk = Link(chunk=4 * MB)
+    lk.submit(1, 1 * MB, 0.0)  # 0 .. 2 ms
+    lk.submit(2, 3 * MB, 5e-3)  # idle 2 .. 5 ms, then 5 .. 9 ms
+    lk.submit(3, 1 * MB, 5e-3)  # 9 .. 11 ms
+    lk.submit(4, 1 * MB, 5e-3)
+    assert lk.link.cancel(4)
+    lk.finish()
+    assert lk.link.busy_s == pytest.approx(2e-3 + 4e-3 + 2e-3)
+    assert lk.link.idle()
+
+
+# -- 3. a prefetch for the next layer overlaps compute -------------------------------------
+@pytest.mark.parametrize("factor", [0.5, 0.9, 1.5, 3.0])
+def test_prefetch_for_next_layer_overlaps_compute(tmp_path, factor):
+    """Layer 0 of iteration 1 hits and prefetches layer 1's expert 1 (key 5).
+
+    Between the prefetch's issue (after layer 0's router) and its use (after layer 1's
+    router) the GPU computes layer 0's expert and layer 1's attention + router: ``gap``.
+    A transfer of ``factor * gap`` is a HIT with no stall if shorter, else LATE with a
+    stall of exactly ``t_x - gap``.
+    """
+    p = 1
+    gap = C.expert_s(1) + pre_gate_s(C, [(p, 1)])
+    ov = 1e-5
+    t_x = factor * gap
+    hw = replace(TINY_HW, transfer_overhead_s=ov, pcie_gbps=SIZE / (t_x - ov) / 1e9)
+    assert transfer_s(hw, TINY) == pytest.approx(t_x, rel=1e-12)
+    tr = write_trace(tmp_path / "t", TINY, [Req(0, p, [[[0], [0]], [[0], [1]]])])
+    key = 1 * TINY.num_experts + 1
+    r = simulate(tr, TINY, hw, ScheduledPrefetch({2: [key]}), 4 * SIZE, access_log=True)
+    s = r.summary
+    late = factor > 1
+    # iteration 0: two cold misses; iteration 1: layer 0 hits, layer 1 finds the prefetch
+    assert (s["hits"], s["late"], s["misses"]) == (1 + (not late), int(late), 2)
+    assert r.accesses["outcome"][-1] == (Outcome.LATE if late else Outcome.HIT)
+    extra = max(0.0, t_x - gap)
+    np.testing.assert_allclose(r.metrics.stall_per_layer_s, [t_x, t_x + extra], rtol=1e-9)
+    pf = next(t for t in r.transfers if t.reason == "prefetch")
+    assert pf.key == key and pf.used and pf.escalated == late
+    assert pf.end_s - pf.start_s == pytest.approx(t_x, rel=1e-9)
+    compute = prefill_compute_s(C, p) + decode_compute_s(C, p, 1)
+    assert s["simulated_s"] == pytest.approx(compute + 2 * t_x + extra, rel=1e-12)
+
+
+# -- 4. ready-first: the hit computes while the miss loads ---------------------------------
+@pytest.mark.parametrize(
+    "hw",
+    [TINY_HW, replace(TINY_HW, pcie_gbps=1000.0, transfer_overhead_s=0.0)],
+    ids=["slow-link", "fast-link"],
+)
+def test_ready_expert_computes_while_missing_one_loads(tmp_path, hw):
+    p = 2
+    c = ComputeModel.from_specs(TINY2, hw)
+    t_x = transfer_s(hw, TINY2)
+    # iteration 0 loads {0,1} in both layers; iteration 1 layer 0 needs {0 (HIT), 2 (MISS)}
+    routes = [[[0, 1], [0, 1]], [[0, 2], [0, 1]]]
+    tr = write_trace(tmp_path / "t", TINY2, [Req(0, p, routes)])
+    r = simulate(tr, TINY2, hw, LRU(), 8 * SIZE)
+    s = r.summary
+    assert (s["hits"], s["misses"]) == (3, 5)
+    # cold prefill layer: two loads back to back on one link; the first to land computes
+    # (p tokens) while the second is still moving
+    cold = t_x + max(0.0, t_x - c.expert_s(p))
+    warm = max(0.0, t_x - c.expert_s(1))  # the hit's compute hides part of the load
+    np.testing.assert_allclose(r.metrics.stall_per_layer_s, [cold + warm, cold], rtol=1e-9)
+    compute = (
+        L * (pre_gate_s(c, [(p, 0)]) + 2 * c.expert_s(p))
+        + L * (pre_gate_s(c, [(p, 1)]) + 2 * c.expert_s(1))
+        + 2 * c.lm_head_s(1)
+    )
+    assert s["simulated_s"] == pytest.approx(compute + 2 * cold + warm, rel=1e-12)
+
+
+# -- 7. expert parallelism ----------------------------------------------------------------
+def test_expert_parallel_gpus_have_own_link_and_cache(tmp_path):
+    p = 1
+    hw2 = replace(TINY_HW, num_gpus=2)
+    e = C.expert_s(p)
+    assert T_X > e
+    # prefill only: layer 0 needs experts {0, 1} (GPUs 0, 1); layer 1 needs {0, 2} (GPU 0)
+    tr = write_trace(tmp_path / "t", TINY2, [Req(0, p, [[[0, 1], [0, 2]]])])
+    budget = 2 * SIZE
+    r = simulate(tr, TINY2, hw2, LRU(), budget, access_log=True)
+    # layer 0: one load per link, in parallel; layer 1: two loads on GPU 0's link, the
+    # first computes while the second moves
+    np.testing.assert_allclose(r.metrics.stall_per_layer_s, [T_X, T_X + (T_X - e)], rtol=1e-9)
+    pre = pre_gate_s(C, [(p, 0)])
+    expected = (pre + T_X + e) + (pre + 2 * T_X + e) + C.lm_head_s(1)
+    assert r.summary["simulated_s"] == pytest.approx(expected, rel=1e-12)
+    assert [(t.key, t.gpu) for t in r.transfers] == [(0, 0), (1, 1), (4, 0), (6, 0)]
+    for t in r.transfers:
+        assert t.end_s - t.start_s == pytest.approx(T_X, rel=1e-9)
+    assert r.transfers[0].start_s == r.transfers[1].start_s  # two links, same instant
+    np.testing.assert_array_equal(r.accesses["expert"], [0, 1, 0, 2])
+    np.testing.assert_array_equal(r.accesses["gpu"], [0, 1, 0, 0])
+    assert len(r.caches) == 2
+    assert [c.budget_bytes for c in r.caches] == [budget, budget]
+    assert [c.gpu for c in r.caches] == [0, 1]
+    # GPU 0 holds 2 experts of budget: loading key 6 evicted key 0; GPU 1 has only key 1
+    assert set(r.caches[0].entries) == {4, 6} and r.caches[0].evictions == 1
+    assert set(r.caches[1].entries) == {1} and r.caches[1].evictions == 0
+    assert r.summary["peak_expert_bytes"] == budget
+
+    # the same run on one GPU: every load shares the link
+    r1 = simulate(tr, TINY2, TINY_HW, LRU(), 4 * SIZE)
+    np.testing.assert_allclose(r1.metrics.stall_per_layer_s, [2 * T_X - e, 2 * T_X - e], rtol=1e-9)
+
+
+# -- 8. shared experts: resident, outside the budget, compute every layer ------------------
+def test_shared_experts_cost_compute_not_budget(tmp_path):
+    p, n = 2, 5
+    shared = replace(TINY, num_shared_experts=1, shared_expert_intermediate_size=500)
+    cs = ComputeModel.from_specs(shared, TINY_HW)
+    assert cs.shared_s(1) > 0
+    # the prefill's two on-demand loads are longer than the shared experts they overlap
+    assert cs.shared_s(p) < T_X
+    tr = write_trace(tmp_path / "t", TINY, [Req(0, p, [[[0], [3]]] * n)])
+    base = simulate(tr, TINY, TINY_HW, LRU(), 4 * SIZE)
+    sh = simulate(tr, shared, TINY_HW, LRU(), 4 * SIZE)
+    assert sh.summary["peak_expert_bytes"] == base.summary["peak_expert_bytes"] == 2 * SIZE
+    assert sh.summary["pcie_bytes"] == base.summary["pcie_bytes"] == 2 * SIZE
+    rb, rs = base.metrics.request_table(), sh.metrics.request_table()
+    # batch-1 decode (all hits): every layer of every decode iteration adds shared_s(1)
+    decode_b = rb["e2e_s"][0] - rb["ttft_s"][0]
+    decode_s = rs["e2e_s"][0] - rs["ttft_s"][0]
+    assert decode_s - decode_b == pytest.approx(L * (n - 1) * cs.shared_s(1), rel=1e-9)
+    # prefill: the shared experts run while the missing expert loads
+    assert rs["ttft_s"][0] == pytest.approx(rb["ttft_s"][0], rel=1e-12)
+    assert sh.summary["stall_s"] == pytest.approx(
+        base.summary["stall_s"] - L * cs.shared_s(p), rel=1e-9
+    )
+    assert sh.summary["simulated_s"] - base.summary["simulated_s"] == pytest.approx(
+        L * (n - 1) * cs.shared_s(1), rel=1e-9
+    )
+    assert sh.summary["gpu_busy_s"] - base.summary["gpu_busy_s"] == pytest.approx(
+        L * (cs.shared_s(p) + (n - 1) * cs.shared_s(1)), rel=1e-9
+    )
+
+
+# -- 9. transfer log and access log --------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_bytes", [TINY_HW.chunk_bytes, 1_000_000])
+def test_transfer_and_access_logs(tmp_path, chunk_bytes):
+    """Step 0 prefetches key 6 (layer 1, expert 2), which is never accessed.
+
+    A gate's prefetches are issued after the layer's on-demand loads, so at ``t0`` (after
+    layer 0's router) the load of key 0 starts on the idle link, ``[t0, t0 + t_x]``, and
+    the prefetch follows, ``t0 + t_x`` on.  Layer 1's router is done ``g`` (one expert +
+    one attention and router) after that, and its miss of key 7 is submitted while the
+    prefetch is in its fixed cost (``g < overhead``).  With a whole-expert chunk it waits
+    for the prefetch: ``[t0 + 2 t_x, t0 + 3 t_x]``, stall ``2 t_x - g``.  With 1 MB chunks
+    the prefetch pauses at the end of its fixed cost (no byte moved yet) and the load
+    runs ``[t0 + t_x + overhead, t0 + 2 t_x + overhead]``, stall ``t_x + overhead - g``;
+    the prefetch then moves its 6 MB without a second fixed cost and ends at
+    ``t0 + 3 t_x``.  Either way the link never idles from ``t0`` on: busy ``3 t_x``.
+    """
+    hw = replace(TINY_HW, chunk_bytes=chunk_bytes)
+    ov = hw.transfer_overhead_s
+    gap = C.expert_s(1) + pre_gate_s(C, [(1, 0)])
+    assert gap < ov
+    tr = write_trace(tmp_path / "t", TINY, [Req(0, 1, [[[0], [3]]] * 3)])
+    r = simulate(tr, TINY, hw, ScheduledPrefetch({0: [6]}), 4 * SIZE, access_log=True)
+    s = r.summary
+    table = r.transfer_table()
+    assert set(table) == TRANSFER_COLUMNS
+    assert all(len(v) == len(r.transfers) == 3 for v in table.values())
+    np.testing.assert_array_equal(table["key"], [0, 6, 7])
+    np.testing.assert_array_equal(table["reason"], ["on_demand", "prefetch", "on_demand"])
+    np.testing.assert_array_equal(table["used"], [True, False, True])
+    np.testing.assert_array_equal(table["size_bytes"], [SIZE] * 3)
+    np.testing.assert_array_equal(table["gpu"], [0, 0, 0])
+    np.testing.assert_array_equal(table["cancelled"], [False] * 3)
+    assert (table["start_s"] <= table["end_s"]).all()
+    assert (table["submit_s"] <= table["start_s"]).all()
+    od0, pf, od7 = r.transfers
+    assert pf.priority == 1.0 and od0.priority == od7.priority == ON_DEMAND
+    t0 = od0.submit_s
+    assert pf.submit_s == t0
+    assert (od0.start_s, od0.end_s) == pytest.approx((t0, t0 + T_X))
+    assert pf.start_s == pytest.approx(t0 + T_X)
+    assert od7.submit_s == pytest.approx(t0 + T_X + gap)
+    preempt = chunk_bytes < SIZE
+    if preempt:
+        assert pf.preemptions == 1
+        assert od7.start_s == pytest.approx(t0 + T_X + ov)
+        assert pf.end_s == pytest.approx(t0 + 3 * T_X)
+        stall1 = T_X + ov - gap
+    else:
+        assert pf.preemptions == 0
+        assert pf.end_s == pytest.approx(t0 + 2 * T_X)
+        assert od7.start_s == pytest.approx(t0 + 2 * T_X)
+        stall1 = 2 * T_X - gap
+    for t in (od0, od7):  # never preempted: fixed cost + size / bandwidth
+        assert t.end_s - t.start_s == pytest.approx(T_X, rel=1e-9)
+    np.testing.assert_allclose(r.metrics.stall_per_layer_s, [T_X, stall1], rtol=1e-9)
+    assert s["unused_prefetch_bytes"] == SIZE and s["prefetch_bytes"] == SIZE
+    assert s["on_demand_bytes"] == 2 * SIZE
+    assert s["preemptions"] == int(preempt)
+    assert s["link_busy_s"] == pytest.approx(3 * T_X, rel=1e-9)
+    log = r.accesses
+    assert set(log) == {"step", "iteration", "layer", "expert", "gpu", "outcome", "time_s"}
+    counts = np.bincount(log["outcome"], minlength=3)
+    assert tuple(counts) == (s["hits"], s["late"], s["misses"]) == (4, 0, 2)
+    np.testing.assert_array_equal(log["outcome"], [Outcome.MISS] * 2 + [Outcome.HIT] * 4)
+    np.testing.assert_array_equal(log["step"], np.arange(6))
+    np.testing.assert_array_equal(log["layer"], [0, 1] * 3)
+    np.testing.assert_array_equal(log["expert"], [0, 3] * 3)
+    np.testing.assert_array_equal(log["iteration"], [0, 0, 1, 1, 2, 2])
+    assert log["time_s"][0] == pytest.approx(t0) and log["time_s"][1] == pytest.approx(od7.submit_s)
+
+
+# -- an on-demand load finds the budget held by prefetches in flight -----------------------
+#: Two GPUs: GPU 0 holds experts 0 and 2 of each layer, GPU 1 experts 1 and 3.
+HW2 = replace(TINY_HW, num_gpus=2)
+#: Decode iteration 1 of a 1-token prompt: layer 0's expert (a HIT) and layer 1's
+#: attention + router run between a prefetch issued at layer 0's gate and layer 1's gate.
+GAP1 = C.expert_s(1) + pre_gate_s(C, [(1, 1)])
+
+
+def test_on_demand_waits_for_a_running_prefetch_holding_the_budget(tmp_path):
+    """One expert of budget per GPU; iteration 1's layer 0 hits key 0 (GPU 0) and its
+    gate prefetches key 7 (layer 1, expert 3: GPU 1) at ``T0``, evicting key 5.
+
+    Layer 1 then needs key 5: GPU 1's budget is held by the in-flight prefetch, which
+    has started and cannot be cancelled, so the load waits for it to land
+    (``T0 + t_x``), evicts it unused and loads: stall ``2 t_x - GAP1``.
+    """
+    tr = write_trace(tmp_path / "t", TINY, [Req(0, 1, [[[0], [1]], [[0], [1]]])])
+    r = simulate(tr, TINY, HW2, ScheduledPrefetch({2: [7]}), SIZE, access_log=True)
+    s = r.summary
+    assert [(t.key, t.gpu, t.reason, t.used) for t in r.transfers] == [
+        (0, 0, "on_demand", True),
+        (5, 1, "on_demand", True),
+        (7, 1, "prefetch", False),
+        (5, 1, "on_demand", True),
+    ]
+    pf, od = r.transfers[2], r.transfers[3]
+    assert (pf.start_s, pf.end_s) == pytest.approx((pf.submit_s, pf.submit_s + T_X))
+    assert od.submit_s == pytest.approx(pf.end_s) and od.start_s == pytest.approx(pf.end_s)
+    np.testing.assert_array_equal(
+        r.accesses["outcome"], [Outcome.MISS, Outcome.MISS, Outcome.HIT, Outcome.MISS]
+    )
+    np.testing.assert_allclose(r.metrics.stall_per_layer_s, [T_X, T_X + 2 * T_X - GAP1], rtol=1e-9)
+    assert s["wasted_bytes"] == SIZE and s["cancelled_transfers"] == 0
+    assert s["peak_expert_bytes"] == SIZE
+
+
+def test_on_demand_cancels_only_as_many_queued_prefetches_as_it_needs(tmp_path):
+    """Three experts of budget per GPU; iteration 0 puts keys 0 and 4 on GPU 0.
+
+    Iteration 1's layer 0 hits key 0 and its gate prefetches keys 5, 1, 3 (all GPU 1)
+    with priorities 1, 2, 3 at ``T0``: key 5 starts at once, 1 and 3 are queued and
+    never started, and GPU 1's budget is full.  Layer 1 misses key 7 (GPU 1): cancelling
+    the least urgent queued prefetch (key 3) frees the room it needs, so key 1 must stay
+    queued.  The load runs after the running key 5 (a whole-expert chunk cannot pause),
+    ``[T0 + t_x, T0 + 2 t_x]``: stall ``2 t_x - GAP1``; key 1 follows and lands at
+    ``T0 + 3 t_x``.
+    """
+    tr = write_trace(tmp_path / "t", TINY, [Req(0, 1, [[[0], [0]], [[0], [3]]])])
+    pol = ScheduledPrefetch({2: [(5, 1.0), (1, 2.0), (3, 3.0)]})
+    r = simulate(tr, TINY, HW2, pol, 3 * SIZE)
+    s = r.summary
+    assert (s["hits"], s["late"], s["misses"]) == (1, 0, 3)
+    np.testing.assert_allclose(r.metrics.stall_per_layer_s, [T_X, T_X + 2 * T_X - GAP1], rtol=1e-9)
+    by_key = {t.key: t for t in r.transfers if t.reason == "prefetch"}
+    assert all(t.gpu == 1 for t in by_key.values())
+    t_0 = by_key[5].submit_s
+    assert by_key[3].cancelled  # the least urgent
+    assert not by_key[5].cancelled and by_key[5].end_s == pytest.approx(t_0 + T_X)
+    assert not by_key[1].cancelled, "cancelled a queued prefetch that was not in the way"
+    assert by_key[1].end_s == pytest.approx(t_0 + 3 * T_X)
+    assert s["cancelled_transfers"] == 1
