@@ -43,6 +43,12 @@ class TransferRecord:
         "escalated",
         "preemptions",
         "cancelled",
+        # the link's own bookkeeping (fmoesim.engine.sim.SimLink): bytes left to move,
+        # current queue priority (on-demand once escalated), submission number, state
+        "left_bytes",
+        "link_priority",
+        "seq",
+        "state",
     )
 
     def __init__(
@@ -60,6 +66,10 @@ class TransferRecord:
         self.escalated = False
         self.preemptions = 0
         self.cancelled = False
+        self.left_bytes = size_bytes
+        self.link_priority = priority
+        self.seq = 0
+        self.state = 0
 
     def __repr__(self) -> str:
         return (

@@ -97,18 +97,19 @@ class ExpertCache:
             raise ValueError(f"expert {key} is already cached or in flight on GPU {self.gpu}")
         if size_bytes > self.budget_bytes:
             return False
-        view = self.evictable
+        entries = self.entries
         while self.used_bytes + size_bytes > self.budget_bytes:
             if not self.num_evictable:
                 return False
-            victim = self.policy.victim(view, key)
-            if victim not in view:
+            victim = self.policy.victim(self.evictable, key)
+            ve = entries.get(victim)
+            if ve is None or not ve.resident or ve.pins:  # perf: Evictable.__contains__ inlined
                 raise RuntimeError(
                     f"policy {self.policy.name!r} chose victim {victim} on GPU {self.gpu}, "
                     "which is pinned, in flight or absent"
                 )
             self.evict(victim)
-        self.entries[key] = Entry(size_bytes, reason)
+        entries[key] = Entry(size_bytes, reason)
         self.used_bytes += size_bytes
         if self.used_bytes > self.peak_bytes:
             self.peak_bytes = self.used_bytes

@@ -309,24 +309,27 @@ class Runner:
         acc = m.acc[layer]
         base = layer * self.E
         log = self.log
-        has_access = self._has_access
+        on_access = policy.on_access if self._has_access else None
         # (gpu, key, tokens) of the experts needed, by what the access found
         ready: list[tuple[int, int, int]] = []
         pending: list[tuple[int, int, int]] = []
         missing: list[tuple[int, int, int]] = []
         cache = caches[0]
+        get, pin = cache.entries.get, cache.pin  # perf: bound once per layer
+        multi = N > 1
         g = 0
         for e, tok in zip(experts, expert_tokens, strict=True):
             key = base + e
-            if N > 1:
+            if multi:
                 g = e % N
                 cache = caches[g]
-            ent = cache.entries.get(key)
+                get, pin = cache.entries.get, cache.pin
+            ent = get(key)
             if ent is None:
                 outcome = _MISS
                 missing.append((g, key, tok))
             else:
-                cache.pin(key)
+                pin(key)
                 if ent.resident:
                     outcome = _HIT
                     ready.append((g, key, tok))
@@ -335,8 +338,8 @@ class Runner:
                     pending.append((g, key, tok))
                     be.escalate(g, key)  # an in-flight prefetch needed now jumps the queue
             acc[outcome] += 1
-            if has_access:
-                policy.on_access(key, outcome)
+            if on_access is not None:
+                on_access(key, outcome)
             if log is not None:
                 for col, v in zip(
                     ("step", "iteration", "layer", "expert", "gpu", "outcome", "time_s"),
@@ -345,14 +348,15 @@ class Runner:
                 ):
                     log[col].append(v)
         deferred: list[tuple[int, int, int]] = []
-        for g, key, tok in missing:  # on-demand loads jump the link's queue
+        for x in missing:  # on-demand loads jump the link's queue
+            g, key = x[0], x[1]
             cache = caches[g]
             if cache.admit(key, size, "on_demand"):
                 cache.entries[key].record = be.submit(g, key, size, ON_DEMAND, "on_demand")
                 cache.pin(key)
-                pending.append((g, key, tok))
+                pending.append(x)
             else:
-                deferred.append((g, key, tok))
+                deferred.append(x)
         if actions is not NO_ACTIONS:  # after the layer's own experts are pinned and loading
             self.apply(actions)
         be.begin_experts(layer, tokens)  # shared experts, then each GPU's expert phase

@@ -31,21 +31,6 @@ INF = float("inf")
 _QUEUED, _RUNNING, _DONE, _CANCELLED = range(4)
 
 
-class _Job:
-    """A transfer on a link: what is left of it and where it stands."""
-
-    __slots__ = ("key", "size_bytes", "remaining_bytes", "priority", "seq", "record", "state")
-
-    def __init__(self, record: TransferRecord, seq: int) -> None:
-        self.key = record.key
-        self.size_bytes = record.size_bytes
-        self.remaining_bytes = record.size_bytes
-        self.priority = record.priority
-        self.seq = seq
-        self.record = record
-        self.state = _QUEUED
-
-
 class SimLink:
     """One host-to-device link (one per GPU).
 
@@ -72,10 +57,10 @@ class SimLink:
         self.chunk_bytes = chunk_bytes
         self.preempt = preempt
         self.on_done = on_done
-        self._heap: list[tuple[float, int, _Job]] = []
-        self._jobs: dict[int, _Job] = {}  # key -> queued or running job
+        self._heap: list[tuple[float, int, TransferRecord]] = []
+        self._jobs: dict[int, TransferRecord] = {}  # key -> queued or running job
         self._seq = 0
-        self.cur: _Job | None = None
+        self.cur: TransferRecord | None = None
         self.cur_end_s = INF  # when the current job finishes or reaches its pause point
         self._pausing = False
         self._pause_left_bytes = 0
@@ -94,14 +79,14 @@ class SimLink:
         assert job is not None
         t = self.cur_end_s
         if self._pausing:
-            job.remaining_bytes = self._pause_left_bytes
+            job.left_bytes = self._pause_left_bytes
             job.state = _QUEUED
-            job.record.preemptions += 1
-            heapq.heappush(self._heap, (job.priority, job.seq, job))
+            job.preemptions += 1
+            heapq.heappush(self._heap, (job.link_priority, job.seq, job))
         else:
             job.state = _DONE
-            job.remaining_bytes = 0
-            job.record.end_s = t
+            job.left_bytes = 0
+            job.end_s = t
             del self._jobs[job.key]
             self.on_done(job.key)
         self._start_next(t)
@@ -110,31 +95,30 @@ class SimLink:
         heap = self._heap
         while heap:
             prio, _, job = heapq.heappop(heap)
-            if job.state != _QUEUED or prio != job.priority:
+            if job.state != _QUEUED or prio != job.link_priority:
                 continue  # stale entry: cancelled, or re-pushed with a higher priority
             self._start(job, t_s)
             return
         self.cur = None
         self.cur_end_s = INF
 
-    def _start(self, job: _Job, t_s: float) -> None:
+    def _start(self, job: TransferRecord, t_s: float) -> None:
         job.state = _RUNNING
-        rec = job.record
         overhead = 0.0
-        if rec.start_s != rec.start_s:  # NaN: the first start pays the fixed cost
-            rec.start_s = t_s
+        if job.start_s != job.start_s:  # NaN: the first start pays the fixed cost
+            job.start_s = t_s
             overhead = self.overhead_s
         self.cur = job
         self._pausing = False
         self._data_start_s = t_s + overhead
-        self._done_at_start = job.size_bytes - job.remaining_bytes
-        self.cur_end_s = self._data_start_s + job.remaining_bytes / self.bytes_per_s
+        self._done_at_start = job.size_bytes - job.left_bytes
+        self.cur_end_s = self._data_start_s + job.left_bytes / self.bytes_per_s
         self.busy_s += self.cur_end_s - t_s
 
     def _pause_current(self, t_s: float) -> None:
         """Pause the running prefetch at its next chunk boundary after ``t_s``."""
         job = self.cur
-        if job is None or self._pausing or job.priority == ON_DEMAND or not self.preempt:
+        if job is None or self._pausing or job.link_priority == ON_DEMAND or not self.preempt:
             return
         chunk = self.chunk_bytes
         if chunk >= job.size_bytes:
@@ -152,25 +136,29 @@ class SimLink:
     # -- the Runner's requests --------------------------------------------------------
     def submit(self, record: TransferRecord, t_s: float) -> None:
         """Queue ``record``'s transfer at ``t_s`` (the link must be advanced to ``t_s``)."""
-        job = _Job(record, self._seq)
+        job = record  # perf: the record is the link's job (no second object per transfer)
+        job.left_bytes = job.size_bytes
+        job.link_priority = job.priority
+        job.seq = self._seq
+        job.state = _QUEUED
         self._seq += 1
         self._jobs[job.key] = job
         if self.cur is None and not self._heap:  # perf: an idle link starts it directly
             self._start(job, t_s)
             return
-        heapq.heappush(self._heap, (job.priority, job.seq, job))
+        heapq.heappush(self._heap, (job.link_priority, job.seq, job))
         if self.cur is None:
             self._start_next(t_s)
-        elif job.priority == ON_DEMAND:
+        elif job.link_priority == ON_DEMAND:
             self._pause_current(t_s)
 
     def escalate(self, key: int, t_s: float) -> None:
         """Give ``key``'s queued or running transfer on-demand priority."""
         job = self._jobs.get(key)
-        if job is None or job.priority == ON_DEMAND:
+        if job is None or job.link_priority == ON_DEMAND:
             return
-        job.priority = ON_DEMAND
-        job.record.escalated = True
+        job.link_priority = ON_DEMAND
+        job.escalated = True
         if job.state == _QUEUED:
             heapq.heappush(self._heap, (ON_DEMAND, job.seq, job))
             self._pause_current(t_s)
@@ -178,7 +166,7 @@ class SimLink:
     def cancel(self, key: int) -> bool:
         """Drop ``key``'s transfer if it is queued and never started."""
         job = self._jobs.get(key)
-        if job is None or job.state != _QUEUED or job.record.start_s == job.record.start_s:
+        if job is None or job.state != _QUEUED or job.start_s == job.start_s:
             return False
         job.state = _CANCELLED
         del self._jobs[key]
@@ -288,10 +276,9 @@ class SimBackend(Backend):
     def cancel(self, gpu: int, key: int) -> bool:
         """Cancel a queued, never-started transfer."""
         link = self.links[gpu]
-        job = link._jobs.get(key)
-        if job is None or not link.cancel(key):
+        rec = link._jobs.get(key)
+        if rec is None or not link.cancel(key):
             return False
-        rec = job.record
         rec.cancelled = True
         rec.start_s = rec.end_s = rec.submit_s
         return True
