@@ -12,6 +12,8 @@ from bisect import bisect_left, insort
 from collections.abc import Collection
 from typing import Any
 
+from policies.base import Policy
+
 Rank = tuple[Any, ...]
 
 
@@ -50,3 +52,39 @@ class RankedKeys:
             if rank[-1] in candidates:
                 return int(rank[-1])
         return None
+
+
+class RankedPolicy(Policy):
+    """A policy that evicts its lowest-ranked admitted expert (LFU, LCP, Belady).
+
+    Subclasses create ``self._ranked = RankedKeys()`` in ``reset``, define :meth:`_rank`
+    and call :meth:`_rerank` when an expert's rank changes.
+    """
+
+    _ranked: RankedKeys
+
+    def _rank(self, key: int) -> Rank:
+        """The rank tuple of ``key`` now; its last element is ``key``."""
+        raise NotImplementedError
+
+    def _rerank(self, key: int) -> None:
+        """Re-sort ``key`` if it is admitted."""
+        if key in self._ranked:
+            self._ranked.put(key, self._rank(key))
+
+    def on_insert(self, key: int) -> None:
+        """Rank a newly admitted expert."""
+        self._ranked.put(key, self._rank(key))
+
+    def on_evict(self, key: int) -> None:
+        """Stop ranking ``key``."""
+        self._ranked.discard(key)
+
+    def victim(self, candidates: Collection[int], incoming: int) -> int:
+        """The lowest-ranked candidate (ranking candidates never seen admitted on the fly)."""
+        key = self._ranked.first_in(candidates)
+        if key is not None:
+            return key
+        if not candidates:
+            raise ValueError(f"{self.name}.victim called with no candidates")
+        return min(candidates, key=self._rank)

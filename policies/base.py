@@ -1,8 +1,8 @@
 """The policy protocol: events in, decisions out.  (Frozen in issue 3.)
 
-A policy never reads a clock, never sleeps and never touches SimPy, torch or the
-backend, so the same object drives the simulator (:mod:`fmoesim.engine`) and the GPU
-replay (:mod:`replay`).  Randomness comes only from the ``np.random.Generator`` in the
+A policy never reads a clock, never sleeps and never touches the simulator, torch or
+the backend, so the same object drives the simulator (:mod:`fmoesim.engine`) and the
+GPU replay (:mod:`replay`).  Randomness comes only from the ``np.random.Generator`` in the
 :class:`PolicyContext` handed to :meth:`Policy.reset`.
 
 Experts are identified by an integer key ``layer * num_experts + expert``

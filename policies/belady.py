@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
 import numpy as np
 
 from fmoesim.errors import ConfigError
-from policies._ranked import RankedKeys
-from policies.base import NO_ACTIONS, Actions, GateView, Outcome, Policy, PolicyContext
+from policies._ranked import RankedKeys, RankedPolicy
+from policies.base import NO_ACTIONS, Actions, GateView, Outcome, PolicyContext
 
 #: "Never accessed again": later than any step.
 NEVER = int(np.iinfo(np.int64).max)
 
 
-class Belady(Policy):
+class Belady(RankedPolicy):
     """Evict the candidate whose next access is farthest in the future.
 
     paper: Belady's MIN (1966), the optimal offline replacement; MoE-Infinity §6 and the
@@ -84,16 +82,11 @@ class Belady(Policy):
         self._pos[key] = i
         nxt = int(steps[i]) if i < end else NEVER
         self._next[key] = nxt
-        if key in self._ranked:
-            self._ranked.put(key, (-nxt, key))
+        self._rerank(key)
 
-    def on_insert(self, key: int) -> None:
-        """Rank a newly admitted expert by its next access."""
-        self._ranked.put(key, (-self.next_access(key), key))
-
-    def on_evict(self, key: int) -> None:
-        """Stop ranking ``key``."""
-        self._ranked.discard(key)
+    def _rank(self, key: int) -> tuple[int, int]:
+        """Farthest next access first; ties: smallest key."""
+        return (-self.next_access(key), key)
 
     def next_access(self, key: int) -> int:
         """The first step after the current one at which ``key`` is accessed (or NEVER)."""
@@ -104,13 +97,3 @@ class Belady(Policy):
         lo, hi = self._start[key], self._start[key + 1]
         i = lo + int(np.searchsorted(self._steps[lo:hi], self._step, side="right"))
         return int(self._steps[i]) if i < hi else NEVER
-
-    def victim(self, candidates: Collection[int], incoming: int) -> int:
-        """The candidate accessed again farthest in the future (ties: smallest key)."""
-        key = self._ranked.first_in(candidates)
-        if key is not None:
-            return key
-        if not candidates:
-            raise ValueError("Belady.victim called with no candidates")
-        # candidates this policy never saw admitted
-        return min(candidates, key=lambda k: (-self.next_access(k), k))

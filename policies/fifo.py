@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection
-
-from policies.base import Policy, PolicyContext
+from policies.base import Outcome
+from policies.lru import LRU
 
 
-class FIFO(Policy):
+class FIFO(LRU):
     """Evict the expert admitted earliest, whatever its use since.
 
     paper: the textbook FIFO replacement policy; none of the three papers evaluates it,
@@ -21,23 +19,5 @@ class FIFO(Policy):
 
     name = "fifo"
 
-    def reset(self, ctx: PolicyContext) -> None:
-        """Forget the admission order."""
-        super().reset(ctx)
-        self._order: OrderedDict[int, None] = OrderedDict()  # earliest admitted first
-
-    def on_insert(self, key: int) -> None:
-        """A newly admitted expert joins the back of the queue (O(1))."""
-        if key not in self._order:
-            self._order[key] = None
-
-    def on_evict(self, key: int) -> None:
-        """Drop ``key`` from the queue (O(1))."""
-        self._order.pop(key, None)
-
-    def victim(self, candidates: Collection[int], incoming: int) -> int:
-        """The earliest admitted of ``candidates``."""
-        for key in self._order:
-            if key in candidates:
-                return key
-        raise ValueError("no candidate is tracked by this FIFO")
+    def on_access(self, key: int, outcome: Outcome) -> None:
+        """An access does not change the admission order."""

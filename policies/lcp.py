@@ -3,26 +3,24 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
 
 import numpy as np
 
 from fmoesim.errors import ConfigError
-from policies._ranked import Rank, RankedKeys
+from policies._ranked import Rank, RankedKeys, RankedPolicy
 from policies.base import (
     NO_ACTIONS,
     Actions,
     BatchInfo,
     GateView,
     Outcome,
-    Policy,
     PolicyContext,
 )
 
 UNITS = ("pass", "token")
 
 
-class LCP(Policy):
+class LCP(RankedPolicy):
     """Evict the expert of lowest cache priority ``P = mu * rho ** (nu / omega)``.
 
     paper (MoEpic §3.3, eq. 4): for every expert ``E_ij`` MoEpic records the activation
@@ -113,27 +111,9 @@ class LCP(Policy):
         self._at[key] = self._clock
         self._last[key] = self._seq
         self._seq += 1
-        if key in self._ranked:
-            self._ranked.put(key, self._rank(key))
-
-    def on_insert(self, key: int) -> None:
-        """Rank a newly admitted expert."""
-        self._ranked.put(key, self._rank(key))
-
-    def on_evict(self, key: int) -> None:
-        """Stop ranking ``key`` (its ``mu`` and ``nu`` live on)."""
-        self._ranked.discard(key)
+        self._rerank(key)
 
     def priority(self, key: int) -> float:
         """Eq. 4 for ``key`` now: ``mu * rho ** (nu / omega)``."""
         nu = self._clock - self._at[key]
         return self._mu[key] * self.rho ** (nu / self.omega)
-
-    def victim(self, candidates: Collection[int], incoming: int) -> int:
-        """The candidate of lowest priority (ties: least recent, then smallest key)."""
-        key = self._ranked.first_in(candidates)
-        if key is not None:
-            return key
-        if not candidates:
-            raise ValueError("LCP.victim called with no candidates")
-        return min(candidates, key=self._rank)  # candidates this policy never saw admitted

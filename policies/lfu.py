@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
-from policies._ranked import Rank, RankedKeys
-from policies.base import Outcome, Policy, PolicyContext
+from policies._ranked import Rank, RankedKeys, RankedPolicy
+from policies.base import Outcome, PolicyContext
 
 
-class LFU(Policy):
+class LFU(RankedPolicy):
     """Evict the expert with the fewest accesses; ties go to the least recently accessed.
 
     paper: MoEpic §2.2 names LFU as MoE-Infinity's cache policy and compares it in
@@ -53,6 +51,7 @@ class LFU(Policy):
         self._ranked = RankedKeys()  # admitted keys by (count, last, key)
 
     def _rank(self, key: int) -> Rank:
+        """Fewest accesses first; ties: least recent, then smallest key."""
         return (self._count[key], self._last[key], key)
 
     def on_access(self, key: int, outcome: Outcome) -> None:
@@ -60,28 +59,14 @@ class LFU(Policy):
         self._count[key] += 1
         self._last[key] = self._seq
         self._seq += 1
-        if key in self._ranked:
-            self._ranked.put(key, self._rank(key))
-
-    def on_insert(self, key: int) -> None:
-        """Rank a newly admitted expert."""
-        self._ranked.put(key, self._rank(key))
+        self._rerank(key)
 
     def on_evict(self, key: int) -> None:
         """Stop ranking ``key``; in-cache mode (``persistent=False``) forgets its count."""
-        self._ranked.discard(key)
+        super().on_evict(key)
         if not self.persistent:
             self._count[key] = 0
 
     def count(self, key: int) -> int:
         """The access count LFU currently ranks ``key`` by."""
         return self._count[key]
-
-    def victim(self, candidates: Collection[int], incoming: int) -> int:
-        """The least frequently used candidate (ties: least recent, then smallest key)."""
-        key = self._ranked.first_in(candidates)
-        if key is not None:
-            return key
-        if not candidates:
-            raise ValueError("LFU.victim called with no candidates")
-        return min(candidates, key=self._rank)  # candidates this policy never saw admitted

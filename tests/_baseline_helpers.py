@@ -9,7 +9,7 @@ token routes (several tokens = a prefill) plus, optionally, its ``spec_probs`` `
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,21 +18,10 @@ from fmoesim.engine.simulate import RunResult
 from fmoesim.specs import ModelSpec
 from fmoesim.trace import TraceManifest, TraceModel, TraceWriter
 from policies.base import Outcome, Policy, PolicyContext
-from tests.tiny import TINY
+from tests.tiny import TINY, small_model  # noqa: F401 - re-exported
 
 #: token_route[layer] = the top_k experts the token is routed to in that layer
 TokenRoute = Sequence[Sequence[int]]
-
-
-def small_model(num_layers: int, num_experts: int, top_k: int) -> ModelSpec:
-    """TINY's sizes (a 6 MB expert) with another routing shape."""
-    return replace(
-        TINY,
-        name=f"tiny-{num_layers}x{num_experts}-top{top_k}",
-        num_layers=num_layers,
-        num_experts=num_experts,
-        top_k=top_k,
-    )
 
 
 def context(model: ModelSpec, capacity_experts: int, num_gpus: int = 1) -> PolicyContext:

@@ -8,28 +8,16 @@ and the engine's step order is simply iteration-major, layer-minor.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from fmoesim.specs import ModelSpec
 from fmoesim.trace import TraceManifest, TraceModel, TraceWriter
-from tests.tiny import TINY
+from tests.tiny import TINY, small_model  # noqa: F401 - re-exported
 
 #: routes[i][l] = the experts iteration ``i`` routes its token to in layer ``l``.
 Routes = Sequence[Sequence[Sequence[int]]]
-
-
-def small_model(num_layers: int, num_experts: int, top_k: int) -> ModelSpec:
-    """TINY's sizes (a 6 MB expert) with another routing shape."""
-    return replace(
-        TINY,
-        name=f"tiny-{num_layers}x{num_experts}-top{top_k}",
-        num_layers=num_layers,
-        num_experts=num_experts,
-        top_k=top_k,
-    )
 
 
 def _manifest(model: ModelSpec) -> TraceManifest:

@@ -29,6 +29,7 @@ from fmoesim.config.build import preset_names
 from fmoesim.config.schema import CONF_DIR
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import RunResult, simulate
+from fmoesim.errors import ConfigError
 from fmoesim.specs import ModelSpec
 from fmoesim.trace import read_trace
 from fmoesim.trace.reader import Trace
@@ -121,16 +122,22 @@ class _SideEffectProbe:
         return first
 
 
-def _skip_if_needs_future(policy: Policy, setting: str) -> None:
-    if policy.uses_future and setting == "online":
-        pytest.skip("an oracle policy needs static batching (the simulator refuses online)")
+def _refused_online(trace: Trace, policy: Policy, setting: str) -> bool:
+    """An oracle policy needs a known future: the simulator must refuse online serving
+    with a one-line ConfigError (checked here); True when that was the case."""
+    if not (policy.uses_future and setting == "online"):
+        return False
+    with pytest.raises(ConfigError, match="needs static batching"):
+        run(trace, policy, setting)
+    return True
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", POLICIES)
 def test_invariants(trace: Trace, name: str, setting: str) -> None:
     policy = make_policy(name)
-    _skip_if_needs_future(policy, setting)
+    if _refused_online(trace, policy, setting):
+        return
     probe = _SideEffectProbe(policy)
     policy.victim = probe  # type: ignore[method-assign]
     r = run(trace, policy, setting)
@@ -163,7 +170,8 @@ def test_invariants(trace: Trace, name: str, setting: str) -> None:
 @pytest.mark.parametrize("name", POLICIES)
 def test_same_seed_same_result(trace: Trace, name: str, setting: str) -> None:
     p1, p2 = make_policy(name), make_policy(name)
-    _skip_if_needs_future(p1, setting)
+    if _refused_online(trace, p1, setting):
+        return
     a, b = run(trace, p1, setting, seed=5), run(trace, p2, setting, seed=5)
     drop = {"wall_s", "speedup_vs_real"}
     assert {k: v for k, v in a.summary.items() if k not in drop} == {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,17 @@ TINY = ModelSpec(
     vocab_size=1000,
 )
 TINY_HW = HardwareSpec(name="tiny-hw", pcie_gbps=10.0, transfer_overhead_s=1e-4)
+
+
+def small_model(num_layers: int, num_experts: int, top_k: int) -> ModelSpec:
+    """TINY's sizes (a 6 MB expert) with another routing shape."""
+    return replace(
+        TINY,
+        name=f"tiny-{num_layers}x{num_experts}-top{top_k}",
+        num_layers=num_layers,
+        num_experts=num_experts,
+        top_k=top_k,
+    )
 
 
 def write_sequence_trace(

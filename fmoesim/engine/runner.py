@@ -221,7 +221,7 @@ class Runner:
             assert tr.probs is not None and weights is not None
             probs = np.einsum("b,ble->le", weights, tr.probs[rows].astype(np.float32))  # (L, E)
         if self._want_spec:
-            assert tr.spec_probs is not None and tr.spec_valid is not None
+            assert tr.spec_probs is not None and tr.spec_valid is not None and weights is not None
             spec_ok = tr.spec_valid[rows].all(axis=0)  # (L,)
             # layer 0 of the next iteration, predicted at this iteration's last layer, for
             # the requests that go on decoding
