@@ -61,3 +61,22 @@ def test_gate_views_match_the_trace(tmp_path: Path) -> None:
             np.testing.assert_allclose(spec, tr.spec_probs[nxt].astype(np.float32), rtol=1e-6)
         else:
             assert spec is None
+
+
+def test_cancelling_a_key_the_layer_is_loading_does_nothing(tmp_path: Path) -> None:
+    """A policy that cancels the expert its own layer is waiting for (an on-demand load
+    still queued behind another) must not abort it: the run completes and the load is
+    not marked cancelled."""
+    from policies.base import Prefetch
+    from tests.tiny import TINY, write_sequence_trace
+
+    class CancelEverything(LRU):
+        def on_gate(self, layer: int, gate: GateView) -> Actions:
+            base = layer * TINY.num_experts
+            keys = list(range(base, base + TINY.num_experts))
+            return Actions(prefetch=[Prefetch(k) for k in keys[:1]], cancel=keys)
+
+    tr = read_trace(write_sequence_trace(tmp_path / "t", [[1, 2], [3, 1], [2, 3]]))
+    r = simulate(tr, TINY, TINY_HW, CancelEverything(), 3 * TINY.expert_size_bytes)
+    assert not any(t.cancelled for t in r.transfers if t.reason == "on_demand")
+    assert r.summary["misses"] >= 3

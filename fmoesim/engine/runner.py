@@ -270,7 +270,8 @@ class Runner:
             g = (key % E) % N
             cache = caches[g]
             ent = cache.entries.get(key)
-            if ent is not None and not ent.resident and be.cancel(g, key):
+            # only a transfer nobody waits for: this layer's own loads are pinned
+            if ent is not None and not ent.resident and not ent.pins and be.cancel(g, key):
                 cache.abort(key)
         for p in actions.prefetch:
             key = p.key
