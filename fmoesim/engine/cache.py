@@ -28,28 +28,22 @@ class Entry:
         self.record: Any = None  # the backend's transfer record, whose ``used`` flag we set
 
 
-class Evictable:
-    """Read-only view of a cache's resident, unpinned entries (what ``victim`` may pick).
+class Evictable(dict):  # type: ignore[type-arg]
+    """The resident, unpinned entries of a cache: what ``victim`` may pick (read-only).
 
-    perf: membership is an O(1) dict lookup and nothing is copied, so asking the policy
-    for a victim costs O(1) for policies that walk their own order (LRU, FIFO...).
+    perf: a dict of those keys kept up to date by the cache, so ``key in candidates``
+    and ``len`` are C-level lookups; iteration is overridden to follow the cache's
+    admission order (oldest first), as the policy protocol promises.
     """
 
-    __slots__ = ("_entries", "_cache")
+    __slots__ = ("_entries",)
 
-    def __init__(self, entries: dict[int, Entry], cache: ExpertCache) -> None:
+    def __init__(self, entries: dict[int, Entry]) -> None:
+        super().__init__()
         self._entries = entries
-        self._cache = cache
-
-    def __contains__(self, key: object) -> bool:
-        e = self._entries.get(key)  # type: ignore[call-overload]
-        return e is not None and e.resident and not e.pins
 
     def __iter__(self) -> Iterator[int]:
         return (k for k, e in self._entries.items() if e.resident and not e.pins)
-
-    def __len__(self) -> int:
-        return self._cache.num_evictable
 
 
 class ExpertCache:
@@ -65,10 +59,7 @@ class ExpertCache:
         self.policy = policy
         self.gpu = gpu
         self.entries: dict[int, Entry] = {}
-        self.evictable = Evictable(self.entries, self)
-        # perf: resident, unpinned entries, kept up to date by complete/pin/unpin/evict so
-        # that admit() knows in O(1) whether eviction can make room.
-        self.num_evictable = 0
+        self.evictable = Evictable(self.entries)  # kept up to date by complete/pin/unpin/evict
         self.used_bytes = 0
         self.peak_bytes = 0
         self.evictions = 0
@@ -99,11 +90,10 @@ class ExpertCache:
             return False
         entries = self.entries
         while self.used_bytes + size_bytes > self.budget_bytes:
-            if not self.num_evictable:
+            if not self.evictable:
                 return False
             victim = self.policy.victim(self.evictable, key)
-            ve = entries.get(victim)
-            if ve is None or not ve.resident or ve.pins:  # perf: Evictable.__contains__ inlined
+            if victim not in self.evictable:
                 raise RuntimeError(
                     f"policy {self.policy.name!r} chose victim {victim} on GPU {self.gpu}, "
                     "which is pinned, in flight or absent"
@@ -121,7 +111,7 @@ class ExpertCache:
         e = self.entries[key]
         e.resident = True
         if not e.pins:
-            self.num_evictable += 1
+            self.evictable[key] = None
 
     def evict(self, key: int) -> None:
         """Remove a resident, unpinned entry and free its bytes."""
@@ -129,7 +119,7 @@ class ExpertCache:
         if not e.resident or e.pins:
             raise RuntimeError(f"cannot evict expert {key} on GPU {self.gpu}: in flight or pinned")
         del self.entries[key]
-        self.num_evictable -= 1
+        del self.evictable[key]
         self.used_bytes -= e.size_bytes
         self.evictions += 1
         if not e.used and e.reason == "prefetch":
@@ -150,7 +140,7 @@ class ExpertCache:
         """Mark ``key`` in use (not evictable) and used."""
         e = self.entries[key]
         if e.resident and not e.pins:
-            self.num_evictable -= 1
+            del self.evictable[key]
         e.pins += 1
         if not e.used:
             e.used = True
@@ -162,4 +152,4 @@ class ExpertCache:
         e = self.entries[key]
         e.pins -= 1
         if e.resident and not e.pins:
-            self.num_evictable += 1
+            self.evictable[key] = None
