@@ -183,7 +183,8 @@ def format_summary(row: dict[str, Any]) -> str:
 
     lines = [
         f"policy     {row['policy']}   model {row['model']}   hardware {row['hardware']}   "
-        f"budget {row['budget_gb']:.2f} GB ({row['budget_experts']} experts)",
+        f"budget {row['budget_gb']:.2f} GB ({row['budget_experts']} experts)"
+        + (f" per GPU x {row['num_gpus']} GPUs" if row.get("num_gpus", 1) > 1 else ""),
         f"trace      {row['trace']} ({row['trace_source']}; {row['requests']} requests, "
         f"{row['iterations']} iterations)",
         "",
