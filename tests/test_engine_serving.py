@@ -29,6 +29,7 @@ from tests._engine_helpers import (
     transfer_s,
     write_trace,
 )
+from tests.test_cli import tiny_overrides
 from tests.tiny import TINY, TINY_HW, write_sequence_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,24 +269,14 @@ ROUTES = [[0, 3], [1, 3], [0, 3], [2, 3], [1, 3], [0, 3]]  # LRU on 2 experts: 5
 
 
 def test_cli_writes_layer_transfer_and_access_tables(tmp_path):
-    m = TINY
     trace = write_sequence_trace(tmp_path / "seq", ROUTES)
     out = tmp_path / "out"
     args = [
-        f"workload.path={trace}",
-        f"output.dir={out}",
+        *tiny_overrides(trace, out),
         "output.name=run",
         "output.plot=false",
         "output.access_log=true",
         "serving.max_requests=2",
-        "progress=false",
-        f"model.name={m.name}",
-        f"model.num_layers={m.num_layers}",
-        f"model.num_experts={m.num_experts}",
-        f"model.top_k={m.top_k}",
-        f"model.hidden_size={m.hidden_size}",
-        f"model.expert_intermediate_size={m.expert_intermediate_size}",
-        f"cache.budget_gb={2 * m.expert_size_bytes / 1e9}",
     ]
     p = subprocess.run(
         [sys.executable, "-m", "fmoesim.cli.main", *args],
