@@ -14,7 +14,7 @@ asked for after a gate.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -104,6 +104,18 @@ class LayerGuard:
             keys = self._guard_keys = {base + e for e in nz.tolist()}
         return key in keys
 
+    def _first_unguarded(self, keys: Iterable[int], candidates: Collection[int]) -> int:
+        """The first of ``keys`` that is a candidate and not guarded; else the first that
+        is a candidate; -1 if none is."""
+        fallback = -1
+        for key in keys:
+            if key in candidates:
+                if not self._guarded(key):
+                    return key
+                if fallback < 0:
+                    fallback = key
+        return fallback
+
     def _routed(self, gate: GateView) -> int:
         """Distinct experts the gate routes to (``top_k`` for one token, no numpy call)."""
         if gate.num_tokens == 1:
@@ -129,13 +141,7 @@ class GuardedLRU(LayerGuard, LRU):
 
     def victim(self, candidates: Collection[int], incoming: int) -> int:
         """Least recently used candidate not routed by the current layer (else plain LRU)."""
-        fallback = -1
-        for key in self._order:
-            if key in candidates:
-                if not self._guarded(key):
-                    return key
-                if fallback < 0:
-                    fallback = key
-        if fallback >= 0:
-            return fallback
-        raise ValueError("no candidate is tracked by this LRU")
+        key = self._first_unguarded(self._order, candidates)
+        if key < 0:
+            raise ValueError("no candidate is tracked by this LRU")
+        return key

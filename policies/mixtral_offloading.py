@@ -164,12 +164,7 @@ class MixtralOffloading(LayerGuard, Policy):
                 key = self._lru_of(lay, candidates)
                 if key >= 0:
                     return key
-        fallback = -1
-        for key in candidates:  # admission order: the oldest unguarded entry
-            if not self._guarded(key):
-                return key
-            if fallback < 0:
-                fallback = key
-        if fallback >= 0:
-            return fallback
-        raise ValueError("MixtralOffloading.victim called with no candidates")
+        key = self._first_unguarded(candidates, candidates)  # admission order: the oldest
+        if key < 0:
+            raise ValueError("MixtralOffloading.victim called with no candidates")
+        return key

@@ -264,7 +264,7 @@ class Runner:
     # -- one layer --------------------------------------------------------------------
     def apply(self, actions: Actions) -> None:
         """Carry out a policy's cancellations, then its prefetches, in order."""
-        be, caches, m, N, size = self.backend, self.caches, self.metrics, self.N, self.expert_bytes
+        be, caches, m, N = self.backend, self.caches, self.metrics, self.N
         E, n_keys = self.E, self.L * self.E
         for key in actions.cancel:
             g = (key % E) % N
@@ -283,10 +283,19 @@ class Runner:
             cache = caches[g]
             if key in cache.entries:
                 continue
-            if cache.admit(key, size, "prefetch"):
-                cache.entries[key].record = be.submit(g, key, size, p.priority, "prefetch")
-            else:
+            if not self._load(g, key, p.priority, "prefetch"):
                 m.prefetch_dropped += 1
+
+    def _load(self, g: int, key: int, priority: float, reason: str, pin: bool = False) -> bool:
+        """Admit ``key`` into GPU ``g``'s cache and start its transfer (pinned if ``pin``);
+        False when the cache cannot make room."""
+        cache = self.caches[g]
+        if not cache.admit(key, self.expert_bytes, reason):
+            return False
+        cache.entries[key].record = self.backend.submit(g, key, self.expert_bytes, priority, reason)
+        if pin:
+            cache.pin(key)
+        return True
 
     def _layer(
         self,
@@ -299,7 +308,7 @@ class Runner:
         view: GateView | None,
     ) -> None:
         be, caches, policy, m = self.backend, self.caches, self.policy, self.metrics
-        N, size = self.N, self.expert_bytes
+        N = self.N
         be.pre_gate(layer, tokens, kv_tokens, pairs)  # attention + router, then sync
         step = self.step
         self.step = step + 1
@@ -350,11 +359,7 @@ class Runner:
                     log[col].append(v)
         deferred: list[tuple[int, int, int]] = []
         for x in missing:  # on-demand loads jump the link's queue
-            g, key = x[0], x[1]
-            cache = caches[g]
-            if cache.admit(key, size, "on_demand"):
-                cache.entries[key].record = be.submit(g, key, size, ON_DEMAND, "on_demand")
-                cache.pin(key)
+            if self._load(x[0], x[1], ON_DEMAND, "on_demand", pin=True):
                 pending.append(x)
             else:
                 deferred.append(x)
@@ -406,7 +411,7 @@ class Runner:
         layer: int,
     ) -> None:
         """GPU ``g``'s expert phase: resident experts compute while the others load."""
-        be, cache, size = self.backend, self.caches[g], self.expert_bytes
+        be, cache = self.backend, self.caches[g]
         if ready:
             be.experts(g, [x[2] for x in ready])
             for x in ready:
@@ -415,10 +420,7 @@ class Runner:
             if deferred:  # room may have been freed by experts computed since
                 still = []
                 for x in deferred:
-                    key = x[1]
-                    if cache.admit(key, size, "on_demand"):
-                        cache.entries[key].record = be.submit(g, key, size, ON_DEMAND, "on_demand")
-                        cache.pin(key)
+                    if self._load(g, x[1], ON_DEMAND, "on_demand", pin=True):
                         pending.append(x)
                     else:
                         still.append(x)

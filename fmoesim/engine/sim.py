@@ -236,12 +236,8 @@ class SimBackend(Backend):
             c = self.compute
             self._pre_args = args
             self._pre_s = c.attention_s(tokens, kv_tokens, pairs) + c.router_s(tokens)
-        d = self._pre_s
-        t = self.clock_s = self.clock_s + d
-        self.busy_compute_s += d
-        for link in self.links:
-            if link.cur_end_s <= t:
-                link.advance(t)
+        self._run(self._pre_s)
+        self.sync()
 
     def dense_layer(self, index: int, tokens: int, kv_tokens: int, pairs: int) -> None:
         """Attention + dense MLP."""

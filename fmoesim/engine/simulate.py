@@ -103,6 +103,32 @@ def future_accesses(
     return FutureAccesses(ptr=ptr, keys=np.concatenate(keys).astype(np.int64))
 
 
+def _run_fields(
+    policy: Policy,
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    budget_bytes: int,
+    serving: ServingConfig,
+    seed: int,
+    timing: bool,
+    num_gpus: int,
+) -> dict[str, Any]:
+    """The summary columns that say what was run (every path reports them the same way)."""
+    return {
+        "policy": policy.name,
+        "model": model.name,
+        "hardware": hardware.name,
+        "num_gpus": num_gpus,
+        "budget_gb": budget_bytes / GB,
+        "serving_mode": serving.mode,
+        "batch_size": serving.batch_size if serving.mode == "static" else serving.max_batch_size,
+        "seed": seed,
+        "timing": timing,
+        "expert_size_bytes": model.expert_size_bytes,
+        "budget_experts": int(budget_bytes // model.expert_size_bytes),
+    }
+
+
 def simulate(
     trace: Trace,
     model: ModelSpec,
@@ -215,19 +241,7 @@ def simulate(
     )
     s.update(
         {
-            "policy": policy.name,
-            "model": model.name,
-            "hardware": hardware.name,
-            "num_gpus": num_gpus,
-            "budget_gb": budget_bytes / GB,
-            "serving_mode": serving.mode,
-            "batch_size": serving.batch_size
-            if serving.mode == "static"
-            else serving.max_batch_size,
-            "seed": seed,
-            "timing": timing,
-            "expert_size_bytes": model.expert_size_bytes,
-            "budget_experts": int(budget_bytes // model.expert_size_bytes),
+            **_run_fields(policy, model, hardware, budget_bytes, serving, seed, timing, num_gpus),
             "simulated_s": sim_s,
             "gpu_busy_s": backend.busy_compute_s,
             "link_busy_s": link_busy,
@@ -283,17 +297,7 @@ def _lru_hit_only(
             "on_demand_bytes": misses * size,
             "evictions": evictions,
             "peak_expert_bytes": min(distinct, int(budget_bytes // size)) * size,
-            "policy": policy.name,
-            "model": model.name,
-            "hardware": hardware.name,
-            "num_gpus": 1,
-            "budget_gb": budget_bytes / GB,
-            "serving_mode": "static",
-            "batch_size": serving.batch_size,
-            "seed": seed,
-            "timing": False,
-            "expert_size_bytes": size,
-            "budget_experts": int(budget_bytes // size),
+            **_run_fields(policy, model, hardware, budget_bytes, serving, seed, False, 1),
             "simulated_s": 0.0,
             "gpu_busy_s": 0.0,
             "link_busy_s": 0.0,
