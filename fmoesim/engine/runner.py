@@ -265,7 +265,7 @@ class Runner:
     def apply(self, actions: Actions) -> None:
         """Carry out a policy's cancellations, then its prefetches, in order."""
         be, caches, m, N = self.backend, self.caches, self.metrics, self.N
-        E, n_keys = self.E, self.L * self.E
+        E, n_keys, size = self.E, self.L * self.E, self.expert_bytes
         for key in actions.cancel:
             g = (key % E) % N
             cache = caches[g]
@@ -282,6 +282,11 @@ class Runner:
             g = (key % E) % N
             cache = caches[g]
             if key in cache.entries:
+                continue
+            # perf: a full cache with nothing evictable refuses without a call (a saturated
+            # link leaves every entry in flight; dependency prefetch meets this ~5x a layer)
+            if not cache.evictable and cache.used_bytes + size > cache.budget_bytes:
+                m.prefetch_dropped += 1
                 continue
             if not self._load(g, key, p.priority, "prefetch"):
                 m.prefetch_dropped += 1
