@@ -11,8 +11,10 @@ GPU) does all the accounting (bytes, residency, pins, in-flight transfers) and c
 the policy's hooks; the policy only chooses.  :meth:`Policy.victim` must be free of
 side effects: it peeks, the cache evicts.
 
-Order of events the Runner guarantees, per iteration (one forward pass of a batch)::
+Order of events the Runner guarantees, per run and per iteration (one forward pass of
+a batch)::
 
+    reset(ctx); learn(held_in)     once per run; learn only when requests are held in
     on_request_start(r)            for each request entering service (before its prefill)
     on_iteration_start(batch)
     for each MoE layer l:
@@ -27,6 +29,11 @@ Order of events the Runner guarantees, per iteration (one forward pass of a batc
 
 ``on_insert`` is called when a transfer is *issued* (the bytes are reserved at once);
 ``on_evict`` when an entry leaves the cache, including a cancelled prefetch.
+
+Additions after issue 3 (backwards compatible): :attr:`GateView.request_counts` for
+policies that trace per request (``uses_request_gates``), :meth:`Policy.learn` for the
+offline mode (requests held in from the trace), and a prefetch of a key whose transfer
+is still queued now moves it to the new priority.
 """
 
 from __future__ import annotations
@@ -116,6 +123,21 @@ class RequestInfo:
 
 
 @dataclass(frozen=True)
+class RequestTrace:
+    """The whole recorded routing of one request, for :meth:`Policy.learn`.
+
+    Row ``t`` is the request's iteration ``t`` (0 = its prefill).  Arrays are views of
+    the trace: treat them as read-only.
+    """
+
+    request_id: int
+    counts: np.ndarray  # (T, L, E) tokens routed to each expert
+    num_tokens: np.ndarray  # (T,) tokens in each iteration
+    probs: np.ndarray | None = None  # (T, L, E) mean gate probabilities, if recorded
+    embeddings: np.ndarray | None = None  # (T, D) iteration embeddings, if recorded
+
+
+@dataclass(frozen=True)
 class BatchInfo:
     """The requests of one iteration (one forward pass).
 
@@ -144,10 +166,12 @@ class GateView:
     valid for every request of the batch; at the last layer it predicts layer 0 of the
     next iteration of the requests that keep decoding, from this iteration's last hidden
     state, as AdapMoE and MoEpic do); ``step`` is the global layer-step index
-    (see :class:`FutureAccesses`).  Treat every array as read-only.
+    (see :class:`FutureAccesses`); ``request_counts`` (B, E) the same counts per request
+    of the batch, in :attr:`BatchInfo.request_ids` order (None unless the policy sets
+    ``uses_request_gates``).  Treat every array as read-only.
     """
 
-    __slots__ = ("layer", "counts", "num_tokens", "probs", "spec_next", "step")
+    __slots__ = ("layer", "counts", "num_tokens", "probs", "spec_next", "step", "request_counts")
 
     def __init__(
         self,
@@ -157,6 +181,7 @@ class GateView:
         probs: np.ndarray | None = None,
         spec_next: np.ndarray | None = None,
         step: int = 0,
+        request_counts: np.ndarray | None = None,
     ) -> None:
         self.layer = layer
         self.counts = counts
@@ -164,6 +189,7 @@ class GateView:
         self.probs = probs
         self.spec_next = spec_next
         self.step = step
+        self.request_counts = request_counts
 
 
 @dataclass(frozen=True)
@@ -171,7 +197,9 @@ class Prefetch:
     """Ask the engine to load expert ``key``; lower ``priority`` values go first.
 
     Priorities only order prefetches among themselves: an on-demand load always goes
-    first.  Prefetching a key that is already resident or in flight does nothing.
+    first.  Prefetching a key that is resident, or whose transfer has started, does
+    nothing; prefetching a key whose transfer is still queued moves it to ``priority``
+    (the latest decision wins, as MoE-Infinity's I/O thread re-ranks its queue).
     """
 
     key: int
@@ -201,19 +229,26 @@ class Policy(ABC):
     Subclasses set ``name`` and implement :meth:`victim`; every other hook defaults to
     doing nothing.  Class flags tell the Runner what to build (each costs time):
     ``uses_probs`` / ``uses_spec`` fill :attr:`GateView.probs` / ``spec_next``;
-    ``uses_future`` fills :attr:`PolicyContext.future` (static batching only).
+    ``uses_future`` fills :attr:`PolicyContext.future` (static batching only);
+    ``uses_request_gates`` fills :attr:`GateView.request_counts`.
     """
 
     name: ClassVar[str] = "policy"
     uses_probs: ClassVar[bool] = False
     uses_spec: ClassVar[bool] = False
     uses_future: ClassVar[bool] = False
+    uses_request_gates: ClassVar[bool] = False
 
     ctx: PolicyContext
 
     def reset(self, ctx: PolicyContext) -> None:
         """Start a fresh run: forget everything learned in a previous one."""
         self.ctx = ctx
+
+    def learn(self, requests: Sequence[RequestTrace]) -> None:
+        """Offline knowledge: ``requests`` of the trace held in from serving (their
+        whole routing), given once after :meth:`reset` when the run holds requests in
+        (``serving.held_in_fraction``).  Policies that keep no history ignore it."""
 
     def on_request_start(self, request: RequestInfo) -> None:
         """A request enters service."""

@@ -124,6 +124,10 @@ class Backend(ABC):
     def escalate(self, gpu: int, key: int) -> None:
         """An access needs in-flight ``key`` now: give its transfer on-demand priority."""
 
+    def reprioritize(self, gpu: int, key: int, priority: float) -> None:
+        """Move ``key``'s queued, never-started prefetch to ``priority`` (default: no
+        ordering to change)."""
+
     @abstractmethod
     def cancel(self, gpu: int, key: int) -> bool:
         """Drop ``key``'s transfer if it is queued and has not started; True if dropped."""

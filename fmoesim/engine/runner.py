@@ -53,8 +53,12 @@ class Runner:
         arrival_s: np.ndarray | None = None,
         access_log: bool = False,
         on_iteration: Callable[[], None] | None = None,
+        served: list[int] | None = None,
     ) -> None:
         self.trace, self.model, self.policy = trace, model, policy
+        # the request positions served, in trace order (all of them unless some are held
+        # in, see serving.split_requests); arrival_s is indexed like this list
+        self.served = list(range(trace.num_requests)) if served is None else served
         self.caches, self.backend, self.metrics, self.serving = caches, backend, metrics, serving
         self.arrival_s = arrival_s
         self.on_iteration = on_iteration
@@ -68,6 +72,7 @@ class Runner:
         self._has_access = cls.on_access is not Policy.on_access
         self._want_probs = policy.uses_probs and trace.probs is not None
         self._want_spec = policy.uses_spec and trace.spec_probs is not None
+        self._want_req = policy.uses_request_gates
         # python copies of per-request / per-row columns: scalar reads from lists are
         # several times cheaper than from numpy arrays in the loop.
         self._iter_start = trace.iter_start.tolist()
@@ -90,9 +95,7 @@ class Runner:
 
     def num_served(self) -> int:
         """How many requests of the trace this run serves."""
-        n = self.trace.num_requests
-        mr = self.serving.max_requests
-        return n if mr is None else min(n, mr)
+        return len(self.served)
 
     def run(self) -> None:
         """The whole serving loop."""
@@ -117,7 +120,7 @@ class Runner:
 
     def _run_static(self) -> None:
         be, out = self.backend, self._output
-        for batch in static_batches(self.num_served(), self.serving.batch_size):
+        for batch in static_batches(self.served, self.serving.batch_size):
             start = be.now()
             for r in batch:
                 self._start_request(r, start)
@@ -134,8 +137,8 @@ class Runner:
     def _run_online(self) -> None:
         be, out, m = self.backend, self._output, self.metrics
         assert self.arrival_s is not None, "online mode needs arrival times"
-        arrival = self.arrival_s.tolist()
-        queue = deque(sorted(range(self.num_served()), key=lambda r: (arrival[r], r)))
+        arrival = dict(zip(self.served, self.arrival_s.tolist(), strict=True))
+        queue = deque(sorted(self.served, key=lambda r: (arrival[r], r)))
         running: list[int] = []
         next_j: dict[int, int] = {}
         max_b = self.serving.max_batch_size
@@ -234,6 +237,7 @@ class Runner:
             else:
                 spec_first = None
             spec = np.einsum("b,ble->le", weights, tr.spec_probs[rows].astype(np.float32))
+        req_counts = tr.counts[rows] if self._want_req else None  # (B, L, E)
         for layer in range(self.L):
             view = None
             if self._has_gate:
@@ -251,6 +255,7 @@ class Runner:
                     None if probs is None else probs[layer],
                     spec_next,
                     self.step,
+                    None if req_counts is None else req_counts[:, layer],
                 )
             o0, o1 = offsets[layer], offsets[layer + 1]
             self._layer(layer, experts[o0:o1], expert_tokens[o0:o1], tokens, kv_tokens, pairs, view)
@@ -281,7 +286,10 @@ class Runner:
                 )
             g = (key % E) % N
             cache = caches[g]
-            if key in cache.entries:
+            ent = cache.entries.get(key)
+            if ent is not None:
+                if not ent.resident:  # a queued prefetch takes the latest priority
+                    be.reprioritize(g, key, p.priority)
                 continue
             # perf: a full cache with nothing evictable refuses without a call (a saturated
             # link leaves every entry in flight; dependency prefetch meets this ~5x a layer)

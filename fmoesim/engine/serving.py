@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,11 @@ class ServingConfig:
     (prefill-first, like vLLM's default); otherwise it runs one decode iteration of all
     running requests, which needs the union of their experts.  Latencies are measured
     from arrival, so they include queueing.
+
+    ``held_in_fraction``: that share of the trace's requests (drawn with the run's seed)
+    is not served but handed to the policy's ``learn`` before serving starts (the
+    "offline" mode of MoE-Infinity §7 and fMoE §6.1's 7:3 split); the rest are served in
+    trace order, and ``max_requests`` caps those.
     """
 
     mode: str = "static"
@@ -38,6 +44,7 @@ class ServingConfig:
     arrivals: str = "trace"
     rate_rps: float = 1.0
     arrivals_csv: str | None = None
+    held_in_fraction: float = 0.0
 
     def validate(self, prefix: str = "serving") -> ServingConfig:
         """Check every field; raise :class:`ConfigError` naming the first bad one."""
@@ -51,6 +58,9 @@ class ServingConfig:
             not isinstance(self.max_requests, int) or self.max_requests < 1
         ):
             raise ConfigError(f"{prefix}.max_requests", self.max_requests, "must be >= 1 or null")
+        f = self.held_in_fraction
+        if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0 <= f < 1):
+            raise ConfigError(f"{prefix}.held_in_fraction", f, "must be a number in [0, 1)")
         if self.arrivals not in ("trace", "poisson", "csv"):
             raise ConfigError(
                 f"{prefix}.arrivals", self.arrivals, "must be 'trace', 'poisson' or 'csv'"
@@ -69,34 +79,57 @@ class ServingConfig:
         return self
 
 
-def static_batches(num_requests: int, batch_size: int) -> list[list[int]]:
-    """Request positions grouped, in order, into batches of ``batch_size``."""
-    return [
-        list(range(i, min(i + batch_size, num_requests)))
-        for i in range(0, num_requests, batch_size)
-    ]
+def split_requests(
+    num_requests: int, serving: ServingConfig, rng: np.random.Generator
+) -> tuple[list[int], list[int]]:
+    """``(served, held_in)`` request positions, each in trace order.
+
+    ``round(held_in_fraction * num_requests)`` positions drawn without replacement from
+    ``rng`` are held in; ``max_requests`` then keeps the first of the others.  At least
+    one request is always served.
+    """
+    n_held = min(round(serving.held_in_fraction * num_requests), num_requests - 1)
+    held = np.zeros(num_requests, dtype=bool)
+    if n_held > 0:
+        held[rng.choice(num_requests, size=n_held, replace=False)] = True
+    served = np.flatnonzero(~held).tolist()
+    if serving.max_requests is not None:
+        served = served[: serving.max_requests]
+    return served, np.flatnonzero(held).tolist()
+
+
+def static_batches(served: Sequence[int] | int, batch_size: int) -> list[list[int]]:
+    """Request positions (``served``, or ``range(served)`` for an int) grouped, in
+    order, into batches of ``batch_size``."""
+    pos = list(range(served)) if isinstance(served, int) else list(served)
+    return [pos[i : i + batch_size] for i in range(0, len(pos), batch_size)]
 
 
 def arrival_times_s(
     serving: ServingConfig,
     trace_arrival_s: np.ndarray,
-    num_requests: int,
+    served: Sequence[int] | int,
     rng: np.random.Generator,
     trace_path: object = "trace",
 ) -> np.ndarray:
-    """Arrival time (s) of each of the first ``num_requests`` requests in online mode.
+    """Arrival time (s) of each served request (positions ``served``, or the first
+    ``served`` for an int) in online mode, in the order of ``served``.
 
-    Reads the CSV for ``arrivals="csv"`` (the only I/O here).  Raises a one-line error
-    naming the file or key when the source cannot cover every request.
+    ``"trace"`` reads the served requests' own arrivals; ``"poisson"`` and ``"csv"``
+    give the i-th served request the i-th time.  Reads the CSV for ``arrivals="csv"``
+    (the only I/O here).  Raises a one-line error naming the file or key when the
+    source cannot cover every request.
     """
+    pos = list(range(served)) if isinstance(served, int) else list(served)
+    num_requests = len(pos)
     if serving.arrivals == "trace":
-        a = np.asarray(trace_arrival_s[:num_requests], dtype=np.float64)
+        a = np.asarray(trace_arrival_s, dtype=np.float64)[pos]
         bad = np.flatnonzero(np.isnan(a))
         if len(bad):
             raise ConfigError(
                 "serving.arrivals",
                 "trace",
-                f"{trace_path}/requests.parquet row {int(bad[0])} has a null arrival_s; "
+                f"{trace_path}/requests.parquet row {pos[int(bad[0])]} has a null arrival_s; "
                 "use serving.arrivals=poisson or csv",
             )
         return a

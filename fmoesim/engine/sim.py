@@ -163,6 +163,20 @@ class SimLink:
             heapq.heappush(self._heap, (ON_DEMAND, job.seq, job))
             self._pause_current(t_s)
 
+    def reprioritize(self, key: int, priority: float) -> None:
+        """Move ``key``'s queued, never-started prefetch to ``priority``."""
+        job = self._jobs.get(key)
+        if (
+            job is None
+            or job.state != _QUEUED
+            or job.start_s == job.start_s  # started (now paused): keeps its place
+            or job.link_priority == ON_DEMAND
+            or job.link_priority == priority
+        ):
+            return
+        job.link_priority = priority  # the old heap entry goes stale
+        heapq.heappush(self._heap, (priority, job.seq, job))
+
     def cancel(self, key: int) -> bool:
         """Drop ``key``'s transfer if it is queued and never started."""
         job = self._jobs.get(key)
@@ -268,6 +282,10 @@ class SimBackend(Backend):
         if link.cur_end_s <= t:
             link.advance(t)
         link.escalate(key, t)
+
+    def reprioritize(self, gpu: int, key: int, priority: float) -> None:
+        """Move a queued, never-started prefetch to ``priority``."""
+        self.links[gpu].reprioritize(key, priority)
 
     def cancel(self, gpu: int, key: int) -> bool:
         """Cancel a queued, never-started transfer."""

@@ -14,13 +14,18 @@ from fmoesim.engine.compute import ComputeModel
 from fmoesim.engine.fast import NotApplicable, lru_hit_only
 from fmoesim.engine.metrics import Metrics
 from fmoesim.engine.runner import Runner
-from fmoesim.engine.serving import ServingConfig, arrival_times_s, static_batches
+from fmoesim.engine.serving import (
+    ServingConfig,
+    arrival_times_s,
+    split_requests,
+    static_batches,
+)
 from fmoesim.engine.sim import InstantBackend, SimBackend
 from fmoesim.errors import ConfigError
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
 from fmoesim.trace.reader import Trace
-from policies.base import FutureAccesses, Policy, PolicyContext
+from policies.base import FutureAccesses, Policy, PolicyContext, RequestTrace
 from policies.lru import LRU
 
 GB = 1e9
@@ -83,8 +88,12 @@ def future_accesses(
     E, L = trace.num_experts, trace.num_layers
     if all(len(b) == 1 for b in batches):
         # perf: one request per batch: the steps are the served rows' layers, in order
-        n_rows = int(iter_start[batches[-1][0]] + output_tokens[batches[-1][0]]) if batches else 0
-        flat = trace.counts[:n_rows].reshape(-1, E)  # (rows * L, E)
+        pos = np.array([b[0] for b in batches], dtype=np.int64)
+        lens = output_tokens[pos].astype(np.int64)
+        starts = iter_start[pos].astype(np.int64)
+        # row indices of every served request's iterations, request after request
+        rows = np.repeat(starts - np.cumsum(lens) + lens, lens) + np.arange(lens.sum())
+        flat = trace.counts[rows].reshape(-1, E)  # (rows * L, E)
         rl, exp = np.nonzero(flat)
         ptr = np.zeros(len(flat) + 1, dtype=np.int64)
         np.cumsum(np.bincount(rl, minlength=len(flat)), out=ptr[1:])
@@ -93,14 +102,33 @@ def future_accesses(
     sizes: list[np.ndarray] = []
     for batch in batches:
         for j in range(int(max(output_tokens[r] for r in batch))):
-            rows = [int(iter_start[r]) + j for r in batch if output_tokens[r] > j]
-            counts = trace.counts[rows].sum(axis=0)  # (L, E)
+            it_rows = [int(iter_start[r]) + j for r in batch if output_tokens[r] > j]
+            counts = trace.counts[it_rows].sum(axis=0)  # (L, E)
             lay, exp = np.nonzero(counts)
             keys.append(lay * E + exp)
             sizes.append(np.count_nonzero(counts, axis=1))
     ptr = np.zeros(sum(len(s) for s in sizes) + 1, dtype=np.int64)
     np.cumsum(np.concatenate(sizes), out=ptr[1:])
     return FutureAccesses(ptr=ptr, keys=np.concatenate(keys).astype(np.int64))
+
+
+def held_in_requests(trace: Trace, positions: list[int]) -> list[RequestTrace]:
+    """The recorded routing of the requests at ``positions`` (views of the trace)."""
+    out = []
+    has_emb = trace.embedding.shape[1] > 0
+    for r in positions:
+        a = int(trace.iter_start[r])
+        b = a + int(trace.output_tokens[r])
+        out.append(
+            RequestTrace(
+                request_id=int(trace.request_id[r]),
+                counts=trace.counts[a:b],
+                num_tokens=trace.num_tokens[a:b],
+                probs=None if trace.probs is None else trace.probs[a:b],
+                embeddings=trace.embedding[a:b] if has_emb else None,
+            )
+        )
+    return out
 
 
 def _run_fields(
@@ -167,19 +195,18 @@ def simulate(
             "needs static batching (serving.mode=static): the future must be known",
         )
     rng = np.random.default_rng(seed)
-    n_req = trace.num_requests
-    if serving.max_requests is not None:
-        n_req = min(n_req, serving.max_requests)
+    # the held-in split and the arrivals draw from their own streams, so a policy's
+    # draws never shift them
+    served, held_in = split_requests(trace.num_requests, serving, np.random.default_rng([seed, 2]))
     future = None
     if policy.uses_future:
         future = future_accesses(
-            trace, static_batches(n_req, serving.batch_size), trace.iter_start, trace.output_tokens
+            trace, static_batches(served, serving.batch_size), trace.iter_start, trace.output_tokens
         )
     arrival_s = None
     if serving.mode == "online":
-        # arrivals draw from their own stream so a policy's draws never shift them
         arrival_s = arrival_times_s(
-            serving, trace.arrival_s, n_req, np.random.default_rng([seed, 1]), trace.path
+            serving, trace.arrival_s, served, np.random.default_rng([seed, 1]), trace.path
         )
     num_gpus = hardware.num_gpus
     if (
@@ -191,7 +218,9 @@ def simulate(
         and type(policy) is LRU
     ):
         try:
-            return _lru_hit_only(trace, model, hardware, policy, budget_bytes, serving, n_req, seed)
+            return _lru_hit_only(
+                trace, model, hardware, policy, budget_bytes, serving, served, seed
+            )
         except NotApplicable:
             pass
     policy.reset(
@@ -204,6 +233,8 @@ def simulate(
             future=future,
         )
     )
+    if held_in:
+        policy.learn(held_in_requests(trace, held_in))
     caches = [ExpertCache(int(budget_bytes), policy, gpu=g) for g in range(num_gpus)]
     metrics = Metrics(trace.num_layers)
     backend: Backend
@@ -212,9 +243,18 @@ def simulate(
     else:
         backend = InstantBackend(caches)
     runner = Runner(
-        trace, model, policy, caches, backend, metrics, serving, arrival_s, access_log=access_log
+        trace,
+        model,
+        policy,
+        caches,
+        backend,
+        metrics,
+        serving,
+        arrival_s,
+        access_log=access_log,
+        served=served,
     )
-    total_iters = int(trace.output_tokens[:n_req].sum())
+    total_iters = int(trace.output_tokens[served].sum())
     bar = None
     if progress:
         from tqdm import tqdm
@@ -264,12 +304,12 @@ def _lru_hit_only(
     policy: Policy,
     budget_bytes: int,
     serving: ServingConfig,
-    n_req: int,
+    served: list[int],
     seed: int,
 ) -> RunResult:
     """The hit-rate-only run of plain LRU through :func:`fmoesim.engine.fast.lru_hit_only`,
     summarised exactly as the generic path would."""
-    batches = static_batches(n_req, serving.batch_size)
+    batches = static_batches(served, serving.batch_size)
     fut = future_accesses(trace, batches, trace.iter_start, trace.output_tokens)
     size = model.expert_size_bytes
     t0 = time.perf_counter()
@@ -282,7 +322,7 @@ def _lru_hit_only(
     metrics.layer_steps = fut.num_steps
     out = trace.output_tokens
     metrics.iterations = sum(int(max(out[r] for r in b)) for b in batches)
-    for r in range(n_req):
+    for r in served:
         rid = int(trace.request_id[r])
         metrics.request_start_s[rid] = metrics.request_first_token_s[rid] = 0.0
         metrics.request_end_s[rid] = 0.0

@@ -1,0 +1,560 @@
+"""MoE-Infinity: request-level expert activation tracing, activation-aware prefetch and cache.
+
+Implements ``003`` (MoE-Infinity) §4-§6 on the policy protocol:
+
+- :class:`EAMC` — the Expert Activation Matrix Collection (§4.2): fixed capacity, cosine
+  matching over the layers observed so far, replacement of the most similar entry, saved
+  and reloaded as ``.npz`` (§5.3 "Failure recovery").
+- :func:`activation_priorities` — Fig. 7: aggregate matched EAMs, normalise rows into
+  activation probabilities, weight by layer proximity ``1 - (i - l) / L``.
+- :class:`MoEInfinity` — the policy: prefetch (§5.1) and caching (§5.2), every design
+  intuition a switch for Table 4's ablation.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import tempfile
+from collections.abc import Collection, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from policies.base import (
+    NO_ACTIONS,
+    Actions,
+    BatchInfo,
+    GateView,
+    Outcome,
+    Policy,
+    PolicyContext,
+    Prefetch,
+    RequestInfo,
+    RequestTrace,
+)
+
+EAMC_FORMAT = 1  # version of the .npz layout written by :func:`save_eamcs`
+INF = float("inf")
+
+
+class EAMC:
+    """Expert Activation Matrix Collection (``003`` §4.2, Fig. 5).
+
+    Holds at most ``capacity`` request-level EAMs, each an ``(L, E)`` matrix of token
+    counts.  Two EAMs match by the cosine similarity of their flattened matrices; a
+    partial EAM (layers ``0..l`` observed) matches over those layers only.  When full,
+    :meth:`add` replaces the stored EAM most similar to the new one (it keeps the newest
+    pattern and the diversity of the rest).  An all-zero EAM has no direction and is
+    not stored.
+
+    perf: storage is layer-major, ``(L, C, E)``, with the squared norm of every stored
+    EAM's first ``l + 1`` layers precomputed, so matching a growing iteration EAM adds
+    one ``(C, E) @ (E,)`` product per layer (:class:`EAMCQuery`) instead of redoing
+    ``(C, (l + 1) E)`` at every layer.
+    """
+
+    def __init__(self, capacity: int, num_layers: int, num_experts: int) -> None:
+        if int(capacity) < 1:
+            raise ValueError(f"EAMC capacity must be >= 1, got {capacity}")
+        self.capacity = int(capacity)
+        self.L, self.E = int(num_layers), int(num_experts)
+        self.size = 0
+        self._eams = np.zeros((self.L, self.capacity, self.E), dtype=np.float32)  # (L, C, E)
+        # 1 / ||first l+1 layers|| of each stored EAM (0 where that prefix is all zero)
+        self._inv_norm = np.zeros((self.L, self.capacity), dtype=np.float32)  # (L, C)
+
+    def eams(self) -> np.ndarray:
+        """The stored EAMs, ``(size, L, E)``, in slot order (a copy)."""
+        return self._eams[:, : self.size].transpose(1, 0, 2).copy()
+
+    def similarity(self, eam: np.ndarray) -> np.ndarray:
+        """Cosine similarity ``(size,)`` of ``eam`` (``(l + 1, E)``: its first layers, or
+        the whole ``(L, E)``) to each stored EAM over the same layers (0 for zero norms).
+        The plain reference computation; the policy uses :class:`EAMCQuery`."""
+        eam = np.asarray(eam, dtype=np.float64)
+        n_l = eam.shape[0]
+        stored = self._eams[:n_l, : self.size].astype(np.float64)  # (l + 1, n, E)
+        dot = np.einsum("lne,le->n", stored, eam)
+        norms = np.sqrt((stored**2).sum(axis=(0, 2))) * np.sqrt((eam**2).sum())
+        out = np.zeros(self.size)
+        ok = norms > 0
+        out[ok] = dot[ok] / norms[ok]
+        return out
+
+    def add(self, eam: np.ndarray) -> int:
+        """Store ``eam`` (``(L, E)``); return its slot, or -1 for an all-zero EAM.
+
+        Below capacity it takes the next free slot; at capacity it replaces the most
+        similar stored EAM (ties: the lowest slot).
+        """
+        eam = np.asarray(eam)
+        if eam.shape != (self.L, self.E):
+            raise ValueError(f"EAM shape {eam.shape} != ({self.L}, {self.E})")
+        if not np.isfinite(eam).all() or (eam < 0).any():
+            raise ValueError("an EAM holds token counts: finite and >= 0")
+        if not eam.any():
+            return -1
+        if self.size < self.capacity:
+            slot = self.size
+            self.size += 1
+        else:
+            slot = int(np.argmax(self.similarity(eam)))
+        e32 = eam.astype(np.float32)
+        self._eams[:, slot] = e32
+        sq = np.cumsum((e32.astype(np.float64) ** 2).sum(axis=1))  # (L,)
+        with np.errstate(divide="ignore"):
+            self._inv_norm[:, slot] = np.where(sq > 0, 1.0 / np.sqrt(sq), 0.0)
+        return slot
+
+    def query(self) -> EAMCQuery:
+        """A matcher for one iteration whose layers are observed in order."""
+        return EAMCQuery(self)
+
+
+class EAMCQuery:
+    """Matches an iteration-level EAM, observed layer by layer, against an :class:`EAMC`.
+
+    Call :meth:`observe` for layers ``0, 1, 2, ...`` in order; :meth:`top` then ranks the
+    stored EAMs by cosine similarity over the layers observed so far.  The collection
+    must not change while a query is in use (the policy adds EAMs between iterations).
+    """
+
+    def __init__(self, eamc: EAMC) -> None:
+        self.eamc = eamc
+        self.n = eamc.size
+        self.layer = -1
+        self._dot = np.zeros(self.n, dtype=np.float32)  # (n,) running dot products
+        self._sq = 0.0  # squared norm of the observed iteration EAM
+
+    def observe(self, layer: int, counts: np.ndarray) -> None:
+        """Add layer ``layer``'s token counts ``(E,)`` (the next layer in order)."""
+        if layer != self.layer + 1:
+            raise ValueError(f"layers must be observed in order: got {layer} after {self.layer}")
+        self.layer = layer
+        if self.n:
+            c = counts.astype(np.float32)
+            self._dot += self.eamc._eams[layer, : self.n] @ c
+            self._sq += float(c @ c)
+
+    def similarity(self) -> np.ndarray:
+        """Cosine similarity ``(n,)`` of the observed layers to each stored EAM."""
+        if self._sq == 0.0 or self.layer < 0:
+            return np.zeros(self.n)
+        return (
+            self._dot.astype(np.float64)
+            * self.eamc._inv_norm[self.layer, : self.n]
+            / np.sqrt(self._sq)
+        )
+
+    def top(self, k: int) -> list[int]:
+        """Slots of the ``k`` most similar stored EAMs with similarity > 0, most similar
+        first, ties to the lower slot.
+
+        perf: ranking needs only ``dot / ||stored prefix||`` (the query's own norm is a
+        common factor); one ``argmax`` for ``k == 1``, a partition for larger ``k``.
+        """
+        if not self.n or self._sq == 0.0 or self.layer < 0:
+            return []
+        score = self._dot * self.eamc._inv_norm[self.layer, : self.n]  # (n,)
+        if k == 1:
+            i = int(np.argmax(score))
+            return [i] if score[i] > 0 else []
+        if k < self.n:
+            # perf: partition out the k best (O(n)), then order only those
+            kth = np.partition(score, self.n - k)[self.n - k]
+            cand = np.flatnonzero(score >= kth)  # ascending slots; ties at kth included
+        else:
+            cand = np.arange(self.n)
+        cs = score[cand]
+        order = np.lexsort((cand, -cs))[:k]  # most similar first, then lower slot
+        return [int(cand[i]) for i in order if cs[i] > 0]
+
+
+def activation_priorities(matched: np.ndarray, layer: int, proximity: bool = True) -> np.ndarray:
+    """Fig. 7: prefetch priorities ``(L, E)`` of the layers after ``layer``.
+
+    ``matched`` ``(k, L, E)``: the matched EAMs.  Step 2 sums them and normalises each
+    row into activation probabilities; step 3 multiplies row ``i`` by the layer
+    proximity ``1 - (i - layer) / L`` (when ``proximity``).  Rows ``<= layer`` and rows
+    whose matched counts are all zero are 0.
+    """
+    matched = np.asarray(matched, dtype=np.float64)
+    agg = matched.sum(axis=0)  # (L, E)
+    L = agg.shape[0]
+    out = np.zeros_like(agg)
+    rows = agg[layer + 1 :]
+    tot = rows.sum(axis=1, keepdims=True)
+    np.divide(rows, tot, out=out[layer + 1 :], where=tot > 0)
+    if proximity:
+        i = np.arange(layer + 1, L)
+        out[layer + 1 :] *= (1.0 - (i - layer) / L)[:, None]
+    return out
+
+
+def save_eamcs(path: str | os.PathLike[str], collections: dict[str, EAMC]) -> None:
+    """Write named collections to one ``.npz`` (no pickle), atomically (temp + rename)."""
+    path = Path(path)
+    arrays: dict[str, np.ndarray] = {"format": np.array(EAMC_FORMAT, dtype=np.int64)}
+    for name, c in collections.items():
+        arrays[f"{name}_eams"] = c.eams()
+        arrays[f"{name}_capacity"] = np.array(c.capacity, dtype=np.int64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".npz")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)  # type: ignore[arg-type]
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_eamcs(
+    path: str | os.PathLike[str],
+    names: Sequence[str],
+    num_layers: int,
+    num_experts: int,
+    capacity: int | None = None,
+) -> dict[str, EAMC]:
+    """Read the collections ``names`` written by :func:`save_eamcs`; a one-line
+    ``ValueError`` names the file, the key and the broken rule.  ``capacity``
+    overrides the saved capacity (the EAMs are re-added in slot order, so a smaller one
+    applies the replacement rule)."""
+    path = Path(path)
+    try:
+        z = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable .npz EAMC file ({exc})") from None
+    with z:
+        if "format" not in z.files or int(z["format"]) != EAMC_FORMAT:
+            raise ValueError(f"{path}: key 'format' must be {EAMC_FORMAT}")
+        out = {}
+        for name in names:
+            ek, ck = f"{name}_eams", f"{name}_capacity"
+            for k in (ek, ck):
+                if k not in z.files:
+                    raise ValueError(f"{path}: missing key {k!r}")
+            eams, cap = z[ek], int(z[ck])
+            if eams.ndim != 3 or eams.shape[1:] != (num_layers, num_experts):
+                raise ValueError(
+                    f"{path}: key {ek!r} has shape {eams.shape}, "
+                    f"expected (n, {num_layers}, {num_experts})"
+                )
+            if len(eams) > cap:
+                raise ValueError(f"{path}: key {ek!r} holds {len(eams)} EAMs > capacity {cap}")
+            bad = np.flatnonzero(~(np.isfinite(eams) & (eams >= 0)).all(axis=(1, 2)))
+            if len(bad):
+                raise ValueError(
+                    f"{path}: key {ek!r} row {int(bad[0])} is not finite non-negative counts"
+                )
+            c = EAMC(cap if capacity is None else capacity, num_layers, num_experts)
+            for eam in eams:
+                c.add(eam)
+            out[name] = c
+    return out
+
+
+PHASES = ("prefill", "decode")
+
+
+class MoEInfinity(Policy):
+    """MoE-Infinity's activation-aware prefetching and caching (``003`` §4-§5).
+
+    Tracing (§4.1).  paper: an iteration-level EAM counts the tokens each expert gets in
+    one iteration; a request-level EAM accumulates them, "traced for prefilling and
+    decoding separately".  here: the iteration EAM of the batch is built gate by gate
+    (summed over the batch, as the paper's query runs once per layer per batched input);
+    each request keeps a prefill EAM and a decode EAM (from
+    :attr:`GateView.request_counts`), added to at the end of each iteration.  When a
+    request ends, its prefill EAM joins a prefill EAMC and its decode EAM a decode EAMC
+    (two collections, because the phases are traced separately; a prefill iteration is
+    matched against the prefill collection, a decode iteration against the decode one).
+
+    Prefetch (§5.1, Fig. 7).  paper: after each gate, match the iteration EAM against
+    the EAMC, aggregate the matches and normalise rows into activation probabilities,
+    weight layer ``i`` by ``1 - (i - l) / L``, re-rank the prefetch queue for all
+    subsequent layers, take the top-K (K = buffer slots), skip what is in the buffer and
+    prefetch the rest; on-demand fetches jump the queue.  here: exactly that, with
+    K = the GPU's slots minus the experts the current layer routes to on it (per GPU
+    with several GPUs); experts with zero probability are never prefetched; a prefetch
+    still queued is re-ranked (the engine moves it to its new priority); queued
+    prefetches that fall out of the top-K, or whose layer has passed unrouted, are
+    cancelled.  An empty collection (online mode at start) predicts nothing.
+
+    Caching (§5.2, Fig. 8).  paper: slots hold experts being fetched and cache used ones;
+    the victim is the cached expert with the lowest priority from the request-level
+    EAM; prefetched experts get the maximal priority until used or judged unused; the
+    priority resets to the request-level EAM count (i) after the expert's inference,
+    (ii) for a prefetched expert the gate did not route to, (iii) for a prefetched
+    expert that left the top-K; initial layers get higher caching priority.
+    here: cache priority of expert ``(l, e)`` = the summed request-level EAM count of
+    the batch's requests (the decode EAM once a request has decoded, before that its
+    prefill EAM), times ``2 - l / L`` when ``initial_layer_priority`` (the paper gives no
+    formula; a linear boost from 2x at the first layer to ~1x at the last), recomputed
+    at each iteration start (the paper updates request EAMs at iteration end).  An
+    expert in the current top-K that is already in the buffer is protected as well
+    (the top-K own the slots).  Ties go to the oldest admission; if every candidate is
+    protected, the least important prediction goes.
+
+    Switches (Table 4 and §7.5): ``request_level_tracing`` (off: every expert of the
+    next layers equally likely, the "vanilla" dependency prefetch), ``multi_layer`` (off:
+    only layer ``l + 1``), ``layer_proximity``, ``initial_layer_priority``,
+    ``num_matched`` (EAMs aggregated), ``eamc_capacity``; ``learn_online`` adds each
+    finished request to the collections; ``eamc_path`` pre-fills them from a file saved
+    by :meth:`save` ("offline" mode; so does ``serving.held_in_fraction`` through
+    :meth:`learn`).
+    """
+
+    name = "moe-infinity"
+    uses_request_gates = True
+
+    def __init__(
+        self,
+        eamc_capacity: int = 1000,
+        num_matched: int = 1,
+        request_level_tracing: bool = True,
+        multi_layer: bool = True,
+        layer_proximity: bool = True,
+        initial_layer_priority: bool = True,
+        learn_online: bool = True,
+        eamc_path: str | None = None,
+    ) -> None:
+        if int(eamc_capacity) < 1:
+            raise ValueError(f"eamc_capacity must be >= 1, got {eamc_capacity}")
+        if int(num_matched) < 1:
+            raise ValueError(f"num_matched must be >= 1, got {num_matched}")
+        self.eamc_capacity = int(eamc_capacity)
+        self.num_matched = int(num_matched)
+        self.request_level_tracing = bool(request_level_tracing)
+        self.multi_layer = bool(multi_layer)
+        self.layer_proximity = bool(layer_proximity)
+        self.initial_layer_priority = bool(initial_layer_priority)
+        self.learn_online = bool(learn_online)
+        self.eamc_path = eamc_path
+
+    # -- run lifecycle ------------------------------------------------------------------
+    def reset(self, ctx: PolicyContext) -> None:
+        """Empty (or reload) the collections; forget requests and protections."""
+        super().reset(ctx)
+        L, E = ctx.model.num_layers, ctx.model.num_experts
+        self._L, self._E, self._N = L, E, ctx.num_gpus
+        self._slots = ctx.capacity_experts
+        if self.eamc_path:
+            self.eamcs = load_eamcs(self.eamc_path, PHASES, L, E, capacity=self.eamc_capacity)
+        else:
+            self.eamcs = {p: EAMC(self.eamc_capacity, L, E) for p in PHASES}
+        self._req: dict[int, dict[str, np.ndarray]] = {}  # request -> phase -> (L, E) counts
+        self._layer_w = 2.0 - np.arange(L) / L if self.initial_layer_priority else np.ones(L)
+        self._cprio: list[float] = [0.0] * (L * E)  # cache priority per key
+        self._protected: dict[int, float] = {}  # key -> prefetch priority v (max cache prio)
+        self._in: set[int] = set()  # keys admitted and not evicted (the policy's mirror)
+        self._used = [0] * ctx.num_gpus  # len(_in) per GPU
+        self._batch: BatchInfo | None = None
+        self._iter = np.zeros((0, L, E), dtype=np.int64)  # (B, L, E) this iteration
+        self._query: EAMCQuery | None = None
+        self._routed: set[int] = set()  # keys the current layer routes to
+        self._uniform = np.full((L, E), 1.0 / E)
+        prox = 1.0 - (np.arange(L)[None, :] - np.arange(L)[:, None]) / L  # (l, i)
+        self._prox = prox if self.layer_proximity else np.ones((L, L))
+
+    def learn(self, requests: Sequence[RequestTrace]) -> None:
+        """Offline mode: add each held-in request's prefill and decode EAMs."""
+        for r in requests:
+            counts = np.asarray(r.counts, dtype=np.int64)
+            self.eamcs["prefill"].add(counts[0])
+            if len(counts) > 1:
+                self.eamcs["decode"].add(counts[1:].sum(axis=0))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Checkpoint both collections to ``path`` (``.npz``, §5.3 failure recovery)."""
+        save_eamcs(path, self.eamcs)
+
+    def on_request_start(self, request: RequestInfo) -> None:
+        """Open the request's prefill and decode EAMs."""
+        z = np.zeros((self._L, self._E), dtype=np.int64)
+        self._req[request.request_id] = {"prefill": z, "decode": z.copy()}
+
+    def on_iteration_start(self, batch: BatchInfo) -> None:
+        """Cache priorities from the batch's request-level EAMs; start matching."""
+        self._batch = batch
+        L, E = self._L, self._E
+        self._iter = np.zeros((len(batch.request_ids), L, E), dtype=np.int64)
+        acc = np.zeros((L, E), dtype=np.float64)
+        for rid in batch.request_ids:
+            eams = self._req[rid]
+            acc += eams["decode"] if eams["decode"].any() else eams["prefill"]
+        # row-normalised: the request's empirical activation probability, the same scale
+        # as a prefetch's predicted probability (every row of an EAM sums to the same
+        # number of routed tokens, so this keeps the order of the counts)
+        tot = acc.sum(axis=1, keepdims=True)
+        freq = np.divide(acc, tot, out=np.zeros_like(acc), where=tot > 0)
+        self._cprio = (freq * self._layer_w[:, None]).reshape(-1).tolist()
+        phase = "prefill" if batch.prefill else "decode"
+        self._query = self.eamcs[phase].query() if self.request_level_tracing else None
+
+    def on_iteration_end(self, batch: BatchInfo) -> None:
+        """Add the iteration's per-request EAMs to the request-level EAMs."""
+        phase = "prefill" if batch.prefill else "decode"
+        for b, rid in enumerate(batch.request_ids):
+            self._req[rid][phase] += self._iter[b]
+
+    def on_request_end(self, request_id: int) -> None:
+        """File the finished request's EAMs in the collections (``learn_online``)."""
+        eams = self._req.pop(request_id)
+        if self.learn_online:
+            for phase in PHASES:
+                self.eamcs[phase].add(eams[phase])
+
+    # -- prefetch ---------------------------------------------------------------------
+    def predict(self, layer: int) -> np.ndarray:
+        """Activation probabilities ``(L, E)`` for the layers after ``layer`` (Fig. 7
+        steps 1-2; zero rows where nothing matched)."""
+        if not self.request_level_tracing:
+            return self._uniform
+        q = self._query
+        assert q is not None
+        slots = q.top(self.num_matched)
+        if not slots:
+            return np.zeros((self._L, self._E))
+        matched = q.eamc._eams[:, slots].transpose(1, 0, 2)  # (k, L, E)
+        return activation_priorities(matched, layer, proximity=False)
+
+    def on_gate(self, layer: int, gate: GateView) -> Actions:
+        """Trace the gate, reset priorities (cases ii, iii), re-rank the prefetches."""
+        L, E = self._L, self._E
+        counts = gate.counts
+        rc = gate.request_counts
+        if rc is not None:
+            self._iter[:, layer] = rc
+        if self._query is not None:
+            self._query.observe(layer, counts)
+        base = layer * E
+        routed = {base + e for e in np.flatnonzero(counts).tolist()}
+        self._routed = routed
+        protected = self._protected
+        cancel: list[int] = []
+        # case (ii) and passed layers: predictions for this layer the gate did not route
+        # to, and anything left from earlier layers, go back to their cache priority
+        for key in [k for k in protected if k < base + E and k not in routed]:
+            del protected[key]
+            cancel.append(key)
+        if layer + 1 >= L:
+            return Actions(cancel=cancel) if cancel else NO_ACTIONS
+        probs = self.predict(layer)  # (L, E)
+        last = L if self.multi_layer else layer + 2
+        v = probs[layer + 1 : last] * self._prox[layer, layer + 1 : last, None]  # (F, E)
+        flat = v.reshape(-1)
+        order = np.argsort(-flat, kind="stable")  # nearer layer, then smaller id on ties
+        first = (layer + 1) * E
+        N = self._N
+        # the top-K per GPU: K = its slots minus what the current layer holds there
+        room = [self._slots] * N
+        for k in routed:
+            room[(k % E) % N] -= 1
+        chosen: dict[int, float] = {}
+        vals = flat.tolist()
+        left = sum(max(r, 0) for r in room)
+        for i in order.tolist():
+            p = vals[i]
+            if p <= 0 or left <= 0:
+                break
+            key = first + i
+            g = (key % E) % N
+            if room[g] > 0:
+                room[g] -= 1
+                left -= 1
+                chosen[key] = p
+        # case (iii): prefetched experts no longer in the top-K
+        for key in [k for k in protected if k not in chosen]:
+            del protected[key]
+            cancel.append(key)
+        inbuf = self._in
+        new: list[tuple[int, float]] = []
+        for key, p in chosen.items():
+            if key in inbuf and key not in protected:
+                protected[key] = p  # already in the buffer: skip the load, keep the slot
+            elif key in protected:
+                protected[key] = p
+                new.append((key, p))  # in flight (or landed): re-ranked if still queued
+            else:
+                new.append((key, p))
+        prefetch = self._admit(new, routed)
+        if not prefetch and not cancel:
+            return NO_ACTIONS
+        return Actions(prefetch=prefetch, cancel=cancel)
+
+    def _admit(self, new: list[tuple[int, float]], routed: set[int]) -> list[Prefetch]:
+        """Prefetches for ``new`` (in priority order): a load takes a free slot, or the
+        slot of the cached expert with the lowest cache priority if that is below the
+        prediction's priority (§5.1: "start their prefetching into the slots that
+        exhibit lower priorities"); keys already in flight are only re-ranked."""
+        E, N, protected, cprio = self._E, self._N, self._protected, self._cprio
+        free = [self._slots - u for u in self._used]
+        for k in routed:  # this layer's misses are loaded (on demand) before prefetches
+            if k not in self._in:
+                free[(k % E) % N] -= 1
+        heaps: list[list[tuple[float, int]]] | None = None
+        out: list[Prefetch] = []
+        done = [False] * N
+        for key, p in new:
+            if key in protected and key in self._in:
+                out.append(Prefetch(key, 1.0 - p))  # lower value = sooner
+                continue
+            g = (key % E) % N
+            if done[g]:
+                continue
+            if free[g] > 0:
+                free[g] -= 1
+            else:
+                if heaps is None:  # perf: built only when a cached expert must go
+                    heaps = [[] for _ in range(N)]
+                    for k in self._in:
+                        if k not in protected and k not in routed:
+                            heaps[(k % E) % N].append((cprio[k], k))
+                    for h in heaps:
+                        heapq.heapify(h)
+                h = heaps[g]
+                if not h or h[0][0] >= p:
+                    done[g] = True  # every later prediction is less important still
+                    continue
+                heapq.heappop(h)
+            protected[key] = p
+            out.append(Prefetch(key, 1.0 - p))
+        return out
+
+    # -- cache ------------------------------------------------------------------------
+    def on_access(self, key: int, outcome: Outcome) -> None:
+        """Case (i): a used expert's priority goes back to its request-level count."""
+        self._protected.pop(key, None)
+
+    def on_insert(self, key: int) -> None:
+        """Track what the buffer holds."""
+        self._in.add(key)
+        self._used[(key % self._E) % self._N] += 1
+
+    def on_evict(self, key: int) -> None:
+        """Forget an evicted or cancelled expert."""
+        self._in.remove(key)
+        self._used[(key % self._E) % self._N] -= 1
+        self._protected.pop(key, None)
+
+    def victim(self, candidates: Collection[int], incoming: int) -> int:
+        """The unprotected candidate with the lowest cache priority (ties: oldest); if
+        all are protected, the least important prediction."""
+        protected, cprio = self._protected, self._cprio
+        best, best_p = -1, INF
+        spare, spare_p = -1, INF
+        for key in candidates:  # admission order: strict < keeps the oldest on ties
+            v = protected.get(key)
+            if v is None:
+                p = cprio[key]
+                if p < best_p:
+                    best, best_p = key, p
+            elif v < spare_p:
+                spare, spare_p = key, v
+        if best >= 0:
+            return best
+        if spare >= 0:
+            return spare
+        raise ValueError("MoEInfinity.victim called with no candidates")
