@@ -353,7 +353,6 @@ class MoEInfinity(Policy):
         self._batch: BatchInfo | None = None
         self._iter = np.zeros((0, L, E), dtype=np.int64)  # (B, L, E) this iteration
         self._query: EAMCQuery | None = None
-        self._routed: set[int] = set()  # keys the current layer routes to
         self._uniform = np.full((L, E), 1.0 / E)
         prox = 1.0 - (np.arange(L)[None, :] - np.arange(L)[:, None]) / L  # (l, i)
         self._prox = prox if self.layer_proximity else np.ones((L, L))
@@ -431,7 +430,6 @@ class MoEInfinity(Policy):
             self._query.observe(layer, counts)
         base = layer * E
         routed = {base + e for e in np.flatnonzero(counts).tolist()}
-        self._routed = routed
         protected = self._protected
         cancel: list[int] = []
         # case (ii) and passed layers: predictions for this layer the gate did not route
