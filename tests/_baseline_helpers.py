@@ -8,6 +8,7 @@ token routes (several tokens = a prefill) plus, optionally, its ``spec_probs`` `
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from fmoesim.engine.simulate import RunResult
 from fmoesim.specs import ModelSpec
 from fmoesim.trace import TraceManifest, TraceModel, TraceWriter
 from policies.base import Outcome, Policy, PolicyContext
-from tests.tiny import TINY, small_model  # noqa: F401 - re-exported
+from tests.tiny import TINY, TINY_HW, small_model  # noqa: F401 - re-exported
 
 #: token_route[layer] = the top_k experts the token is routed to in that layer
 TokenRoute = Sequence[Sequence[int]]
@@ -122,3 +123,23 @@ def recording(cls: type[Policy]) -> type[Policy]:
 
     Recording.__name__ = f"Recording{cls.__name__}"
     return Recording
+
+
+# -- MoE-Infinity's figures (003): 2 experts per layer, top-1 ------------------------------
+M42 = small_model(4, 2, 1)  # Fig. 6 / Fig. 7: 4 MoE layers x 2 experts
+M32 = small_model(3, 2, 1)  # Fig. 5 / Fig. 8: 3 MoE layers x 2 experts
+SLOW = dataclasses.replace(TINY_HW, pcie_gbps=0.1)  # a 6 MB expert takes 60 ms; compute: µs
+
+
+def e(layer: int, expert: int) -> int:
+    """Key of the paper's 1-based E[layer, expert] in a 2-expert model."""
+    return (layer - 1) * 2 + (expert - 1)
+
+
+def write_fig8_trace(path: Path) -> Path:
+    """Fig. 8's request on :data:`M32`: a 3-token prefill with request-level EAM
+    [[1,2],[0,3],[0,3]] (E[1,1]->E[2,2]->E[3,2] once, E[1,2]->E[2,2]->E[3,2] twice),
+    then one decode token E[1,1]->E[2,2]->E[3,2]."""
+    a = [(0,), (1,), (1,)]
+    b = [(1,), (1,), (1,)]
+    return write_trace(path, M32, [[Iteration([a, b, b]), Iteration([a])]], with_spec=False)

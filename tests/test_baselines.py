@@ -9,7 +9,6 @@ speculative probabilities checks that the speculative policies beat on-demand lo
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Sequence
 
@@ -33,12 +32,17 @@ from policies.mixtral_offloading import MixtralOffloading
 from policies.pregated import PreGated
 from policies.promoe import ProMoE
 from tests._baseline_helpers import (
+    M32,
+    M42,
+    SLOW,
     Iteration,
     context,
+    e,
     one_hot_spec,
     outcomes,
     recording,
     small_model,
+    write_fig8_trace,
     write_trace,
 )
 from tests.tiny import TINY_HW
@@ -339,15 +343,6 @@ def test_promoe_stride_one_uses_history_only_without_speculation():
 
 
 # -- MoE-Infinity Fig. 6 (003 §5.1) ------------------------------------------------------
-M42 = small_model(4, 2, 1)
-SLOW = dataclasses.replace(TINY_HW, pcie_gbps=0.1)  # a 6 MB expert takes 60 ms; compute: µs
-
-
-def e(layer: int, expert: int) -> int:
-    """Key of the paper's 1-based E[layer, expert] in a 2-expert model."""
-    return (layer - 1) * 2 + (expert - 1)
-
-
 def with_prior_counts(prior: list[list[int]]) -> type[BrainStorm]:
     """BrainStorm (recording evictions) whose model-level counts start from ``prior``,
     the counts of earlier requests that model-level tracing keeps."""
@@ -446,17 +441,12 @@ def test_fig6_timed_blocking_and_cancellation(fig6_trace: Trace):
 
 
 # -- MoE-Infinity Fig. 8 (003 §5.2) ------------------------------------------------------
-M32 = small_model(3, 2, 1)
 FIG8_PRIOR = [[0, 0], [3, 0], [0, 5]]
 
 
 @pytest.fixture(scope="module")
 def fig8_trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:
-    path = tmp_path_factory.mktemp("fig8") / "trace"
-    a = [(0,), (1,), (1,)]  # E[1,1] -> E[2,2] -> E[3,2]
-    b = [(1,), (1,), (1,)]  # E[1,2] -> E[2,2] -> E[3,2]
-    req = [Iteration([a, b, b]), Iteration([a])]
-    return read_trace(write_trace(path, M32, [req], with_spec=False))
+    return read_trace(write_fig8_trace(tmp_path_factory.mktemp("fig8") / "trace"))
 
 
 def fig8_run(trace: Trace, policy: Policy, timing: bool = False) -> RunResult:

@@ -25,18 +25,18 @@ from policies.moe_infinity import (
     load_eamcs,
     save_eamcs,
 )
-from tests._baseline_helpers import Iteration, context, outcomes, small_model, write_trace
+from tests._baseline_helpers import (
+    M32,
+    M42,
+    SLOW,
+    context,
+    e,
+    outcomes,
+    recording,
+    small_model,
+    write_fig8_trace,
+)
 from tests.tiny import TINY_HW
-
-M32 = small_model(3, 2, 1)  # Fig. 1 / Fig. 5 / Fig. 8: 3 MoE layers x 2 experts
-M42 = small_model(4, 2, 1)  # Fig. 6 / Fig. 7: 4 MoE layers x 2 experts
-SLOW = TINY_HW.__class__(**{**TINY_HW.__dict__, "pcie_gbps": 0.1})  # 60 ms per expert
-
-
-def e(layer: int, expert: int) -> int:
-    """Key of the paper's 1-based E[layer, expert] in a 2-expert model."""
-    return (layer - 1) * 2 + (expert - 1)
-
 
 # -- EAMC (§4.2, Fig. 5) -----------------------------------------------------------------
 EAM1 = [[2, 0], [2, 0], [0, 2]]
@@ -233,11 +233,7 @@ def test_cache_priority_from_the_request_eam_with_initial_layer_boost():
 # -- Fig. 8c on the engine ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fig8_trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:
-    path = tmp_path_factory.mktemp("fig8") / "trace"
-    a = [(0,), (1,), (1,)]  # E[1,1] -> E[2,2] -> E[3,2]
-    b = [(1,), (1,), (1,)]  # E[1,2] -> E[2,2] -> E[3,2]
-    req = [Iteration([a, b, b]), Iteration([a])]
-    return read_trace(write_trace(path, M32, [req], with_spec=False))
+    return read_trace(write_fig8_trace(tmp_path_factory.mktemp("fig8") / "trace"))
 
 
 @pytest.fixture(scope="module")
@@ -252,16 +248,7 @@ def fig8_eamc(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-class Recording(MoEInfinity):
-    """MoE-Infinity that records its evictions."""
-
-    def reset(self, ctx):  # type: ignore[no-untyped-def]
-        super().reset(ctx)
-        self.evicted: list[int] = []
-
-    def on_evict(self, key: int) -> None:
-        self.evicted.append(key)
-        super().on_evict(key)
+Recording = recording(MoEInfinity)
 
 
 def test_fig8c_request_level_eam_keeps_e22(fig8_trace: Trace, fig8_eamc: str):

@@ -98,11 +98,9 @@ def split_requests(
     return served, np.flatnonzero(held).tolist()
 
 
-def static_batches(served: Sequence[int] | int, batch_size: int) -> list[list[int]]:
-    """Request positions (``served``, or ``range(served)`` for an int) grouped, in
-    order, into batches of ``batch_size``."""
-    pos = list(range(served)) if isinstance(served, int) else list(served)
-    return [pos[i : i + batch_size] for i in range(0, len(pos), batch_size)]
+def static_batches(served: Sequence[int], batch_size: int) -> list[list[int]]:
+    """The request positions ``served`` grouped, in order, into batches of ``batch_size``."""
+    return [list(served[i : i + batch_size]) for i in range(0, len(served), batch_size)]
 
 
 def arrival_times_s(
