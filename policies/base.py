@@ -16,7 +16,7 @@ a batch)::
 
     reset(ctx); learn(held_in)     once per run; learn only when requests are held in
     on_request_start(r)            for each request entering service (before its prefill)
-    on_iteration_start(batch)
+    on_iteration_start(batch) -> Actions or None   (prefetches for the first layers)
     for each MoE layer l:
         on_gate(l, gate)     -> Actions(prefetch=[...], cancel=[...])
         on_access(key, outcome)   for each expert the batch routes to in layer l,
@@ -33,7 +33,12 @@ a batch)::
 Additions after issue 3 (backwards compatible): :attr:`GateView.request_counts` for
 policies that trace per request (``uses_request_gates``), :meth:`Policy.learn` for the
 offline mode (requests held in from the trace), and a prefetch of a key whose transfer
-is still queued now moves it to the new priority.
+is still queued now moves it to the new priority.  For fMoE (issue 5):
+:meth:`Policy.on_iteration_start` may return :class:`Actions` (before layer 0 runs, for
+predictions that need no gate, e.g. a semantic search on the iteration's embedding);
+:attr:`Actions.delay_s` holds prefetches back for an asynchronous matcher's latency;
+:attr:`GateView.request_probs` gives per-request gate probabilities; and
+:meth:`Policy.report` returns a policy's own per-iteration table.
 """
 
 from __future__ import annotations
@@ -168,10 +173,21 @@ class GateView:
     state, as AdapMoE and MoEpic do); ``step`` is the global layer-step index
     (see :class:`FutureAccesses`); ``request_counts`` (B, E) the same counts per request
     of the batch, in :attr:`BatchInfo.request_ids` order (None unless the policy sets
-    ``uses_request_gates``).  Treat every array as read-only.
+    ``uses_request_gates``); ``request_probs`` (B, E) each request's mean gate
+    probabilities (None unless the policy sets both ``uses_request_gates`` and
+    ``uses_probs`` and the trace has probabilities).  Treat every array as read-only.
     """
 
-    __slots__ = ("layer", "counts", "num_tokens", "probs", "spec_next", "step", "request_counts")
+    __slots__ = (
+        "layer",
+        "counts",
+        "num_tokens",
+        "probs",
+        "spec_next",
+        "step",
+        "request_counts",
+        "request_probs",
+    )
 
     def __init__(
         self,
@@ -182,6 +198,7 @@ class GateView:
         spec_next: np.ndarray | None = None,
         step: int = 0,
         request_counts: np.ndarray | None = None,
+        request_probs: np.ndarray | None = None,
     ) -> None:
         self.layer = layer
         self.counts = counts
@@ -190,6 +207,7 @@ class GateView:
         self.spec_next = spec_next
         self.step = step
         self.request_counts = request_counts
+        self.request_probs = request_probs
 
 
 @dataclass(frozen=True)
@@ -208,16 +226,22 @@ class Prefetch:
 
 @dataclass
 class Actions:
-    """A policy's answer to :meth:`Policy.on_gate`.
+    """A policy's answer to :meth:`Policy.on_gate` (or :meth:`Policy.on_iteration_start`).
 
     ``prefetch``: loads to issue, in the order given (the cache admits them one by one
     and may evict for each).  ``cancel``: keys whose prefetch is queued on the link and
     has not started; a cancelled prefetch frees its reserved bytes and is reported back
     through :meth:`Policy.on_evict`.  Cancelling anything else does nothing.
+    ``delay_s``: the new prefetches reserve their bytes now but may not start moving
+    before ``delay_s`` seconds from now (the latency of an asynchronous matcher that
+    decided them, fMoE §4.3); one that is needed earlier loads on demand at once.  A
+    policy states the delay as a configured number; it never reads a clock.  The
+    hit-rate-only backend has no clock and ignores it.
     """
 
     prefetch: Sequence[Prefetch] = field(default_factory=tuple)
     cancel: Sequence[int] = field(default_factory=tuple)
+    delay_s: float = 0.0
 
 
 NO_ACTIONS = Actions()
@@ -253,8 +277,10 @@ class Policy(ABC):
     def on_request_start(self, request: RequestInfo) -> None:
         """A request enters service."""
 
-    def on_iteration_start(self, batch: BatchInfo) -> None:
-        """An iteration (forward pass) of ``batch`` begins."""
+    def on_iteration_start(self, batch: BatchInfo) -> Actions | None:
+        """An iteration (forward pass) of ``batch`` begins; may return prefetches (e.g.
+        for the first layers, which no gate precedes)."""
+        return None
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """The gate of ``layer`` is known; return prefetches and cancellations."""
@@ -283,3 +309,9 @@ class Policy(ABC):
 
     def on_request_end(self, request_id: int) -> None:
         """A request produced its last token."""
+
+    def report(self) -> dict[str, np.ndarray] | None:
+        """The policy's own table of the run (equal-length columns), e.g. fMoE's
+        per-iteration similarity scores; None (the default) when it keeps none.  The
+        CLI writes it as ``policy_log.parquet``."""
+        return None

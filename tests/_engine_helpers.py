@@ -23,7 +23,7 @@ from policies.lru import LRU
 
 #: The columns of ``RunResult.transfer_table()`` (one per TransferRecord field).
 TRANSFER_COLUMNS = {
-    "key", "gpu", "size_bytes", "reason", "priority", "submit_s", "start_s", "end_s",
+    "key", "gpu", "size_bytes", "reason", "priority", "submit_s", "release_s", "start_s", "end_s",
     "used", "escalated", "preemptions", "cancelled",
 }  # fmt: skip
 

@@ -109,9 +109,13 @@ class Link:
         self.done: list[int] = []
         self.link = SimLink(BW, OV, chunk, preempt, self.done.append)
 
-    def submit(self, key: int, size: int, t: float, prio: float = 1.0) -> TransferRecord:
+    def submit(
+        self, key: int, size: int, t: float, prio: float = 1.0, release: float | None = None
+    ) -> TransferRecord:
         reason = "on_demand" if prio == ON_DEMAND else "prefetch"
         rec = TransferRecord(key, 0, size, reason, prio, t)
+        if release is not None:
+            rec.release_s = release
         self.link.advance(t)
         self.link.submit(rec, t)
         return rec
@@ -274,6 +278,54 @@ def test_link_busy_time_is_sum_of_busy_intervals():
     lk.finish()
     assert lk.link.busy_s == pytest.approx(2e-3 + 4e-3 + 2e-3)
     assert lk.link.idle()
+
+
+def test_link_delayed_prefetch_waits_for_its_release_on_an_idle_link():
+    lk = Link()
+    a = lk.submit(1, 1 * MB, 0.0, release=3e-3)
+    assert lk.link.cur_end_s == pytest.approx(3e-3)  # the release is the next event
+    lk.link.advance(2e-3)
+    assert lk.done == [] and a.start_s != a.start_s  # not started yet
+    lk.finish()
+    assert (a.start_s, a.end_s) == pytest.approx((3e-3, 5e-3))
+    assert lk.link.busy_s == pytest.approx(2e-3)
+
+
+def test_link_released_prefetch_does_not_jump_a_busy_link_and_others_pass_it():
+    lk = Link()
+    a = lk.submit(1, 2 * MB, 0.0)  # 0 .. 3 ms
+    b = lk.submit(2, 1 * MB, 0.0, prio=0.1, release=4e-3)  # most urgent, but held back
+    c = lk.submit(3, 1 * MB, 0.0, prio=0.9)  # least urgent
+    d = lk.submit(4, 1 * MB, 0.0, prio=0.5)  # free to go at 3 ms: passes the held-back b
+    lk.finish()
+    assert lk.done == [1, 4, 2, 3]
+    assert (a.end_s, d.start_s) == pytest.approx((3e-3, 3e-3))
+    # at 5 ms d ends; b (released at 4 ms, priority 0.1) goes before c (0.9)
+    assert (b.start_s, c.start_s) == pytest.approx((5e-3, 7e-3))
+
+
+def test_link_escalated_delayed_prefetch_starts_at_once():
+    lk = Link()
+    a = lk.submit(1, 1 * MB, 0.0, release=10e-3)
+    lk.link.advance(1e-3)
+    lk.link.escalate(1, 1e-3)
+    lk.finish()
+    assert a.escalated and (a.start_s, a.end_s) == pytest.approx((1e-3, 3e-3))
+
+
+def test_link_cancel_and_reprioritize_a_delayed_prefetch():
+    lk = Link()
+    a = lk.submit(1, 1 * MB, 0.0, prio=0.9, release=2e-3)
+    b = lk.submit(2, 1 * MB, 0.0, prio=0.5, release=2e-3)
+    c = lk.submit(3, 1 * MB, 0.0, prio=0.1, release=1e-3)
+    assert lk.link.cancel(3)
+    lk.link.reprioritize(1, 0.1)  # still held back until 2 ms, then ahead of b
+    lk.link.advance(1.5e-3)
+    assert a.start_s != a.start_s and c.start_s != c.start_s
+    lk.finish()
+    assert lk.done == [1, 2]
+    assert (a.start_s, b.start_s) == pytest.approx((2e-3, 4e-3))
+    assert lk.link.idle() and lk.link.cur_end_s == float("inf")
 
 
 # -- 3. a prefetch for the next layer overlaps compute -------------------------------------

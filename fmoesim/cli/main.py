@@ -211,7 +211,7 @@ def write_results(
     spec: RunSpec, row: dict[str, Any], resolved: dict[str, Any], result: Any
 ) -> Path:
     """Write ``summary.parquet``, ``layers.parquet``, ``transfers.parquet`` (+
-    ``accesses.parquet``, ``config.yaml``, ``hit_rate.png``) atomically."""
+    ``accesses.parquet``, ``policy_log.parquet``, ``config.yaml``, ``hit_rate.png``) atomically."""
     import pandas as pd
     import yaml
 
@@ -242,6 +242,8 @@ def write_results(
         pd.DataFrame(result.transfer_table()).to_parquet(tmp / "transfers.parquet", index=False)
         if result.accesses is not None:
             pd.DataFrame(result.accesses).to_parquet(tmp / "accesses.parquet", index=False)
+        if result.policy_log is not None:
+            pd.DataFrame(result.policy_log).to_parquet(tmp / "policy_log.parquet", index=False)
         (tmp / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
         if spec.output.plot:
             from fmoesim.plots.run import plot_run

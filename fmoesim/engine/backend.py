@@ -37,6 +37,7 @@ class TransferRecord:
         "reason",
         "priority",
         "submit_s",
+        "release_s",
         "start_s",
         "end_s",
         "used",
@@ -60,6 +61,7 @@ class TransferRecord:
         self.reason = reason
         self.priority = priority
         self.submit_s = submit_s
+        self.release_s = submit_s  # earliest start (later for a delayed prefetch)
         self.start_s = float("nan")
         self.end_s = float("nan")
         self.used = False
@@ -116,9 +118,16 @@ class Backend(ABC):
 
     @abstractmethod
     def submit(
-        self, gpu: int, key: int, size_bytes: int, priority: float, reason: str
+        self,
+        gpu: int,
+        key: int,
+        size_bytes: int,
+        priority: float,
+        reason: str,
+        delay_s: float = 0.0,
     ) -> TransferRecord:
-        """Queue a host-to-device copy of ``key`` on ``gpu``'s link."""
+        """Queue a host-to-device copy of ``key`` on ``gpu``'s link; it may not start
+        before ``delay_s`` from now (a prefetch waiting for an asynchronous decision)."""
 
     @abstractmethod
     def escalate(self, gpu: int, key: int) -> None:

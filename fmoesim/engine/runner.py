@@ -73,6 +73,7 @@ class Runner:
         self._want_probs = policy.uses_probs and trace.probs is not None
         self._want_spec = policy.uses_spec and trace.spec_probs is not None
         self._want_req = policy.uses_request_gates
+        self._want_req_probs = self._want_req and self._want_probs
         # python copies of per-request / per-row columns: scalar reads from lists are
         # several times cheaper than from numpy arrays in the loop.
         self._iter_start = trace.iter_start.tolist()
@@ -198,7 +199,10 @@ class Runner:
             prefill,
             tr.embedding[rows] if tr.embedding.shape[1] else None,
         )
-        policy.on_iteration_start(batch)
+        start_actions = policy.on_iteration_start(batch)
+        if start_actions is not None and start_actions is not NO_ACTIONS:
+            be.sync()  # land what finished during the previous iteration's tail
+            self.apply(start_actions)
         for d in range(self.model.dense_layers):
             be.dense_layer(d, tokens, kv_tokens, pairs)
         # The routing of the whole iteration at once: per layer, the experts the batch
@@ -238,6 +242,10 @@ class Runner:
                 spec_first = None
             spec = np.einsum("b,ble->le", weights, tr.spec_probs[rows].astype(np.float32))
         req_counts = tr.counts[rows] if self._want_req else None  # (B, L, E)
+        req_probs = None
+        if self._want_req_probs:
+            assert tr.probs is not None
+            req_probs = tr.probs[rows].astype(np.float32)  # (B, L, E)
         for layer in range(self.L):
             view = None
             if self._has_gate:
@@ -256,6 +264,7 @@ class Runner:
                     spec_next,
                     self.step,
                     None if req_counts is None else req_counts[:, layer],
+                    None if req_probs is None else req_probs[:, layer],
                 )
             o0, o1 = offsets[layer], offsets[layer + 1]
             self._layer(layer, experts[o0:o1], expert_tokens[o0:o1], tokens, kv_tokens, pairs, view)
@@ -268,8 +277,10 @@ class Runner:
 
     # -- one layer --------------------------------------------------------------------
     def apply(self, actions: Actions) -> None:
-        """Carry out a policy's cancellations, then its prefetches, in order."""
+        """Carry out a policy's cancellations, then its prefetches, in order (held back
+        by ``actions.delay_s``)."""
         be, caches, m, N = self.backend, self.caches, self.metrics, self.N
+        delay = actions.delay_s
         E, n_keys, size = self.E, self.L * self.E, self.expert_bytes
         for key in actions.cancel:
             g = (key % E) % N
@@ -296,16 +307,26 @@ class Runner:
             if not cache.evictable and cache.used_bytes + size > cache.budget_bytes:
                 m.prefetch_dropped += 1
                 continue
-            if not self._load(g, key, p.priority, "prefetch"):
+            if not self._load(g, key, p.priority, "prefetch", delay_s=delay):
                 m.prefetch_dropped += 1
 
-    def _load(self, g: int, key: int, priority: float, reason: str, pin: bool = False) -> bool:
-        """Admit ``key`` into GPU ``g``'s cache and start its transfer (pinned if ``pin``);
-        False when the cache cannot make room."""
+    def _load(
+        self,
+        g: int,
+        key: int,
+        priority: float,
+        reason: str,
+        pin: bool = False,
+        delay_s: float = 0.0,
+    ) -> bool:
+        """Admit ``key`` into GPU ``g``'s cache and start its transfer (pinned if ``pin``;
+        not before ``delay_s``); False when the cache cannot make room."""
         cache = self.caches[g]
         if not cache.admit(key, self.expert_bytes, reason):
             return False
-        cache.entries[key].record = self.backend.submit(g, key, self.expert_bytes, priority, reason)
+        cache.entries[key].record = self.backend.submit(
+            g, key, self.expert_bytes, priority, reason, delay_s
+        )
         if pin:
             cache.pin(key)
         return True

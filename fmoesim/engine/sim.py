@@ -28,7 +28,7 @@ from fmoesim.engine.compute import ComputeModel
 from fmoesim.specs.hardware import HardwareSpec
 
 INF = float("inf")
-_QUEUED, _RUNNING, _DONE, _CANCELLED = range(4)
+_QUEUED, _RUNNING, _DONE, _CANCELLED, _DELAYED = range(5)
 
 
 class SimLink:
@@ -41,7 +41,13 @@ class SimLink:
     at its next chunk boundary (at the end of its fixed cost if it has not moved data
     yet), the on-demand loads run, and the prefetch resumes later without paying the
     fixed cost again (fMoE §4.5).  Only a queued transfer that has never started can
-    be cancelled (MoE-Infinity §5.1).
+    be cancelled (MoE-Infinity §5.1).  A transfer submitted with a release time later
+    than now (an asynchronous matcher still deciding, fMoE §4.3) waits off the queue
+    until then; if it is needed before then, escalating it releases it at once.
+
+    ``cur_end_s`` is the time of the link's next event: the end (or pause point) of the
+    running transfer, or, while idle, the next release time (``inf`` when there is
+    neither).
     """
 
     def __init__(
@@ -58,6 +64,7 @@ class SimLink:
         self.preempt = preempt
         self.on_done = on_done
         self._heap: list[tuple[float, int, TransferRecord]] = []
+        self._delayed: list[tuple[float, int, TransferRecord]] = []  # (release_s, seq, job)
         self._jobs: dict[int, TransferRecord] = {}  # key -> queued or running job
         self._seq = 0
         self.cur: TransferRecord | None = None
@@ -71,8 +78,13 @@ class SimLink:
     # -- the event loop ---------------------------------------------------------------
     def advance(self, t_s: float) -> None:
         """Process every link event at or before ``t_s``."""
-        while self.cur is not None and self.cur_end_s <= t_s:
-            self._end_current()
+        while self.cur_end_s <= t_s:
+            if self.cur is not None:
+                self._end_current()
+            elif self._delayed:
+                self._start_next(self.cur_end_s)  # idle until a release
+            else:
+                break
 
     def _end_current(self) -> None:
         job = self.cur
@@ -91,7 +103,27 @@ class SimLink:
             self.on_done(job.key)
         self._start_next(t)
 
+    def _release(self, t_s: float) -> None:
+        """Move the delayed transfers whose release time is ``<= t_s`` to the queue."""
+        delayed = self._delayed
+        while delayed and delayed[0][0] <= t_s:
+            _, _, job = heapq.heappop(delayed)
+            if job.state == _DELAYED:  # else stale: cancelled or escalated
+                job.state = _QUEUED
+                heapq.heappush(self._heap, (job.link_priority, job.seq, job))
+
+    def _next_release_s(self) -> float:
+        """The earliest pending release time (stale entries dropped), or ``inf``."""
+        delayed = self._delayed
+        while delayed:
+            if delayed[0][2].state == _DELAYED:
+                return delayed[0][0]
+            heapq.heappop(delayed)
+        return INF
+
     def _start_next(self, t_s: float) -> None:
+        if self._delayed:
+            self._release(t_s)
         heap = self._heap
         while heap:
             prio, _, job = heapq.heappop(heap)
@@ -100,7 +132,7 @@ class SimLink:
             self._start(job, t_s)
             return
         self.cur = None
-        self.cur_end_s = INF
+        self.cur_end_s = self._next_release_s() if self._delayed else INF
 
     def _start(self, job: TransferRecord, t_s: float) -> None:
         job.state = _RUNNING
@@ -135,7 +167,8 @@ class SimLink:
 
     # -- the Runner's requests --------------------------------------------------------
     def submit(self, record: TransferRecord, t_s: float) -> None:
-        """Queue ``record``'s transfer at ``t_s`` (the link must be advanced to ``t_s``)."""
+        """Queue ``record``'s transfer at ``t_s`` (the link must be advanced to ``t_s``);
+        it may start at ``record.release_s`` at the earliest."""
         job = record  # perf: the record is the link's job (no second object per transfer)
         job.left_bytes = job.size_bytes
         job.link_priority = job.priority
@@ -143,6 +176,12 @@ class SimLink:
         job.state = _QUEUED
         self._seq += 1
         self._jobs[job.key] = job
+        if job.release_s > t_s and job.priority != ON_DEMAND:
+            job.state = _DELAYED
+            heapq.heappush(self._delayed, (job.release_s, job.seq, job))
+            if self.cur is None and job.release_s < self.cur_end_s:
+                self.cur_end_s = job.release_s  # idle: the release is the next event
+            return
         if self.cur is None and not self._heap:  # perf: an idle link starts it directly
             self._start(job, t_s)
             return
@@ -159,13 +198,21 @@ class SimLink:
             return
         job.link_priority = ON_DEMAND
         job.escalated = True
+        if job.state == _DELAYED:  # needed before its release: released now
+            job.state = _QUEUED
         if job.state == _QUEUED:
             heapq.heappush(self._heap, (ON_DEMAND, job.seq, job))
-            self._pause_current(t_s)
+            if self.cur is None:
+                self._start_next(t_s)
+            else:
+                self._pause_current(t_s)
 
     def reprioritize(self, key: int, priority: float) -> None:
         """Move ``key``'s queued, never-started prefetch to ``priority``."""
         job = self._jobs.get(key)
+        if job is not None and job.state == _DELAYED:
+            job.link_priority = priority  # queued at this priority when released
+            return
         if (
             job is None
             or job.state != _QUEUED
@@ -180,7 +227,7 @@ class SimLink:
     def cancel(self, key: int) -> bool:
         """Drop ``key``'s transfer if it is queued and never started."""
         job = self._jobs.get(key)
-        if job is None or job.state != _QUEUED or job.start_s == job.start_s:
+        if job is None or job.state not in (_QUEUED, _DELAYED) or job.start_s == job.start_s:
             return False
         job.state = _CANCELLED
         del self._jobs[key]
@@ -263,14 +310,23 @@ class SimBackend(Backend):
         self._run(self.compute.lm_head_s(sequences))
 
     def submit(
-        self, gpu: int, key: int, size_bytes: int, priority: float, reason: str
+        self,
+        gpu: int,
+        key: int,
+        size_bytes: int,
+        priority: float,
+        reason: str,
+        delay_s: float = 0.0,
     ) -> TransferRecord:
-        """Queue a transfer on ``gpu``'s link at that GPU's current time."""
+        """Queue a transfer on ``gpu``'s link at that GPU's current time; it may start
+        ``delay_s`` later at the earliest."""
         t = self._gpu_s[gpu] if self._in_experts else self.clock_s
         link = self.links[gpu]
         if link.cur_end_s <= t:
             link.advance(t)
         rec = TransferRecord(key, gpu, size_bytes, reason, priority, t)
+        if delay_s > 0.0:
+            rec.release_s = t + delay_s
         self.transfers.append(rec)
         link.submit(rec, t)
         return rec
@@ -334,7 +390,7 @@ class SimBackend(Backend):
                         self._gpu_s[gpu] = t
                         self._wait_s[gpu] += t - t0
                     return k
-            if link.cur is None:
+            if link.cur_end_s == INF:  # nothing moving and nothing to be released
                 raise RuntimeError(
                     f"GPU {gpu} waits for experts {list(keys)} that are not in flight"
                 )
@@ -396,9 +452,16 @@ class InstantBackend(Backend):
         """No time."""
 
     def submit(
-        self, gpu: int, key: int, size_bytes: int, priority: float, reason: str
+        self,
+        gpu: int,
+        key: int,
+        size_bytes: int,
+        priority: float,
+        reason: str,
+        delay_s: float = 0.0,
     ) -> TransferRecord:
-        """Record the transfer; it lands at the next sync."""
+        """Record the transfer; it lands at the next sync (``delay_s`` is ignored: there
+        is no clock, so a matcher's latency cannot be modelled here)."""
         rec = TransferRecord(key, gpu, size_bytes, reason, priority, 0.0)
         rec.start_s = rec.end_s = 0.0
         self.transfers.append(rec)

@@ -40,11 +40,13 @@ class RunResult:
     transfers: list[TransferRecord] = field(default_factory=list)
     accesses: dict[str, np.ndarray] | None = None  # the per-access log, if asked for
     caches: list[ExpertCache] = field(default_factory=list)
+    policy_log: dict[str, np.ndarray] | None = None  # the policy's own table (Policy.report)
 
     def transfer_table(self) -> dict[str, np.ndarray]:
         """The transfer log as columns (one row per transfer, in submission order)."""
         cols = (
-            "key", "gpu", "size_bytes", "reason", "priority", "submit_s", "start_s", "end_s",
+            "key", "gpu", "size_bytes", "reason", "priority", "submit_s", "release_s", "start_s",
+            "end_s",
             "used", "escalated", "preemptions", "cancelled",
         )  # fmt: skip
         return {c: np.array([getattr(t, c) for t in self.transfers]) for c in cols}
@@ -293,7 +295,12 @@ def simulate(
     if runner.log is not None:
         log = {k: np.asarray(v) for k, v in runner.log.items()}
     return RunResult(
-        summary=s, metrics=metrics, transfers=backend.transfers, accesses=log, caches=caches
+        summary=s,
+        metrics=metrics,
+        transfers=backend.transfers,
+        accesses=log,
+        caches=caches,
+        policy_log=policy.report(),
     )
 
 

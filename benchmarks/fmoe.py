@@ -1,0 +1,148 @@
+"""fMoE: map-search cost, store memory, and the §6.5 ablation ladder (Fig. 12).
+
+Run ``python -m benchmarks.fmoe`` (``--part search|memory|ladder`` for one table).
+
+- search: one core, Mixtral shape (32 layers x 8 experts), batch 1, embeddings of 64
+  values (the synthetic traces' size; the collector's random projection is meant to
+  give a few hundred at most).  A *trajectory query* is what the policy does at one
+  gate (add the layer's row to the running match and take the best stored map,
+  :class:`policies.fmoe.TrajectoryQuery`), averaged over the 32 gates of an iteration;
+  a *semantic query* is one iteration-start search over the embeddings.  Issue 5's
+  target: at most 20 us at C = 1K and 100 us at C = 10K (MoE-Infinity's matcher: 21
+  and 226 us).  RDY is the cost of one store update at capacity when the scores must be
+  recomputed (the policy reuses its searches' scores instead, so this is the
+  worst case, e.g. :meth:`FMoE.learn`).
+- memory: bytes of a store of 50K Mixtral-shaped maps (target: at most 100 MB; the
+  paper quotes under 200 MB for 32K maps, Fig. 16), with 64-value embeddings and with
+  the model's full hidden size (4096).
+- ladder: hit rates of the Fig. 12a variants (Speculate, Hit count, Map (T), Map (T+S),
+  Map (T+S+δ)) and Fig. 12b (fMoE's prefetching with LRU / LFU / its own caching) on
+  the bundled synthetic trace, offline mode (7:3 split, ``serving.held_in_fraction``),
+  hit-rate-only engine, at three budgets, plus Fig. 8's Pearson correlations of the
+  best semantic / trajectory scores with the iteration hit rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from fmoesim.config.build import load_preset
+from fmoesim.config.schema import PROJECT_ROOT
+from fmoesim.engine.serving import ServingConfig
+from fmoesim.engine.simulate import simulate
+from fmoesim.specs import HardwareSpec, ModelSpec
+from fmoesim.trace import read_trace
+from policies.fmoe import ExpertMapStore, FMoE
+
+L, J, D = 32, 8, 64
+
+FIG12A = [
+    ("Speculate", dict(guide="speculate")),
+    ("Hit count", dict(guide="hit_count", semantic=False, dynamic_threshold=False)),
+    ("Map (T)", dict(semantic=False, dynamic_threshold=False)),
+    ("Map (T+S)", dict(dynamic_threshold=False)),
+    ("Map (T+S+δ)", dict()),
+]
+FIG12B = [("LRU", dict(cache="lru")), ("LFU", dict(cache="lfu")), ("fMoE", dict())]
+
+
+def _filled(capacity: int, dim: int, rng: np.random.Generator) -> ExpertMapStore:
+    s = ExpertMapStore(capacity, L, J, dim, 3)
+    maps = rng.dirichlet(np.full(J, 0.3), size=(capacity, L)).astype(np.float32)
+    embs = rng.standard_normal((capacity, dim)).astype(np.float32) if dim else None
+    for i in range(capacity):
+        s.add(maps[i], None if embs is None else embs[i])
+    return s
+
+
+def search(repeat: int) -> None:
+    """Per-query microseconds at C = 1K and 10K."""
+    rng = np.random.default_rng(0)
+    iters = rng.dirichlet(np.full(J, 0.3), size=(20, L, 1)).astype(np.float32)  # (20, L, 1, J)
+    embs = rng.standard_normal((20, 1, D)).astype(np.float32)
+    print("| maps (C) | us / trajectory query | us / semantic query | us / RDY (recomputed) |")
+    print("|---|---|---|---|")
+    for cap in (1000, 10000):
+        s = _filled(cap, D, rng)
+        traj = sem = rdy = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            for it in iters:
+                q = s.query(1)
+                for layer in range(L):
+                    q.observe(layer, it[layer])
+                    q.best()
+            traj = min(traj, (time.perf_counter() - t0) / (len(iters) * L))
+            t0 = time.perf_counter()
+            for e in embs:
+                s.semantic_scores(e).argmax(axis=1)
+            sem = min(sem, (time.perf_counter() - t0) / len(embs))
+            t0 = time.perf_counter()
+            for it, e in zip(iters[:5], embs[:5], strict=True):
+                s.redundancy(it[:, 0], e[0]).argmax()
+            rdy = min(rdy, (time.perf_counter() - t0) / 5)
+        print(f"| {cap:,} | {traj * 1e6:.1f} | {sem * 1e6:.1f} | {rdy * 1e6:.0f} |")
+
+
+def memory() -> None:
+    """Store bytes for 50K maps."""
+    print("| maps | embedding values | store MB |")
+    print("|---|---|---|")
+    for dim in (D, 4096):
+        s = ExpertMapStore(50_000, L, J, dim, 3)
+        print(f"| 50,000 | {dim} | {s.nbytes() / 1e6:.0f} |")
+
+
+def ladder() -> None:
+    """Fig. 12 hit rates on the bundled trace."""
+    trace = read_trace(PROJECT_ROOT / "traces" / "default")
+    model = load_preset("model", "mixtral-8x7b", ModelSpec)
+    hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
+    serving = ServingConfig(held_in_fraction=0.7)
+    budgets = (6, 12, 24)
+    head = " | ".join(f"{b} GB" for b in budgets)
+    corr: dict[str, tuple[float, float, float, float]] = {}
+    for title, rows in (
+        ("Fig. 12a: expert pattern tracking", FIG12A),
+        ("Fig. 12b: caching", FIG12B),
+    ):
+        print(f"\n### {title} (hit rate)\n")
+        print(f"| variant | {head} |")
+        print("|---|" + "---|" * len(budgets))
+        for name, kw in rows:
+            cells = []
+            for b in budgets:
+                pol = FMoE(**kw)
+                s = simulate(trace, model, hw, pol, int(b * 1e9), serving=serving, timing=False)
+                cells.append(f"{100 * s.summary['hit_rate']:.1f}%")
+                if b == 12 and rows is FIG12A and kw.get("guide", "map") == "map":
+                    a, d = pol.correlations(), pol.correlations(decode_only=True)
+                    corr[name] = (a["semantic"], a["trajectory"], d["semantic"], d["trajectory"])
+            print(f"| {name} | " + " | ".join(cells) + " |")
+    print("\n### Fig. 8: Pearson correlation with the iteration hit rate (12 GB)\n")
+    print("| variant | semantic | trajectory | semantic (decode) | trajectory (decode) |")
+    print("|---|---|---|---|---|")
+    for name, r in corr.items():
+        print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in r) + " |")
+
+
+def main() -> None:
+    """Print the README's tables."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("search", "memory", "ladder", "all"), default="all")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    if args.part in ("search", "all"):
+        search(args.repeat)
+    if args.part in ("memory", "all"):
+        print()
+        memory()
+    if args.part in ("ladder", "all"):
+        ladder()
+
+
+if __name__ == "__main__":
+    main()
