@@ -16,7 +16,6 @@ import pytest
 
 from fmoesim.engine.serving import ServingConfig, split_requests
 from fmoesim.engine.simulate import held_in_requests, simulate
-from fmoesim.specs import ModelSpec
 from fmoesim.trace import read_trace
 from fmoesim.trace.reader import Trace
 from fmoesim.workload.synthetic import SyntheticConfig, generate
@@ -33,6 +32,7 @@ from policies.fmoe import (
 from policies.lru import LRU
 from tests._baseline_helpers import context
 from tests.test_cli import tiny_overrides
+from tests.test_policy_contract import MODEL  # 4 layers x 8 experts, top-2
 from tests.tiny import TINY, TINY_HW, small_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,18 +278,6 @@ def test_hit_count_guide_stores_request_level_counts():
 
 
 # -- the oracle store reaches the demand upper bound ---------------------------------------------
-MODEL = ModelSpec(
-    name="fmoe-test",
-    num_layers=4,
-    num_experts=8,
-    top_k=2,
-    hidden_size=512,
-    expert_intermediate_size=1024,
-    num_attention_heads=8,
-    num_kv_heads=8,
-    head_dim=64,
-    vocab_size=1000,
-)
 
 
 @pytest.fixture(scope="module")
