@@ -147,6 +147,7 @@ def run_config(cfg: Any) -> dict[str, Any]:
         preempt=spec.engine.preempt,
         access_log=spec.output.access_log,
         progress=spec.progress,
+        experts_per_layer=spec.experts_per_layer,
     )
     resolved = config_to_dict(cfg)
     row = dict(result.summary)

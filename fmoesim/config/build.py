@@ -63,6 +63,7 @@ class RunSpec:
     output: OutputConfig
     seed: int
     progress: bool
+    experts_per_layer: int | None = None
 
 
 def build_run(cfg: DictConfig) -> RunSpec:
@@ -73,8 +74,18 @@ def build_run(cfg: DictConfig) -> RunSpec:
     hardware: HardwareSpec = OmegaConf.to_object(cfg.hardware)  # type: ignore[assignment]
     model.validate()
     hardware.validate()
-    budget_gb = cfg.cache.budget_gb
-    check_budget(model, int(budget_gb * GB))
+    per_layer = cfg.cache.get("experts_per_layer")
+    if per_layer is not None:
+        if not isinstance(per_layer, int) or not 1 <= per_layer <= model.num_experts:
+            raise ConfigError(
+                "cache.experts_per_layer", per_layer, f"must be in [1, {model.num_experts}]"
+            )
+        if hardware.num_gpus != 1:
+            raise ConfigError("cache.experts_per_layer", per_layer, "needs hardware.num_gpus=1")
+        budget_bytes = per_layer * model.num_layers * model.expert_size_bytes
+    else:
+        budget_bytes = int(cfg.cache.budget_gb * GB)
+        check_budget(model, budget_bytes)
     serving: ServingConfig = OmegaConf.to_object(cfg.serving)  # type: ignore[assignment]
     serving.validate()
     engine: EngineConfig = OmegaConf.to_object(cfg.engine)  # type: ignore[assignment]
@@ -100,13 +111,14 @@ def build_run(cfg: DictConfig) -> RunSpec:
         model,
         hardware,
         policy,
-        int(budget_gb * GB),
+        budget_bytes,
         serving,
         engine,
         workload,
         output,
         int(cfg.seed),
         bool(cfg.progress),
+        per_layer,
     )
 
 

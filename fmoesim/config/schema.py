@@ -37,9 +37,12 @@ def resolve_path(p: str | os.PathLike[str]) -> Path:
 
 @dataclass
 class CacheConfig:
-    """The GPU expert cache: its budget in GB (1e9 bytes) for routed experts."""
+    """The GPU expert cache: its budget in GB (1e9 bytes) for routed experts, or
+    ``experts_per_layer`` experts in a cache of their own per layer (MoEpic Table 1's
+    setting; replaces ``budget_gb``)."""
 
     budget_gb: float = 24.0
+    experts_per_layer: int | None = None
 
 
 @dataclass

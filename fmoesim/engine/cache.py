@@ -8,7 +8,7 @@ by the current layer) and the peak of bytes used.  The policy only chooses victi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from policies.base import Outcome, Policy
@@ -46,20 +46,52 @@ class Evictable(dict):  # type: ignore[type-arg]
         return (k for k, e in self._entries.items() if e.resident and not e.pins)
 
 
+class GroupEvictable(Evictable):
+    """The evictable entries of one budget group (see :class:`ExpertCache`)."""
+
+    __slots__ = ()
+
+    def __iter__(self) -> Iterator[int]:
+        return (k for k in self._entries if dict.__contains__(self, k))
+
+
 class ExpertCache:
     """Byte-budgeted expert cache of one GPU.
 
     Invariants (checked by the contract tests): ``used_bytes <= budget_bytes``;
     pinned or in-flight entries are never evicted; ``used_bytes`` equals the sum of the
     entries' sizes.
+
+    Budget groups (optional): with ``group_of`` (key -> group id) and
+    ``group_budgets_bytes`` (group id -> bytes), every key belongs to a group with its
+    own budget, and a group's overflow evicts only within the group (the policy's
+    ``victim`` sees that group's candidates): per-layer caches (MoEpic Table 1, "C
+    experts per layer"; its cache configurator's per-layer budgets).  The overall
+    ``budget_bytes`` still holds.  :meth:`set_group_budget` changes a group's budget
+    (shrinking evicts).
     """
 
-    def __init__(self, budget_bytes: int, policy: Policy, gpu: int = 0) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        policy: Policy,
+        gpu: int = 0,
+        group_of: Callable[[int], int] | None = None,
+        group_budgets_bytes: dict[int, int] | None = None,
+    ) -> None:
         self.budget_bytes = int(budget_bytes)
         self.policy = policy
         self.gpu = gpu
         self.entries: dict[int, Entry] = {}
         self.evictable = Evictable(self.entries)  # kept up to date by complete/pin/unpin/evict
+        self.group_of = group_of
+        self.group_budget: dict[int, int] = dict(group_budgets_bytes or {})
+        self.group_used: dict[int, int] = dict.fromkeys(self.group_budget, 0)
+        self.group_evictable: dict[int, GroupEvictable] = {
+            g: GroupEvictable(self.entries) for g in self.group_budget
+        }
+        if (group_of is None) != (group_budgets_bytes is None):
+            raise ValueError("budget groups need both group_of and group_budgets_bytes")
         self.used_bytes = 0
         self.peak_bytes = 0
         self.evictions = 0
@@ -89,21 +121,54 @@ class ExpertCache:
         if size_bytes > self.budget_bytes:
             return False
         entries = self.entries
+        if self.group_of is not None:
+            g = self.group_of(key)
+            if g not in self.group_budget:
+                raise ValueError(f"key {key} is in group {g}, with no budget on GPU {self.gpu}")
+            if size_bytes > self.group_budget[g]:
+                return False
+            cands = self.group_evictable[g]
+            while self.group_used[g] + size_bytes > self.group_budget[g]:
+                if not cands:
+                    return False
+                self.evict(self._victim(cands, key))
         while self.used_bytes + size_bytes > self.budget_bytes:
             if not self.evictable:
                 return False
-            victim = self.policy.victim(self.evictable, key)
-            if victim not in self.evictable:
-                raise RuntimeError(
-                    f"policy {self.policy.name!r} chose victim {victim} on GPU {self.gpu}, "
-                    "which is pinned, in flight or absent"
-                )
-            self.evict(victim)
+            self.evict(self._victim(self.evictable, key))
+        if self.group_of is not None:
+            self.group_used[self.group_of(key)] += size_bytes
         entries[key] = Entry(size_bytes, reason)
         self.used_bytes += size_bytes
         if self.used_bytes > self.peak_bytes:
             self.peak_bytes = self.used_bytes
         self.policy.on_insert(key)
+        return True
+
+    def _victim(self, candidates: Evictable, incoming: int) -> int:
+        victim = self.policy.victim(candidates, incoming)
+        if victim not in candidates:
+            raise RuntimeError(
+                f"policy {self.policy.name!r} chose victim {victim} on GPU {self.gpu}, "
+                "which is pinned, in flight, absent or in another budget group"
+            )
+        return victim
+
+    def set_group_budget(self, group: int, budget_bytes: int) -> bool:
+        """Set ``group``'s budget, evicting its entries (policy's choice) to fit; False
+        when in-use or in-flight entries keep it above the new budget (the budget is
+        then still lowered: nothing more is admitted until it fits)."""
+        if self.group_of is None:
+            raise ValueError("this cache has no budget groups")
+        if group not in self.group_budget:
+            self.group_used[group] = 0
+            self.group_evictable[group] = GroupEvictable(self.entries)
+        self.group_budget[group] = int(budget_bytes)
+        cands = self.group_evictable[group]
+        while self.group_used[group] > budget_bytes:
+            if not cands:
+                return False
+            self.evict(self._victim(cands, -1))
         return True
 
     def complete(self, key: int) -> None:
@@ -112,6 +177,8 @@ class ExpertCache:
         e.resident = True
         if not e.pins:
             self.evictable[key] = None
+            if self.group_of is not None:
+                self.group_evictable[self.group_of(key)][key] = None
 
     def evict(self, key: int) -> None:
         """Remove a resident, unpinned entry and free its bytes."""
@@ -121,6 +188,10 @@ class ExpertCache:
         del self.entries[key]
         del self.evictable[key]
         self.used_bytes -= e.size_bytes
+        if self.group_of is not None:
+            g = self.group_of(key)
+            del self.group_evictable[g][key]
+            self.group_used[g] -= e.size_bytes
         self.evictions += 1
         if not e.used and e.reason == "prefetch":
             self.wasted_bytes += e.size_bytes
@@ -133,6 +204,8 @@ class ExpertCache:
             raise RuntimeError(f"cannot cancel expert {key} on GPU {self.gpu}: resident or pinned")
         del self.entries[key]
         self.used_bytes -= e.size_bytes
+        if self.group_of is not None:
+            self.group_used[self.group_of(key)] -= e.size_bytes
         self.cancelled += 1
         self.policy.on_evict(key)
 
@@ -141,6 +214,8 @@ class ExpertCache:
         e = self.entries[key]
         if e.resident and not e.pins:
             del self.evictable[key]
+            if self.group_of is not None:
+                del self.group_evictable[self.group_of(key)][key]
         e.pins += 1
         if not e.used:
             e.used = True
@@ -153,3 +228,5 @@ class ExpertCache:
         e.pins -= 1
         if e.resident and not e.pins:
             self.evictable[key] = None
+            if self.group_of is not None:
+                self.group_evictable[self.group_of(key)][key] = None

@@ -173,6 +173,7 @@ def simulate(
     access_log: bool = False,
     progress: bool = False,
     fast: bool = True,
+    experts_per_layer: int | None = None,
 ) -> RunResult:
     """Simulate serving ``trace`` with ``policy`` under an expert budget of ``budget_bytes``
     per GPU (``hardware.num_gpus`` GPUs, experts round-robin).
@@ -182,11 +183,26 @@ def simulate(
     prefetch at a chunk boundary; ``access_log`` keeps one row per expert access.
     ``fast`` allows an exact fast path (:mod:`fmoesim.engine.fast`) for hit-rate-only
     runs of plain LRU on one GPU; it keeps no transfer log and no cache objects.
+    ``experts_per_layer`` gives every layer a cache of its own for that many experts
+    (one GPU; MoEpic Table 1's setting); ``budget_bytes`` must then be their total.
     """
     model.validate()
     hardware.validate()
     check_shapes(trace, model)
-    check_budget(model, budget_bytes)
+    groups: dict[int, int] | None = None
+    if experts_per_layer is not None:
+        C = experts_per_layer
+        if not 1 <= C <= model.num_experts:
+            raise ConfigError("cache.experts_per_layer", C, f"must be in [1, {model.num_experts}]")
+        if hardware.num_gpus != 1:
+            raise ConfigError("cache.experts_per_layer", C, "needs hardware.num_gpus=1")
+        if budget_bytes != C * model.num_layers * model.expert_size_bytes:
+            raise ConfigError(
+                "cache.budget_gb", budget_bytes / GB, "must be experts_per_layer x layers x expert"
+            )
+        groups = dict.fromkeys(range(model.num_layers), C * model.expert_size_bytes)
+    else:
+        check_budget(model, budget_bytes)
     serving = (serving or ServingConfig()).validate()
     if serving.mode == "online" and not timing:
         raise ConfigError("engine.timing", False, "hit-rate-only mode needs serving.mode=static")
@@ -218,6 +234,7 @@ def simulate(
         and num_gpus == 1
         and serving.mode == "static"
         and type(policy) is LRU
+        and groups is None
     ):
         try:
             return _lru_hit_only(
@@ -237,7 +254,13 @@ def simulate(
     )
     if held_in:
         policy.learn(held_in_requests(trace, held_in))
-    caches = [ExpertCache(int(budget_bytes), policy, gpu=g) for g in range(num_gpus)]
+    E = model.num_experts
+    caches = [
+        ExpertCache(int(budget_bytes), policy, gpu=g)
+        if groups is None
+        else ExpertCache(int(budget_bytes), policy, g, lambda k: k // E, groups)
+        for g in range(num_gpus)
+    ]
     metrics = Metrics(trace.num_layers)
     backend: Backend
     if timing:
@@ -284,6 +307,7 @@ def simulate(
     s.update(
         {
             **_run_fields(policy, model, hardware, budget_bytes, serving, seed, timing, num_gpus),
+            "experts_per_layer": experts_per_layer or 0,
             "simulated_s": sim_s,
             "gpu_busy_s": backend.busy_compute_s,
             "link_busy_s": link_busy,

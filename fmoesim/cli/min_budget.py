@@ -1,0 +1,141 @@
+"""``fmoesim-min-budget``: the smallest expert budget that meets a target TPOT (MoEpic
+§4.3, Fig. 8), by bisection over simulator runs, for any policy.
+
+Examples::
+
+    fmoesim-min-budget --target-tpot-ms 300,400 policy=lcp
+    fmoesim-min-budget --target-tpot-ms 150 policy=fmoe hardware=a6000-pcie4
+
+The overrides are ``fmoesim``'s.  The budget is searched in whole experts between one
+layer's top-k and the whole model, assuming TPOT does not rise when the budget grows
+(true of every policy here up to small anomalies; the printed table shows the runs so a
+user can check).  Exit status 2 and one line on stderr for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fmoesim.errors import FmoesimError
+
+PROG = "fmoesim-min-budget"
+
+
+@dataclass
+class MinBudget:
+    """The answer for one target: ``experts`` (None when even the largest budget misses
+    it) and the TPOT measured there."""
+
+    target_s: float
+    experts: int | None
+    tpot_s: float
+
+
+def min_budget(tpot_s: Callable[[int], float], lo: int, hi: int, target_s: float) -> MinBudget:
+    """Smallest ``n`` in ``[lo, hi]`` with ``tpot_s(n) <= target_s`` by bisection (``tpot_s``
+    assumed non-increasing in ``n``); ``tpot_s`` is called O(log(hi - lo)) times."""
+    if lo > hi:
+        raise ValueError(f"empty budget range [{lo}, {hi}]")
+    top = tpot_s(hi)
+    if top > target_s:
+        return MinBudget(target_s, None, top)
+    best, best_t = hi, top
+    while lo < best:
+        mid = (lo + best) // 2
+        t = tpot_s(mid)
+        if t <= target_s:
+            best, best_t = mid, t
+        else:
+            lo = mid + 1
+    return MinBudget(target_s, best, best_t)
+
+
+def _floats(s: str) -> list[float]:
+    try:
+        return [float(x) for x in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {s!r}") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--target-tpot-ms",
+        type=_floats,
+        required=True,
+        help="one or more target TPOTs in ms, comma-separated",
+    )
+    ap.add_argument("overrides", nargs="*", help="fmoesim config overrides, e.g. policy=lcp")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        _run(args.target_tpot_ms, args.overrides)
+    except FmoesimError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _run(targets_ms: list[float], overrides: list[str]) -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.utils import instantiate
+
+    from fmoesim.cli.main import _friendly, _trace_path
+    from fmoesim.config.build import build_run
+    from fmoesim.config.schema import CONF_DIR, register_configs
+    from fmoesim.engine.simulate import simulate
+    from fmoesim.errors import ConfigError
+    from fmoesim.trace.reader import read_trace
+
+    for t in targets_ms:
+        if not t > 0:
+            raise ConfigError("--target-tpot-ms", t, "must be > 0")
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+    except Exception as exc:  # noqa: BLE001 - every composition error becomes one line
+        raise FmoesimError(_friendly(exc)) from None
+    finally:
+        GlobalHydra.instance().clear()
+    spec = build_run(cfg)
+    trace = read_trace(_trace_path(spec))
+    m = spec.model
+    size = m.expert_size_bytes
+    runs: dict[int, float] = {}
+
+    def tpot(n: int) -> float:
+        if n not in runs:
+            r = simulate(
+                trace,
+                m,
+                spec.hardware,
+                instantiate(cfg.policy),
+                n * size,
+                serving=spec.serving,
+                seed=spec.seed,
+                preempt=spec.engine.preempt,
+            )
+            runs[n] = r.summary["tpot_mean_s"]
+            print(f"  {n:>5} experts ({n * size / 1e9:7.2f} GB): TPOT {1e3 * runs[n]:9.2f} ms")
+        return runs[n]
+
+    lo, hi = m.top_k, m.num_layers * m.num_experts
+    print(f"{spec.policy.name} on {m.name} / {spec.hardware.name}: bisection over {lo}..{hi}")
+    answers = [min_budget(tpot, lo, hi, t / 1e3) for t in sorted(targets_ms)]
+    print("\n| target TPOT ms | min experts | min GB | TPOT there ms |")
+    print("|---|---|---|---|")
+    for a in answers:
+        if a.experts is None:
+            print(f"| {1e3 * a.target_s:g} | not met | - | {1e3 * a.tpot_s:.2f} (whole model) |")
+        else:
+            gb = a.experts * size / 1e9
+            print(f"| {1e3 * a.target_s:g} | {a.experts} | {gb:.2f} | {1e3 * a.tpot_s:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
