@@ -38,7 +38,11 @@ is still queued now moves it to the new priority.  For fMoE (issue 5):
 predictions that need no gate, e.g. a semantic search on the iteration's embedding);
 :attr:`Actions.delay_s` holds prefetches back for an asynchronous matcher's latency;
 :attr:`GateView.request_probs` gives per-request gate probabilities; and
-:meth:`Policy.report` returns a policy's own per-iteration table.
+:meth:`Policy.report` returns a policy's own per-iteration table.  For MoEpic (issue 6):
+split experts (``uses_segments``, :meth:`Policy.split_ratio`, :func:`top_key`,
+:func:`bottom_key`), budget groups (:meth:`Policy.cache_groups`), and
+:attr:`Actions.budgets` / :attr:`Actions.evict` / :attr:`Prefetch.reason` for cache
+reconfiguration.
 """
 
 from __future__ import annotations
@@ -68,6 +72,18 @@ def expert_key(layer: int, expert: int, num_experts: int) -> int:
     return layer * num_experts + expert
 
 
+def top_key(key: int, num_keys: int) -> int:
+    """Key of the top segment of expert ``key`` (MoEpic's split experts; ``num_keys`` =
+    ``L * E``): segments live in their own key ranges, ``[n, 2n)`` tops and ``[2n, 3n)``
+    bottoms, so the cache holds them as entries of their own."""
+    return num_keys + key
+
+
+def bottom_key(key: int, num_keys: int) -> int:
+    """Key of the bottom segment of expert ``key`` (see :func:`top_key`)."""
+    return 2 * num_keys + key
+
+
 def split_key(key: int, num_experts: int) -> tuple[int, int]:
     """``(layer, expert)`` of an integer key."""
     return divmod(key, num_experts)
@@ -92,6 +108,19 @@ class FutureAccesses:
 
 
 @dataclass(frozen=True)
+class LayerTimes:
+    """Modelled per-layer times of one decoding token (batch 1, the trace's mean prompt
+    as context): attention + router, one expert's FFN, the LM head, and loading one
+    whole expert over PCIe (fixed cost + bytes / bandwidth).  The latency metrics
+    MoEpic's cache configurator takes as input (§3.4, Algorithm 1)."""
+
+    t_att_s: float
+    t_expert_s: float
+    t_head_s: float
+    t_load_s: float
+
+
+@dataclass(frozen=True)
 class PolicyContext:
     """What a policy learns at :meth:`Policy.reset`.
 
@@ -106,6 +135,7 @@ class PolicyContext:
     rng: np.random.Generator
     num_gpus: int = 1
     future: FutureAccesses | None = None  # set only for policies with uses_future = True
+    times: LayerTimes | None = None  # the simulator's modelled times (None: unknown)
 
     @property
     def capacity_experts(self) -> int:
@@ -214,6 +244,9 @@ class GateView:
 class Prefetch:
     """Ask the engine to load expert ``key``; lower ``priority`` values go first.
 
+    ``reason`` labels the transfer in the log: ``"prefetch"`` or ``"configure"`` (a
+    cache reconfiguration, e.g. MoEpic's, whose bytes are reported apart).
+
     Priorities only order prefetches among themselves: an on-demand load always goes
     first.  Prefetching a key that is resident, or whose transfer has started, does
     nothing; prefetching a key whose transfer is still queued moves it to ``priority``
@@ -222,6 +255,7 @@ class Prefetch:
 
     key: int
     priority: float = 1.0
+    reason: str = "prefetch"
 
 
 @dataclass
@@ -237,11 +271,19 @@ class Actions:
     decided them, fMoE §4.3); one that is needed earlier loads on demand at once.  A
     policy states the delay as a configured number; it never reads a clock.  The
     hit-rate-only backend has no clock and ignores it.
+
+    For policies with budget groups (:meth:`Policy.cache_groups`): ``budgets`` sets
+    new group budgets in bytes (shrinking evicts within the group, the policy's
+    ``victim`` choosing); ``evict`` drops resident, unused entries (or cancels queued
+    ones), e.g. segments cut at an old split ratio.  Both are applied before the
+    prefetches.
     """
 
     prefetch: Sequence[Prefetch] = field(default_factory=tuple)
     cancel: Sequence[int] = field(default_factory=tuple)
     delay_s: float = 0.0
+    evict: Sequence[int] = field(default_factory=tuple)
+    budgets: dict[int, int] | None = None
 
 
 NO_ACTIONS = Actions()
@@ -254,7 +296,14 @@ class Policy(ABC):
     doing nothing.  Class flags tell the Runner what to build (each costs time):
     ``uses_probs`` / ``uses_spec`` fill :attr:`GateView.probs` / ``spec_next``;
     ``uses_future`` fills :attr:`PolicyContext.future` (static batching only);
-    ``uses_request_gates`` fills :attr:`GateView.request_counts`.
+    ``uses_request_gates`` fills :attr:`GateView.request_counts`;
+    ``uses_segments`` makes the engine model split experts (MoEpic): an expert of a layer
+    with :meth:`split_ratio` ``θ > 0`` may be held as a top segment (key
+    :func:`top_key`, ``θ`` of its bytes) and a bottom segment (:func:`bottom_key`, the
+    rest); an access is a HIT only when the whole expert or both segments are resident,
+    resident parts compute (their share of the expert's time) while missing ones load,
+    and a miss loads the top into the layer's group and the bottom into the buffer
+    (the whole expert into the buffer where the layer has no room for tops).
     """
 
     name: ClassVar[str] = "policy"
@@ -262,6 +311,7 @@ class Policy(ABC):
     uses_spec: ClassVar[bool] = False
     uses_future: ClassVar[bool] = False
     uses_request_gates: ClassVar[bool] = False
+    uses_segments: ClassVar[bool] = False
 
     ctx: PolicyContext
 
@@ -309,6 +359,19 @@ class Policy(ABC):
 
     def on_request_end(self, request_id: int) -> None:
         """A request produced its last token."""
+
+    def cache_groups(self) -> dict[int, int] | None:
+        """Budget groups of the per-GPU cache, ``{group: bytes}``, or None for one
+        budget (the default).  Asked once after :meth:`reset` and :meth:`learn`; only
+        policies with ``uses_segments`` may have them, and their groups are fixed by the
+        engine: group ``l`` holds layer ``l``'s top segments, group ``-1`` (the buffer)
+        whole experts and bottom segments."""
+        return None
+
+    def split_ratio(self, layer: int) -> float:
+        """``uses_segments`` policies: the share ``θ`` of an expert of ``layer`` that its
+        top segment holds (0 = not split); read when a segment is loaded."""
+        return 0.0
 
     def report(self) -> dict[str, np.ndarray] | None:
         """The policy's own table of the run (equal-length columns), e.g. fMoE's

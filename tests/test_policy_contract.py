@@ -214,7 +214,7 @@ def test_a_policy_that_names_a_pinned_victim_is_refused(tmp_path: Path) -> None:
             return incoming - 1 if incoming % TINY.num_experts else incoming + 1
 
     tr = read_trace(write_sequence_trace(tmp_path / "t", [[0, 1], [1, 2], [2, 3], [3, 0]]))
-    with pytest.raises(RuntimeError, match="pinned, in flight or absent"):
+    with pytest.raises(RuntimeError, match="pinned, in flight, absent"):
         simulate(tr, TINY, TINY_HW, Rogue(), 2 * TINY.expert_size_bytes)
 
 

@@ -147,13 +147,14 @@ class Backend(ABC):
         for most models), then the expert phase starts on every GPU."""
 
     @abstractmethod
-    def expert(self, gpu: int, key: int, tokens: int) -> None:
-        """Run resident expert ``key`` on ``tokens`` tokens on ``gpu``."""
+    def expert(self, gpu: int, key: int, tokens: int, fraction: float = 1.0) -> None:
+        """Run resident expert ``key`` on ``tokens`` tokens on ``gpu``; a segment of a
+        split expert runs ``fraction`` of the expert's work."""
 
-    def experts(self, gpu: int, tokens: list[int]) -> None:
-        """Run several resident experts back to back on ``gpu`` (``tokens`` each)."""
-        for tok in tokens:
-            self.expert(gpu, -1, tok)
+    def experts(self, gpu: int, tokens: list[int], fractions: list[float] | None = None) -> None:
+        """Run several resident experts (or segments) back to back on ``gpu``."""
+        for i, tok in enumerate(tokens):
+            self.expert(gpu, -1, tok, 1.0 if fractions is None else fractions[i])
 
     @abstractmethod
     def wait_any(self, gpu: int, keys: Sequence[int]) -> int:

@@ -73,6 +73,9 @@ class Runner:
         self._want_probs = policy.uses_probs and trace.probs is not None
         self._want_spec = policy.uses_spec and trace.spec_probs is not None
         self._want_req = policy.uses_request_gates
+        self.segments = policy.uses_segments
+        self.n_keys = self.L * self.E
+        self.max_key = 3 * self.n_keys if self.segments else self.n_keys
         self._want_req_probs = self._want_req and self._want_probs
         # python copies of per-request / per-row columns: scalar reads from lists are
         # several times cheaper than from numpy arrays in the loop.
@@ -277,11 +280,26 @@ class Runner:
 
     # -- one layer --------------------------------------------------------------------
     def apply(self, actions: Actions) -> None:
-        """Carry out a policy's cancellations, then its prefetches, in order (held back
-        by ``actions.delay_s``)."""
+        """Carry out a policy's group budgets and evictions, its cancellations, then its
+        prefetches, in order (held back by ``actions.delay_s``)."""
         be, caches, m, N = self.backend, self.caches, self.metrics, self.N
         delay = actions.delay_s
-        E, n_keys, size = self.E, self.L * self.E, self.expert_bytes
+        E, n_keys, size = self.E, self.n_keys, self.expert_bytes
+        if actions.budgets:
+            if not self.segments:
+                raise ValueError(f"policy {self.policy.name!r} set budgets without groups")
+            for cache in caches:
+                for group, b in actions.budgets.items():
+                    cache.set_group_budget(group, b)
+        for key in actions.evict:
+            cache = caches[(key % E) % N]
+            ent = cache.entries.get(key)
+            if ent is None or ent.pins:
+                continue
+            if ent.resident:
+                cache.evict(key)
+            elif be.cancel((key % E) % N, key):
+                cache.abort(key)
         for key in actions.cancel:
             g = (key % E) % N
             cache = caches[g]
@@ -291,9 +309,9 @@ class Runner:
                 cache.abort(key)
         for p in actions.prefetch:
             key = p.key
-            if not 0 <= key < n_keys:
+            if not 0 <= key < self.max_key:
                 raise ValueError(
-                    f"policy {self.policy.name!r} prefetched key {key}, outside [0, {n_keys})"
+                    f"policy {self.policy.name!r} prefetched key {key}, outside [0, {self.max_key})"
                 )
             g = (key % E) % N
             cache = caches[g]
@@ -302,13 +320,31 @@ class Runner:
                 if not ent.resident:  # a queued prefetch takes the latest priority
                     be.reprioritize(g, key, p.priority)
                 continue
+            if key >= n_keys:
+                size = self._size_of(g, key)
+                if size == 0:
+                    continue  # an empty segment (θ = 0 top, θ = 1 bottom)
             # perf: a full cache with nothing evictable refuses without a call (a saturated
             # link leaves every entry in flight; dependency prefetch meets this ~5x a layer)
-            if not cache.evictable and cache.used_bytes + size > cache.budget_bytes:
+            elif not cache.evictable and cache.used_bytes + size > cache.budget_bytes:
                 m.prefetch_dropped += 1
                 continue
-            if not self._load(g, key, p.priority, "prefetch", delay_s=delay):
+            if not self._load(g, key, p.priority, p.reason, delay_s=delay):
                 m.prefetch_dropped += 1
+
+    def _size_of(self, g: int, key: int) -> int:
+        """Bytes of ``key``: a whole expert, or a segment at the policy's split ratio (a
+        bottom complements the top that is cached, if one is)."""
+        n, S = self.n_keys, self.expert_bytes
+        if key < n:
+            return S
+        full = key % n
+        if key < 2 * n:
+            return round(self.policy.split_ratio(full // self.E) * S)
+        top = self.caches[g].entries.get(n + full)
+        if top is not None:
+            return S - top.size_bytes
+        return S - round(self.policy.split_ratio(full // self.E) * S)
 
     def _load(
         self,
@@ -322,11 +358,10 @@ class Runner:
         """Admit ``key`` into GPU ``g``'s cache and start its transfer (pinned if ``pin``;
         not before ``delay_s``); False when the cache cannot make room."""
         cache = self.caches[g]
-        if not cache.admit(key, self.expert_bytes, reason):
+        size = self.expert_bytes if key < self.n_keys else self._size_of(g, key)
+        if not cache.admit(key, size, reason):
             return False
-        cache.entries[key].record = self.backend.submit(
-            g, key, self.expert_bytes, priority, reason, delay_s
-        )
+        cache.entries[key].record = self.backend.submit(g, key, size, priority, reason, delay_s)
         if pin:
             cache.pin(key)
         return True
@@ -354,13 +389,15 @@ class Runner:
         base = layer * self.E
         log = self.log
         on_access = policy.on_access if self._has_access else None
-        # (gpu, key, tokens) of the experts needed, by what the access found
-        ready: list[tuple[int, int, int]] = []
-        pending: list[tuple[int, int, int]] = []
-        missing: list[tuple[int, int, int]] = []
+        # (gpu, key, tokens, share of the expert) of the experts (or segments) needed, by
+        # what the access found
+        ready: list[tuple[int, int, int, float]] = []
+        pending: list[tuple[int, int, int, float]] = []
+        missing: list[tuple[int, int, int, float]] = []
         cache = caches[0]
         get, pin = cache.entries.get, cache.pin  # perf: bound once per layer
         multi = N > 1
+        segments = self.segments
         g = 0
         for e, tok in zip(experts, expert_tokens, strict=True):
             key = base + e
@@ -369,17 +406,19 @@ class Runner:
                 cache = caches[g]
                 get, pin = cache.entries.get, cache.pin
             ent = get(key)
-            if ent is None:
+            if segments and ent is None:
+                outcome = self._access_parts(g, layer, key, tok, ready, pending, missing)
+            elif ent is None:
                 outcome = _MISS
-                missing.append((g, key, tok))
+                missing.append((g, key, tok, 1.0))
             else:
                 pin(key)
                 if ent.resident:
                     outcome = _HIT
-                    ready.append((g, key, tok))
+                    ready.append((g, key, tok, 1.0))
                 else:
                     outcome = _LATE
-                    pending.append((g, key, tok))
+                    pending.append((g, key, tok, 1.0))
                     be.escalate(g, key)  # an in-flight prefetch needed now jumps the queue
             acc[outcome] += 1
             if on_access is not None:
@@ -391,7 +430,7 @@ class Runner:
                     strict=True,
                 ):
                     log[col].append(v)
-        deferred: list[tuple[int, int, int]] = []
+        deferred: list[tuple[int, int, int, float]] = []
         for x in missing:  # on-demand loads jump the link's queue
             if self._load(x[0], x[1], ON_DEMAND, "on_demand", pin=True):
                 pending.append(x)
@@ -416,6 +455,50 @@ class Runner:
             m.stall_s += stall
             m.stall_layer_s[layer] += stall
 
+    def _access_parts(
+        self,
+        g: int,
+        layer: int,
+        key: int,
+        tok: int,
+        ready: list[tuple[int, int, int, float]],
+        pending: list[tuple[int, int, int, float]],
+        missing: list[tuple[int, int, int, float]],
+    ) -> Outcome:
+        """A split-expert access to ``key``, not held whole: its top and bottom segments
+        (or, with no top and no room for one, the whole expert) sorted into ready /
+        pending / missing; HIT only if every part is resident."""
+        n, S = self.n_keys, self.expert_bytes
+        cache = self.caches[g]
+        top = cache.entries.get(n + key)
+        parts: list[tuple[int, float]]
+        if top is not None:
+            f = top.size_bytes / S
+            parts = [(n + key, f)] if f >= 1.0 else [(n + key, f), (2 * n + key, 1.0 - f)]
+        else:
+            tb = round(self.policy.split_ratio(layer) * S)
+            if 0 < tb <= cache.group_budget.get(layer, 0):  # the miss's top joins the cache
+                f = tb / S
+                parts = [(n + key, f)] if tb >= S else [(n + key, f), (2 * n + key, 1.0 - f)]
+            else:
+                parts = [(key, 1.0)]
+        outcome = _HIT
+        for pk, f in parts:
+            ent = cache.entries.get(pk)
+            if ent is None:
+                missing.append((g, pk, tok, f))
+                outcome = _MISS
+                continue
+            cache.pin(pk)
+            if ent.resident:
+                ready.append((g, pk, tok, f))
+            else:
+                pending.append((g, pk, tok, f))
+                self.backend.escalate(g, pk)
+                if outcome is _HIT:
+                    outcome = _LATE
+        return outcome
+
     def _reclaim(self, g: int) -> bool:
         """An on-demand load finds GPU ``g``'s budget held by unused prefetches in
         flight: cancel the least urgent queued, never-started one; if none can be
@@ -439,15 +522,16 @@ class Runner:
     def _experts_on(
         self,
         g: int,
-        ready: list[tuple[int, int, int]],
-        pending: list[tuple[int, int, int]],
-        deferred: list[tuple[int, int, int]],
+        ready: list[tuple[int, int, int, float]],
+        pending: list[tuple[int, int, int, float]],
+        deferred: list[tuple[int, int, int, float]],
         layer: int,
     ) -> None:
-        """GPU ``g``'s expert phase: resident experts compute while the others load."""
+        """GPU ``g``'s expert phase: resident experts (and segments) compute while the
+        others load."""
         be, cache = self.backend, self.caches[g]
         if ready:
-            be.experts(g, [x[2] for x in ready])
+            be.experts(g, [x[2] for x in ready], [x[3] for x in ready] if self.segments else None)
             for x in ready:
                 cache.unpin(x[1])
         while pending or deferred:
@@ -473,5 +557,5 @@ class Runner:
                 key = be.wait_any(g, [x[1] for x in pending])
                 i = next(i for i, x in enumerate(pending) if x[1] == key)
                 x = pending.pop(i)
-            be.expert(g, x[1], x[2])
+            be.expert(g, x[1], x[2], x[3])
             cache.unpin(x[1])

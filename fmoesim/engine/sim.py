@@ -362,17 +362,23 @@ class SimBackend(Backend):
         self._wait_s = [0.0] * n
         self._in_experts = True
 
-    def expert(self, gpu: int, key: int, tokens: int) -> None:
-        """One expert FFN on ``gpu``."""
+    def expert(self, gpu: int, key: int, tokens: int, fraction: float = 1.0) -> None:
+        """One expert FFN on ``gpu`` (a segment: ``fraction`` of it, as a vertical split
+        divides the FFN's columns and so its work)."""
         c = self.compute
-        d = c.expert_a_s + c.expert_b_s * tokens
+        d = fraction * (c.expert_a_s + c.expert_b_s * tokens)
         self._gpu_s[gpu] += d
         self.busy_compute_s += d
 
-    def experts(self, gpu: int, tokens: list[int]) -> None:
-        """Several experts on ``gpu``: ``n * a + b * sum(tokens)``."""
+    def experts(self, gpu: int, tokens: list[int], fractions: list[float] | None = None) -> None:
+        """Several experts on ``gpu``: ``n * a + b * sum(tokens)`` (weighted by the
+        segments' fractions)."""
         c = self.compute
-        d = len(tokens) * c.expert_a_s + c.expert_b_s * sum(tokens)
+        if fractions is None:
+            d = len(tokens) * c.expert_a_s + c.expert_b_s * sum(tokens)
+        else:
+            a, b = c.expert_a_s, c.expert_b_s
+            d = sum(f * (a + b * t) for t, f in zip(tokens, fractions, strict=True))
         self._gpu_s[gpu] += d
         self.busy_compute_s += d
 
@@ -482,7 +488,7 @@ class InstantBackend(Backend):
     def begin_experts(self, layer: int, tokens: int) -> None:
         """No time."""
 
-    def expert(self, gpu: int, key: int, tokens: int) -> None:
+    def expert(self, gpu: int, key: int, tokens: int, fraction: float = 1.0) -> None:
         """No time."""
 
     def wait_any(self, gpu: int, keys: Sequence[int]) -> int:

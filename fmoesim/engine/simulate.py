@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -25,7 +27,7 @@ from fmoesim.errors import ConfigError
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
 from fmoesim.trace.reader import Trace
-from policies.base import FutureAccesses, Policy, PolicyContext, RequestTrace
+from policies.base import FutureAccesses, LayerTimes, Policy, PolicyContext, RequestTrace
 from policies.lru import LRU
 
 GB = 1e9
@@ -112,6 +114,31 @@ def future_accesses(
     ptr = np.zeros(sum(len(s) for s in sizes) + 1, dtype=np.int64)
     np.cumsum(np.concatenate(sizes), out=ptr[1:])
     return FutureAccesses(ptr=ptr, keys=np.concatenate(keys).astype(np.int64))
+
+
+def _layer_group(num_experts: int, key: int) -> int:
+    """Budget group of ``key`` with a cache per layer: its layer."""
+    return key // num_experts
+
+
+def _segment_group(num_keys: int, num_experts: int, key: int) -> int:
+    """Budget group of ``key`` for split experts: a top segment's layer; whole experts and
+    bottom segments share the buffer, group -1."""
+    return (key - num_keys) // num_experts if num_keys <= key < 2 * num_keys else -1
+
+
+def layer_times(
+    compute: ComputeModel, hardware: HardwareSpec, model: ModelSpec, trace: Trace
+) -> LayerTimes:
+    """One decoding token's modelled times (batch 1, the trace's mean prompt as context),
+    handed to policies that plan with them (:class:`policies.base.LayerTimes`)."""
+    kv = int(round(float(trace.prompt_tokens.mean()))) if trace.num_requests else 0
+    return LayerTimes(
+        t_att_s=compute.attention_s(1, kv, kv + 1) + compute.router_s(1),
+        t_expert_s=compute.expert_a_s + compute.expert_b_s,
+        t_head_s=compute.lm_head_s(1),
+        t_load_s=hardware.transfer_overhead_s + model.expert_size_bytes / hardware.pcie_bytes_per_s,
+    )
 
 
 def held_in_requests(trace: Trace, positions: list[int]) -> list[RequestTrace]:
@@ -242,6 +269,7 @@ def simulate(
             )
         except NotApplicable:
             pass
+    compute = ComputeModel.from_specs(model, hardware)
     policy.reset(
         PolicyContext(
             model=model,
@@ -250,21 +278,38 @@ def simulate(
             rng=rng,
             num_gpus=num_gpus,
             future=future,
+            times=layer_times(compute, hardware, model, trace),
         )
     )
     if held_in:
         policy.learn(held_in_requests(trace, held_in))
-    E = model.num_experts
+    E, n_keys = model.num_experts, model.num_layers * model.num_experts
+    group_of: Callable[[int], int] | None = None
+    asked = policy.cache_groups() if policy.uses_segments else None
+    if asked is not None:
+        if groups is not None:
+            raise ConfigError(
+                "cache.experts_per_layer", experts_per_layer, f"{policy.name} sets its own"
+            )
+        if sum(asked.values()) > budget_bytes:
+            raise ValueError(
+                f"policy {policy.name!r} asked for {sum(asked.values())} bytes of groups, "
+                f"over the budget of {budget_bytes}"
+            )
+        groups = asked
+        group_of = partial(_segment_group, n_keys, E)
+    elif groups is not None:
+        group_of = partial(_layer_group, E)
     caches = [
-        ExpertCache(int(budget_bytes), policy, gpu=g)
-        if groups is None
-        else ExpertCache(int(budget_bytes), policy, g, lambda k: k // E, groups)
+        ExpertCache(int(budget_bytes), policy, g, group_of, groups)
+        if group_of is not None
+        else ExpertCache(int(budget_bytes), policy, gpu=g)
         for g in range(num_gpus)
     ]
     metrics = Metrics(trace.num_layers)
     backend: Backend
     if timing:
-        backend = SimBackend(hardware, ComputeModel.from_specs(model, hardware), caches, preempt)
+        backend = SimBackend(hardware, compute, caches, preempt)
     else:
         backend = InstantBackend(caches)
     runner = Runner(
@@ -369,6 +414,7 @@ def _lru_hit_only(
             "evictions": evictions,
             "peak_expert_bytes": min(distinct, int(budget_bytes // size)) * size,
             **_run_fields(policy, model, hardware, budget_bytes, serving, seed, False, 1),
+            "experts_per_layer": 0,
             "simulated_s": 0.0,
             "gpu_busy_s": 0.0,
             "link_busy_s": 0.0,
