@@ -47,7 +47,10 @@ class Evictable(dict):  # type: ignore[type-arg]
 
 
 class GroupEvictable(Evictable):
-    """The evictable entries of one budget group (see :class:`ExpertCache`)."""
+    """The evictable entries of one budget group (see :class:`ExpertCache`).
+
+    perf: ``_entries`` is the group's own admission-ordered key dict, so iterating walks
+    the group, not the whole cache."""
 
     __slots__ = ()
 
@@ -87,14 +90,17 @@ class ExpertCache:
         self.group_of = group_of
         self.group_budget: dict[int, int] = dict(group_budgets_bytes or {})
         self.group_used: dict[int, int] = dict.fromkeys(self.group_budget, 0)
+        self.group_keys: dict[int, dict[int, None]] = {g: {} for g in self.group_budget}
         self.group_evictable: dict[int, GroupEvictable] = {
-            g: GroupEvictable(self.entries) for g in self.group_budget
+            g: GroupEvictable(self.group_keys[g])  # type: ignore[arg-type]
+            for g in self.group_budget
         }
         if (group_of is None) != (group_budgets_bytes is None):
             raise ValueError("budget groups need both group_of and group_budgets_bytes")
         self.used_bytes = 0
         self.peak_bytes = 0
         self.evictions = 0
+        self.evicted_bytes = 0
         self.cancelled = 0
         self.wasted_bytes = 0  # prefetched bytes evicted before any use
 
@@ -137,7 +143,9 @@ class ExpertCache:
                 return False
             self.evict(self._victim(self.evictable, key))
         if self.group_of is not None:
-            self.group_used[self.group_of(key)] += size_bytes
+            g = self.group_of(key)
+            self.group_used[g] += size_bytes
+            self.group_keys[g][key] = None
         entries[key] = Entry(size_bytes, reason)
         self.used_bytes += size_bytes
         if self.used_bytes > self.peak_bytes:
@@ -162,7 +170,8 @@ class ExpertCache:
             raise ValueError("this cache has no budget groups")
         if group not in self.group_budget:
             self.group_used[group] = 0
-            self.group_evictable[group] = GroupEvictable(self.entries)
+            self.group_keys[group] = {}
+            self.group_evictable[group] = GroupEvictable(self.group_keys[group])  # type: ignore[arg-type]
         self.group_budget[group] = int(budget_bytes)
         cands = self.group_evictable[group]
         while self.group_used[group] > budget_bytes:
@@ -191,8 +200,10 @@ class ExpertCache:
         if self.group_of is not None:
             g = self.group_of(key)
             del self.group_evictable[g][key]
+            del self.group_keys[g][key]
             self.group_used[g] -= e.size_bytes
         self.evictions += 1
+        self.evicted_bytes += e.size_bytes
         if not e.used and e.reason == "prefetch":
             self.wasted_bytes += e.size_bytes
         self.policy.on_evict(key)
@@ -205,7 +216,9 @@ class ExpertCache:
         del self.entries[key]
         self.used_bytes -= e.size_bytes
         if self.group_of is not None:
-            self.group_used[self.group_of(key)] -= e.size_bytes
+            g = self.group_of(key)
+            self.group_used[g] -= e.size_bytes
+            del self.group_keys[g][key]
         self.cancelled += 1
         self.policy.on_evict(key)
 

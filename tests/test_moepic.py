@@ -1,0 +1,174 @@
+"""MoEpic (``002`` §3): split experts in the engine (hand-timed), the two degenerate
+cases against the plain policies, reconfiguration, and the ablation presets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from fmoesim.config.schema import CONF_DIR
+from fmoesim.engine.compute import ComputeModel
+from fmoesim.engine.simulate import simulate
+from fmoesim.trace import read_trace
+from fmoesim.trace.reader import Trace
+from fmoesim.workload.synthetic import SyntheticConfig, generate
+from policies.lcp import LCP
+from policies.moepic import MoEpic
+from policies.pregated import PreGated
+from tests.test_policy_contract import MODEL
+from tests.tiny import TINY_HW, small_model, write_sequence_trace
+
+ONE = small_model(1, 3, 1)  # one MoE layer of 3 experts, top-1; a 6 MB expert
+S = ONE.expert_size_bytes
+
+
+def test_a_cached_top_computes_while_its_bottom_loads(tmp_path):
+    """θ = 0.25, a buffer of one expert, room for two tops; no prefetch, no start set.
+    Tokens route to experts 0, 1, 0.  X = one expert over PCIe, ov = fixed cost, t =
+    one expert's compute.
+      pass 0: expert 0 has nothing: its top (X/4) and bottom (3X/4) load on demand, top
+        first; the GPU waits ov + X/4, computes t/4, waits for the bottom (lands at
+        2 ov + X) and computes 3t/4: stall 2 ov + X - t/4.
+      pass 1: the same for expert 1; its top joins (two fit), its bottom evicts expert 0's
+        (the buffer holds one 3X/4 bottom).
+      pass 2: expert 0's top is cached, its bottom is not: a MISS that loads only the
+        bottom while the top computes: stall ov + 3X/4 - t/4.
+    """
+    tr = read_trace(write_sequence_trace(tmp_path / "t", [[0], [1], [0]], model=ONE))
+    pol = MoEpic(
+        split_ratio=0.25, prefetch="none", configurator=False, warm_start=False, buffer_experts=1
+    )
+    r = simulate(tr, ONE, TINY_HW, pol, int(1.5 * S))
+    assert pol.cache_groups() == {-1: S, 0: 2 * (S // 4)}
+    n = ONE.num_layers * ONE.num_experts
+    top, bot = S // 4, S - S // 4
+    log = [(t.key, t.size_bytes, t.reason) for t in r.transfers]
+    assert log == [
+        (n + 0, top, "on_demand"),
+        (2 * n + 0, bot, "on_demand"),
+        (n + 1, top, "on_demand"),
+        (2 * n + 1, bot, "on_demand"),
+        (2 * n + 0, bot, "on_demand"),
+    ]
+    assert (r.summary["hits"], r.summary["misses"]) == (0, 3)
+    X = S / TINY_HW.pcie_bytes_per_s
+    ov = TINY_HW.transfer_overhead_s
+    t = ComputeModel.from_specs(ONE, TINY_HW).expert_s(1)
+    want = 2 * (2 * ov + X - t / 4) + (ov + 0.75 * X - t / 4)
+    assert r.summary["stall_s"] == pytest.approx(want, rel=1e-9)
+    cache = r.caches[0]
+    assert cache.group_used == {-1: bot, 0: 2 * top}
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:
+    path = tmp_path_factory.mktemp("moepic") / "trace"
+    cfg = SyntheticConfig(
+        num_requests=5,
+        embedding_dim=0,
+        prompt_tokens_median=1,
+        prompt_tokens_max=1,
+        output_tokens_median=16,
+        output_tokens_max=32,
+        seed=11,
+    )
+    generate(MODEL, cfg, path, overwrite=True)
+    return read_trace(path)
+
+
+def test_theta_one_without_prefetch_is_lcp_with_a_cache_per_layer(trace):
+    """§2.3: θ = 1 and prefetching off is the cache-only approach: whole experts cached
+    per layer under LCP, the same hits layer by layer as LCP with ``experts_per_layer``."""
+    L, K = MODEL.num_layers, MODEL.top_k
+    size = MODEL.expert_size_bytes
+    for C in (2, 3, 5):
+        pol = MoEpic(
+            split_ratio=1.0,
+            prefetch="none",
+            configurator=False,
+            warm_start=False,
+            buffer_experts=K,
+        )
+        a = simulate(trace, MODEL, TINY_HW, pol, (L * C + K) * size, timing=False)
+        b = simulate(trace, MODEL, TINY_HW, LCP(), L * C * size, timing=False, experts_per_layer=C)
+        np.testing.assert_array_equal(a.metrics.acc, b.metrics.acc)
+        assert a.summary["hits"] > 0
+
+
+def test_theta_zero_is_prefetch_only_like_pregated(trace):
+    """§2.3: θ = 0 caches nothing: every expert goes through the buffer, prefetched by the
+    speculative prediction, as Pre-gated MoE does.  With a buffer of 2K experts both
+    prefetch the K most probable experts of the next layer; MoEpic also predicts layer 0
+    from the previous token, so layers 1.. must match exactly."""
+    K = MODEL.top_k
+    size = MODEL.expert_size_bytes
+    pol = MoEpic(split_ratio=0.0, configurator=False, buffer_experts=2 * K)
+    a = simulate(trace, MODEL, TINY_HW, pol, 2 * K * size, timing=False)
+    b = simulate(trace, MODEL, TINY_HW, PreGated(prefetch_experts=K), 2 * K * size, timing=False)
+    n = MODEL.num_layers * MODEL.num_experts
+    assert all(t.key < n for t in a.transfers)  # whole experts only
+    np.testing.assert_array_equal(a.metrics.acc[1:], b.metrics.acc[1:])
+    assert a.metrics.acc[0][0] >= b.metrics.acc[0][0]  # layer 0 predicted as well
+
+
+def test_reconfiguration_moves_budget_and_keeps_the_total(trace):
+    size = MODEL.expert_size_bytes
+    K = MODEL.top_k
+    budget = 14 * size
+    pol = MoEpic(tau_tokens=20)
+    r = simulate(trace, MODEL, TINY_HW, pol, budget)
+    assert pol.configurations >= 2
+    rep = pol.report()
+    V_e = (budget - 2 * K * size) / size  # the default buffer: 2K experts
+    assert rep["budget_experts"].sum() == pytest.approx(V_e)
+    assert (rep["budget_experts"] > 0).all()
+    reasons = {t.reason for t in r.transfers}
+    assert "configure" in reasons  # the start set and the reconfigurations use the link
+    cache = r.caches[0]
+    groups = pol.cache_groups()
+    assert {g: cache.group_budget[g] for g in groups} == groups
+    assert sum(groups.values()) <= budget
+    # what the configurator asked for is what the cache enforces
+    for i in range(MODEL.num_layers):
+        tb = round(rep["split_ratio"][i] * size)
+        assert groups[i] == rep["cached_tops"][i] * tb
+        assert cache.group_used[i] <= groups[i]
+
+
+def test_same_seed_same_run(trace):
+    size = MODEL.expert_size_bytes
+    runs = [
+        simulate(trace, MODEL, TINY_HW, MoEpic(tau_tokens=30, cache="rnd"), 12 * size, seed=3)
+        for _ in range(2)
+    ]
+    assert runs[0].summary["tpot_mean_s"] == runs[1].summary["tpot_mean_s"]
+    assert [t.key for t in runs[0].transfers] == [t.key for t in runs[1].transfers]
+
+
+@pytest.mark.parametrize(
+    ("name", "knobs"),
+    [
+        ("moepic", {}),
+        ("moepic-no-sp", {"prefetch": "random"}),
+        ("moepic-no-lcp", {"cache": "rnd"}),
+        ("moepic-no-cca", {"configurator": False}),
+    ],
+)
+def test_ablation_presets(name, knobs):
+    pol = instantiate(OmegaConf.load(Path(CONF_DIR) / "policy" / f"{name}.yaml"))
+    assert isinstance(pol, MoEpic) and pol.name == name
+    for k, v in knobs.items():
+        assert getattr(pol, k) == v
+
+
+def test_bad_knobs():
+    with pytest.raises(ValueError, match="split_ratio"):
+        MoEpic(split_ratio=1.5)
+    with pytest.raises(ValueError, match="prefetch"):
+        MoEpic(prefetch="oracle")
+    with pytest.raises(ValueError, match="zeta"):
+        MoEpic(zeta=0.0)
