@@ -18,6 +18,7 @@ import numpy as np
 from fmoesim.engine.simulate import RunResult
 from fmoesim.specs import ModelSpec
 from fmoesim.trace import TraceManifest, TraceModel, TraceWriter
+from fmoesim.trace.reader import Trace
 from policies.base import Outcome, Policy, PolicyContext
 from tests.tiny import TINY, TINY_HW, small_model  # noqa: F401 - re-exported
 
@@ -143,3 +144,29 @@ def write_fig8_trace(path: Path) -> Path:
     a = [(0,), (1,), (1,)]
     b = [(1,), (1,), (1,)]
     return write_trace(path, M32, [[Iteration([a, b, b]), Iteration([a])]], with_spec=False)
+
+
+def write_one_token_trace(
+    path: Path,
+    model: ModelSpec,
+    num_requests: int,
+    output_tokens: int,
+    embedding_dim: int,
+    seed: int,
+) -> Trace:
+    """A synthetic trace whose every iteration is one token (one-token prompts), with
+    outputs of about ``output_tokens`` (median; at most twice that)."""
+    from fmoesim.trace import read_trace
+    from fmoesim.workload.synthetic import SyntheticConfig, generate
+
+    cfg = SyntheticConfig(
+        num_requests=num_requests,
+        embedding_dim=embedding_dim,
+        prompt_tokens_median=1,
+        prompt_tokens_max=1,
+        output_tokens_median=output_tokens,
+        output_tokens_max=2 * output_tokens,
+        seed=seed,
+    )
+    generate(model, cfg, path, overwrite=True)
+    return read_trace(path)

@@ -16,7 +16,6 @@ import pytest
 
 from fmoesim.engine.serving import ServingConfig, split_requests
 from fmoesim.engine.simulate import held_in_requests, simulate
-from fmoesim.trace import read_trace
 from fmoesim.trace.reader import Trace
 from fmoesim.workload.synthetic import SyntheticConfig, generate
 from policies.base import NO_ACTIONS, BatchInfo, GateView, Outcome, RequestTrace
@@ -30,7 +29,7 @@ from policies.fmoe import (
     select_experts,
 )
 from policies.lru import LRU
-from tests._baseline_helpers import context
+from tests._baseline_helpers import context, write_one_token_trace
 from tests.test_cli import tiny_overrides
 from tests.test_policy_contract import MODEL  # 4 layers x 8 experts, top-2
 from tests.tiny import TINY, TINY_HW, small_model
@@ -285,17 +284,7 @@ def one_token_trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:
     """Every iteration one token (prompts of one token), so an iteration's map is one
     token's gate distribution and its top-k is exactly the routed set."""
     path = tmp_path_factory.mktemp("fmoe") / "trace"
-    cfg = SyntheticConfig(
-        num_requests=6,
-        embedding_dim=8,
-        prompt_tokens_median=1,
-        prompt_tokens_max=1,
-        output_tokens_median=12,
-        output_tokens_max=24,
-        seed=5,
-    )
-    generate(MODEL, cfg, path, overwrite=True)
-    return read_trace(path)
+    return write_one_token_trace(path, MODEL, 6, 12, embedding_dim=8, seed=5)
 
 
 class Oracle(FMoE):

@@ -15,10 +15,10 @@ from fmoesim.engine.compute import ComputeModel
 from fmoesim.engine.simulate import simulate
 from fmoesim.trace import read_trace
 from fmoesim.trace.reader import Trace
-from fmoesim.workload.synthetic import SyntheticConfig, generate
 from policies.lcp import LCP
 from policies.moepic import MoEpic
 from policies.pregated import PreGated
+from tests._baseline_helpers import write_one_token_trace
 from tests.test_policy_contract import MODEL
 from tests.tiny import TINY_HW, small_model, write_sequence_trace
 
@@ -67,17 +67,7 @@ def test_a_cached_top_computes_while_its_bottom_loads(tmp_path):
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:
     path = tmp_path_factory.mktemp("moepic") / "trace"
-    cfg = SyntheticConfig(
-        num_requests=5,
-        embedding_dim=0,
-        prompt_tokens_median=1,
-        prompt_tokens_max=1,
-        output_tokens_median=16,
-        output_tokens_max=32,
-        seed=11,
-    )
-    generate(MODEL, cfg, path, overwrite=True)
-    return read_trace(path)
+    return write_one_token_trace(path, MODEL, 5, 16, embedding_dim=0, seed=11)
 
 
 def test_theta_one_without_prefetch_is_lcp_with_a_cache_per_layer(trace):
