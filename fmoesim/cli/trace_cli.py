@@ -7,6 +7,8 @@ Examples::
     fmoesim-trace synth --model qwen1.5-moe-a2.7b --requests 64 --seed 1 out/qwen-synth
     fmoesim-trace synth --model mixtral-8x7b --set skew=2.0 --set locality=0.8 out/skewed
     fmoesim-trace synth --model mixtral-8x7b --arrivals azure_code.csv out/azure
+    fmoesim-trace import vllm-routes routes.jsonl out/real --model mixtral-8x7b
+    fmoesim-trace import eamc eamc.npy out/eamc --model mixtral-8x7b
 """
 
 from __future__ import annotations
@@ -82,6 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="any SyntheticConfig knob, e.g. skew=2.0 (repeatable)",
     )
     syn.add_argument("--force", action="store_true", help="replace an existing directory")
+    imp = sub.add_parser("import", help="convert a trace of another format (top-k only)")
+    imp.add_argument("format", choices=("vllm-routes", "eamc"))
+    imp.add_argument("src", help="route log (.jsonl, or a directory of them) or EAMC .npy")
+    imp.add_argument("out", help="destination trace directory")
+    imp.add_argument("--model", default="mixtral-8x7b", help="model preset (conf/model/)")
+    imp.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=1,
+        help="vllm-routes: tokens of each request's prefill (logs do not say; default 1)",
+    )
+    imp.add_argument("--force", action="store_true", help="replace an existing directory")
     return p
 
 
@@ -107,6 +121,24 @@ def _run(args: argparse.Namespace) -> None:
         print(
             f"{args.path}: valid ({t.num_requests} requests, {t.num_iterations} iterations, "
             f"{t.num_layers} layers x {t.num_experts} experts)"
+        )
+    elif args.cmd == "import":
+        from fmoesim.config.build import load_preset
+        from fmoesim.specs.model import ModelSpec
+        from fmoesim.trace.importers import import_eamc, import_vllm_routes
+
+        model = load_preset("model", args.model, ModelSpec)
+        if args.format == "vllm-routes":
+            path, dropped = import_vllm_routes(
+                args.src, args.out, model, prompt_tokens=args.prompt_tokens, overwrite=args.force
+            )
+            note = f"; dropped {dropped} token rows not present in every layer" if dropped else ""
+        else:
+            path, note = import_eamc(args.src, args.out, model, overwrite=args.force), ""
+        t = read_trace(path)
+        print(
+            f"wrote {path}: {t.num_requests} requests, {t.num_iterations} iterations "
+            f"({model.name}, top-k only: no probabilities){note}"
         )
     elif args.cmd == "synth":
         from fmoesim.config.build import load_preset

@@ -1,0 +1,253 @@
+"""Importers: traces users already have, converted into fmoesim's trace format.
+
+- :func:`import_vllm_routes` — vLLM-style route logs: JSON lines with ``layer``,
+  ``token_idx``, top-k ``experts`` and their ``gating_probs`` (optionally ``dataset`` and
+  ``problem_id`` naming the request), as in ``../shared/data/routing/
+  mixtral-8x7b-vllm-top2/``.
+- :func:`import_eamc` — MoE-Infinity's EAMC array (``.npy``, ``(capacity, layers,
+  experts)`` request-level token counts).
+
+Both sources are top-k only, so the traces have ``probs = null`` and no embeddings;
+policies that need full probabilities say what they do without them (fMoE uses the
+routed-token shares as its maps).  Bad input is refused with one line naming the file,
+the line or row, and the broken rule; the trace is written to a temporary directory and
+renamed into place, so nothing half-written is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fmoesim.errors import FmoesimError
+from fmoesim.specs.model import ModelSpec
+from fmoesim.trace.schema import TraceManifest, TraceModel
+from fmoesim.trace.writer import TraceWriter
+
+FORMATS = ("vllm-routes", "eamc")
+
+
+class ImportError_(FmoesimError):  # noqa: N801 - the builtin name is taken
+    """A source file breaks a rule of its format."""
+
+    def __init__(self, path: Path, where: str, rule: str, detail: str = "") -> None:
+        msg = f"{path} {where}: {rule}" + (f" ({detail})" if detail else "")
+        super().__init__(msg)
+
+
+def _manifest(model: ModelSpec, fmt: str, original: list[str], **extra: Any) -> TraceManifest:
+    return TraceManifest(
+        model=TraceModel(
+            name=model.name,
+            num_layers=model.num_layers,
+            num_experts=model.num_experts,
+            top_k=model.top_k,
+            hidden_size=model.hidden_size,
+            num_shared_experts=model.num_shared_experts,
+            dense_layers=model.dense_layers,
+        ),
+        embedding_dim=0,
+        source={"kind": "importer", "format": fmt, "original": original, **extra},
+        has_probs=False,
+        has_spec_probs=False,
+    )
+
+
+def _jsonl_files(src: Path) -> list[Path]:
+    if src.is_dir():
+        files = sorted(p for p in src.iterdir() if p.suffix == ".jsonl")
+        if not files:
+            raise FmoesimError(f"{src}: no .jsonl files in this directory")
+        return files
+    if not src.is_file():
+        raise FmoesimError(f"{src}: no such file or directory")
+    return [src]
+
+
+def read_vllm_routes(
+    src: str | os.PathLike[str], model: ModelSpec
+) -> tuple[dict[tuple[str, int], dict[int, dict[int, list[int]]]], list[str]]:
+    """Parse route logs: ``{(source, request): {layer: {token: experts}}}`` and the file
+    names.  Every row is checked against ``model`` (layer, expert ids, top-k)."""
+    L, E, K = model.num_layers, model.num_experts, model.top_k
+    out: dict[tuple[str, int], dict[int, dict[int, list[int]]]] = defaultdict(
+        lambda: defaultdict(dict)
+    )
+    files = _jsonl_files(Path(src))
+    for path in files:
+        with path.open() as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"line {n}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ImportError_(
+                        path, where, "each line is a JSON object", str(exc)
+                    ) from None
+                if not isinstance(row, dict):
+                    raise ImportError_(path, where, "each line is a JSON object")
+                for key in ("layer", "token_idx", "experts"):
+                    if key not in row:
+                        raise ImportError_(path, where, f"has key '{key}'")
+                layer, tok, experts = row["layer"], row["token_idx"], row["experts"]
+                if not isinstance(layer, int) or not 0 <= layer < L:
+                    raise ImportError_(path, where, f"layer in [0, {L})", f"got {layer!r}")
+                if not isinstance(tok, int) or tok < 0:
+                    raise ImportError_(path, where, "token_idx >= 0", f"got {tok!r}")
+                if (
+                    not isinstance(experts, list)
+                    or len(experts) != K
+                    or len(set(experts)) != K
+                    or not all(isinstance(e, int) and 0 <= e < E for e in experts)
+                ):
+                    raise ImportError_(
+                        path,
+                        where,
+                        f"experts holds {K} distinct ids in [0, {E})",
+                        f"got {experts!r}",
+                    )
+                probs = row.get("gating_probs")
+                if probs is not None and (
+                    not isinstance(probs, list)
+                    or len(probs) != K
+                    or not all(isinstance(p, (int, float)) and p >= 0 for p in probs)
+                ):
+                    raise ImportError_(
+                        path, where, f"gating_probs holds {K} numbers >= 0", f"got {probs!r}"
+                    )
+                req = row.get("problem_id", 0)
+                if not isinstance(req, int):
+                    raise ImportError_(path, where, "problem_id is an integer", f"got {req!r}")
+                name = str(row.get("dataset", path.stem))
+                per_token = out[(name, req)][layer]
+                if tok in per_token:
+                    raise ImportError_(
+                        path, where, "one row per (request, layer, token)", f"token {tok} again"
+                    )
+                per_token[tok] = experts
+    return out, [p.name for p in files]
+
+
+def import_vllm_routes(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    model: ModelSpec,
+    *,
+    prompt_tokens: int = 1,
+    overwrite: bool = False,
+) -> tuple[Path, int]:
+    """Convert route logs into a trace; returns the path and the number of token rows
+    dropped.
+
+    A request is a ``(dataset, problem_id)`` pair (the file name and request 0 without
+    them).  Its tokens are those present in *every* layer (logs may end a layer one or
+    two tokens early or late; the others are dropped and counted), in ``token_idx``
+    order.  The first ``prompt_tokens`` form the prefill iteration (logs do not say where
+    the prompt ends; the default 1 makes every token an iteration of its own, the
+    decode-like view a cache sees token by token); each later token is one decode
+    iteration.  ``counts`` are the routed top-k; ``probs`` are null.
+    """
+    if prompt_tokens < 1:
+        raise FmoesimError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
+    routes, files = read_vllm_routes(src, model)
+    if not routes:
+        raise FmoesimError(f"{src}: no routing rows")
+    L, E = model.num_layers, model.num_experts
+    dropped = 0
+    requests = []
+    for rid, key in enumerate(sorted(routes)):
+        layers = routes[key]
+        if len(layers) != L:
+            missing = sorted(set(range(L)) - set(layers))
+            raise FmoesimError(
+                f"{src}: request {key} has no rows for layer(s) {missing[:5]} "
+                f"(rule: every layer of every token)"
+            )
+        common = set.intersection(*(set(t) for t in layers.values()))
+        dropped += sum(len(t) for t in layers.values()) - L * len(common)
+        tokens = sorted(common)
+        if len(tokens) < prompt_tokens:
+            raise FmoesimError(
+                f"{src}: request {key} has {len(tokens)} complete tokens, fewer than "
+                f"--prompt-tokens {prompt_tokens}"
+            )
+        one_hot = np.zeros((len(tokens), L, E), dtype=np.int32)
+        for layer, per_token in layers.items():
+            for i, t in enumerate(tokens):
+                one_hot[i, layer, per_token[t]] = 1
+        requests.append((rid, key, one_hot))
+    man = _manifest(
+        model,
+        "vllm-routes",
+        files,
+        requests=[f"{k[0]}/{k[1]}" for _, k, _ in requests],
+        prompt_tokens=prompt_tokens,
+        dropped_token_rows=dropped,
+    )
+    with TraceWriter(dst, man, overwrite=overwrite) as w:
+        for rid, key, one_hot in requests:
+            n = len(one_hot)
+            out = n - prompt_tokens + 1
+            w.add_request(rid, prompt_tokens=prompt_tokens, output_tokens=out, dataset=key[0])
+            w.add_iteration(rid, 0, prompt_tokens, None, one_hot[:prompt_tokens].sum(axis=0))
+            for j in range(1, out):
+                w.add_iteration(rid, j, 1, None, one_hot[prompt_tokens + j - 1])
+    return Path(dst), dropped
+
+
+def import_eamc(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    model: ModelSpec,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Convert an EAMC array ``(C, L, E)`` of request-level token counts into a trace of
+    ``C`` one-iteration requests (an EAM keeps no per-iteration detail): request ``c``
+    routes ``counts[c]`` over ``sum(counts[c, l]) / top_k`` tokens.  All-zero EAMs
+    (unused slots) are skipped."""
+    path = Path(src)
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise FmoesimError(f"{path}: not a readable .npy array ({exc})") from None
+    L, E, K = model.num_layers, model.num_experts, model.top_k
+    if arr.ndim != 3 or arr.shape[1:] != (L, E):
+        raise ImportError_(path, "shape", f"(capacity, {L}, {E})", f"got {arr.shape}")
+    if not np.isfinite(arr).all():
+        bad = int(np.flatnonzero(~np.isfinite(arr).all(axis=(1, 2)))[0])
+        raise ImportError_(path, f"row {bad}", "counts are finite")
+    counts = np.rint(arr).astype(np.int64)
+    bad_rows = np.flatnonzero(
+        (counts < 0).any(axis=(1, 2)) | (np.abs(arr - counts) > 1e-6).any(axis=(1, 2))
+    )
+    if len(bad_rows):
+        raise ImportError_(path, f"row {int(bad_rows[0])}", "counts are non-negative integers")
+    rows = []
+    for c in range(len(counts)):
+        per_layer = counts[c].sum(axis=1)  # (L,)
+        if not per_layer.any():
+            continue
+        if (per_layer != per_layer[0]).any() or per_layer[0] % K:
+            raise ImportError_(
+                path,
+                f"row {c}",
+                f"every layer routes the same number of tokens x top_k ({K})",
+                f"per-layer sums {sorted(set(per_layer.tolist()))[:4]}",
+            )
+        rows.append((c, counts[c].astype(np.int32), int(per_layer[0] // K)))
+    if not rows:
+        raise FmoesimError(f"{path}: every EAM is empty")
+    man = _manifest(model, "eamc", [path.name], slots=[c for c, _, _ in rows])
+    with TraceWriter(dst, man, overwrite=overwrite) as w:
+        for rid, (_, eam, tokens) in enumerate(rows):
+            w.add_request(rid, prompt_tokens=tokens, output_tokens=1, dataset="eamc")
+            w.add_iteration(rid, 0, tokens, None, eam)
+    return Path(dst)
