@@ -1,0 +1,69 @@
+"""The calibrated Mixtral preset against the real Mixtral routing (issue 7's acceptance):
+LRU and LFU hit rates at every per-layer capacity 1..7 within 5 points."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from fmoesim.config.build import load_preset
+from fmoesim.config.schema import CONF_DIR
+from fmoesim.specs import HardwareSpec, ModelSpec
+from fmoesim.trace import read_trace
+from fmoesim.trace.importers import import_vllm_routes
+from fmoesim.workload.calibrate import (
+    frequency_skew,
+    gini,
+    hit_curves,
+    layer_dependence,
+    reuse_probability,
+    synthetic_like,
+)
+from tests.tiny import small_model, write_sequence_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+REAL = ROOT.parent / "shared" / "data" / "routing" / "mixtral-8x7b-vllm-top2"
+PRESET = Path(CONF_DIR) / "workload" / "synthetic-mixtral-calibrated.yaml"
+
+
+def routing_knobs() -> dict:
+    """The preset's routing knobs (what the calibration fitted)."""
+    syn = OmegaConf.to_container(OmegaConf.load(PRESET).synthetic)
+    assert isinstance(syn, dict)
+    return {k: syn[k] for k in ("skew", "locality", "noise", "request_jitter")}
+
+
+@pytest.mark.skipif(not REAL.is_dir(), reason="../shared/data (real Mixtral routing) is absent")
+def test_calibrated_preset_matches_real_mixtral_lru_and_lfu(tmp_path):
+    model = load_preset("model", "mixtral-8x7b", ModelSpec)
+    hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
+    real = read_trace(import_vllm_routes(REAL, tmp_path / "real", model)[0])
+    tokens = int(np.median(real.output_tokens))
+    syn = synthetic_like(model, routing_knobs(), tmp_path / "syn", 16, tokens, seed=0)
+    want, got = hit_curves(real, model, hw), hit_curves(syn, model, hw)
+    for p in ("lru", "lfu"):
+        assert len(got[p]) == 7
+        diff = 100 * np.abs(np.asarray(got[p]) - np.asarray(want[p]))
+        assert diff.max() <= 5.0, (p, diff.round(1).tolist())
+    assert abs(reuse_probability(syn) - reuse_probability(real)) < 0.05
+
+
+def test_statistics_by_hand(tmp_path):
+    m = small_model(2, 4, 1)
+    # one request, tokens route (layer 0, layer 1): (0,1) (0,2) (1,2) (0,1)
+    tr = read_trace(write_sequence_trace(tmp_path / "t", [[0, 1], [0, 2], [1, 2], [0, 1]], m))
+    # reuse: token 2 shares 1 of 2 experts with token 1 (layer 0), token 3 shares 1 of 2
+    # (layer 1), token 4 shares none -> 2 / 6
+    assert reuse_probability(tr) == pytest.approx(2 / 6)
+    assert gini(np.array([1.0, 1, 1, 1])) == 0.0
+    assert gini(np.array([0.0, 0, 0, 4])) == pytest.approx(0.75)
+    g, mm = frequency_skew(tr)
+    # layer 0 frequencies (3, 1, 0, 0), layer 1 (0, 2, 2, 0)
+    assert g == pytest.approx((gini(np.array([3.0, 1, 0, 0])) + gini(np.array([0.0, 2, 2, 0]))) / 2)
+    assert mm == pytest.approx((3 / 1 + 2 / 1) / 2)
+    # layer 0 -> 1: e0 -> {1, 2, 1}, e1 -> {2}: P(next) = (0, .5, .5, 0);
+    # TV(e0) = .5 * (|2/3 - .5| + |1/3 - .5|) = 1/6, TV(e1) = .5 * (.5 + .5) = .5
+    assert layer_dependence(tr) == pytest.approx(0.75 * (1 / 6) + 0.25 * 0.5)
