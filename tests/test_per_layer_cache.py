@@ -111,3 +111,20 @@ def test_experts_per_layer_is_checked(tmp_path):
         simulate(tr, ONE, TINY_HW, LRU(), 5 * size, experts_per_layer=5)
     with pytest.raises(ConfigError, match="must be experts_per_layer"):
         simulate(tr, ONE, TINY_HW, LRU(), 3 * size, experts_per_layer=2)
+
+
+def test_cli_refuses_a_bad_experts_per_layer_in_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run(
+        [sys.executable, "-m", "fmoesim.cli.main", "cache.experts_per_layer=9", "progress=false"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
+    assert p.returncode == 2
+    assert "cache.experts_per_layer" in p.stderr and "[1, 8]" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1

@@ -11,7 +11,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fmoesim.config.schema import CONF_DIR, EngineConfig, OutputConfig, WorkloadConfig
 from fmoesim.engine.serving import ServingConfig
-from fmoesim.engine.simulate import GB, check_budget
+from fmoesim.engine.simulate import GB, check_budget, check_experts_per_layer
 from fmoesim.errors import ConfigError
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
@@ -76,12 +76,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
     hardware.validate()
     per_layer = cfg.cache.get("experts_per_layer")
     if per_layer is not None:
-        if not isinstance(per_layer, int) or not 1 <= per_layer <= model.num_experts:
-            raise ConfigError(
-                "cache.experts_per_layer", per_layer, f"must be in [1, {model.num_experts}]"
-            )
-        if hardware.num_gpus != 1:
-            raise ConfigError("cache.experts_per_layer", per_layer, "needs hardware.num_gpus=1")
+        check_experts_per_layer(model, hardware, per_layer)
         budget_bytes = per_layer * model.num_layers * model.expert_size_bytes
     else:
         budget_bytes = int(cfg.cache.budget_gb * GB)

@@ -321,8 +321,7 @@ class Runner:
                     be.reprioritize(g, key, p.priority)
                 continue
             if key >= n_keys:
-                size = self._size_of(g, key)
-                if size == 0:
+                if self._size_of(g, key) == 0:
                     continue  # an empty segment (θ = 0 top, θ = 1 bottom)
             # perf: a full cache with nothing evictable refuses without a call (a saturated
             # link leaves every entry in flight; dependency prefetch meets this ~5x a layer)

@@ -85,6 +85,14 @@ def check_budget(model: ModelSpec, budget_bytes: int, key: str = "cache.budget_g
         )
 
 
+def check_experts_per_layer(model: ModelSpec, hardware: HardwareSpec, C: object) -> None:
+    """A cache per layer holds 1..E experts, on one GPU."""
+    if not isinstance(C, int) or not 1 <= C <= model.num_experts:
+        raise ConfigError("cache.experts_per_layer", C, f"must be in [1, {model.num_experts}]")
+    if hardware.num_gpus != 1:
+        raise ConfigError("cache.experts_per_layer", C, "needs hardware.num_gpus=1")
+
+
 def future_accesses(
     trace: Trace, batches: list[list[int]], iter_start: np.ndarray, output_tokens: np.ndarray
 ) -> FutureAccesses:
@@ -219,10 +227,7 @@ def simulate(
     groups: dict[int, int] | None = None
     if experts_per_layer is not None:
         C = experts_per_layer
-        if not 1 <= C <= model.num_experts:
-            raise ConfigError("cache.experts_per_layer", C, f"must be in [1, {model.num_experts}]")
-        if hardware.num_gpus != 1:
-            raise ConfigError("cache.experts_per_layer", C, "needs hardware.num_gpus=1")
+        check_experts_per_layer(model, hardware, C)
         if budget_bytes != C * model.num_layers * model.expert_size_bytes:
             raise ConfigError(
                 "cache.budget_gb", budget_bytes / GB, "must be experts_per_layer x layers x expert"
