@@ -96,10 +96,27 @@ def memory() -> None:
         print(f"| 50,000 | {dim} | {s.nbytes() / 1e6:.0f} |")
 
 
-def ladder() -> None:
-    """Fig. 12 hit rates on the bundled trace."""
-    trace = read_trace(PROJECT_ROOT / "traces" / "default")
+def ladder(calibrated: bool = False) -> None:
+    """Fig. 12 hit rates on the bundled trace (or on the synthetic workload calibrated on
+    real Mixtral routing, ``workload=synthetic-mixtral-calibrated``)."""
     model = load_preset("model", "mixtral-8x7b", ModelSpec)
+    if calibrated:
+        import tempfile
+        from pathlib import Path
+
+        from omegaconf import OmegaConf
+
+        from fmoesim.config.schema import CONF_DIR
+        from fmoesim.workload.synthetic import SyntheticConfig, generate
+
+        knobs = OmegaConf.to_container(
+            OmegaConf.load(CONF_DIR / "workload" / "synthetic-mixtral-calibrated.yaml").synthetic
+        )
+        tmp = tempfile.mkdtemp()
+        generate(model, SyntheticConfig(**knobs), Path(tmp) / "t")  # type: ignore[arg-type]
+        trace = read_trace(Path(tmp) / "t")
+    else:
+        trace = read_trace(PROJECT_ROOT / "traces" / "default")
     hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
     serving = ServingConfig(held_in_fraction=0.7)
     budgets = (6, 12, 24)
@@ -134,6 +151,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("search", "memory", "ladder", "all"), default="all")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument(
+        "--calibrated",
+        action="store_true",
+        help="ladder on workload=synthetic-mixtral-calibrated instead of the bundled trace",
+    )
     args = ap.parse_args()
     if args.part in ("search", "all"):
         search(args.repeat)
@@ -141,7 +163,7 @@ def main() -> None:
         print()
         memory()
     if args.part in ("ladder", "all"):
-        ladder()
+        ladder(args.calibrated)
 
 
 if __name__ == "__main__":
