@@ -10,7 +10,10 @@ STAMP := $(VENV)/.fmoesim-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# torch first, pinned: on a CPU machine this is the local CPU wheel, and the extras'
+	# unpinned "torch>=2.4" is then already satisfied (no multi-GB CUDA download)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev,collect]'
 	touch $(STAMP)
 
 ## Simulate the bundled default trace (Mixtral-8x7B shape, RTX 3090, LRU) and print the summary.

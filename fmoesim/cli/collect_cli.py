@@ -1,0 +1,147 @@
+"""``fmoesim-collect``: record a Hugging Face MoE model's gate distributions into a trace.
+
+Examples::
+
+    fmoesim-collect /models/Qwen1.5-MoE-A2.7B ../shared/data/prompts/gsm8k_test_prompts.jsonl \\
+        traces/qwen-gsm8k --max-new-tokens 64 --limit 100
+    fmoesim-collect mistralai/Mixtral-8x7B-v0.1 prompts.jsonl out/mixtral  # a hub id
+
+Prompts: a JSONL or JSON file of objects with a text field (``--field``, default the first
+of ``prompt``, ``text``, ``question``, ``content``) or with ``input_ids``, or a JSON list of
+strings.  Text goes through the model's tokenizer and its chat template when it has one.
+Needs the extra ``collect`` (torch, transformers).  Rerunning an interrupted command
+resumes it.  Exit status 2 and one line on stderr for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from fmoesim.errors import FmoesimError
+
+PROG = "fmoesim-collect"
+TEXT_FIELDS = ("prompt", "text", "question", "content")
+
+
+def read_prompts(path: Path, field: str | None, limit: int | None) -> list[Any]:
+    """Prompts as strings or token-id lists; a one-line error names the line and rule."""
+    if not path.is_file():
+        raise FmoesimError(f"{path}: prompt file not found")
+    raw = path.read_text()
+    items: list[tuple[int, Any]]
+    if path.suffix == ".json":
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise FmoesimError(f"{path}: not valid JSON ({exc})") from None
+        if isinstance(data, dict):  # e.g. {"prompts": [...]}
+            data = next((v for v in data.values() if isinstance(v, list)), None)
+        if not isinstance(data, list):
+            raise FmoesimError(f"{path}: a JSON prompt file holds a list")
+        items = list(enumerate(data, start=1))
+    else:
+        items = []
+        for n, line in enumerate(raw.splitlines(), start=1):
+            if line.strip():
+                try:
+                    items.append((n, json.loads(line)))
+                except json.JSONDecodeError as exc:
+                    raise FmoesimError(f"{path} line {n}: not a JSON object ({exc})") from None
+    out: list[Any] = []
+    for n, item in items:
+        out.append(_prompt_of(path, n, item, field))
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise FmoesimError(f"{path}: no prompts")
+    return out
+
+
+def _prompt_of(path: Path, n: int, item: Any, field: str | None) -> Any:
+    where = f"{path} line {n}"
+    if isinstance(item, str):
+        return item
+    if not isinstance(item, dict):
+        raise FmoesimError(f"{where}: a prompt is a string or an object")
+    if field is None and "input_ids" in item:
+        ids = item["input_ids"]
+        if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids)):
+            raise FmoesimError(f"{where}: input_ids is a non-empty list of token ids")
+        return ids
+    keys = (field,) if field else TEXT_FIELDS
+    for k in keys:
+        v = item.get(k)
+        if isinstance(v, str) and v:
+            return v
+    raise FmoesimError(f"{where}: needs a non-empty string field ({' or '.join(keys)})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="a local model directory or a hub id")
+    ap.add_argument("prompts", help="JSONL/JSON prompt file")
+    ap.add_argument("out", help="destination trace directory")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--embedding-dim", type=int, default=64, help="0 = keep the full hidden size")
+    ap.add_argument("--projection-seed", type=int, default=0)
+    ap.add_argument("--field", default=None, help="the prompt text field")
+    ap.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--force", action="store_true", help="replace an existing trace")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        _run(args)
+    except FmoesimError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _run(args: argparse.Namespace) -> None:
+    prompts = read_prompts(Path(args.prompts), args.field, args.limit)
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise FmoesimError(
+            "the collector needs torch and transformers: pip install '.[collect]'"
+        ) from None
+    from fmoesim.collect.collector import collect
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    ids: list[list[int]] = []
+    tok = None
+    for p in prompts:
+        if isinstance(p, list):
+            ids.append(p)
+            continue
+        if tok is None:
+            tok = AutoTokenizer.from_pretrained(args.model)
+        if getattr(tok, "chat_template", None):
+            enc = tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+            )
+            seq: Any = enc["input_ids"] if isinstance(enc, dict) else enc  # type: ignore[call-overload]
+            ids.append([int(t) for t in seq])
+        else:
+            ids.append(tok(p)["input_ids"])
+    out = collect(
+        model,
+        ids,
+        args.out,
+        max_new_tokens=args.max_new_tokens,
+        embedding_dim=args.embedding_dim or None,
+        projection_seed=args.projection_seed,
+        model_id=str(args.model),
+        overwrite=args.force,
+        progress=True,
+    )
+    print(f"wrote {out}: {len(ids)} requests")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The trace collector for Hugging Face MoE models (extra ``collect``)."""

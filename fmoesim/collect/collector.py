@@ -1,0 +1,341 @@
+"""Record the gate distributions of a Hugging Face MoE model into a trace.
+
+Hooks on each MoE layer's router module (``mlp.gate``, ``mlp.router`` or
+``block_sparse_moe.gate``, whichever the installed transformers has): a forward
+*pre*-hook keeps the router's input ``h``, a forward hook keeps the experts the model
+itself picked.  Full probabilities are recomputed from ``h`` and the router's weights
+(``softmax(h W^T + b)``), so it does not matter whether a transformers version returns
+logits, already-softmaxed scores or only the top-k (``../shared/notes-anchors.md``);
+DeepSeek-V3 scores experts with sigmoids, whose normalised values are recorded as its
+"probabilities" (stated in the manifest).  Per (request, iteration, layer): token counts
+of the model's own choices, mean probabilities, and ``spec_probs`` = the router of layer
+``l`` applied to layer ``l-1``'s router input (layer 0: the previous iteration's last
+MoE router input; null in the prefill).  Per iteration: the mean of the embedding
+layer's output over its tokens, optionally reduced by a seeded Gaussian projection.
+
+Generation is greedy (``model.generate``), one request at a time; each forward pass is
+one iteration (the prefill, then one per generated token).  Finished requests are kept
+as ``.npz`` parts beside the destination, so an interrupted run resumes where it
+stopped; the trace is assembled from the parts at the end (streaming row groups) and
+moved into place atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fmoesim.errors import FmoesimError
+from fmoesim.trace.schema import TraceManifest, TraceModel
+from fmoesim.trace.writer import TraceWriter
+
+ROUTER_PATHS = (("mlp", "gate"), ("mlp", "router"), ("block_sparse_moe", "gate"))
+SIGMOID_FAMILIES = ("deepseek_v3",)
+
+
+def find_routers(model: Any) -> list[tuple[int, Any]]:
+    """``(decoder layer index, router module)`` of every MoE layer, in order: the first
+    of ``mlp.gate`` / ``mlp.router`` / ``block_sparse_moe.gate`` whose weight has one row
+    per routed expert (dense layers and shared-expert gates do not)."""
+    layers = _decoder_layers(model)
+    E = num_experts_of(model.config)
+    out = []
+    for i, layer in enumerate(layers):
+        for parent, child in ROUTER_PATHS:
+            mod = getattr(getattr(layer, parent, None), child, None)
+            w = getattr(mod, "weight", None)
+            if w is not None and w.ndim == 2 and w.shape[0] == E:
+                out.append((i, mod))
+                break
+    if not out:
+        raise FmoesimError(
+            f"{type(model).__name__}: no MoE router found under "
+            f"{', '.join('.'.join(p) for p in ROUTER_PATHS)} (unsupported family or version)"
+        )
+    return out
+
+
+def _decoder_layers(model: Any) -> Sequence[Any]:
+    for path in (("model", "layers"), ("layers",)):
+        obj = model
+        for name in path:
+            obj = getattr(obj, name, None)
+        if obj is not None:
+            return list(obj)
+    raise FmoesimError(f"{type(model).__name__}: no decoder layers at model.layers")
+
+
+def num_experts_of(config: Any) -> int:
+    """Routed experts per layer from a transformers config."""
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        v = getattr(config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    raise FmoesimError(f"{type(config).__name__}: no expert count in the config")
+
+
+def top_k_of(config: Any) -> int:
+    """Experts per token from a transformers config."""
+    v = getattr(config, "num_experts_per_tok", None)
+    if not isinstance(v, int) or v < 1:
+        raise FmoesimError(f"{type(config).__name__}: no num_experts_per_tok in the config")
+    return v
+
+
+@dataclass
+class _Pass:
+    """What one forward pass (iteration) recorded."""
+
+    embed: Any = None  # (tokens, hidden) embedding-layer output
+    h: dict[int, Any] = field(default_factory=dict)  # MoE layer -> (tokens, hidden) input
+    idx: dict[int, Any] = field(default_factory=dict)  # MoE layer -> (tokens, k) chosen
+
+
+class Recorder:
+    """Hooks on a model's routers and embedding layer; :meth:`take` returns the passes
+    recorded since the last call.  Use as a context manager (hooks removed on exit)."""
+
+    def __init__(self, model: Any) -> None:
+        import torch
+
+        self.torch = torch
+        self.model = model
+        self.routers = find_routers(model)
+        self.E, self.K = num_experts_of(model.config), top_k_of(model.config)
+        self.sigmoid = getattr(model.config, "model_type", "") in SIGMOID_FAMILIES
+        self._passes: list[_Pass] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> Recorder:
+        emb = self.model.get_input_embeddings()
+        self._handles.append(emb.register_forward_hook(self._on_embed))
+        for j, (_, mod) in enumerate(self.routers):
+            self._handles.append(mod.register_forward_pre_hook(self._pre(j)))
+            self._handles.append(mod.register_forward_hook(self._post(j)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _on_embed(self, mod: Any, args: Any, out: Any) -> None:
+        self._passes.append(_Pass(embed=out.detach().float().reshape(-1, out.shape[-1])))
+
+    def _pre(self, j: int) -> Callable[..., None]:
+        def hook(mod: Any, args: Any) -> None:
+            h = args[0]
+            self._passes[-1].h[j] = h.detach().float().reshape(-1, h.shape[-1])
+
+        return hook
+
+    def _post(self, j: int) -> Callable[..., None]:
+        def hook(mod: Any, args: Any, out: Any) -> None:
+            if isinstance(out, tuple) and len(out) >= 3:
+                idx = out[2]  # (logits, scores, indices): the model's own choice
+            elif (
+                isinstance(out, tuple)
+                and len(out) == 2
+                and out[0].dtype
+                in (
+                    self.torch.int64,
+                    self.torch.int32,
+                )
+            ):
+                idx = out[0]  # (indices, weights)
+            else:  # logits only (nn.Linear routers): softmax top-k is the model's rule
+                logits = out[0] if isinstance(out, tuple) else out
+                idx = self.torch.topk(logits.float(), self.K, dim=-1).indices
+            self._passes[-1].idx[j] = idx.detach().reshape(-1, self.K)
+
+        return hook
+
+    def probs(self, j: int, h: Any) -> Any:
+        """Full routing distribution of MoE layer ``j`` for inputs ``h`` (tokens, hidden)."""
+        mod = self.routers[j][1]
+        logits = self.torch.nn.functional.linear(
+            h, mod.weight.float(), None if getattr(mod, "bias", None) is None else mod.bias.float()
+        )
+        if self.sigmoid:
+            s = logits.sigmoid()
+            return s / s.sum(dim=-1, keepdim=True)
+        return self.torch.softmax(logits, dim=-1)
+
+    def take(self) -> list[_Pass]:
+        """The passes recorded since the last call."""
+        out, self._passes = self._passes, []
+        return out
+
+
+def request_arrays(
+    rec: Recorder, passes: list[_Pass], prev_last: Any, projection: np.ndarray | None
+) -> tuple[dict[str, np.ndarray], Any]:
+    """One request's ``counts (T, L, E)``, ``probs``, ``spec_probs`` (NaN where null),
+    ``embedding (T, D)`` and ``num_tokens (T,)``, and the last pass's last-layer router
+    input of its final token (layer 0's predictor for a following pass)."""
+    torch = rec.torch
+    L, E = len(rec.routers), rec.E
+    T = len(passes)
+    counts = np.zeros((T, L, E), np.int32)
+    probs = np.zeros((T, L, E), np.float64)
+    spec = np.full((T, L, E), np.nan)
+    ntok = np.zeros(T, np.int64)
+    embs = []
+    last = prev_last
+    with torch.no_grad():
+        for t, p in enumerate(passes):
+            n = p.h[0].shape[0]
+            ntok[t] = n
+            for j in range(L):
+                idx = p.idx[j].cpu().numpy()
+                np.add.at(counts[t, j], idx.reshape(-1), 1)
+                probs[t, j] = rec.probs(j, p.h[j]).mean(dim=0).cpu().numpy()
+                if j > 0:
+                    spec[t, j] = rec.probs(j, p.h[j - 1]).mean(dim=0).cpu().numpy()
+            if t > 0 and last is not None:
+                spec[t, 0] = rec.probs(0, last[None]).mean(dim=0).cpu().numpy()
+            last = p.h[L - 1][-1]
+            e = p.embed.mean(dim=0).cpu().numpy()
+            embs.append(e if projection is None else e @ projection)
+    return {
+        "counts": counts,
+        "probs": probs,
+        "spec_probs": spec,
+        "embedding": np.stack(embs),
+        "num_tokens": ntok,
+    }, last
+
+
+def projection_matrix(hidden: int, dim: int | None, seed: int) -> np.ndarray | None:
+    """A seeded Gaussian random projection ``(hidden, dim)`` scaled by ``1/sqrt(dim)``, or
+    None to keep the full embedding."""
+    if dim is None or dim >= hidden:
+        return None
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((hidden, dim)) / np.sqrt(dim)
+
+
+def collect(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    out: str | os.PathLike[str],
+    *,
+    max_new_tokens: int = 32,
+    embedding_dim: int | None = 64,
+    projection_seed: int = 0,
+    model_id: str = "",
+    overwrite: bool = False,
+    progress: bool = False,
+    on_request: Callable[[int], None] | None = None,
+) -> Path:
+    """Generate greedily for each prompt (token ids) and write the trace to ``out``.
+
+    Finished requests are saved as parts in ``<out>.parts/``; calling again with the same
+    arguments after an interruption skips them (resume).  ``on_request(i)`` is called
+    after request ``i`` is saved (progress, tests).
+    """
+    import torch
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FmoesimError(f"{out}: already exists (pass --force to replace it)")
+    if max_new_tokens < 1:
+        raise FmoesimError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    parts = out.with_name(out.name + ".parts")
+    parts.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    hidden = int(cfg.hidden_size)
+    proj = projection_matrix(hidden, embedding_dim, projection_seed)
+    model.eval()
+    it: Iterable[int] = range(len(prompts))
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc="collect", unit="req")
+    with Recorder(model) as rec:
+        for i in it:
+            part = parts / f"{i:08d}.npz"
+            if part.exists():
+                continue
+            ids = torch.tensor([list(prompts[i])], dtype=torch.long)
+            with torch.no_grad():
+                model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=getattr(cfg, "pad_token_id", None) or 0,
+                )
+            arrays, _ = request_arrays(rec, rec.take(), None, proj)
+            arrays["prompt_tokens"] = np.array(len(prompts[i]))
+            _save_atomic(part, arrays)
+            if on_request is not None:
+                on_request(i)
+        L, E, K = len(rec.routers), rec.E, rec.K
+    D = hidden if proj is None else proj.shape[1]
+    versions: dict[str, str] = {"torch": str(torch.__version__)}
+    try:
+        import transformers
+
+        versions["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover - the collector needs transformers anyway
+        pass
+    man = TraceManifest(
+        model=TraceModel(
+            name=model_id or getattr(cfg, "model_type", "model"),
+            num_layers=L,
+            num_experts=E,
+            top_k=K,
+            hidden_size=hidden,
+            dense_layers=len(_decoder_layers(model)) - L,
+        ),
+        embedding_dim=D,
+        source={
+            "kind": "collector",
+            "model_id": model_id,
+            "model_type": getattr(cfg, "model_type", ""),
+            "versions": versions,
+            "probs": "normalised sigmoid scores" if rec.sigmoid else "softmax of router logits",
+            "max_new_tokens": max_new_tokens,
+        },
+        has_probs=True,
+        has_spec_probs=True,
+        embedding_projection=None
+        if proj is None
+        else {"input_dim": hidden, "seed": projection_seed},
+    )
+    with TraceWriter(out, man, overwrite=overwrite) as w:
+        for i in range(len(prompts)):
+            with np.load(parts / f"{i:08d}.npz") as z:
+                T = len(z["num_tokens"])
+                w.add_request(i, prompt_tokens=int(z["prompt_tokens"]), output_tokens=T)
+                for t in range(T):
+                    w.add_iteration(
+                        i,
+                        t,
+                        int(z["num_tokens"][t]),
+                        z["embedding"][t],
+                        z["counts"][t],
+                        z["probs"][t],
+                        z["spec_probs"][t],
+                    )
+    shutil.rmtree(parts)
+    return out
+
+
+def _save_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".npz")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)  # type: ignore[arg-type]
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,175 @@
+"""The trace collector on tiny randomly initialised models of every supported family
+(built from transformers config classes; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the collector needs torch (extra 'collect')")
+T = pytest.importorskip("transformers", reason="the collector needs transformers (extra 'collect')")
+
+from fmoesim.collect.collector import collect, find_routers  # noqa: E402
+from fmoesim.errors import FmoesimError  # noqa: E402
+from fmoesim.trace import read_trace  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = dict(
+    vocab_size=100,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+MOE = dict(num_experts_per_tok=2)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(MOE, intermediate_size=64,
+                num_local_experts=4)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(MOE, intermediate_size=64,
+                  moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=6)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(MOE, intermediate_size=64,
+                  moe_intermediate_size=16, num_experts=6, head_dim=8)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(MOE, intermediate_size=16,
+              num_experts=6, eos_token_id=1)),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(MOE, intermediate_size=16,
+               num_local_experts=4)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(MOE, intermediate_size=16,
+                num_local_experts=4, head_dim=8)),
+    # a dense first layer, sigmoid scores with group-limited routing
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(MOE, intermediate_size=64,
+                    moe_intermediate_size=16, n_routed_experts=8, n_group=2, topk_group=1,
+                    first_k_dense_replace=1, num_hidden_layers=3, q_lora_rank=16,
+                    kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                    n_shared_experts=1)),
+}  # fmt: skip
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
+
+
+def tiny(family: str):  # type: ignore[no-untyped-def]
+    cfg_name, model_name, kw = FAMILIES[family]
+    torch.manual_seed(0)
+    cfg = getattr(T, cfg_name)(**{**COMMON, **kw})
+    return getattr(T, model_name)(cfg).eval()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_gives_a_valid_trace(tmp_path, family):
+    model = tiny(family)
+    tr = read_trace(collect(model, PROMPTS, tmp_path / "t", max_new_tokens=3, embedding_dim=8))
+    # read_trace checked: probabilities sum to 1, counts sum to tokens x top-k, no gaps
+    E = model.config.num_experts if hasattr(model.config, "num_experts") else None
+    assert tr.num_requests == 2 and tr.output_tokens.tolist() == [3, 3]
+    assert tr.num_tokens.tolist() == [5, 1, 1, 3, 1, 1]  # a prefill, then one token each
+    assert tr.embedding.shape == (6, 8) and tr.probs is not None
+    assert tr.num_layers == len(find_routers(model))
+    if E is not None and isinstance(E, int):
+        assert tr.num_experts == E
+    # spec_probs: null only for layer 0 of a prefill
+    assert tr.spec_valid is not None
+    assert (~tr.spec_valid[[0, 3], 0]).all() and tr.spec_valid[[1, 2, 4, 5]].all()
+    assert tr.spec_valid[:, 1:].all()
+
+
+def router_inputs(model, ids):  # type: ignore[no-untyped-def]
+    """Each MoE router's input on a plain forward of ``ids`` (an independent hook)."""
+    got: dict[int, torch.Tensor] = {}
+    hs = [
+        mod.register_forward_pre_hook(
+            lambda m, a, j=j: got.__setitem__(j, a[0].reshape(-1, a[0].shape[-1]))
+        )
+        for j, (_, mod) in enumerate(find_routers(model))
+    ]
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_router_logits=True)
+    for h in hs:
+        h.remove()
+    return got, out
+
+
+def test_counts_probs_and_spec_equal_a_direct_recomputation(tmp_path):
+    model = tiny("mixtral")
+    tr = read_trace(
+        collect(model, PROMPTS[:1], tmp_path / "t", max_new_tokens=2, embedding_dim=None)
+    )
+    h, out = router_inputs(model, PROMPTS[0])
+    routers = [m for _, m in find_routers(model)]
+    for layer, w in enumerate(r.weight.detach() for r in routers):
+        p = torch.softmax(h[layer] @ w.T, dim=-1)
+        np.testing.assert_allclose(tr.probs[0, layer], p.mean(0).numpy(), atol=2e-3)  # float16
+        # the model's own choice, read back through output_router_logits
+        logits = out.router_logits[layer]
+        chosen = torch.topk(logits, 2, dim=-1).indices.reshape(-1)
+        want = np.bincount(chosen.numpy(), minlength=4)
+        np.testing.assert_array_equal(tr.counts[0, layer], want)
+        if layer:
+            spec = torch.softmax(h[layer - 1] @ w.T, dim=-1).mean(0)
+            np.testing.assert_allclose(tr.spec_probs[0, layer], spec.numpy(), atol=2e-3)
+    emb = model.get_input_embeddings()(torch.tensor(PROMPTS[0])).mean(0)
+    np.testing.assert_allclose(tr.embedding[0], emb.detach().numpy(), atol=2e-3)
+
+
+def test_an_interrupted_run_resumes_to_the_same_trace(tmp_path):
+    model = tiny("olmoe")
+    full = read_trace(collect(model, PROMPTS, tmp_path / "full", max_new_tokens=3))
+
+    def stop(i: int) -> None:
+        if i == 0:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        collect(model, PROMPTS, tmp_path / "part", max_new_tokens=3, on_request=stop)
+    assert not (tmp_path / "part").exists() and (tmp_path / "part.parts" / "00000000.npz").exists()
+    seen: list[int] = []
+    again = read_trace(
+        collect(model, PROMPTS, tmp_path / "part", max_new_tokens=3, on_request=seen.append)
+    )
+    assert seen == [1]  # request 0 was not generated again
+    for a in ("counts", "num_tokens", "embedding"):
+        np.testing.assert_array_equal(getattr(again, a), getattr(full, a))
+    np.testing.assert_array_equal(again.probs, full.probs)
+    assert not (tmp_path / "part.parts").exists()
+
+
+def test_refusals(tmp_path):
+    model = tiny("mixtral")
+    with pytest.raises(FmoesimError, match="max-new-tokens"):
+        collect(model, PROMPTS, tmp_path / "t", max_new_tokens=0)
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(FmoesimError, match="already exists"):
+        collect(model, PROMPTS, tmp_path / "exists")
+    dense = T.LlamaForCausalLM(T.LlamaConfig(**COMMON, intermediate_size=16))
+    dense.config.num_local_experts = 4
+    dense.config.num_experts_per_tok = 2
+    with pytest.raises(FmoesimError, match="no MoE router found"):
+        find_routers(dense)
+
+
+def test_cli_on_a_saved_model_with_token_id_prompts(tmp_path):
+    model = tiny("qwen2_moe")
+    model.save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    cmd = [sys.executable, "-m", "fmoesim.cli.collect_cli", str(tmp_path / "model"), str(prompts)]
+    p = subprocess.run(
+        [*cmd, str(tmp_path / "out"), "--max-new-tokens", "2", "--embedding-dim", "4"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stderr
+    tr = read_trace(tmp_path / "out")
+    assert tr.num_requests == 2 and tr.embedding.shape[1] == 4
+    assert tr.manifest.source["kind"] == "collector"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2]}\n{"text": 5}\n')
+    p = subprocess.run(
+        [*cmd[:-1], str(bad), str(tmp_path / "o2")], capture_output=True, text=True, cwd=ROOT
+    )
+    assert p.returncode == 2 and "line 2" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
