@@ -21,6 +21,8 @@ from fmoesim.workload.calibrate import (
     layer_dependence,
     reuse_probability,
     synthetic_like,
+    top1_stickiness,
+    transition_stickiness,
 )
 from tests.tiny import small_model, write_sequence_trace
 
@@ -67,3 +69,19 @@ def test_statistics_by_hand(tmp_path):
     # layer 0 -> 1: e0 -> {1, 2, 1}, e1 -> {2}: P(next) = (0, .5, .5, 0);
     # TV(e0) = .5 * (|2/3 - .5| + |1/3 - .5|) = 1/6, TV(e1) = .5 * (.5 + .5) = .5
     assert layer_dependence(tr) == pytest.approx(0.75 * (1 / 6) + 0.25 * 0.5)
+
+
+def test_stickiness_by_hand(tmp_path):
+    m = small_model(2, 4, 1)
+    # decode tokens (iterations 1..): layer 0 tops 0, 0, 1, 1 -> 2 of 3 pairs the same;
+    # layer 1 tops 2, 3, 3, 2 -> 1 of 3; the prefill (iteration 0) is not counted
+    routes = [[3, 3], [0, 2], [0, 3], [1, 3], [1, 2]]
+    tr = read_trace(write_sequence_trace(tmp_path / "t", routes, m))
+    assert top1_stickiness(tr) == pytest.approx(3 / 6)
+    torch = pytest.importorskip("torch", reason="transition matrices are torch tensors")
+    mat = torch.zeros((2, 3, 3))
+    mat[0] = torch.tensor([[2.0, 1, 0], [0, 1, 0], [0, 0, 0]])  # diagonal 3 of 4
+    mat[1] = torch.eye(3)  # diagonal 3 of 3
+    torch.save(mat, tmp_path / "x_markov_transition_matrix.pt")
+    s, e = transition_stickiness(tmp_path / "x_markov_transition_matrix.pt")
+    assert (s, e) == (pytest.approx((0.75 + 1.0) / 2), 3)

@@ -157,7 +157,8 @@ def test_cli_on_a_saved_model_with_token_id_prompts(tmp_path):
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
     cmd = [sys.executable, "-m", "fmoesim.cli.collect_cli", str(tmp_path / "model"), str(prompts)]
     p = subprocess.run(
-        [*cmd, str(tmp_path / "out"), "--max-new-tokens", "2", "--embedding-dim", "4"],
+        [*cmd, str(tmp_path / "out"), "--max-new-tokens", "2", "--embedding-dim", "4"]
+        + ["--batch-size", "2"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -173,3 +174,87 @@ def test_cli_on_a_saved_model_with_token_id_prompts(tmp_path):
     )
     assert p.returncode == 2 and "line 2" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+class _OldLayoutModel(torch.nn.Module):
+    """A transformers-4.57-like MoE layout: ``block_sparse_moe.gate`` is an ``nn.Linear``
+    that returns raw logits (no top-k in its output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from types import SimpleNamespace
+
+        torch.manual_seed(1)
+        self.config = SimpleNamespace(
+            num_local_experts=4, num_experts_per_tok=2, hidden_size=8, model_type="old"
+        )
+        self.embed = torch.nn.Embedding(50, 8)
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList()
+        for _ in range(2):
+            layer = torch.nn.Module()
+            layer.block_sparse_moe = torch.nn.Module()
+            layer.block_sparse_moe.gate = torch.nn.Linear(8, 4, bias=False)
+            self.model.layers.append(layer)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.model.layers:
+            h = h + 0.1 * layer.block_sparse_moe.gate(h).sum(-1, keepdim=True)
+        return h
+
+
+def test_logits_only_routers_are_recorded_by_their_softmax_top_k():
+    from fmoesim.collect.collector import Recorder, request_arrays
+
+    m = _OldLayoutModel()
+    ids = torch.tensor([[3, 4, 5]])
+    with Recorder(m) as rec, torch.no_grad():
+        m(ids)
+        arrays, _ = request_arrays(rec, rec.take(), None, None)
+    h = m.embed(ids)[0].detach()
+    for layer, lay in enumerate(m.model.layers):
+        logits = lay.block_sparse_moe.gate(h).detach()
+        want = np.bincount(torch.topk(logits, 2).indices.reshape(-1).numpy(), minlength=4)
+        np.testing.assert_array_equal(arrays["counts"][0, layer], want)
+        np.testing.assert_allclose(
+            arrays["probs"][0, layer], torch.softmax(logits, -1).mean(0).numpy(), rtol=1e-5
+        )
+        h = h + 0.1 * logits.sum(-1, keepdim=True)
+
+
+def test_layer_zero_spec_uses_the_previous_iterations_last_router_input(tmp_path):
+    model = tiny("mixtral")
+    tr = read_trace(collect(model, PROMPTS[:1], tmp_path / "t", max_new_tokens=2))
+    h, _ = router_inputs(model, PROMPTS[0])  # the prefill's router inputs
+    w0 = find_routers(model)[0][1].weight.detach()
+    want = torch.softmax(w0 @ h[1][-1], dim=-1)  # last MoE layer, last prompt token
+    np.testing.assert_allclose(tr.spec_probs[1, 0], want.numpy(), atol=2e-3)
+
+
+def test_batches_give_the_same_trace_as_one_request_at_a_time(tmp_path):
+    model = tiny("qwen3_moe")
+    prompts = [*PROMPTS, [21, 22, 23, 24]]  # lengths 5, 3, 4: left padding in a batch
+    one = read_trace(collect(model, prompts, tmp_path / "one", max_new_tokens=3))
+    two = read_trace(collect(model, prompts, tmp_path / "two", max_new_tokens=3, batch_size=2))
+    np.testing.assert_array_equal(two.num_tokens, one.num_tokens)
+    np.testing.assert_array_equal(two.counts, one.counts)
+    np.testing.assert_allclose(two.probs, one.probs, atol=2e-3)
+    np.testing.assert_allclose(two.embedding, one.embedding, atol=2e-3)
+
+
+def test_a_request_that_ends_early_in_a_batch_keeps_only_its_own_iterations(tmp_path):
+    model = tiny("mixtral")
+    with torch.no_grad():
+        gen = model.generate(
+            torch.tensor([PROMPTS[0]]), max_new_tokens=4, do_sample=False, pad_token_id=0
+        )[0, len(PROMPTS[0]) :].tolist()
+    model.generation_config.eos_token_id = gen[1]  # request 0 ends at its 2nd token
+    one = read_trace(collect(model, PROMPTS, tmp_path / "one", max_new_tokens=4))
+    two = read_trace(collect(model, PROMPTS, tmp_path / "two", max_new_tokens=4, batch_size=2))
+    assert one.output_tokens[0] == 2  # generate stopped there on its own
+    np.testing.assert_array_equal(two.output_tokens, one.output_tokens)
+    np.testing.assert_array_equal(two.counts, one.counts)

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("prompts", help="JSONL/JSON prompt file")
     ap.add_argument("out", help="destination trace directory")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=1, help="requests generated together")
     ap.add_argument("--embedding-dim", type=int, default=64, help="0 = keep the full hidden size")
     ap.add_argument("--projection-seed", type=int, default=0)
     ap.add_argument("--field", default=None, help="the prompt text field")
@@ -139,6 +140,7 @@ def _run(args: argparse.Namespace) -> None:
         model_id=str(args.model),
         overwrite=args.force,
         progress=True,
+        batch_size=args.batch_size,
     )
     print(f"wrote {out}: {len(ids)} requests")
 

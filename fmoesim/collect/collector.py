@@ -13,8 +13,9 @@ of the model's own choices, mean probabilities, and ``spec_probs`` = the router 
 MoE router input; null in the prefill).  Per iteration: the mean of the embedding
 layer's output over its tokens, optionally reduced by a seeded Gaussian projection.
 
-Generation is greedy (``model.generate``), one request at a time; each forward pass is
-one iteration (the prefill, then one per generated token).  Finished requests are kept
+Generation is greedy (``model.generate``), ``batch_size`` requests at a time
+(left-padded); each forward pass is one iteration of every request still generating
+(the prefill, then one per generated token).  Finished requests are kept
 as ``.npz`` parts beside the destination, so an interrupted run resumes where it
 stopped; the trace is assembled from the parts at the end (streaming row groups) and
 moved into place atomically.
@@ -91,11 +92,20 @@ def top_k_of(config: Any) -> int:
 
 @dataclass
 class _Pass:
-    """What one forward pass (iteration) recorded."""
+    """What one forward pass (iteration) recorded, for every row of the batch."""
 
-    embed: Any = None  # (tokens, hidden) embedding-layer output
-    h: dict[int, Any] = field(default_factory=dict)  # MoE layer -> (tokens, hidden) input
-    idx: dict[int, Any] = field(default_factory=dict)  # MoE layer -> (tokens, k) chosen
+    embed: Any = None  # (B, S, hidden) embedding-layer output
+    h: dict[int, Any] = field(default_factory=dict)  # MoE layer -> (B * S, hidden) input
+    idx: dict[int, Any] = field(default_factory=dict)  # MoE layer -> (B * S, k) chosen
+
+    def row(self, r: int, keep: Any) -> _Pass:
+        """Batch row ``r``'s tokens where ``keep`` (S,) is true."""
+        B, S = self.embed.shape[0], self.embed.shape[1]
+        return _Pass(
+            self.embed[r][keep],
+            {j: h.reshape(B, S, -1)[r][keep] for j, h in self.h.items()},
+            {j: i.reshape(B, S, -1)[r][keep] for j, i in self.idx.items()},
+        )
 
 
 class Recorder:
@@ -127,7 +137,7 @@ class Recorder:
         self._handles.clear()
 
     def _on_embed(self, mod: Any, args: Any, out: Any) -> None:
-        self._passes.append(_Pass(embed=out.detach().float().reshape(-1, out.shape[-1])))
+        self._passes.append(_Pass(embed=out.detach().float()))
 
     def _pre(self, j: int) -> Callable[..., None]:
         def hook(mod: Any, args: Any) -> None:
@@ -202,7 +212,7 @@ def request_arrays(
             if t > 0 and last is not None:
                 spec[t, 0] = rec.probs(0, last[None]).mean(dim=0).cpu().numpy()
             last = p.h[L - 1][-1]
-            e = p.embed.mean(dim=0).cpu().numpy()
+            e = p.embed.reshape(-1, p.embed.shape[-1]).mean(dim=0).cpu().numpy()
             embs.append(e if projection is None else e @ projection)
     return {
         "counts": counts,
@@ -234,12 +244,15 @@ def collect(
     overwrite: bool = False,
     progress: bool = False,
     on_request: Callable[[int], None] | None = None,
+    batch_size: int = 1,
 ) -> Path:
     """Generate greedily for each prompt (token ids) and write the trace to ``out``.
 
-    Finished requests are saved as parts in ``<out>.parts/``; calling again with the same
-    arguments after an interruption skips them (resume).  ``on_request(i)`` is called
-    after request ``i`` is saved (progress, tests).
+    ``batch_size`` prompts are generated together (left-padded; a request's iterations
+    end with the pass that produced its end-of-sequence token).  Finished requests are
+    saved as parts in ``<out>.parts/``; calling again with the same arguments after an
+    interruption skips them (resume).  ``on_request(i)`` is called after request ``i``
+    is saved (progress, tests).
     """
     import torch
 
@@ -248,36 +261,57 @@ def collect(
         raise FmoesimError(f"{out}: already exists (pass --force to replace it)")
     if max_new_tokens < 1:
         raise FmoesimError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise FmoesimError(f"--batch-size must be >= 1, got {batch_size}")
     parts = out.with_name(out.name + ".parts")
     parts.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     hidden = int(cfg.hidden_size)
     proj = projection_matrix(hidden, embedding_dim, projection_seed)
     model.eval()
-    it: Iterable[int] = range(len(prompts))
+    starts: Iterable[int] = range(0, len(prompts), batch_size)
     if progress:
         from tqdm import tqdm
 
-        it = tqdm(it, desc="collect", unit="req")
+        starts = tqdm(starts, desc="collect", unit="batch")
+    pad = getattr(cfg, "pad_token_id", None) or 0
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     with Recorder(model) as rec:
-        for i in it:
-            part = parts / f"{i:08d}.npz"
-            if part.exists():
+        for start in starts:
+            todo = [
+                i
+                for i in range(start, min(start + batch_size, len(prompts)))
+                if not (parts / f"{i:08d}.npz").exists()
+            ]
+            if not todo:
                 continue
-            ids = torch.tensor([list(prompts[i])], dtype=torch.long)
+            S = max(len(prompts[i]) for i in todo)
+            ids = torch.full((len(todo), S), pad, dtype=torch.long)
+            mask = torch.zeros((len(todo), S), dtype=torch.long)
+            for r, i in enumerate(todo):  # left padding, as generation needs
+                p = list(prompts[i])
+                ids[r, S - len(p) :] = torch.tensor(p)
+                mask[r, S - len(p) :] = 1
             with torch.no_grad():
-                model.generate(
+                seqs = model.generate(
                     ids,
-                    attention_mask=torch.ones_like(ids),
+                    attention_mask=mask,
                     max_new_tokens=max_new_tokens,
                     do_sample=False,
-                    pad_token_id=getattr(cfg, "pad_token_id", None) or 0,
+                    pad_token_id=pad,
                 )
-            arrays, _ = request_arrays(rec, rec.take(), None, proj)
-            arrays["prompt_tokens"] = np.array(len(prompts[i]))
-            _save_atomic(part, arrays)
-            if on_request is not None:
-                on_request(i)
+            passes = rec.take()
+            for r, i in enumerate(todo):
+                gen = seqs[r, S:].tolist()
+                n = next((t + 1 for t, tok in enumerate(gen) if tok in eos_ids), len(gen))
+                rows = [passes[0].row(r, mask[r].bool())]
+                rows += [p.row(r, torch.ones(1, dtype=torch.bool)) for p in passes[1:n]]
+                arrays, _ = request_arrays(rec, rows, None, proj)
+                arrays["prompt_tokens"] = np.array(len(prompts[i]))
+                _save_atomic(parts / f"{i:08d}.npz", arrays)
+                if on_request is not None:
+                    on_request(i)
         L, E, K = len(rec.routers), rec.E, rec.K
     D = hidden if proj is None else proj.shape[1]
     versions: dict[str, str] = {"torch": str(torch.__version__)}
