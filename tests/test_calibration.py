@@ -19,6 +19,7 @@ from fmoesim.workload.calibrate import (
     gini,
     hit_curves,
     layer_dependence,
+    pair_lift,
     reuse_probability,
     synthetic_like,
     top1_stickiness,
@@ -85,3 +86,30 @@ def test_stickiness_by_hand(tmp_path):
     torch.save(mat, tmp_path / "x_markov_transition_matrix.pt")
     s, e = transition_stickiness(tmp_path / "x_markov_transition_matrix.pt")
     assert (s, e) == (pytest.approx((0.75 + 1.0) / 2), 3)
+
+
+def test_pair_lift_by_hand(tmp_path):
+    from tests._baseline_helpers import Iteration, write_trace
+
+    m = small_model(1, 4, 2)
+    # one-token iterations routing (0,1), (0,1), (2,3), (0,2): P(0) = 3/4, P(1) = P(2) = 1/2
+    its = [Iteration(tokens=[[pair]]) for pair in ([0, 1], [0, 1], [2, 3], [0, 2])]
+    tr = read_trace(write_trace(tmp_path / "t", m, [its], with_spec=False))
+    # the most frequent pair (0, 1): (2/4) / (3/4 * 2/4) = 4/3; the next, (0, 2) (ties go to
+    # the earlier pair): (1/4) / (3/4 * 2/4) = 2/3
+    assert pair_lift(tr, top=1) == pytest.approx(4 / 3)
+    assert pair_lift(tr, top=2) == pytest.approx(1.0)
+
+
+QWEN3 = ROOT.parent / "shared" / "data" / "routing" / "qwen3-coactivation"
+
+
+@pytest.mark.skipif(not QWEN3.is_dir(), reason="../shared/data (Qwen3 aggregates) is absent")
+def test_qwen3_preset_matches_the_real_heat_skew(tmp_path):
+    from fmoesim.workload.calibrate import qwen3_stats
+
+    real = qwen3_stats(QWEN3 / "coactivation_qwen3-30b-a3b.json")
+    model = load_preset("model", "qwen3-30b-a3b", ModelSpec)
+    skew = OmegaConf.load(Path(CONF_DIR) / "workload" / "synthetic-qwen3-calibrated.yaml")
+    tr = synthetic_like(model, {"skew": float(skew.synthetic.skew)}, tmp_path / "t", 32, 128, 0)
+    assert abs(frequency_skew(tr)[0] - real["heat_gini"]) < 0.02

@@ -258,3 +258,15 @@ def test_a_request_that_ends_early_in_a_batch_keeps_only_its_own_iterations(tmp_
     assert one.output_tokens[0] == 2  # generate stopped there on its own
     np.testing.assert_array_equal(two.output_tokens, one.output_tokens)
     np.testing.assert_array_equal(two.counts, one.counts)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_tokens_parquet_holds_each_tokens_choice(tmp_path, family):
+    from fmoesim.trace.reader import read_tokens
+
+    model = tiny(family)
+    tr = read_trace(collect(model, PROMPTS, tmp_path / "t", max_new_tokens=2, tokens=True))
+    tok = read_tokens(tr)  # checks: ids add up to the counts, rows in order
+    assert len(tok.topk_ids) == int(tr.num_tokens.sum()) * tr.num_layers
+    if family == "mixtral":  # its router returns top-k weights renormalised to 1
+        np.testing.assert_allclose(tok.topk_weights.sum(axis=1), 1.0, atol=2e-3)

@@ -141,3 +141,35 @@ def test_real_mixtral_routes_import_through_the_cli(tmp_path):
     budget = 4 * 32 * model.expert_size_bytes  # 4 of 8 experts per layer
     r = simulate(tr, model, TINY_HW, LRU(), budget, timing=False, experts_per_layer=4)
     assert 0.3 < r.summary["hit_rate"] < 0.9
+
+
+def test_gating_weights_become_tokens_parquet_and_are_checked(tmp_path):
+    from fmoesim.trace.reader import read_tokens
+
+    routes = {0: [[[0, 1], [2, 3]], [[0, 2], [2, 3]], [[1, 3], [0, 1]]]}
+    src = write_jsonl(tmp_path / "r.jsonl", rows(routes))
+    tr = read_trace(import_vllm_routes(src, tmp_path / "t", M, prompt_tokens=2)[0])
+    assert tr.manifest.has_tokens
+    tok = read_tokens(tr)
+    assert tok.topk_ids.shape == (3 * 2, 2)  # 3 tokens x 2 layers
+    assert tok.topk_ids[:, 0].tolist() == [0, 2, 0, 2, 1, 0]
+    np.testing.assert_allclose(tok.topk_weights, [[0.6, 0.4]] * 6, atol=1e-3)
+    assert tok.iteration.tolist() == [0, 0, 0, 0, 1, 1]  # two prefill tokens, then one
+    # ids that disagree with the routing are refused, naming the rule
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(tmp_path / "t" / "tokens.parquet").to_pydict()
+    t["topk_ids"][0] = [3, 1]
+    import pyarrow as pa
+
+    from fmoesim.trace.schema import tokens_schema
+
+    pq.write_table(pa.table(t, schema=tokens_schema(2)), tmp_path / "t" / "tokens.parquet")
+    with pytest.raises(FmoesimError, match="top-k ids add up to expert_counts"):
+        read_tokens(read_trace(tmp_path / "t"))
+    # without weights in the log, no tokens.parquet
+    bare = [{k: v for k, v in r.items() if k != "gating_probs"} for r in rows(routes)]
+    tr2 = read_trace(
+        import_vllm_routes(write_jsonl(tmp_path / "b.jsonl", bare), tmp_path / "u", M)[0]
+    )
+    assert not tr2.manifest.has_tokens

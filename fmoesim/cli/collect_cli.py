@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("out", help="destination trace directory")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=1, help="requests generated together")
+    ap.add_argument("--tokens", action="store_true", help="also write tokens.parquet")
     ap.add_argument("--embedding-dim", type=int, default=64, help="0 = keep the full hidden size")
     ap.add_argument("--projection-seed", type=int, default=0)
     ap.add_argument("--field", default=None, help="the prompt text field")
@@ -141,6 +142,7 @@ def _run(args: argparse.Namespace) -> None:
         overwrite=args.force,
         progress=True,
         batch_size=args.batch_size,
+        tokens=args.tokens,
     )
     print(f"wrote {out}: {len(ids)} requests")
 

@@ -97,6 +97,7 @@ class _Pass:
     embed: Any = None  # (B, S, hidden) embedding-layer output
     h: dict[int, Any] = field(default_factory=dict)  # MoE layer -> (B * S, hidden) input
     idx: dict[int, Any] = field(default_factory=dict)  # MoE layer -> (B * S, k) chosen
+    wts: dict[int, Any] = field(default_factory=dict)  # MoE layer -> (B * S, k) or absent
 
     def row(self, r: int, keep: Any) -> _Pass:
         """Batch row ``r``'s tokens where ``keep`` (S,) is true."""
@@ -105,6 +106,7 @@ class _Pass:
             self.embed[r][keep],
             {j: h.reshape(B, S, -1)[r][keep] for j, h in self.h.items()},
             {j: i.reshape(B, S, -1)[r][keep] for j, i in self.idx.items()},
+            {j: w.reshape(B, S, -1)[r][keep] for j, w in self.wts.items()},
         )
 
 
@@ -150,6 +152,8 @@ class Recorder:
         def hook(mod: Any, args: Any, out: Any) -> None:
             if isinstance(out, tuple) and len(out) >= 3:
                 idx = out[2]  # (logits, scores, indices): the model's own choice
+                if out[1].shape == idx.shape:
+                    self._passes[-1].wts[j] = out[1].detach().float().reshape(-1, self.K)
             elif (
                 isinstance(out, tuple)
                 and len(out) == 2
@@ -194,6 +198,7 @@ def request_arrays(
     L, E = len(rec.routers), rec.E
     T = len(passes)
     counts = np.zeros((T, L, E), np.int32)
+    topk: list[tuple[np.ndarray, np.ndarray]] = []  # per iteration: (n, L, k) ids, weights
     probs = np.zeros((T, L, E), np.float64)
     spec = np.full((T, L, E), np.nan)
     ntok = np.zeros(T, np.int64)
@@ -203,12 +208,22 @@ def request_arrays(
         for t, p in enumerate(passes):
             n = p.h[0].shape[0]
             ntok[t] = n
+            ids_t = np.zeros((n, L, rec.K), np.int64)
+            wts_t = np.zeros((n, L, rec.K), np.float64)
             for j in range(L):
                 idx = p.idx[j].cpu().numpy()
                 np.add.at(counts[t, j], idx.reshape(-1), 1)
-                probs[t, j] = rec.probs(j, p.h[j]).mean(dim=0).cpu().numpy()
+                full = rec.probs(j, p.h[j])  # (n, E)
+                probs[t, j] = full.mean(dim=0).cpu().numpy()
+                ids_t[:, j] = idx
+                if j in p.wts:  # the router's own weights
+                    wts_t[:, j] = p.wts[j].cpu().numpy()
+                else:  # the chosen experts' probabilities, renormalised
+                    sel = np.take_along_axis(full.cpu().numpy(), idx, axis=1)
+                    wts_t[:, j] = sel / np.maximum(sel.sum(axis=1, keepdims=True), 1e-12)
                 if j > 0:
                     spec[t, j] = rec.probs(j, p.h[j - 1]).mean(dim=0).cpu().numpy()
+            topk.append((ids_t, wts_t))
             if t > 0 and last is not None:
                 spec[t, 0] = rec.probs(0, last[None]).mean(dim=0).cpu().numpy()
             last = p.h[L - 1][-1]
@@ -220,6 +235,8 @@ def request_arrays(
         "spec_probs": spec,
         "embedding": np.stack(embs),
         "num_tokens": ntok,
+        "topk_ids": np.concatenate([a for a, _ in topk]),  # (sum tokens, L, k)
+        "topk_weights": np.concatenate([b for _, b in topk]),
     }, last
 
 
@@ -245,6 +262,7 @@ def collect(
     progress: bool = False,
     on_request: Callable[[int], None] | None = None,
     batch_size: int = 1,
+    tokens: bool = False,
 ) -> Path:
     """Generate greedily for each prompt (token ids) and write the trace to ``out``.
 
@@ -252,7 +270,9 @@ def collect(
     end with the pass that produced its end-of-sequence token).  Finished requests are
     saved as parts in ``<out>.parts/``; calling again with the same arguments after an
     interruption skips them (resume).  ``on_request(i)`` is called after request ``i``
-    is saved (progress, tests).
+    is saved (progress, tests).  ``tokens`` also writes ``tokens.parquet``: each token's
+    top-k ids and weights (the router's own weights where it returns them, else the chosen
+    experts' probabilities renormalised).
     """
     import torch
 
@@ -350,7 +370,9 @@ def collect(
             with np.load(parts / f"{i:08d}.npz") as z:
                 T = len(z["num_tokens"])
                 w.add_request(i, prompt_tokens=int(z["prompt_tokens"]), output_tokens=T)
+                ends = np.cumsum(z["num_tokens"])
                 for t in range(T):
+                    sl = slice(int(ends[t] - z["num_tokens"][t]), int(ends[t]))
                     w.add_iteration(
                         i,
                         t,
@@ -359,6 +381,7 @@ def collect(
                         z["counts"][t],
                         z["probs"][t],
                         z["spec_probs"][t],
+                        (z["topk_ids"][sl], z["topk_weights"][sl]) if tokens else None,
                     )
     shutil.rmtree(parts)
     return out

@@ -69,15 +69,15 @@ def _jsonl_files(src: Path) -> list[Path]:
     return [src]
 
 
-def read_vllm_routes(
-    src: str | os.PathLike[str], model: ModelSpec
-) -> tuple[dict[tuple[str, int], dict[int, dict[int, list[int]]]], list[str]]:
-    """Parse route logs: ``{(source, request): {layer: {token: experts}}}`` and the file
-    names.  Every row is checked against ``model`` (layer, expert ids, top-k)."""
+Routes = dict[tuple[str, int], dict[int, dict[int, tuple[list[int], list[float] | None]]]]
+
+
+def read_vllm_routes(src: str | os.PathLike[str], model: ModelSpec) -> tuple[Routes, list[str]]:
+    """Parse route logs: ``{(source, request): {layer: {token: (experts, weights)}}}``
+    and the file names.  Every row is checked against ``model`` (layer, expert ids,
+    top-k)."""
     L, E, K = model.num_layers, model.num_experts, model.top_k
-    out: dict[tuple[str, int], dict[int, dict[int, list[int]]]] = defaultdict(
-        lambda: defaultdict(dict)
-    )
+    out: Routes = defaultdict(lambda: defaultdict(dict))
     files = _jsonl_files(Path(src))
     for path in files:
         with path.open() as f:
@@ -131,7 +131,7 @@ def read_vllm_routes(
                     raise ImportError_(
                         path, where, "one row per (request, layer, token)", f"token {tok} again"
                     )
-                per_token[tok] = experts
+                per_token[tok] = (experts, probs)
     return out, [p.name for p in files]
 
 
@@ -160,7 +160,9 @@ def import_vllm_routes(
     if not routes:
         raise FmoesimError(f"{src}: no routing rows")
     L, E = model.num_layers, model.num_experts
+    K = model.top_k
     dropped = 0
+    with_weights = True
     requests = []
     for rid, key in enumerate(sorted(routes)):
         layers = routes[key]
@@ -179,26 +181,40 @@ def import_vllm_routes(
                 f"--prompt-tokens {prompt_tokens}"
             )
         one_hot = np.zeros((len(tokens), L, E), dtype=np.int32)
+        ids = np.zeros((len(tokens), L, K), dtype=np.int64)
+        wts = np.zeros((len(tokens), L, K), dtype=np.float64)
         for layer, per_token in layers.items():
             for i, t in enumerate(tokens):
-                one_hot[i, layer, per_token[t]] = 1
-        requests.append((rid, key, one_hot))
+                experts, probs = per_token[t]
+                one_hot[i, layer, experts] = 1
+                ids[i, layer] = experts
+                if probs is None:
+                    with_weights = False
+                else:
+                    wts[i, layer] = probs
+        requests.append((rid, key, one_hot, ids, wts))
     man = _manifest(
         model,
         "vllm-routes",
         files,
-        requests=[f"{k[0]}/{k[1]}" for _, k, _ in requests],
+        requests=[f"{r[1][0]}/{r[1][1]}" for r in requests],
         prompt_tokens=prompt_tokens,
         dropped_token_rows=dropped,
     )
     with TraceWriter(dst, man, overwrite=overwrite) as w:
-        for rid, key, one_hot in requests:
+        for rid, key, one_hot, ids, wts in requests:
             n = len(one_hot)
             out = n - prompt_tokens + 1
             w.add_request(rid, prompt_tokens=prompt_tokens, output_tokens=out, dataset=key[0])
-            w.add_iteration(rid, 0, prompt_tokens, None, one_hot[:prompt_tokens].sum(axis=0))
+
+            def tok(a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
+                return (ids[a:b], wts[a:b]) if with_weights else None  # noqa: B023
+
+            p = prompt_tokens
+            w.add_iteration(rid, 0, p, None, one_hot[:p].sum(axis=0), tokens=tok(0, p))
             for j in range(1, out):
-                w.add_iteration(rid, j, 1, None, one_hot[prompt_tokens + j - 1])
+                t = p + j - 1
+                w.add_iteration(rid, j, 1, None, one_hot[t], tokens=tok(t, t + 1))
     return Path(dst), dropped
 
 

@@ -459,3 +459,57 @@ def _first_layer_gap(
     exp_layer = np.tile(np.arange(L), len(it_rid))[:n]
     bad = (r_rid[:n] != exp_rid) | (r_it[:n] != exp_it) | (r_layer[:n] != exp_layer)
     return _first(bad) if bad.any() else n
+
+
+@dataclass
+class TokenTable:
+    """``tokens.parquet`` as columns: one row per (request, iteration, token, layer)."""
+
+    request_id: np.ndarray  # (N,) int64
+    iteration: np.ndarray  # (N,) int32
+    token: np.ndarray  # (N,) int32
+    layer: np.ndarray  # (N,) int16
+    topk_ids: np.ndarray  # (N, k) int16
+    topk_weights: np.ndarray  # (N, k) float32
+
+
+def read_tokens(trace: Trace) -> TokenTable:
+    """Load and check a trace's optional ``tokens.parquet``: ids distinct and in
+    ``[0, E)``, weights finite and >= 0, one row per (request, iteration, token, layer)
+    in order, and every iteration's ids adding up to its ``expert_counts``."""
+    m = trace.manifest
+    path = trace.path / S.TOKENS
+    if not m.has_tokens:
+        raise TraceError(trace.path / S.MANIFEST, "has_tokens is true to read tokens.parquet")
+    k, L, E = m.model.top_k, m.model.num_layers, m.model.num_experts
+    t = _read_table(path, S.tokens_schema(k))
+    ids, _ = _fixed_block(t.column("topk_ids"), k, np.int64)
+    w, _ = _fixed_block(t.column("topk_weights"), k, np.float32)
+    cols = {c: t.column(c).to_numpy() for c in ("request_id", "iteration", "token", "layer")}
+    _refuse((ids < 0) | (ids >= E), path, f"topk_ids in [0, {E})")
+    srt = np.sort(ids, axis=1)
+    _refuse((srt[:, 1:] == srt[:, :-1]).any(axis=1), path, "topk_ids are distinct")
+    _refuse(~np.isfinite(w) | (w < 0), path, "topk_weights finite and >= 0")
+    # expected rows, in order, from the routing's (request, iteration, num_tokens)
+    rows = np.repeat(np.arange(trace.num_iterations), trace.num_tokens * L)
+    rid = np.repeat(trace.request_id, trace.output_tokens)[rows]
+    it = np.concatenate([np.arange(o) for o in trace.output_tokens])[rows]
+    if len(rows) != len(ids):
+        raise TraceError(
+            path, "one row per (request, iteration, token, layer)",
+            detail=f"{len(ids)} rows, the routing implies {len(rows)}",
+        )  # fmt: skip
+    tok = np.concatenate([np.repeat(np.arange(n), L) for n in trace.num_tokens])
+    lay = np.tile(np.arange(L), int(trace.num_tokens.sum()))
+    for name, want in (("request_id", rid), ("iteration", it), ("token", tok), ("layer", lay)):
+        _refuse(
+            cols[name] != want, path, f"rows sorted by (request, iteration, token, layer): {name}"
+        )
+    counts = np.zeros((trace.num_iterations, L, E), dtype=np.int64)
+    np.add.at(counts, (np.repeat(rows, k), np.repeat(lay, k), ids.reshape(-1)), 1)
+    bad = (counts != trace.counts).any(axis=(1, 2))
+    _refuse(np.repeat(bad, trace.num_tokens * L), path, "top-k ids add up to expert_counts")
+    return TokenTable(
+        cols["request_id"], cols["iteration"], cols["token"], cols["layer"],
+        ids.astype(np.int16), w,
+    )  # fmt: skip

@@ -70,6 +70,8 @@ class TraceWriter:
         self._iters = pq.ParquetWriter(
             self._tmp / S.ITERATIONS, S.iterations_schema(self._D), compression=S.COMPRESSION
         )
+        self._tokens: pq.ParquetWriter | None = None  # tokens.parquet, opened on first use
+        self._with_tokens = 0  # iterations given per-token top-k
         self._requests: list[tuple[int, int, int, float | None, str | None]] = []
         self._buf: list[tuple] = []
         self._last_key: tuple[int, int] = (-(2**63), -1)
@@ -105,8 +107,11 @@ class TraceWriter:
         counts: np.ndarray,
         probs: np.ndarray | None = None,
         spec_probs: np.ndarray | None = None,
+        tokens: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
-        """Record one iteration of one request: all its MoE layers at once."""
+        """Record one iteration of one request: all its MoE layers at once.  ``tokens``
+        (optional, for ``tokens.parquet``): each token's top-k expert ids and weights,
+        two ``(num_tokens, L, k)`` arrays; give them for every iteration or none."""
         key = (int(request_id), int(iteration))
         if key <= self._last_key:
             raise FmoesimError(
@@ -131,7 +136,20 @@ class TraceWriter:
                     f"{self.path}: {name} of request {request_id} iteration {iteration} has "
                     f"shape {np.shape(arr)}, manifest says {shape}"
                 )
-        self._buf.append((key[0], key[1], int(num_tokens), embedding, counts, probs, spec_probs))
+        if tokens is not None:
+            k = self.manifest.model.top_k
+            ids, weights = (np.asarray(a) for a in tokens)
+            want = (int(num_tokens), self._L, k)
+            if ids.shape != want or weights.shape != want:
+                raise FmoesimError(
+                    f"{self.path}: tokens of request {request_id} iteration {iteration} have "
+                    f"shapes {ids.shape} / {weights.shape}, expected {want}"
+                )
+            tokens = (ids, weights)
+            self._with_tokens += 1
+        self._buf.append(
+            (key[0], key[1], int(num_tokens), embedding, counts, probs, spec_probs, tokens)
+        )
         if len(self._buf) >= self._row_group:
             self._flush()
 
@@ -143,6 +161,14 @@ class TraceWriter:
             self._flush()
             self._routing.close()
             self._iters.close()
+            if self._tokens is not None:
+                self._tokens.close()
+            if self._with_tokens not in (0, self._num_iterations):
+                raise FmoesimError(
+                    f"{self.path}: {self._with_tokens} of {self._num_iterations} iterations "
+                    "have per-token top-k (rule: all or none)"
+                )
+            self.manifest.has_tokens = self._with_tokens > 0
             self._write_requests()
             self.manifest.num_iterations = self._num_iterations
             self.manifest.num_requests = len(self._requests)
@@ -157,7 +183,9 @@ class TraceWriter:
     def abort(self) -> None:
         """Discard everything written so far."""
         self._closed = True
-        for w in (self._routing, self._iters):
+        for w in (self._routing, self._iters, self._tokens):
+            if w is None:
+                continue
             try:
                 w.close()
             except Exception:  # noqa: BLE001 - best effort while already failing
@@ -220,8 +248,37 @@ class TraceWriter:
                     valid[i] = ok
             cols[name] = _fixed_list(block.reshape(n * L, E), E, pa.float16(), valid.reshape(-1))
         self._routing.write_table(pa.table(cols, schema=self._routing.schema))
+        self._flush_tokens()
         self._num_iterations += n
         self._buf.clear()
+
+    def _flush_tokens(self) -> None:
+        with_tokens = [b for b in self._buf if b[7] is not None]
+        if not with_tokens:
+            return
+        L, k = self._L, self.manifest.model.top_k
+        if self._tokens is None:
+            self._tokens = pq.ParquetWriter(
+                self._tmp / S.TOKENS, S.tokens_schema(k), compression=S.COMPRESSION
+            )
+        rid, it, tok, lay, ids, wts = [], [], [], [], [], []
+        for b in with_tokens:
+            n = b[2]
+            rid.append(np.full(n * L, b[0], dtype=np.int64))
+            it.append(np.full(n * L, b[1], dtype=np.int32))
+            tok.append(np.repeat(np.arange(n, dtype=np.int32), L))
+            lay.append(np.tile(np.arange(L, dtype=np.int16), n))
+            ids.append(b[7][0].reshape(n * L, k))
+            wts.append(b[7][1].reshape(n * L, k))
+        cols = {
+            "request_id": np.concatenate(rid),
+            "iteration": np.concatenate(it),
+            "token": np.concatenate(tok),
+            "layer": np.concatenate(lay),
+            "topk_ids": _fixed_list(np.concatenate(ids).astype(np.int16), k, pa.int16()),
+            "topk_weights": _fixed_list(np.concatenate(wts).astype(np.float16), k, pa.float16()),
+        }
+        self._tokens.write_table(pa.table(cols, schema=self._tokens.schema))
 
     def _write_requests(self) -> None:
         rows = sorted(self._requests)
