@@ -270,3 +270,27 @@ def test_tokens_parquet_holds_each_tokens_choice(tmp_path, family):
     assert len(tok.topk_ids) == int(tr.num_tokens.sum()) * tr.num_layers
     if family == "mixtral":  # its router returns top-k weights renormalised to 1
         np.testing.assert_allclose(tok.topk_weights.sum(axis=1), 1.0, atol=2e-3)
+
+
+def test_cli_text_prompts_go_through_the_chat_template(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "hello": 2, "world": 3, "user": 4, ":": 5}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = T.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]")
+    fast.chat_template = "{% for m in messages %}user : {{ m['content'] }}{% endfor %}"
+    tiny("olmoe").save_pretrained(tmp_path / "model")
+    fast.save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello world"}\n{"text": "world"}\n')
+    p = subprocess.run(
+        [sys.executable, "-m", "fmoesim.cli.collect_cli", str(tmp_path / "model"), str(prompts)]
+        + [str(tmp_path / "out"), "--max-new-tokens", "2"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stderr
+    tr = read_trace(tmp_path / "out")
+    assert tr.prompt_tokens.tolist() == [4, 3]  # "user : hello world", "user : world"

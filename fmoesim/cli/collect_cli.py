@@ -127,7 +127,9 @@ def _run(args: argparse.Namespace) -> None:
             enc = tok.apply_chat_template(
                 [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
             )
-            seq: Any = enc["input_ids"] if isinstance(enc, dict) else enc  # type: ignore[call-overload]
+            # a BatchEncoding (transformers 5) or a plain list of ids (4.x)
+            raw: Any = enc
+            seq: Any = raw["input_ids"] if hasattr(raw, "keys") else raw
             ids.append([int(t) for t in seq])
         else:
             ids.append(tok(p)["input_ids"])
