@@ -156,17 +156,6 @@ def write_one_token_trace(
 ) -> Trace:
     """A synthetic trace whose every iteration is one token (one-token prompts), with
     outputs of about ``output_tokens`` (median; at most twice that)."""
-    from fmoesim.trace import read_trace
-    from fmoesim.workload.synthetic import SyntheticConfig, generate
+    from fmoesim.workload.calibrate import synthetic_like
 
-    cfg = SyntheticConfig(
-        num_requests=num_requests,
-        embedding_dim=embedding_dim,
-        prompt_tokens_median=1,
-        prompt_tokens_max=1,
-        output_tokens_median=output_tokens,
-        output_tokens_max=2 * output_tokens,
-        seed=seed,
-    )
-    generate(model, cfg, path, overwrite=True)
-    return read_trace(path)
+    return synthetic_like(model, {}, path, num_requests, output_tokens, seed, embedding_dim)

@@ -193,16 +193,22 @@ class Candidate:
 
 
 def synthetic_like(
-    model: ModelSpec, knobs: dict[str, Any], path: Path, num_requests: int, tokens: int, seed: int
+    model: ModelSpec,
+    knobs: dict[str, Any],
+    path: Path,
+    num_requests: int,
+    tokens: int,
+    seed: int,
+    embedding_dim: int = 0,
 ) -> Trace:
-    """A synthetic trace in the real logs' view: one-token iterations of ``tokens``
-    (median) per request."""
+    """A synthetic trace in the real logs' view: one-token iterations (one-token
+    prompts), ``tokens`` of them per request (median; at most twice that)."""
     from fmoesim.trace import read_trace
     from fmoesim.workload.synthetic import SyntheticConfig, generate
 
     cfg = SyntheticConfig(
         num_requests=num_requests,
-        embedding_dim=0,
+        embedding_dim=embedding_dim,
         prompt_tokens_median=1,
         prompt_tokens_max=1,
         output_tokens_median=tokens,
