@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import heapq
 import os
-import tempfile
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from fmoesim.atomic import save_npz_atomic
 from policies.base import (
     NO_ACTIONS,
     Actions,
@@ -199,15 +199,7 @@ def save_eamcs(path: str | os.PathLike[str], collections: dict[str, EAMC]) -> No
     for name, c in collections.items():
         arrays[f"{name}_eams"] = c.eams()
         arrays[f"{name}_capacity"] = np.array(c.capacity, dtype=np.int64)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".npz")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)  # type: ignore[arg-type]
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    save_npz_atomic(path, arrays)
 
 
 def load_eamcs(

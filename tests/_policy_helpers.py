@@ -22,15 +22,7 @@ Routes = Sequence[Sequence[Sequence[int]]]
 
 def _manifest(model: ModelSpec) -> TraceManifest:
     return TraceManifest(
-        model=TraceModel(
-            name=model.name,
-            num_layers=model.num_layers,
-            num_experts=model.num_experts,
-            top_k=model.top_k,
-            hidden_size=model.hidden_size,
-            num_shared_experts=model.num_shared_experts,
-            dense_layers=model.dense_layers,
-        ),
+        model=TraceModel.of(model),
         embedding_dim=0,
         source={"kind": "synthetic", "generator": "tests/_policy_helpers.py"},
         has_probs=False,

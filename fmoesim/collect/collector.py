@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from fmoesim.atomic import save_npz_atomic
 from fmoesim.errors import FmoesimError
 from fmoesim.trace.schema import TraceManifest, TraceModel
 from fmoesim.trace.writer import TraceWriter
@@ -329,7 +329,7 @@ def collect(
                 rows += [p.row(r, torch.ones(1, dtype=torch.bool)) for p in passes[1:n]]
                 arrays, _ = request_arrays(rec, rows, None, proj)
                 arrays["prompt_tokens"] = np.array(len(prompts[i]))
-                _save_atomic(parts / f"{i:08d}.npz", arrays)
+                save_npz_atomic(parts / f"{i:08d}.npz", arrays)
                 if on_request is not None:
                     on_request(i)
         L, E, K = len(rec.routers), rec.E, rec.K
@@ -385,14 +385,3 @@ def collect(
                     )
     shutil.rmtree(parts)
     return out
-
-
-def _save_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".npz")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)  # type: ignore[arg-type]
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

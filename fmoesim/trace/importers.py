@@ -42,15 +42,7 @@ class ImportError_(FmoesimError):  # noqa: N801 - the builtin name is taken
 
 def _manifest(model: ModelSpec, fmt: str, original: list[str], **extra: Any) -> TraceManifest:
     return TraceManifest(
-        model=TraceModel(
-            name=model.name,
-            num_layers=model.num_layers,
-            num_experts=model.num_experts,
-            top_k=model.top_k,
-            hidden_size=model.hidden_size,
-            num_shared_experts=model.num_shared_experts,
-            dense_layers=model.dense_layers,
-        ),
+        model=TraceModel.of(model),
         embedding_dim=0,
         source={"kind": "importer", "format": fmt, "original": original, **extra},
         has_probs=False,

@@ -105,6 +105,19 @@ class TraceModel:
     num_shared_experts: int = 0
     dense_layers: int = 0
 
+    @classmethod
+    def of(cls, model: Any) -> TraceModel:
+        """The shape of a :class:`fmoesim.specs.ModelSpec` (any object with its fields)."""
+        return cls(
+            name=model.name,
+            num_layers=model.num_layers,
+            num_experts=model.num_experts,
+            top_k=model.top_k,
+            hidden_size=model.hidden_size,
+            num_shared_experts=model.num_shared_experts,
+            dense_layers=model.dense_layers,
+        )
+
 
 @dataclass
 class TraceManifest:

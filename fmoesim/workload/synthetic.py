@@ -330,15 +330,7 @@ class SyntheticWorkload:
         lens = self.lengths()
         params = dataclasses.asdict(cfg)
         manifest = TraceManifest(
-            model=TraceModel(
-                name=m.name,
-                num_layers=m.num_layers,
-                num_experts=m.num_experts,
-                top_k=m.top_k,
-                hidden_size=m.hidden_size,
-                num_shared_experts=m.num_shared_experts,
-                dense_layers=m.dense_layers,
-            ),
+            model=TraceModel.of(m),
             embedding_dim=cfg.embedding_dim,
             source={
                 "kind": "synthetic",
