@@ -45,8 +45,9 @@ def _best(repeat: int, make_policy: Any, *args: Any, **kw: Any) -> dict[str, Any
     return min((r.summary for r in runs), key=lambda s: s["wall_s"])
 
 
-def per_policy(repeat: int) -> list[str]:
-    """One row per policy preset on the default setting."""
+def per_policy(repeat: int, names: list[str] | None = None) -> list[str]:
+    """One row per policy preset (all of ``conf/policy/``, or ``names``) on the default
+    setting."""
     trace = read_trace(PROJECT_ROOT / "traces" / "default")
     model = load_preset("model", "mixtral-8x7b", ModelSpec)
     hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
@@ -55,7 +56,10 @@ def per_policy(repeat: int) -> list[str]:
         "| x real time | layer steps/s | hit-only accesses/s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in preset_names("policy"):
+    valid = preset_names("policy")
+    for name in names or valid:
+        if name not in valid:
+            raise SystemExit(f"unknown policy {name!r}; valid: {', '.join(valid)}")
         make = lambda n=name: _policy(n)  # noqa: E731
         s = _best(repeat, make, trace, model, hw, int(24 * GB))
         h = _best(repeat, make, trace, model, hw, int(24 * GB), timing=False)
@@ -108,10 +112,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--skip-scaling", action="store_true")
+    ap.add_argument("--policies", default=None, help="comma-separated presets (default: every one)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     print("## Per policy (Mixtral-8x7B, RTX 3090 PCIe 4, 24 GB, batch 1, bundled trace)\n")
-    print("\n".join(per_policy(args.repeat)))
+    names = args.policies.split(",") if args.policies else None
+    print("\n".join(per_policy(args.repeat, names)))
     if not args.skip_scaling:
         print("\n## Scaling (LRU, timed, budget = 1/4 of the experts)\n")
         with tempfile.TemporaryDirectory() as d:
