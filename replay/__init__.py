@@ -1,4 +1,6 @@
-"""The real-hardware backend of the Runner (GpuBackend, profiler, validation).
+"""The real-hardware side of fmoesim (issue 8).
 
-Not built yet: it arrives with issue 8. The simulator never imports this package.
+Built so far: the profiler (:mod:`replay.profile`, ``fmoesim-profile``).  Still to come:
+the GpuBackend of the Runner and the validation report.  The simulator never imports
+this package.
 """

@@ -1,0 +1,60 @@
+"""The hardware profiler (issue 8): fits by hand, and a CPU run that writes a profile the
+simulator loads and uses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from fmoesim.engine.compute import ComputeModel
+from fmoesim.specs import HardwareSpec
+from replay.profile import fit_linear, profile, write_profile
+from tests.tiny import TINY
+
+
+def test_fit_linear_recovers_exact_lines_and_clips_negative_terms():
+    x = np.array([1.0, 2, 4, 8])
+    assert fit_linear(x, 3 + 0.5 * x) == pytest.approx((3.0, 0.5))
+    X = np.array([[1.0, 0], [0, 1], [1, 1], [2, 3]])
+    assert fit_linear(X, 1 + 2 * X[:, 0] + 4 * X[:, 1]) == pytest.approx((1.0, 2.0, 4.0))
+    # a falling line has no physical meaning: the slope is clipped, the intercept refitted
+    assert fit_linear(x, 10 - x) == pytest.approx((np.mean(10 - x), 0.0))
+
+
+def test_a_cpu_profile_is_a_loadable_hardware_preset_the_compute_model_uses(tmp_path):
+    pytest.importorskip("torch", reason="the profiler needs torch")
+    spec = profile(
+        TINY,
+        "cpu",
+        repeats=2,
+        sizes_bytes=(1 << 16, 1 << 18, 1 << 20),
+        tokens=(1, 4, 16),
+        attention_points=((1, 16), (1, 64), (4, 16), (8, 0), (16, 32)),
+        name="cpu-test",
+    )
+    assert spec.gpu == "cpu" and "meaningless" in spec.source
+    assert spec.pcie_gbps > 0 and spec.transfer_overhead_s >= 0
+    coef = spec.measured[TINY.name]
+    assert set(coef) == {
+        "expert_a_s",
+        "expert_b_s",
+        "attn_a_s",
+        "attn_b_s",
+        "attn_kv_s",
+        "attn_pair_s",
+    }
+    assert all(v >= 0 for v in coef.values()) and coef["expert_a_s"] + coef["expert_b_s"] > 0
+    path = write_profile(spec, tmp_path / "measured" / "cpu-test.yaml")
+    raw = OmegaConf.load(path)
+    del raw["defaults"]
+    loaded = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HardwareSpec), raw))
+    assert isinstance(loaded, HardwareSpec)
+    assert dataclasses.asdict(loaded) == dataclasses.asdict(spec)
+    c = ComputeModel.from_specs(TINY, loaded)
+    assert (c.expert_a_s, c.expert_b_s) == (coef["expert_a_s"], coef["expert_b_s"])
+    assert c.attention_s(1, 10, 11) == pytest.approx(
+        coef["attn_a_s"] + coef["attn_b_s"] + 10 * coef["attn_kv_s"] + 11 * coef["attn_pair_s"]
+    )
