@@ -89,7 +89,8 @@ class Backend(ABC):
     """
 
     caches: Sequence[ExpertCache]
-    transfers: list[TransferRecord]
+    transfers: list[TransferRecord]  # every transfer submitted, in order (the log)
+    busy_compute_s: float  # time the GPUs spent computing (modelled or measured)
 
     @abstractmethod
     def now(self) -> float:
@@ -151,10 +152,17 @@ class Backend(ABC):
         """Run resident expert ``key`` on ``tokens`` tokens on ``gpu``; a segment of a
         split expert runs ``fraction`` of the expert's work."""
 
-    def experts(self, gpu: int, tokens: list[int], fractions: list[float] | None = None) -> None:
+    def experts(
+        self,
+        gpu: int,
+        tokens: list[int],
+        fractions: list[float] | None = None,
+        keys: list[int] | None = None,
+    ) -> None:
         """Run several resident experts (or segments) back to back on ``gpu``."""
         for i, tok in enumerate(tokens):
-            self.expert(gpu, -1, tok, 1.0 if fractions is None else fractions[i])
+            key = -1 if keys is None else keys[i]
+            self.expert(gpu, key, tok, 1.0 if fractions is None else fractions[i])
 
     @abstractmethod
     def wait_any(self, gpu: int, keys: Sequence[int]) -> int:

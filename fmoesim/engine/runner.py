@@ -530,7 +530,12 @@ class Runner:
         others load."""
         be, cache = self.backend, self.caches[g]
         if ready:
-            be.experts(g, [x[2] for x in ready], [x[3] for x in ready] if self.segments else None)
+            be.experts(
+                g,
+                [x[2] for x in ready],
+                [x[3] for x in ready] if self.segments else None,
+                [x[1] for x in ready],
+            )
             for x in ready:
                 cache.unpin(x[1])
         while pending or deferred:

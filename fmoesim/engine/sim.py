@@ -370,7 +370,13 @@ class SimBackend(Backend):
         self._gpu_s[gpu] += d
         self.busy_compute_s += d
 
-    def experts(self, gpu: int, tokens: list[int], fractions: list[float] | None = None) -> None:
+    def experts(
+        self,
+        gpu: int,
+        tokens: list[int],
+        fractions: list[float] | None = None,
+        keys: list[int] | None = None,
+    ) -> None:
         """Several experts on ``gpu``: ``n * a + b * sum(tokens)`` (weighted by the
         segments' fractions)."""
         c = self.compute

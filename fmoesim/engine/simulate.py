@@ -209,6 +209,7 @@ def simulate(
     progress: bool = False,
     fast: bool = True,
     experts_per_layer: int | None = None,
+    make_backend: Callable[[list[ExpertCache]], Backend] | None = None,
 ) -> RunResult:
     """Simulate serving ``trace`` with ``policy`` under an expert budget of ``budget_bytes``
     per GPU (``hardware.num_gpus`` GPUs, experts round-robin).
@@ -220,6 +221,8 @@ def simulate(
     runs of plain LRU on one GPU; it keeps no transfer log and no cache objects.
     ``experts_per_layer`` gives every layer a cache of its own for that many experts
     (one GPU; MoEpic Table 1's setting); ``budget_bytes`` must then be their total.
+    ``make_backend(caches)`` replaces the simulator's backend (the GPU replay,
+    :mod:`replay.backend`).
     """
     model.validate()
     hardware.validate()
@@ -267,6 +270,7 @@ def simulate(
         and serving.mode == "static"
         and type(policy) is LRU
         and groups is None
+        and make_backend is None
     ):
         try:
             return _lru_hit_only(
@@ -313,7 +317,9 @@ def simulate(
     ]
     metrics = Metrics(trace.num_layers)
     backend: Backend
-    if timing:
+    if make_backend is not None:
+        backend = make_backend(caches)
+    elif timing:
         backend = SimBackend(hardware, compute, caches, preempt)
     else:
         backend = InstantBackend(caches)
@@ -341,8 +347,7 @@ def simulate(
     t0 = time.perf_counter()
     try:
         runner.run()
-        if timing:
-            assert isinstance(backend, SimBackend)
+        if isinstance(backend, SimBackend):
             for link in backend.links:  # let prefetches still in flight land
                 link.advance(float("inf"))
     finally:
