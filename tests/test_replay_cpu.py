@@ -63,8 +63,8 @@ def test_segments_are_real_slices_of_the_weights(trace):
     captured = {}
 
     class Spy(GpuBackend):
-        def _copy(self, rec):  # type: ignore[no-untyped-def]
-            super()._copy(rec)
+        def _land(self, rec):  # type: ignore[no-untyped-def]
+            super()._land(rec)
             captured[rec.key] = self._dev[rec.gpu][rec.key]
 
     pol = MoEpic(split_ratio=0.25, prefetch="none", configurator=False, warm_start=False)

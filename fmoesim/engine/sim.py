@@ -445,9 +445,13 @@ class InstantBackend(Backend):
         if self._pending:
             for rec in self._pending:
                 if not rec.cancelled:
-                    self.caches[rec.gpu].complete(rec.key)
+                    self._land(rec)
             self._pending.clear()
-        return 0.0
+        return self.now()
+
+    def _land(self, rec: TransferRecord) -> None:
+        """``rec``'s expert is resident now (the replay backend copies it first)."""
+        self.caches[rec.gpu].complete(rec.key)
 
     def idle_until(self, t_s: float) -> None:
         """No clock."""
@@ -474,8 +478,8 @@ class InstantBackend(Backend):
     ) -> TransferRecord:
         """Record the transfer; it lands at the next sync (``delay_s`` is ignored: there
         is no clock, so a matcher's latency cannot be modelled here)."""
-        rec = TransferRecord(key, gpu, size_bytes, reason, priority, 0.0)
-        rec.start_s = rec.end_s = 0.0
+        rec = TransferRecord(key, gpu, size_bytes, reason, priority, self.now())
+        rec.start_s = rec.end_s = rec.submit_s
         self.transfers.append(rec)
         self._pending.append(rec)
         return rec
