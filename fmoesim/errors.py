@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from typing import Any
+
 
 class FmoesimError(Exception):
     """Base class of every error fmoesim reports to a user (one line, non-zero exit)."""
@@ -33,3 +37,13 @@ class TraceError(FmoesimError):
         where = self.path if row is None else f"{self.path} row {row}"
         what = f"{detail} (rule: {rule})" if detail else f"rule: {rule}"
         super().__init__(f"{where}: {what}")
+
+
+def run_or_exit(prog: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call ``fn(*args)``; an :class:`FmoesimError` becomes one line on stderr
+    (``<prog>: error: ...``) and exit status 2 (the console commands' contract)."""
+    try:
+        return fn(*args)
+    except FmoesimError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

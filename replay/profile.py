@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from fmoesim.errors import FmoesimError
+from fmoesim.errors import FmoesimError, run_or_exit
 from fmoesim.specs import HardwareSpec, ModelSpec
 
 PROG = "fmoesim-profile"
@@ -242,8 +242,6 @@ def write_profile(spec: HardwareSpec, path: str | os.PathLike[str]) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
-    from fmoesim.config.build import load_preset
-
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mixtral-8x7b", help="model preset whose shapes to time")
     ap.add_argument("--device", default="cuda")
@@ -251,13 +249,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="destination YAML (conf/hardware/measured/)")
     ap.add_argument("--name", default=None)
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        model = load_preset("model", args.model, ModelSpec)
-        spec = profile(model, args.device, repeats=args.repeats, name=args.name)
-        print(f"wrote {write_profile(spec, args.out)}")
-    except FmoesimError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    run_or_exit(PROG, _run, args)
+
+
+def _run(args: argparse.Namespace) -> None:
+    from fmoesim.config.build import load_preset
+
+    model = load_preset("model", args.model, ModelSpec)
+    spec = profile(model, args.device, repeats=args.repeats, name=args.name)
+    print(f"wrote {write_profile(spec, args.out)}")
 
 
 if __name__ == "__main__":

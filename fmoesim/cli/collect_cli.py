@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fmoesim.errors import FmoesimError
+from fmoesim.errors import FmoesimError, run_or_exit
 
 PROG = "fmoesim-collect"
 TEXT_FIELDS = ("prompt", "text", "question", "content")
@@ -96,11 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--force", action="store_true", help="replace an existing trace")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        _run(args)
-    except FmoesimError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    run_or_exit(PROG, _run, args)
 
 
 def _run(args: argparse.Namespace) -> None:

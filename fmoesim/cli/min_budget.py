@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fmoesim.errors import FmoesimError
+from fmoesim.errors import FmoesimError, run_or_exit
 
 PROG = "fmoesim-min-budget"
 
@@ -71,11 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("overrides", nargs="*", help="fmoesim config overrides, e.g. policy=lcp")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        _run(args.target_tpot_ms, args.overrides)
-    except FmoesimError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    run_or_exit(PROG, _run, args.target_tpot_ms, args.overrides)
 
 
 def _run(targets_ms: list[float], overrides: list[str]) -> None:

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
-from fmoesim.errors import ConfigError, FmoesimError
+from fmoesim.errors import ConfigError, run_or_exit
 
 PROG = "fmoesim-trace"
 
@@ -102,11 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point of ``fmoesim-trace``."""
     args = build_parser().parse_args(argv)
-    try:
-        _run(args)
-    except FmoesimError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    run_or_exit(PROG, _run, args)
 
 
 def _run(args: argparse.Namespace) -> None:

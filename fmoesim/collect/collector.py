@@ -189,11 +189,11 @@ class Recorder:
 
 
 def request_arrays(
-    rec: Recorder, passes: list[_Pass], prev_last: Any, projection: np.ndarray | None
-) -> tuple[dict[str, np.ndarray], Any]:
-    """One request's ``counts (T, L, E)``, ``probs``, ``spec_probs`` (NaN where null),
-    ``embedding (T, D)`` and ``num_tokens (T,)``, and the last pass's last-layer router
-    input of its final token (layer 0's predictor for a following pass)."""
+    rec: Recorder, passes: list[_Pass], projection: np.ndarray | None
+) -> dict[str, np.ndarray]:
+    """One request's ``counts (T, L, E)``, ``probs``, ``spec_probs`` (NaN where null; layer
+    0 predicted from the previous pass's last-layer router input of its final token),
+    ``embedding (T, D)``, ``num_tokens (T,)`` and per-token ``topk_ids`` / ``topk_weights``."""
     torch = rec.torch
     L, E = len(rec.routers), rec.E
     T = len(passes)
@@ -203,7 +203,7 @@ def request_arrays(
     spec = np.full((T, L, E), np.nan)
     ntok = np.zeros(T, np.int64)
     embs = []
-    last = prev_last
+    last = None
     with torch.no_grad():
         for t, p in enumerate(passes):
             n = p.h[0].shape[0]
@@ -237,7 +237,7 @@ def request_arrays(
         "num_tokens": ntok,
         "topk_ids": np.concatenate([a for a, _ in topk]),  # (sum tokens, L, k)
         "topk_weights": np.concatenate([b for _, b in topk]),
-    }, last
+    }
 
 
 def projection_matrix(hidden: int, dim: int | None, seed: int) -> np.ndarray | None:
@@ -327,7 +327,7 @@ def collect(
                 n = next((t + 1 for t, tok in enumerate(gen) if tok in eos_ids), len(gen))
                 rows = [passes[0].row(r, mask[r].bool())]
                 rows += [p.row(r, torch.ones(1, dtype=torch.bool)) for p in passes[1:n]]
-                arrays, _ = request_arrays(rec, rows, None, proj)
+                arrays = request_arrays(rec, rows, proj)
                 arrays["prompt_tokens"] = np.array(len(prompts[i]))
                 save_npz_atomic(parts / f"{i:08d}.npz", arrays)
                 if on_request is not None:

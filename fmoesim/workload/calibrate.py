@@ -153,10 +153,9 @@ def pair_lift(trace: Trace, top: int = 20) -> float:
 
 def fit_heat_skew(
     model: ModelSpec, target_gini: float, num_requests: int = 32, tokens: int = 128
-) -> tuple[float, float, Trace | None]:
+) -> tuple[float, float]:
     """The synthetic ``skew`` whose per-layer frequency Gini (one-token iterations)
-    matches ``target_gini``, by bisection on [0, 4]; returns (skew, Gini reached, the
-    last trace generated, valid only inside this call's temporary directory: None)."""
+    matches ``target_gini``, by bisection on [0, 4]; returns (skew, Gini reached)."""
     lo, hi = 0.0, 4.0
     got = math.nan
     with tempfile.TemporaryDirectory() as tmp:
@@ -168,7 +167,7 @@ def fit_heat_skew(
                 lo = mid
             else:
                 hi = mid
-    return (lo + hi) / 2, got, None
+    return (lo + hi) / 2, got
 
 
 def gini(x: np.ndarray) -> float:
@@ -297,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     q = qwen3_stats(Path(args.qwen3)) if Path(args.qwen3).is_file() else None
     if q is not None:
         qwen3 = load_preset("model", "qwen3-30b-a3b", ModelSpec)
-        skew, _, _ = fit_heat_skew(qwen3, q["heat_gini"])
+        skew, _ = fit_heat_skew(qwen3, q["heat_gini"])
         q["fitted_skew"] = round(skew, 2)
         with tempfile.TemporaryDirectory() as tmp:
             tr = synthetic_like(qwen3, {"skew": q["fitted_skew"]}, Path(tmp) / "t", 32, 128, 0)
