@@ -1,119 +1,405 @@
-"""The real-hardware backend of the Runner: real expert weights, real copies, real FFNs.
+"""The real-hardware backends of the Runner: real expert weights, real copies, real FFNs.
 
-This is the CPU path of issue 8's GpuBackend (``device="cpu"``), which CI exercises: the
-Runner, the caches and the policy are the simulator's own; the backend keeps every
-expert's weights (random, the model's true shapes) in host memory, copies an expert (or
-a MoEpic segment: a real slice of its intermediate dimension) into a device-side slot
-when a transfer is submitted, and runs the expert's SwiGLU FFN on its routed token count.
-Without CUDA streams a copy cannot overlap compute, so transfers land as the
-hit-rate-only simulator's do: at the next layer step, or at once when the Runner waits
-for them.  The decisions are therefore exactly the policy's own, and for policies whose
-decisions do not depend on timing the hit rates equal the simulator's in hit-rate-only
-mode (tested).  Its clock is wall time, which on a CPU says nothing about a GPU server.
-The CUDA path (copy stream, events, a link scheduler) is still to come.
+The Runner, the caches and the policy object are the simulator's own
+(:func:`fmoesim.engine.simulate.simulate` with ``make_backend=``); only the backend
+differs, so a replay makes exactly the decisions the policy makes in simulation, under
+measured instead of modelled time.  Two backends:
+
+- :class:`GpuBackend` — the timed replay.  Every expert's weights live in (pinned) host
+  memory (:class:`replay.weights.HostExperts`, ``(f, 3, h)`` per expert, so a MoEpic
+  segment, a slice of the intermediate dimension, is one contiguous block); a transfer
+  is chunked onto a dedicated copy stream by a host-side scheduler that keeps
+  on-demand loads ahead of prefetches, holds delayed prefetches until their release
+  time and cancels queued ones (:class:`replay.link.LinkScheduler`); the compute stream
+  runs the attention and router stand-ins, the shared experts and one SwiGLU FFN per
+  routed expert on its resident device copy.  Every transfer and every compute
+  operator sits between two CUDA events; the clock is wall time since the backend
+  started, taken after the compute stream has drained (the host reads the gate's
+  output before it can route, as real offloading servers do).  A layer's stall is
+  measured from events: the time between the compute stream running out of work (an
+  event recorded when the Runner starts waiting) and the awaited copy's end event;
+  zero when the copy landed first.  With ``device="cpu"`` the copy stream is a worker
+  thread and compute is synchronous, so the same scheduling code runs in CI; its
+  times describe a CPU and mean nothing for a GPU server.
+- :class:`InstantReplayBackend` — the CPU path with the hit-rate-only simulator's
+  semantics (a copy lands at the next layer step or when the Runner waits for it) and
+  real copies and FFNs: the decisions, and so the hit rates, equal the hit-rate-only
+  simulator's exactly for every policy (tested).
+
+Multi-GPU expert parallelism is not replayed: the backends take one cache (one GPU).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from fmoesim.engine.backend import TransferRecord
-from fmoesim.engine.cache import ExpertCache
+from fmoesim.engine.backend import Backend, TransferRecord
+from fmoesim.engine.cache import Entry, ExpertCache
 from fmoesim.engine.sim import InstantBackend
 from fmoesim.errors import FmoesimError
+from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
+from replay.link import CudaCopier, LinkScheduler, ThreadCopier
+from replay.weights import DEVICE_FRACTION, Executor, HostExperts, host_memory_bytes
+
+__all__ = [
+    "GpuBackend",
+    "InstantReplayBackend",
+    "host_memory_bytes",
+    "replay_backend",
+    "segment_rows",
+]
 
 
-def host_memory_bytes() -> int:
-    """Physical memory of this machine in bytes (0 where unknown)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
+def segment_rows(model: ModelSpec, entries: dict[int, Entry], key: int) -> tuple[int, int]:
+    """The intermediate rows ``[lo, hi)`` cache key ``key`` holds: all of an expert's
+    (``key < L E``), a top's first ``θ f`` rows (``L E <= key < 2 L E``), or a bottom's
+    rest (the rows its top does not hold; the top's size, when cached, fixes ``θ``)."""
+    f, S = model.expert_intermediate_size, model.expert_size_bytes
+    n = model.num_layers * model.num_experts
+    if key < n:
+        return 0, f
+    if key < 2 * n:
+        return 0, round(f * entries[key].size_bytes / S)
+    top = entries.get(n + key % n)
+    if top is not None:
+        return round(f * top.size_bytes / S), f
+    return f - round(f * entries[key].size_bytes / S), f
 
 
-class GpuBackend(InstantBackend):
-    """See the module docstring.  ``device`` must be ``"cpu"`` for now.
+def _one_gpu(caches: Sequence[ExpertCache]) -> None:
+    if len(caches) != 1:
+        raise FmoesimError(
+            f"hardware.num_gpus={len(caches)}: the replay runs one GPU (expert parallelism "
+            "is simulated only)"
+        )
 
-    The transfer queue is :class:`fmoesim.engine.sim.InstantBackend`'s (a copy lands at
-    the next layer step, or when the Runner waits for it); landing really copies the
-    weights, and experts really compute."""
+
+class InstantReplayBackend(InstantBackend):
+    """The CPU path with hit-rate-only semantics (see the module docstring): transfers
+    land as :class:`fmoesim.engine.sim.InstantBackend`'s do, landing really copies the
+    weights (or a segment's slice), and experts really compute.  Its clock is not
+    advanced: there is no timing to report."""
 
     def __init__(
         self,
         model: ModelSpec,
         caches: Sequence[ExpertCache],
-        device: str = "cpu",
         seed: int = 0,
+        checkpoint: str | os.PathLike[str] | None = None,
     ) -> None:
-        import torch
-
-        if device != "cpu":
-            raise FmoesimError(f"device {device!r}: only the CPU path exists yet (issue 8)")
+        _one_gpu(caches)
         super().__init__(caches)
-        self.torch = torch
-        self.model, self.device = model, device
-        L, E = model.num_layers, model.num_experts
-        self.n = L * E
-        need = self.n * model.expert_size_bytes * 2  # host weights + device copies
-        have = host_memory_bytes()
-        if have and need > 0.8 * have:
-            raise FmoesimError(
-                f"{model.name}: {L} x {E} experts of {model.expert_size_bytes / 1e6:.1f} MB "
-                f"need {need / 1e9:.1f} GB here, but this machine has {have / 1e9:.1f} GB"
-            )
-        gen = torch.Generator().manual_seed(seed)
-        f, h = model.expert_intermediate_size, model.hidden_size
-        # (3, f, h) per expert: w1 and w3 (f x h) and w2 transposed (f x h), so that any
-        # slice of the intermediate dimension is one contiguous segment of all three
-        self._host = [torch.randn(3, f, h, generator=gen) / h**0.5 for _ in range(self.n)]
-        self._dev: list[dict[int, Any]] = [{} for _ in caches]  # key -> device tensor
-        self._t0 = time.perf_counter()
-
-    def now(self) -> float:
-        """Wall time since the backend was made."""
-        return time.perf_counter() - self._t0
-
-    def _rows(self, gpu: int, key: int) -> slice:
-        """The intermediate rows ``key`` holds: all of them, or a segment's (a top the
-        first ``θ`` of them, a bottom the rest)."""
-        f, S, n = self.model.expert_intermediate_size, self.model.expert_size_bytes, self.n
-        if key < n:
-            return slice(0, f)
-        entries = self.caches[gpu].entries
-        if key < 2 * n:
-            return slice(0, round(f * entries[key].size_bytes / S))
-        top = entries.get(n + key % n)
-        if top is not None:
-            return slice(round(f * top.size_bytes / S), f)
-        return slice(f - round(f * entries[key].size_bytes / S), f)
+        self.model, self.device = model, "cpu"
+        self.host = HostExperts(model, "cpu", seed, checkpoint)
+        self.exe = Executor(model, "cpu", self.host.dtype, seed)
+        self._dev: dict[int, Any] = {}  # key -> device copy
 
     def _land(self, rec: TransferRecord) -> None:
         """Copy the expert (or segment) to the device, then it is resident."""
-        key = rec.key
-        w = self._host[key % self.n][:, self._rows(rec.gpu, key)]
-        self._dev[rec.gpu][key] = w.to(self.device, copy=True)
+        lo, hi = segment_rows(self.model, self.caches[0].entries, rec.key)
+        self._dev[rec.key] = self.host.tensor(rec.key)[lo:hi].clone()
         super()._land(rec)
-        rec.start_s = rec.end_s = self.now()
 
     def pre_gate(self, layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
-        """The previous step's copies land; evicted experts' device copies are freed
-        (the attention stand-in is not run on the CPU path)."""
+        """The previous step's copies land; evicted experts' device copies are freed."""
         super().pre_gate(layer, tokens, kv_tokens, pairs)
-        for g, dev in enumerate(self._dev):
-            entries = self.caches[g].entries
-            for k in [k for k in dev if k not in entries]:
-                del dev[k]
+        entries = self.caches[0].entries
+        for k in [k for k in self._dev if k not in entries]:
+            del self._dev[k]
 
     def expert(self, gpu: int, key: int, tokens: int, fraction: float = 1.0) -> None:
-        """The SwiGLU FFN of resident ``key`` (a whole expert or a segment) on
-        ``tokens`` random token states."""
-        torch, F = self.torch, self.torch.nn.functional
-        w = self._dev[gpu][key]
+        """The SwiGLU FFN of resident ``key`` (a whole expert or a segment)."""
         t0 = time.perf_counter()
-        x = torch.randn(max(tokens, 1), self.model.hidden_size)
-        F.linear(F.silu(F.linear(x, w[0])) * F.linear(x, w[1]), w[2].T)
+        self.exe.ffn(self._dev[key], tokens)
         self.busy_compute_s += time.perf_counter() - t0
+
+
+class _CpuMark:
+    __slots__ = ("t",)
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+
+class GpuBackend(Backend):
+    """The timed replay (see the module docstring).
+
+    ``depth`` is the number of chunks the link scheduler keeps issued on the copy
+    stream; chunks are ``hardware.chunk_bytes`` long (of the model's dtype on a GPU);
+    ``preempt`` lets an on-demand load overtake a prefetch at a chunk boundary.
+    ``max_tokens`` and ``max_kv`` size the device memory check of the stand-ins.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        hardware: HardwareSpec,
+        caches: Sequence[ExpertCache],
+        device: str = "cuda",
+        *,
+        seed: int = 0,
+        checkpoint: str | os.PathLike[str] | None = None,
+        depth: int = 2,
+        preempt: bool = True,
+        max_tokens: int = 4096,
+        max_kv: int = 8192,
+    ) -> None:
+        try:
+            import torch
+        except ImportError:
+            raise FmoesimError("the replay needs torch (pip install torch)") from None
+        _one_gpu(caches)
+        self.torch = torch
+        self.cuda = device.startswith("cuda")
+        if self.cuda and not torch.cuda.is_available():
+            raise FmoesimError(f"device {device!r}: CUDA is not available here")
+        if not self.cuda and device != "cpu":
+            raise FmoesimError(f"device {device!r}: must be 'cpu' or 'cuda[:N]'")
+        self.model, self.device = model, device
+        self.caches = caches
+        self.num_gpus = 1
+        self.transfers: list[TransferRecord] = []
+        self.busy_compute_s = 0.0
+        self.host = HostExperts(model, device, seed, checkpoint)
+        self.exe = Executor(model, device, self.host.dtype, seed)
+        if self.cuda:
+            self._check_device_memory(caches[0].budget_bytes, max_tokens, max_kv)
+        self._dev: dict[int, Any] = {}  # key -> device tensor (whole or segment rows)
+        self._range: dict[int, tuple[int, int]] = {}  # key in flight -> host rows
+        self._land_s: dict[int, float] = {}  # key -> when its last transfer landed
+        self._spans: list[tuple[Any, Any]] = []  # compute operators' (start, end) marks
+        self._layer_stall_s = 0.0
+        if self.cuda:
+            torch.cuda.synchronize(device)
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record()
+            self._t0 = time.perf_counter()
+            self.copier: Any = CudaCopier(torch, device, self._origin)
+        else:
+            self._t0 = time.perf_counter()
+            self.copier = ThreadCopier(self._t0)
+        self.link = LinkScheduler(
+            self.copier,
+            self.host.row_bytes,
+            hardware.chunk_bytes,
+            depth,
+            preempt,
+            self._issue,
+            self._rows,
+            self._landed,
+        )
+
+    # -- memory --------------------------------------------------------------------------
+    def _check_device_memory(self, budget_bytes: int, max_tokens: int, max_kv: int) -> None:
+        free, total = self.torch.cuda.mem_get_info(self.device)
+        need = budget_bytes + self.exe.standin_bytes(max_tokens, max_kv)
+        if need > DEVICE_FRACTION * free:
+            raise FmoesimError(
+                f"{self.device}: expert budget {budget_bytes / 1e9:.1f} GB + stand-ins "
+                f"{(need - budget_bytes) / 1e9:.1f} GB = {need / 1e9:.1f} GB, over "
+                f"{DEVICE_FRACTION:.0%} of the {free / 1e9:.1f} GB free (of "
+                f"{total / 1e9:.1f} GB); lower cache.budget_gb"
+            )
+
+    # -- marks and time ------------------------------------------------------------------
+    def _mark(self) -> Any:
+        """A point on the compute stream (now, on the CPU)."""
+        if not self.cuda:
+            return _CpuMark(time.perf_counter() - self._t0)
+        ev = self.torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _mark_done(self, mark: Any) -> bool:
+        return True if not self.cuda else bool(mark.query())
+
+    def _mark_s(self, mark: Any) -> float:
+        return mark.t if not self.cuda else float(self._origin.elapsed_time(mark)) / 1e3
+
+    def _host_s(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _drain_compute(self) -> None:
+        """Wait for the compute stream, feeding the link meanwhile."""
+        if not self.cuda:
+            return
+        mark = self._mark()
+        while not mark.query():
+            self.link.pump(self._host_s())
+
+    def _compute(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run one compute operator between two marks."""
+        m0 = self._mark()
+        fn(*args)
+        self._spans.append((m0, self._mark()))
+        self.link.pump(self._host_s())
+
+    def now(self) -> float:
+        """Wall time since the backend started, once the compute stream has drained."""
+        self._drain_compute()
+        return self._host_s()
+
+    def sync(self) -> float:
+        """Land what has arrived; return now."""
+        t = self.now()
+        self.link.pump(t)
+        return t
+
+    def idle_until(self, t_s: float) -> None:
+        """Wait (feeding the link) until ``t_s``: an online request arrives then."""
+        while self._host_s() < t_s:
+            self.link.pump(self._host_s())
+            time.sleep(min(1e-3, max(0.0, t_s - self._host_s())))
+
+    # -- the link ------------------------------------------------------------------------
+    def _rows(self, rec: TransferRecord) -> int:
+        lo, hi = segment_rows(self.model, self.caches[0].entries, rec.key)
+        self._range[rec.key] = (lo, hi)
+        return hi - lo
+
+    def _issue(self, rec: TransferRecord, lo: int, hi: int) -> tuple[Any, Any]:
+        key = rec.key
+        r0, r1 = self._range[key]
+        if lo == 0:
+            h = self.model.hidden_size
+            self._dev[key] = self.torch.empty(
+                r1 - r0, 3, h, device=self.device, dtype=self.host.dtype
+            )
+        src = self.host.tensor(key)[r0 + lo : r0 + hi]
+        return self.copier.copy(self._dev[key][lo:hi], src)
+
+    def _landed(self, rec: TransferRecord) -> None:
+        self._land_s[rec.key] = rec.end_s
+        del self._range[rec.key]
+        self.caches[rec.gpu].complete(rec.key)
+
+    def submit(
+        self,
+        gpu: int,
+        key: int,
+        size_bytes: int,
+        priority: float,
+        reason: str,
+        delay_s: float = 0.0,
+    ) -> TransferRecord:
+        """Queue a copy of ``key``; it may not start before ``delay_s`` from now."""
+        t = self._host_s()
+        rec = TransferRecord(key, gpu, size_bytes, reason, priority, t)
+        if delay_s > 0.0:
+            rec.release_s = t + delay_s
+        self.transfers.append(rec)
+        self.link.submit(rec, t)
+        self.link.pump(t)
+        return rec
+
+    def escalate(self, gpu: int, key: int) -> None:
+        """On-demand priority for ``key``'s transfer."""
+        self.link.escalate(key)
+        self.link.pump(self._host_s())
+
+    def reprioritize(self, gpu: int, key: int, priority: float) -> None:
+        """Move a queued, never-issued prefetch."""
+        self.link.reprioritize(key, priority)
+
+    def cancel(self, gpu: int, key: int) -> bool:
+        """Drop ``key``'s transfer if none of it was issued."""
+        rec = self.link._jobs.get(key)
+        if rec is None or not self.link.cancel(key):
+            return False
+        rec.cancelled = True
+        rec.start_s = rec.end_s = rec.submit_s
+        self._range.pop(key, None)
+        return True
+
+    # -- compute -------------------------------------------------------------------------
+    def pre_gate(self, layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
+        """Attention and router stand-ins; the host waits for the gate (sync); device
+        copies of evicted experts are freed."""
+        self._compute(self.exe.attention, tokens, pairs)
+        self._compute(self.exe.router, tokens)
+        self.sync()
+        entries = self.caches[0].entries
+        for k in [k for k in self._dev if k not in entries]:
+            del self._dev[k]
+
+    def dense_layer(self, index: int, tokens: int, kv_tokens: int, pairs: int) -> None:
+        """A dense decoder layer's stand-in."""
+        self._compute(self.exe.dense, tokens, pairs)
+
+    def lm_head(self, sequences: int) -> None:
+        """The LM head's stand-in."""
+        self._compute(self.exe.lm_head, sequences)
+
+    def begin_experts(self, layer: int, tokens: int) -> None:
+        """Shared experts; the layer's stall count starts."""
+        if self.exe.w_shared is not None:
+            self._compute(self.exe.shared, tokens)
+        self._layer_stall_s = 0.0
+
+    def expert(self, gpu: int, key: int, tokens: int, fraction: float = 1.0) -> None:
+        """The SwiGLU FFN of resident ``key`` on its device copy."""
+        self._compute(self.exe.ffn, self._dev[key], tokens)
+
+    def wait_any(self, gpu: int, keys: Sequence[int]) -> int:
+        """Feed the link until one of ``keys`` lands; the stall is the time from the
+        compute stream running dry to that landing (0 if it landed first)."""
+        entries = self.caches[0].entries
+        ready = self._mark()
+        link = self.link
+        while True:
+            for k in keys:
+                if entries[k].resident:
+                    land = self._land_s.get(k)
+                    if land is not None and self._mark_done(ready):
+                        self._layer_stall_s += max(0.0, land - self._mark_s(ready))
+                    return k
+            if not any(link.in_flight(k) for k in keys):
+                raise RuntimeError(
+                    f"GPU {gpu} waits for experts {list(keys)} that are not in flight"
+                )
+            if not link.pump(self._host_s()):
+                time.sleep(0)  # perf: let the copy thread (CPU path) have the GIL
+
+    def end_experts(self) -> float:
+        """The layer's stall (summed over its waits)."""
+        return self._layer_stall_s
+
+    def drain(self) -> None:
+        """Let every transfer land, wait for the compute stream, and add up the compute
+        operators' measured time."""
+        while not self.link.idle():
+            if not self.link.pump(self._host_s()):
+                time.sleep(0)
+        if self.cuda:
+            self.torch.cuda.synchronize(self.device)
+        self.busy_compute_s = sum(self._mark_s(b) - self._mark_s(a) for a, b in self._spans)
+
+    def link_busy_s(self) -> float:
+        """Measured busy time of the copy stream (sum of its chunks' event spans)."""
+        return self.link.busy_s
+
+    def close(self) -> None:
+        """Stop the copy thread (CPU path)."""
+        if isinstance(self.copier, ThreadCopier):
+            self.copier.close()
+
+
+def replay_backend(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    device: str = "cpu",
+    timed: bool = True,
+    **kwargs: Any,
+) -> Callable[[list[ExpertCache]], Backend]:
+    """A ``make_backend`` for :func:`fmoesim.engine.simulate.simulate`: the timed
+    :class:`GpuBackend`, or, on the CPU with ``timed=False``, the
+    :class:`InstantReplayBackend`."""
+    if not timed:
+        if device != "cpu":
+            raise FmoesimError(f"device {device!r}: the untimed replay is the CPU path only")
+        return lambda caches: InstantReplayBackend(model, caches, **kwargs)
+    return lambda caches: GpuBackend(model, hardware, caches, device, **kwargs)

@@ -81,21 +81,27 @@ def _friendly(exc: BaseException) -> str:
     return one_line(exc)
 
 
-def _preflight(overrides: list[str]) -> None:
-    """Compose and check the config before Hydra runs, so errors are one line."""
+def compose_config(overrides: list[str]) -> Any:
+    """The composed ``fmoesim`` config for ``overrides`` (Hydra's compose API, outside
+    ``hydra.main``); a composition error becomes one :class:`FmoesimError` line."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    register_configs()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
+            return compose(config_name="config", overrides=overrides)
     except Exception as exc:  # noqa: BLE001 - every composition error becomes one line
-        _fail(_friendly(exc))
+        raise FmoesimError(_friendly(exc)) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _preflight(overrides: list[str]) -> None:
+    """Compose and check the config before Hydra runs, so errors are one line."""
     try:
-        build_run(cfg)
+        build_run(compose_config(overrides))
     except FmoesimError as exc:
         _fail(str(exc))
 

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fmoesim.errors import FmoesimError, run_or_exit
+from fmoesim.errors import run_or_exit
 
 PROG = "fmoesim-min-budget"
 
@@ -75,13 +75,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(targets_ms: list[float], overrides: list[str]) -> None:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.utils import instantiate
 
-    from fmoesim.cli.main import _friendly, _trace_path
+    from fmoesim.cli.main import _trace_path, compose_config
     from fmoesim.config.build import build_run
-    from fmoesim.config.schema import CONF_DIR, register_configs
     from fmoesim.engine.simulate import simulate
     from fmoesim.errors import ConfigError
     from fmoesim.trace.reader import read_trace
@@ -89,15 +86,7 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
     for t in targets_ms:
         if not t > 0:
             raise ConfigError("--target-tpot-ms", t, "must be > 0")
-    register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-    except Exception as exc:  # noqa: BLE001 - every composition error becomes one line
-        raise FmoesimError(_friendly(exc)) from None
-    finally:
-        GlobalHydra.instance().clear()
+    cfg = compose_config(overrides)
     spec = build_run(cfg)
     trace = read_trace(_trace_path(spec))
     m = spec.model

@@ -168,6 +168,16 @@ class Backend(ABC):
     def wait_any(self, gpu: int, keys: Sequence[int]) -> int:
         """Block ``gpu``'s compute until one of ``keys`` is resident; return it."""
 
+    def drain(self) -> None:
+        """The run is over: let every transfer still in flight land (default: none)."""
+
+    def link_busy_s(self) -> float:
+        """Seconds the links spent moving data (0 where not modelled or measured)."""
+        return 0.0
+
+    def close(self) -> None:
+        """Release what the backend holds (threads, device memory); default: nothing."""
+
     @abstractmethod
     def end_experts(self) -> float:
         """All GPUs finished the layer's experts; return the layer's stall (seconds):

@@ -409,6 +409,15 @@ class SimBackend(Backend):
             t = link.cur_end_s
             link.advance(t)
 
+    def drain(self) -> None:
+        """Let the prefetches still in flight land."""
+        for link in self.links:
+            link.advance(INF)
+
+    def link_busy_s(self) -> float:
+        """Modelled busy time of every link."""
+        return sum(link.busy_s for link in self.links)
+
     def end_experts(self) -> float:
         """The layer ends when the slowest GPU is done."""
         self._in_experts = False

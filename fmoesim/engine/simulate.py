@@ -347,18 +347,15 @@ def simulate(
     t0 = time.perf_counter()
     try:
         runner.run()
-        if isinstance(backend, SimBackend):
-            for link in backend.links:  # let prefetches still in flight land
-                link.advance(float("inf"))
+        backend.drain()  # let prefetches still in flight land
     finally:
+        backend.close()
         if bar is not None:
             bar.close()
     wall = time.perf_counter() - t0
     sim_s = backend.now()
     s = metrics.summary(backend.transfers, caches)
-    link_busy = (
-        sum(link.busy_s for link in backend.links) if isinstance(backend, SimBackend) else 0.0
-    )
+    link_busy = backend.link_busy_s()
     s.update(
         {
             **_run_fields(policy, model, hardware, budget_bytes, serving, seed, timing, num_gpus),

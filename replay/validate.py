@@ -1,0 +1,261 @@
+"""``fmoesim-validate``: how far is the simulator from the real hardware?
+
+For one trace and a set of policies, runs the simulator (with the hardware profile the
+overrides name, normally one ``fmoesim-profile`` measured: ``hardware=measured/<name>``)
+and the replay (:class:`replay.backend.GpuBackend`: the same trace, the same policy,
+real copies and FFNs), and writes a report directory::
+
+    report.md        TTFT, TPOT, stall and hit rate side by side, relative errors,
+                     the targets (mean |TPOT| and |TTFT| error <= 5%, hit rate within
+                     1 point) and whether they are met
+    validation.csv   the same numbers, one row per policy
+    validation.png   and .pdf: the four metrics as grouped bars, simulator vs replay
+
+Examples::
+
+    fmoesim-validate --device cuda hardware=measured/h100 model=qwen1.5-moe-a2.7b \\
+        workload=synthetic cache.budget_gb=12
+    fmoesim-validate --device cpu --policies lru,lfu model=... workload=...   # CI smoke
+
+On ``--device cpu`` the replay's times describe this CPU's copies and FFNs, not a GPU
+server, and the report says so; only its hit rates mean anything there.  The directory
+is written atomically (a temporary directory renamed into place).  Exit status 2 and one
+line on stderr for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+from pathlib import Path
+from typing import Any
+
+from fmoesim.errors import FmoesimError, run_or_exit
+
+PROG = "fmoesim-validate"
+DEFAULT_POLICIES = "lru,lfu,moe-infinity,fmoe,moepic"
+#: (summary key, label, unit scale, unit) of the compared metrics
+METRICS = (
+    ("ttft_mean_s", "TTFT", 1e3, "ms"),
+    ("tpot_mean_s", "TPOT", 1e3, "ms"),
+    ("stall_s", "stall", 1.0, "s"),
+    ("hit_rate", "hit rate", 100.0, "%"),
+)
+TARGET_TIME_ERR = 0.05  # mean |relative error| of TPOT and TTFT (Vidur reports < 9%)
+TARGET_HIT_POINTS = 1.0
+
+
+def rel_err(sim: float, real: float) -> float:
+    """``(sim - real) / real`` (NaN when ``real`` is 0)."""
+    return (sim - real) / real if real else float("nan")
+
+
+def compare(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean absolute TTFT and TPOT relative errors and the largest hit-rate gap in
+    points, over ``rows`` (each with ``sim_<key>`` and ``replay_<key>``)."""
+    import numpy as np
+
+    def mean_abs(key: str) -> float:
+        errs = [abs(rel_err(r[f"sim_{key}"], r[f"replay_{key}"])) for r in rows]
+        return float(np.nanmean(errs)) if errs else float("nan")
+
+    gaps = [100 * abs(r["sim_hit_rate"] - r["replay_hit_rate"]) for r in rows]
+    return {
+        "ttft_err": mean_abs("ttft_mean_s"),
+        "tpot_err": mean_abs("tpot_mean_s"),
+        "hit_gap_points": max(gaps) if gaps else float("nan"),
+    }
+
+
+def report_markdown(rows: list[dict[str, Any]], meta: dict[str, str]) -> str:
+    """The Markdown report."""
+    agg = compare(rows)
+    lines = [f"# Simulator vs replay: {meta['device_name']}, {meta['date']}", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items() if k not in ("device_name", "date")]
+    if meta["device"] == "cpu":
+        lines += [
+            "",
+            "**CPU path: the replay's times describe this CPU's copies and FFNs, not a GPU "
+            "server; the timing columns and errors below are meaningless.  Only the hit "
+            "rates mean something here.**",
+        ]
+    lines += ["", "| policy | " + " | ".join(
+        f"{lab} sim | {lab} replay | err" for _, lab, _, _ in METRICS
+    ) + " |"]  # fmt: skip
+    lines.append("|---|" + "---|---|---|" * len(METRICS))
+    for r in rows:
+        cells = [r["policy"]]
+        for key, _, scale, unit in METRICS:
+            s, g = r[f"sim_{key}"], r[f"replay_{key}"]
+            cells += [f"{scale * s:.2f} {unit}", f"{scale * g:.2f} {unit}"]
+            if key == "hit_rate":
+                cells.append(f"{100 * (s - g):+.2f} pt")
+            else:
+                cells.append(f"{100 * rel_err(s, g):+.1f}%")
+        lines.append("| " + " | ".join(cells) + " |")
+    ok_t = agg["tpot_err"] <= TARGET_TIME_ERR and agg["ttft_err"] <= TARGET_TIME_ERR
+    ok_h = agg["hit_gap_points"] <= TARGET_HIT_POINTS
+    lines += [
+        "",
+        f"- mean |TPOT error| {100 * agg['tpot_err']:.1f}%, mean |TTFT error| "
+        f"{100 * agg['ttft_err']:.1f}% (target <= {100 * TARGET_TIME_ERR:.0f}%): "
+        + ("met" if ok_t else "NOT met")
+        + (" (meaningless on the CPU)" if meta["device"] == "cpu" else ""),
+        f"- largest hit-rate gap {agg['hit_gap_points']:.2f} points (target <= "
+        f"{TARGET_HIT_POINTS:g}): " + ("met" if ok_h else "NOT met"),
+        "",
+        "Relative error = (simulator - replay) / replay.  Stall = summed per-layer stall "
+        "(simulated vs measured with CUDA events).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], title: str, stem: Path) -> None:
+    """Grouped bars, simulator vs replay, one panel per metric; PNG and PDF."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.6))
+    x = np.arange(len(rows))
+    for ax, (key, lab, scale, unit) in zip(axes, METRICS, strict=True):
+        sim = [scale * r[f"sim_{key}"] for r in rows]
+        rep = [scale * r[f"replay_{key}"] for r in rows]
+        ax.bar(x - 0.2, sim, 0.4, label="simulator", color="#4c72b0")
+        ax.bar(x + 0.2, rep, 0.4, label="replay", color="#dd8452")
+        ax.set_xticks(x, [r["policy"] for r in rows], rotation=30, ha="right")
+        ax.set_ylabel(f"{lab} ({unit})")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    for ext in ("png", "pdf"):
+        fig.savefig(stem.with_suffix(f".{ext}"), dpi=130)
+    plt.close(fig)
+
+
+def validate(
+    policies: list[str],
+    overrides: list[str],
+    device: str,
+    out: Path,
+    checkpoint: str | None = None,
+    depth: int = 2,
+) -> Path:
+    """Run every policy in the simulator and the replay; write the report to ``out``."""
+    import pandas as pd
+
+    from fmoesim.atomic import atomic_dir
+    from fmoesim.cli.main import _trace_path, compose_config
+    from fmoesim.config.build import build_run
+    from fmoesim.engine.simulate import simulate
+    from fmoesim.trace.reader import read_trace
+    from replay.backend import replay_backend
+
+    if out.exists() and any(out.iterdir()):
+        raise FmoesimError(f"--out {out}: exists and is not empty (pick another directory)")
+    rows: list[dict[str, Any]] = []
+    spec = None
+    for name in policies:
+        spec = build_run(compose_config([*overrides, f"policy={name}"]))
+        trace_path = _trace_path(spec)
+        trace = read_trace(trace_path)
+        common: dict[str, Any] = dict(
+            serving=spec.serving, seed=spec.seed, preempt=spec.engine.preempt
+        )
+        sim = simulate(
+            trace, spec.model, spec.hardware, spec.policy, spec.budget_bytes, **common
+        ).summary
+        fresh = build_run(compose_config([*overrides, f"policy={name}"])).policy
+        rep = simulate(
+            trace,
+            spec.model,
+            spec.hardware,
+            fresh,
+            spec.budget_bytes,
+            make_backend=replay_backend(
+                spec.model,
+                spec.hardware,
+                device,
+                seed=spec.seed,
+                checkpoint=checkpoint,
+                depth=depth,
+            ),  # fmt: skip
+            **common,
+        ).summary
+        row: dict[str, Any] = {"policy": name}
+        for key, *_ in METRICS:
+            row[f"sim_{key}"], row[f"replay_{key}"] = float(sim[key]), float(rep[key])
+        row["replay_wall_s"] = float(rep["wall_s"])
+        rows.append(row)
+        print(
+            f"{name:>14}: TPOT sim {1e3 * row['sim_tpot_mean_s']:.2f} ms, replay "
+            f"{1e3 * row['replay_tpot_mean_s']:.2f} ms; hit rate sim "
+            f"{100 * row['sim_hit_rate']:.2f}%, replay {100 * row['replay_hit_rate']:.2f}%"
+        )
+    assert spec is not None
+    import torch
+
+    dev_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    meta = {
+        "device_name": dev_name,
+        "date": dt.date.today().isoformat(),
+        "device": "cpu" if device == "cpu" else device,
+        "torch": torch.__version__ + (f", CUDA {torch.version.cuda}" if device != "cpu" else ""),
+        "model": spec.model.name,
+        "hardware profile": f"{spec.hardware.name} ({spec.hardware.source or 'no source'})",
+        "measured coefficients": "yes"
+        if spec.model.name in (spec.hardware.measured or {})
+        else "no: the simulator uses its roofline estimates",
+        "trace": str(_trace_path(spec)),
+        "budget": f"{spec.budget_bytes / 1e9:g} GB",
+        "overrides": " ".join(overrides) or "(none)",
+    }
+    with atomic_dir(out) as tmp:
+        (tmp / "report.md").write_text(report_markdown(rows, meta))
+        pd.DataFrame(rows).to_csv(tmp / "validation.csv", index=False)
+        plot(rows, f"simulator vs replay on {dev_name}, {spec.model.name}", tmp / "validation")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated presets")
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: cuda)")
+    ap.add_argument("--out", default=None, help="report directory (default: "
+                    "results/validation/<device>-<date>)")  # fmt: skip
+    ap.add_argument("--checkpoint", default=None, help="local safetensors checkpoint")
+    ap.add_argument("--depth", type=int, default=2, help="chunks kept on the copy stream")
+    ap.add_argument("overrides", nargs="*", help="fmoesim config overrides")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    run_or_exit(PROG, _run, args)
+
+
+def _run(args: argparse.Namespace) -> None:
+    if args.depth < 1:
+        raise FmoesimError(f"--depth {args.depth}: must be >= 1")
+    policies = [p for p in args.policies.split(",") if p]
+    if not policies:
+        raise FmoesimError("--policies: give at least one policy preset")
+    out = args.out
+    if out is None:
+        slug = "cpu" if args.device == "cpu" else args.device.replace(":", "")
+        try:
+            import torch
+
+            if args.device.startswith("cuda") and torch.cuda.is_available():
+                slug = torch.cuda.get_device_name(args.device).lower().replace(" ", "-")
+        except ImportError:
+            raise FmoesimError("fmoesim-validate needs torch (pip install torch)") from None
+        out = f"results/validation/{slug}-{dt.date.today().isoformat()}"
+    path = validate(policies, args.overrides, args.device, Path(out), args.checkpoint, args.depth)
+    print(f"report     {path / 'report.md'}")
+
+
+if __name__ == "__main__":
+    main()

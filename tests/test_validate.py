@@ -1,0 +1,88 @@
+"""``fmoesim-validate`` on the CPU path: the report, its numbers and its warnings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("torch", reason="the replay needs torch")
+
+from replay.validate import compare, rel_err, validate  # noqa: E402
+from tests._baseline_helpers import write_one_token_trace  # noqa: E402
+from tests.test_policy_contract import MODEL  # noqa: E402
+
+
+def overrides(trace: str) -> list[str]:
+    m = MODEL
+    return [
+        f"workload.path={trace}",
+        "progress=false",
+        f"model.name={m.name}",
+        f"model.num_layers={m.num_layers}",
+        f"model.num_experts={m.num_experts}",
+        f"model.top_k={m.top_k}",
+        f"model.hidden_size={m.hidden_size}",
+        f"model.expert_intermediate_size={m.expert_intermediate_size}",
+        f"model.num_attention_heads={m.num_attention_heads}",
+        f"model.num_kv_heads={m.num_kv_heads}",
+        f"model.head_dim={m.head_dim}",
+        f"model.vocab_size={m.vocab_size}",
+        f"cache.budget_gb={12 * m.expert_size_bytes / 1e9}",
+    ]
+
+
+def test_errors_by_hand():
+    assert rel_err(1.1, 1.0) == pytest.approx(0.1)
+    rows = [
+        {"sim_ttft_mean_s": 1.0, "replay_ttft_mean_s": 2.0, "sim_tpot_mean_s": 0.9,
+         "replay_tpot_mean_s": 1.0, "sim_hit_rate": 0.5, "replay_hit_rate": 0.49},
+        {"sim_ttft_mean_s": 3.0, "replay_ttft_mean_s": 2.0, "sim_tpot_mean_s": 1.2,
+         "replay_tpot_mean_s": 1.0, "sim_hit_rate": 0.5, "replay_hit_rate": 0.52},
+    ]  # fmt: skip
+    agg = compare(rows)
+    assert agg["ttft_err"] == pytest.approx(0.5)  # |-0.5| and |+0.5|
+    assert agg["tpot_err"] == pytest.approx(0.15)  # 0.1 and 0.2
+    assert agg["hit_gap_points"] == pytest.approx(2.0)
+
+
+def test_cpu_report(tmp_path):
+    trace = write_one_token_trace(tmp_path / "t", MODEL, 3, 5, 8, seed=4)
+    out = validate(["lru", "lfu"], overrides(str(trace.path)), "cpu", tmp_path / "report")
+    md = (out / "report.md").read_text()
+    assert "CPU path" in md and "meaningless" in md
+    assert "| lru |" in md and "| lfu |" in md
+    df = pd.read_csv(out / "validation.csv")
+    assert list(df["policy"]) == ["lru", "lfu"]
+    # demand-only decisions do not depend on timing: identical hit rates
+    assert (df["sim_hit_rate"] == df["replay_hit_rate"]).all()
+    assert "largest hit-rate gap 0.00 points (target <= 1): met" in md
+    assert (df["replay_tpot_mean_s"] > 0).all() and (df["sim_tpot_mean_s"] > 0).all()
+    assert "measured coefficients: no" in md  # tiny-hw has no measured entry
+    assert (out / "validation.png").stat().st_size > 1000
+    assert (out / "validation.pdf").stat().st_size > 1000
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "replay.validate", *args], capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+def test_bad_input_is_one_line(tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    p = run("--device", "cpu", "--out", str(tmp_path / "full"), "--policies", "lru")
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        f"fmoesim-validate: error: --out {tmp_path / 'full'}: exists and is not empty "
+        "(pick another directory)"
+    ]
+    p = run("--device", "cpu", "--out", str(tmp_path / "o"), "--policies", "nosuch")
+    assert p.returncode == 2
+    assert "policy=nosuch: unknown policy; valid:" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
