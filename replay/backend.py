@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -159,6 +160,8 @@ class GpuBackend(Backend):
             raise FmoesimError(f"device {device!r}: CUDA is not available here")
         if not self.cuda and device != "cpu":
             raise FmoesimError(f"device {device!r}: must be 'cpu' or 'cuda[:N]'")
+        if self.cuda:
+            torch.cuda.set_device(device)  # events and default streams are per device
         self.model, self.device = model, device
         self.caches = caches
         self.num_gpus = 1
@@ -170,9 +173,9 @@ class GpuBackend(Backend):
             self._check_device_memory(caches[0].budget_bytes, max_tokens, max_kv)
         self._dev: dict[int, Any] = {}  # key -> device tensor (whole or segment rows)
         self._range: dict[int, tuple[int, int]] = {}  # key in flight -> host rows
-        self._land_s: dict[int, float] = {}  # key -> when its last transfer landed
-        self._spans: list[tuple[Any, Any]] = []  # compute operators' (start, end) marks
+        self._spans: deque[tuple[Any, Any]] = deque()  # compute operators' marks, unfolded
         self._layer_stall_s = 0.0
+        self._final_s: float | None = None  # the clock when the run ended (drain)
         if self.cuda:
             torch.cuda.synchronize(device)
             self._origin = torch.cuda.Event(enable_timing=True)
@@ -217,8 +220,12 @@ class GpuBackend(Backend):
     def _mark_done(self, mark: Any) -> bool:
         return True if not self.cuda else bool(mark.query())
 
-    def _mark_s(self, mark: Any) -> float:
-        return mark.t if not self.cuda else float(self._origin.elapsed_time(mark)) / 1e3
+    def _fold_spans(self, wait: bool = False) -> None:
+        """Add finished compute operators' measured time to ``busy_compute_s``."""
+        spans, span_s = self._spans, self.copier.span_s
+        while spans and (wait or self._mark_done(spans[0][1])):
+            a, b = spans.popleft()
+            self.busy_compute_s += span_s(a, b)
 
     def _host_s(self) -> float:
         return time.perf_counter() - self._t0
@@ -239,7 +246,10 @@ class GpuBackend(Backend):
         self.link.pump(self._host_s())
 
     def now(self) -> float:
-        """Wall time since the backend started, once the compute stream has drained."""
+        """Wall time since the backend started, once the compute stream has drained
+        (after :meth:`drain`: when the run ended)."""
+        if self._final_s is not None:
+            return self._final_s
         self._drain_compute()
         return self._host_s()
 
@@ -247,13 +257,14 @@ class GpuBackend(Backend):
         """Land what has arrived; return now."""
         t = self.now()
         self.link.pump(t)
+        self._fold_spans()
         return t
 
     def idle_until(self, t_s: float) -> None:
         """Wait (feeding the link) until ``t_s``: an online request arrives then."""
         while self._host_s() < t_s:
             self.link.pump(self._host_s())
-            time.sleep(min(1e-3, max(0.0, t_s - self._host_s())))
+            time.sleep(min(1e-4, max(0.0, t_s - self._host_s())))
 
     # -- the link ------------------------------------------------------------------------
     def _rows(self, rec: TransferRecord) -> int:
@@ -261,20 +272,34 @@ class GpuBackend(Backend):
         self._range[rec.key] = (lo, hi)
         return hi - lo
 
+    def _free_evicted(self) -> None:
+        """Drop the device copies of keys the cache evicted (the allocator reuses their
+        memory once the compute stream is past their last use: see ``_landed``)."""
+        entries = self.caches[0].entries
+        for k in [k for k in self._dev if k not in entries]:
+            del self._dev[k]
+
     def _issue(self, rec: TransferRecord, lo: int, hi: int) -> tuple[Any, Any]:
         key = rec.key
         r0, r1 = self._range[key]
         if lo == 0:
-            h = self.model.hidden_size
-            self._dev[key] = self.torch.empty(
-                r1 - r0, 3, h, device=self.device, dtype=self.host.dtype
-            )
+            self._free_evicted()  # keep device memory within the budget
+            shape = (r1 - r0, 3, self.model.hidden_size)
+            if self.cuda:
+                # allocated on the copy stream, which writes it first; compute's use is
+                # recorded on landing
+                with self.torch.cuda.stream(self.copier.stream):
+                    dst = self.torch.empty(shape, device=self.device, dtype=self.host.dtype)
+            else:
+                dst = self.torch.empty(shape, dtype=self.host.dtype)
+            self._dev[key] = dst
         src = self.host.tensor(key)[r0 + lo : r0 + hi]
         return self.copier.copy(self._dev[key][lo:hi], src)
 
     def _landed(self, rec: TransferRecord) -> None:
-        self._land_s[rec.key] = rec.end_s
         del self._range[rec.key]
+        if self.cuda:  # the compute stream reads it from now on
+            self._dev[rec.key].record_stream(self.torch.cuda.current_stream())
         self.caches[rec.gpu].complete(rec.key)
 
     def submit(
@@ -322,9 +347,7 @@ class GpuBackend(Backend):
         self._compute(self.exe.attention, tokens, pairs)
         self._compute(self.exe.router, tokens)
         self.sync()
-        entries = self.caches[0].entries
-        for k in [k for k in self._dev if k not in entries]:
-            del self._dev[k]
+        self._free_evicted()
 
     def dense_layer(self, index: int, tokens: int, kv_tokens: int, pairs: int) -> None:
         """A dense decoder layer's stand-in."""
@@ -353,9 +376,10 @@ class GpuBackend(Backend):
         while True:
             for k in keys:
                 if entries[k].resident:
-                    land = self._land_s.get(k)
+                    land = link.last_end_mark.get(k)
                     if land is not None and self._mark_done(ready):
-                        self._layer_stall_s += max(0.0, land - self._mark_s(ready))
+                        # perf/precision: an event-to-event interval, not two stamps
+                        self._layer_stall_s += max(0.0, self.copier.span_s(ready, land))
                     return k
             if not any(link.in_flight(k) for k in keys):
                 raise RuntimeError(
@@ -371,12 +395,13 @@ class GpuBackend(Backend):
     def drain(self) -> None:
         """Let every transfer land, wait for the compute stream, and add up the compute
         operators' measured time."""
+        self._final_s = self.now()
         while not self.link.idle():
             if not self.link.pump(self._host_s()):
                 time.sleep(0)
         if self.cuda:
             self.torch.cuda.synchronize(self.device)
-        self.busy_compute_s = sum(self._mark_s(b) - self._mark_s(a) for a, b in self._spans)
+        self._fold_spans(wait=True)
 
     def link_busy_s(self) -> float:
         """Measured busy time of the copy stream (sum of its chunks' event spans)."""

@@ -53,6 +53,10 @@ class Copier(Protocol):
         """When the stream passed ``mark`` (it must be done)."""
         ...
 
+    def span_s(self, a: Any, b: Any) -> float:
+        """Seconds from mark ``a`` to mark ``b`` (both done)."""
+        ...
+
 
 class _CpuMark:
     __slots__ = ("t",)
@@ -96,6 +100,11 @@ class ThreadCopier:
         assert mark.t is not None
         return mark.t
 
+    def span_s(self, a: _CpuMark, b: _CpuMark) -> float:
+        """Seconds from ``a`` to ``b``."""
+        assert a.t is not None and b.t is not None
+        return b.t - a.t
+
     def close(self) -> None:
         """Stop the worker after what was issued."""
         self._q.put(None)
@@ -115,7 +124,6 @@ class CudaCopier:
         """``dst.copy_(src, non_blocking=True)`` on the copy stream."""
         cuda = self.torch.cuda
         start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
-        dst.record_stream(self.stream)  # the allocator must not reuse it before the copy
         with cuda.stream(self.stream):
             start.record()
             dst.copy_(src, non_blocking=True)
@@ -127,8 +135,13 @@ class CudaCopier:
         return bool(mark.query())
 
     def time_s(self, mark: Any) -> float:
-        """Seconds from the origin event to ``mark``."""
+        """Seconds from the origin event to ``mark`` (a float32 of milliseconds: about
+        60 µs resolution after 1000 s, so intervals use :meth:`span_s`)."""
         return float(self.origin.elapsed_time(mark)) / 1e3
+
+    def span_s(self, a: Any, b: Any) -> float:
+        """Seconds from mark ``a`` to mark ``b`` (both done), at full resolution."""
+        return float(a.elapsed_time(b)) / 1e3
 
 
 class LinkScheduler:
@@ -168,6 +181,7 @@ class LinkScheduler:
         self._out: deque[tuple[TransferRecord, Any, Any, bool]] = deque()
         self._seq = 0
         self.busy_s = 0.0
+        self.last_end_mark: dict[int, Any] = {}  # key -> end mark of its latest landing
 
     # -- the backend's requests --------------------------------------------------------
     def submit(self, rec: TransferRecord, now_s: float) -> None:
@@ -200,7 +214,7 @@ class LinkScheduler:
     def reprioritize(self, key: int, priority: float) -> None:
         """Move a queued, never-issued prefetch to ``priority``."""
         rec = self._jobs.get(key)
-        if rec is None or rec.link_priority == ON_DEMAND or self._next_row[key] > 0:
+        if rec is None or rec.link_priority in (ON_DEMAND, priority) or self._next_row[key] > 0:
             return
         rec.link_priority = priority
         if rec.state == _QUEUED:
@@ -212,7 +226,7 @@ class LinkScheduler:
         if rec is None or rec.state not in (_QUEUED, _DELAYED) or self._next_row[key] > 0:
             return False
         rec.state = _CANCELLED
-        del self._jobs[key]
+        del self._jobs[key], self._next_row[key], self._total_rows[key]
         return True
 
     def in_flight(self, key: int) -> bool:
@@ -233,9 +247,10 @@ class LinkScheduler:
             rec, start, end, last = out.popleft()
             if rec.start_s != rec.start_s:  # NaN: the first chunk's start
                 rec.start_s = copier.time_s(start)
-            self.busy_s += copier.time_s(end) - copier.time_s(start)
+            self.busy_s += copier.span_s(start, end)
             if last:
                 rec.end_s = copier.time_s(end)
+                self.last_end_mark[rec.key] = end
                 rec.state = _DONE
                 del self._jobs[rec.key]
                 del self._next_row[rec.key], self._total_rows[rec.key]

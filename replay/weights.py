@@ -43,7 +43,13 @@ def torch_dtype(torch: Any, model: ModelSpec, device: str) -> Any:
     there, and CPU timings are meaningless anyway)."""
     if device == "cpu":
         return torch.float32
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(model.dtype, torch.float32)
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if model.dtype not in dtypes:
+        raise FmoesimError(
+            f"model.dtype {model.dtype!r}: the replay computes in {sorted(dtypes)} only "
+            "(quantised experts would move other bytes than the simulator's)"
+        )
+    return dtypes[model.dtype]
 
 
 def check_host_memory(model: ModelSpec, element_bytes: int, have_bytes: int | None = None) -> int:
@@ -84,22 +90,38 @@ class HostExperts:
         f, h = model.expert_intermediate_size, model.hidden_size
         self.n = L * E
         self.row_bytes = 3 * h * torch.empty(0, dtype=self.dtype).element_size()
-        self._w: list[Any] = []
+        # one allocation for all experts, page-locked as it is (cudaHostRegister) on a GPU:
+        # pin_memory=True per tensor would round each up to a power of two (up to 2x)
+        self._all = torch.empty(self.n, f, 3, h, dtype=self.dtype)  # (L E, f, 3, h)
         if checkpoint is not None:
             loaded = load_checkpoint(checkpoint, model)
         gen = torch.Generator().manual_seed(seed)
         for i in range(self.n):
-            w = torch.empty(f, 3, h, dtype=self.dtype, pin_memory=pin)
             if checkpoint is None:
                 # perf: randn in float32 then one cast; std 1/sqrt(h) keeps outputs finite
-                w.copy_(torch.randn(f, 3, h, generator=gen) / h**0.5)
+                self._all[i].copy_(torch.randn(f, 3, h, generator=gen) / h**0.5)
             else:
-                w.copy_(loaded(i // E, i % E))
-            self._w.append(w)
+                self._all[i].copy_(loaded(i // E, i % E))
+        self.pinned = False
+        if pin:
+            nbytes = self._all.numel() * self._all.element_size()
+            err = torch.cuda.cudart().cudaHostRegister(self._all.data_ptr(), nbytes, 0)
+            if int(err) != 0:
+                raise FmoesimError(
+                    f"pinning {nbytes / 1e9:.1f} GB of host weights failed (cudaHostRegister "
+                    f"error {int(err)}); check the locked-memory limit (ulimit -l)"
+                )
+            self.pinned = True
 
     def tensor(self, key: int) -> Any:
         """The ``(f, 3, h)`` host tensor of ``key``'s expert."""
-        return self._w[key % self.n]
+        return self._all[key % self.n]
+
+    def __del__(self) -> None:
+        if getattr(self, "pinned", False):
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self._all.data_ptr())
 
 
 def _checkpoint_names(path: Path) -> dict[str, Path]:
@@ -140,11 +162,13 @@ def load_checkpoint(path: str | os.PathLike[str], model: ModelSpec) -> Any:
     fused = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     fused_sparse = ("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.experts.down_proj")
 
-    def get(name: str) -> Any:
+    def get(name: str, index: int | None = None) -> Any:
         if name not in names:
             raise FmoesimError(f"{p}: tensor {name!r} is missing")
         with safe_open(str(names[name]), framework="pt") as f:
-            return f.get_tensor(name)
+            if index is None:
+                return f.get_tensor(name)
+            return f.get_slice(name)[index]  # perf: one expert of a fused (E, ...) tensor
 
     def read(layer: int, expert: int) -> Any:
         pre = f"model.layers.{layer + model.dense_layers}."
@@ -156,14 +180,14 @@ def load_checkpoint(path: str | os.PathLike[str], model: ModelSpec) -> Any:
         else:
             for gu_n, down_n in (fused, fused_sparse):
                 if pre + gu_n in names:
-                    gate_up = get(pre + gu_n)[expert]  # (2f, h)
+                    gate_up = get(pre + gu_n, expert)  # (2f, h)
                     if tuple(gate_up.shape) != (2 * f_, h):
                         raise FmoesimError(
                             f"{p}: layer {layer} expert {expert} {gu_n} has shape "
                             f"{tuple(gate_up.shape)}, model {model.name} says {(2 * f_, h)}"
                         )
                     w1, w3 = gate_up[:f_], gate_up[f_:]
-                    w2 = get(pre + down_n)[expert]  # (h, f)
+                    w2 = get(pre + down_n, expert)  # (h, f)
                     break
             else:
                 raise FmoesimError(
@@ -258,10 +282,11 @@ class Executor:
         if self._kv.shape[2] < ctx:
             self._kv = torch.randn(2, nq, 2 * ctx, hd, device=self.device, dtype=self.dtype)
         x = self._tokens(t)
-        q = F.linear(x, self.wq).view(t, nq, hd).transpose(0, 1)
+        q = F.linear(x, self.wq).view(1, t, nq, hd).transpose(1, 2)  # (1, nq, t, hd)
         F.linear(x, self.wkv)  # the new keys and values (their values are not needed)
-        o = F.scaled_dot_product_attention(q, self._kv[0, :, :ctx], self._kv[1, :, :ctx])
-        return F.linear(o.transpose(0, 1).reshape(t, nq * hd), self.wo)
+        kv = self._kv[:, None, :, :ctx]  # (2, 1, nq, ctx, hd): 4-D, so fused kernels apply
+        o = F.scaled_dot_product_attention(q, kv[0], kv[1])
+        return F.linear(o[0].transpose(0, 1).reshape(t, nq * hd), self.wo)
 
     def router(self, tokens: int) -> Any:
         """The gate's projection."""

@@ -34,6 +34,7 @@ def tiny_overrides(trace: Path, out: Path) -> list[str]:
     return [
         f"workload.path={trace}",
         f"output.dir={out}",
+        f"store.dir={out}/store",
         "progress=false",
         f"model.name={m.name}",
         f"model.num_layers={m.num_layers}",
@@ -81,7 +82,7 @@ BAD = [
 @pytest.mark.parametrize(("args", "expected"), BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, expected):
     out = tmp_path / "out"
-    p = fmoesim(*args, f"output.dir={out}", "progress=false")
+    p = fmoesim(*args, f"output.dir={out}", f"store.dir={out}/store", "progress=false")
     assert p.returncode == 2, (p.stdout, p.stderr)
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr

@@ -36,6 +36,9 @@ class FakeCopier:
     def time_s(self, mark):  # type: ignore[no-untyped-def]
         return mark.t
 
+    def span_s(self, a, b):  # type: ignore[no-untyped-def]
+        return b.t - a.t
+
 
 def make(rows: dict[int, int], depth: int = 1, preempt: bool = True, chunk_rows: int = 2):
     copier = FakeCopier()

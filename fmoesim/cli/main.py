@@ -13,8 +13,6 @@ one line on stderr naming the key or file and the rule, exit status 2, and no re
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import sys
@@ -126,19 +124,35 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _task(cfg: Any) -> dict[str, Any]:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
     try:
-        return run_config(cfg)
+        return run_config(cfg, multirun=HydraConfig.get().mode == RunMode.MULTIRUN)
     except FmoesimError as exc:
         _fail(str(exc))
         raise  # unreachable
 
 
-def run_config(cfg: Any) -> dict[str, Any]:
-    """Run one composed config: load or generate the trace, simulate, print, write results."""
+def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
+    """Run one composed config: load or generate the trace, simulate, print, write results
+    and add the summary row to the results store.  In a sweep (or with
+    ``store.skip_done=true``) a config already in the store is not run again."""
+    import numpy as np
+
+    import fmoesim
     from fmoesim.engine.simulate import simulate
+    from fmoesim.results.store import ResultsStore, config_key
     from fmoesim.trace.reader import read_trace
 
     spec = build_run(cfg)
+    resolved = config_to_dict(cfg)
+    cfg_hash, cfg_json = config_key(resolved)
+    store = ResultsStore(resolve_out(cfg.store.dir)) if cfg.store.enabled else None
+    skip = cfg.store.skip_done if cfg.store.skip_done is not None else multirun
+    if store is not None and skip and store.has(cfg_hash):
+        print(f"done already: {store.path(cfg_hash)} (store.skip_done=false reruns it)")
+        return store.get(cfg_hash)
     trace_path = _trace_path(spec)
     trace = read_trace(trace_path)
     result = simulate(
@@ -155,14 +169,25 @@ def run_config(cfg: Any) -> dict[str, Any]:
         progress=spec.progress,
         experts_per_layer=spec.experts_per_layer,
     )
-    resolved = config_to_dict(cfg)
     row = dict(result.summary)
-    row["trace"] = str(trace_path)
-    row["trace_source"] = trace.manifest.source.get("kind", "")
+    row.update(
+        {
+            "trace": str(trace_path),
+            "trace_source": trace.manifest.source.get("kind", ""),
+            "experiment": cfg.get("experiment") or "",
+            "config_hash": cfg_hash,
+            "config_json": cfg_json,
+            "fmoesim_version": fmoesim.__version__,
+            "python": sys.version.split()[0],
+            "numpy_version": np.__version__,
+        }
+    )
     print(format_summary(row))
     if spec.output.write:
         out = write_results(spec, row, resolved, result)
         print(f"results    {out}")
+    if store is not None:
+        print(f"stored     {store.add(row)}")
     return row
 
 
@@ -222,10 +247,7 @@ def write_results(
     import pandas as pd
     import yaml
 
-    import fmoesim
-
-    cfg_json = json.dumps(resolved, sort_keys=True, default=str)
-    cfg_hash = hashlib.sha256(cfg_json.encode()).hexdigest()[:16]
+    cfg_hash = row["config_hash"]
     name = spec.output.name or (
         f"{time.strftime('%Y%m%d-%H%M%S')}-{row['policy']}-{row['model']}-"
         f"{row['budget_gb']:g}gb-{cfg_hash[:6]}"
@@ -235,16 +257,7 @@ def write_results(
     final = root / name
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
-        full = dict(row)
-        full.update(
-            {
-                "config_hash": cfg_hash,
-                "config_json": cfg_json,
-                "fmoesim_version": fmoesim.__version__,
-                "python": sys.version.split()[0],
-            }
-        )
-        pd.DataFrame([full]).to_parquet(tmp / "summary.parquet", index=False)
+        pd.DataFrame([row]).to_parquet(tmp / "summary.parquet", index=False)
         pd.DataFrame(result.metrics.layer_table()).to_parquet(tmp / "layers.parquet", index=False)
         pd.DataFrame(result.transfer_table()).to_parquet(tmp / "transfers.parquet", index=False)
         if result.accesses is not None:

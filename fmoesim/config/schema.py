@@ -77,6 +77,17 @@ class OutputConfig:
 
 
 @dataclass
+class StoreConfig:
+    """The results store (:mod:`fmoesim.results.store`): every run adds its summary row
+    to ``dir``; ``skip_done`` skips a run whose config is already there (``None``: only
+    in sweeps, so that a single run always runs)."""
+
+    enabled: bool = True
+    dir: str = "results/store"
+    skip_done: bool | None = None
+
+
+@dataclass
 class RunConfig:
     """Everything one simulation run needs."""
 
@@ -88,6 +99,8 @@ class RunConfig:
     serving: ServingConfig = field(default_factory=ServingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    experiment: str | None = None  # set by conf/experiment/ presets (paper figures)
     seed: int = 0
     progress: bool = True
 

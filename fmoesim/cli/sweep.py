@@ -1,0 +1,74 @@
+"""Sweep progress: a Hydra callback that numbers each job of a ``--multirun`` sweep
+against the sweep's size and, at the end, says where the results are.
+
+Registered in ``conf/config.yaml`` (``hydra.callbacks.sweep_progress``).  Job-level
+callbacks run where the job runs (in the worker process under joblib, SLURM or Ray),
+so the count uses Hydra's job number, not a counter of this process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.experimental.callback import Callback
+
+
+def sweep_size(overrides: list[str]) -> int:
+    """Number of jobs a basic sweep over ``overrides`` makes (the product of the
+    lengths of its comma lists and ranges; 1 without any)."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    n = 1
+    for o in parsed:
+        if o.is_sweep_override():
+            n *= sum(1 for _ in o.sweep_string_iterator())
+    return n
+
+
+#: overrides not worth repeating on every job's line
+_QUIET = ("output.", "store.", "progress", "workload.path", "hydra", "model.")
+
+
+class SweepProgress(Callback):
+    """Prints ``[sweep k/N] overrides -> hit rate`` per job and where results are."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        """Count the jobs."""
+        self.total = sweep_size(list(config.hydra.overrides.task))
+        print(f"sweep: {self.total} runs -> {config.hydra.sweep.dir}", flush=True)
+
+    def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
+        """One line per finished job."""
+        hc = config.hydra
+        if hc.mode is None or str(hc.mode) != "RunMode.MULTIRUN":
+            return
+        total = self.total or sweep_size(list(hc.overrides.task))
+        status = "failed"
+        try:
+            row = job_return.return_value
+            status = f"hit rate {100 * row['hit_rate']:.2f}%, TPOT {1e3 * row['tpot_mean_s']:.1f} ms"
+        except Exception:  # noqa: BLE001 - a failed job has no row; its error is Hydra's
+            pass
+        swept = " ".join(
+            o
+            for o in job_return.overrides
+            if not o.split("=")[0].startswith(_QUIET) and len(o) <= 60
+        )
+        print(f"[sweep {int(hc.job.num) + 1}/{total}] {swept}: {status}", flush=True)
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        """Where the results are."""
+        store = config.store.dir if config.store.enabled else None
+        where = f"results store {store} (fmoesim.results.load_results({store!r}))"
+        print(
+            f"sweep done: {self.total} runs; "
+            + (where if store else "store disabled")
+            + f"; Hydra logs {config.hydra.sweep.dir}",
+            flush=True,
+        )
+
+
+__all__ = ["SweepProgress", "sweep_size"]

@@ -1,0 +1,116 @@
+"""Sweeps and the results store (issue 9): one row per run keyed by its config hash,
+reruns skip what is done, an interrupted sweep resumes with nothing lost or duplicated,
+the joblib launcher gives the same rows, the loader returns a tidy DataFrame."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from fmoesim.cli.sweep import sweep_size
+from fmoesim.results.store import ResultsStore, config_key, load_results
+from tests.test_cli import ROOT, ROUTES, tiny_overrides, write_sequence_trace
+
+SWEEP = ["policy=lru,lfu", "cache.budget_gb=0.012,0.024"]  # 1 and 2 experts of 12 MB
+# hand-traced on ROUTES (tests/test_engine_lru.py): 5/12 hits with one expert, 8/12 with two
+EXPECTED = {("lru", 0.012): 5 / 12, ("lru", 0.024): 8 / 12}
+
+
+def sweep(tmp: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    trace = tmp / "seq"
+    if not trace.exists():
+        write_sequence_trace(trace, ROUTES)
+    ov = [o for o in tiny_overrides(trace, tmp / "out") if not o.startswith("cache.")]
+    return subprocess.run(
+        [sys.executable, "-m", "fmoesim.cli.main", "-m", *ov, *SWEEP, "output.write=false",
+         f"hydra.sweep.dir={tmp}/sweep", *extra],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+
+
+def test_config_key_ignores_where_results_go():
+    a = {"policy": {"_target_": "x"}, "cache": {"budget_gb": 12}, "progress": True,
+         "output": {"dir": "a"}, "store": {"dir": "s"}}  # fmt: skip
+    b = {**a, "progress": False, "output": {"dir": "b"}, "store": {"dir": "t"}}
+    c = {**a, "cache": {"budget_gb": 24}}
+    assert config_key(a)[0] == config_key(b)[0]
+    assert config_key(a)[0] != config_key(c)[0]
+    assert len(config_key(a)[0]) == 16
+
+
+def test_sweep_size():
+    assert sweep_size(["policy=lru,lfu,lcp", "cache.budget_gb=6,12", "seed=0"]) == 6
+    assert sweep_size(["seed=range(0,4)"]) == 4
+    assert sweep_size([]) == 1
+
+
+def test_sweep_store_skip_and_resume(tmp_path):
+    p = sweep(tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "sweep: 4 runs" in p.stdout and "[sweep 4/4]" in p.stdout
+    assert f"results store {tmp_path / 'out' / 'store'}" in p.stdout
+    store = tmp_path / "out" / "store"
+    files = sorted(store.glob("*.parquet"))
+    assert len(files) == 4
+    df = load_results(store)
+    assert len(df) == 4 and df["config_hash"].is_unique
+    assert {"policy", "budget_gb", "hit_rate", "tpot_mean_s", "seed", "config_json",
+            "fmoesim_version", "python"} <= set(df.columns)  # fmt: skip
+    for (pol, gb), want in EXPECTED.items():
+        got = df[(df.policy == pol) & (df.budget_gb.round(3) == gb)].hit_rate
+        assert list(got) == [pytest.approx(want)]
+    before = {f.name: f.stat().st_mtime_ns for f in files}
+
+    # an interrupted sweep: one run's row never written, a half-written temp file left
+    files[0].unlink()
+    (store / f".{files[1].stem}.abc.parquet").write_bytes(b"half")
+    p = sweep(tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("done already") == 3
+    after = sorted(f.name for f in store.glob("*.parquet") if not f.name.startswith("."))
+    assert after == sorted(before)  # the missing row is back, nothing duplicated
+    for f in files[1:]:
+        assert f.stat().st_mtime_ns == before[f.name]  # done runs were not rerun
+    pd.testing.assert_frame_equal(
+        load_results(store).drop(columns=["wall_s", "speedup_vs_real"]),
+        df.drop(columns=["wall_s", "speedup_vs_real"]),
+    )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None,
+    reason="hydra-joblib-launcher is not installed (pip install -e '.[sweep]')",
+)
+def test_joblib_launcher_gives_the_same_rows(tmp_path):
+    p = sweep(tmp_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
+    assert p.returncode == 0, p.stderr
+    df = load_results(tmp_path / "out" / "store")
+    assert len(df) == 4
+    for (pol, gb), want in EXPECTED.items():
+        got = df[(df.policy == pol) & (df.budget_gb.round(3) == gb)].hit_rate
+        assert list(got) == [pytest.approx(want)]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is None
+    or importlib.util.find_spec("ray") is None,
+    reason="Ray and hydra-ray-launcher are not installed (pip install -e '.[ray]')",
+)
+def test_ray_launcher_on_a_local_ray_instance(tmp_path):
+    p = sweep(tmp_path, "hydra/launcher=ray", "+hydra.launcher.ray.init.num_cpus=2")
+    assert p.returncode == 0, p.stderr
+    assert len(load_results(tmp_path / "out" / "store")) == 4
+
+
+def test_store_add_is_atomic_and_replaces_its_own_row(tmp_path):
+    s = ResultsStore(tmp_path / "st")
+    s.add({"config_hash": "abc", "hit_rate": 0.5})
+    s.add({"config_hash": "abc", "hit_rate": 0.25})
+    assert [p.name for p in (tmp_path / "st").iterdir()] == ["abc.parquet"]
+    assert s.get("abc")["hit_rate"] == 0.25
+    assert load_results(tmp_path / "empty").empty
