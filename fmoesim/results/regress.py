@@ -1,0 +1,183 @@
+"""``fmoesim-regress``: the hit-rate regression guard.
+
+``results/golden/hit_rates.csv`` holds the hit rate of every policy preset on the
+bundled trace at fixed budgets, in hit-rate-only mode (no clock: the numbers depend on
+the policies' decisions only, so they are exact and fast to recompute).  The test suite
+(``tests/test_regress.py``) recomputes the table and fails when any hit rate moved by
+more than :data:`TOLERANCE_POINTS`, unless the golden file changed in the same commit
+(``fmoesim-regress --update`` rewrites it; commit it with the change that moved it).
+
+Usage in any CI::
+
+    fmoesim-regress                      # exit 1 and an old/new table when something moved
+    fmoesim-regress --update             # accept the new numbers
+    fmoesim-regress --policies lru,lfu --golden my/golden.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from fmoesim.config.schema import PROJECT_ROOT as ROOT
+from fmoesim.errors import FmoesimError, run_or_exit
+
+PROG = "fmoesim-regress"
+GOLDEN = ROOT / "results" / "golden" / "hit_rates.csv"
+#: largest accepted move of a hit rate, in percentage points.  The runs are
+#: deterministic, so on one platform nothing moves at all; the slack covers tie-breaking
+#: differences across numpy versions (one access of the 16,640 is 0.006 points).
+TOLERANCE_POINTS = 0.1
+BUDGETS_GB = (12.0, 48.0)  # Mixtral-8x7B: 34 and 136 of its 256 experts
+MAX_REQUESTS = 4  # the first 4 requests of traces/default (260 iterations)
+TRACE = "traces/default"
+
+
+def compute_table(
+    policies: list[str] | None = None,
+    budgets_gb: tuple[float, ...] = BUDGETS_GB,
+    max_requests: int = MAX_REQUESTS,
+    trace: str = TRACE,
+) -> Any:
+    """Hit rates of ``policies`` (default: every preset) at each budget, with the default
+    model and hardware of ``conf/config.yaml``, hit-rate-only mode, seed 0."""
+    import pandas as pd
+
+    from fmoesim.cli.main import compose_config
+    from fmoesim.config.build import build_run, preset_names
+    from fmoesim.engine.simulate import simulate
+    from fmoesim.trace.reader import read_trace
+
+    names = policies or preset_names("policy")
+    tr = read_trace(ROOT / trace if not Path(trace).is_absolute() else trace)
+    rows = []
+    for name in names:
+        for gb in budgets_gb:
+            spec = build_run(
+                compose_config(
+                    [
+                        f"policy={name}",
+                        f"cache.budget_gb={gb}",
+                        f"serving.max_requests={max_requests}",
+                        "engine.timing=false",
+                    ]
+                )
+            )
+            r = simulate(
+                tr,
+                spec.model,
+                spec.hardware,
+                spec.policy,
+                spec.budget_bytes,
+                serving=spec.serving,
+                seed=spec.seed,
+                timing=False,
+            ).summary
+            rows.append(
+                {
+                    "policy": name,
+                    "budget_gb": gb,
+                    "model": spec.model.name,
+                    "trace": trace,
+                    "requests": max_requests,
+                    "accesses": int(r["accesses"]),
+                    "hit_rate": round(float(r["hit_rate"]), 6),
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def compare(old: Any, new: Any, tolerance_points: float = TOLERANCE_POINTS) -> Any:
+    """Old and new hit rates side by side: ``status`` is ``ok``, ``MOVED`` (beyond the
+    tolerance), ``NEW`` (not in the golden file) or ``GONE`` (no longer computed)."""
+    keys = ["policy", "budget_gb"]
+    m = old[[*keys, "hit_rate"]].merge(
+        new[[*keys, "hit_rate"]], on=keys, how="outer", suffixes=("_old", "_new")
+    )
+    m["delta_points"] = 100 * (m["hit_rate_new"] - m["hit_rate_old"])
+    status = []
+    for _, r in m.iterrows():
+        if r["hit_rate_old"] != r["hit_rate_old"]:  # NaN
+            status.append("NEW")
+        elif r["hit_rate_new"] != r["hit_rate_new"]:
+            status.append("GONE")
+        elif abs(r["delta_points"]) > tolerance_points:
+            status.append("MOVED")
+        else:
+            status.append("ok")
+    m["status"] = status
+    return m.sort_values(keys).reset_index(drop=True)
+
+
+def format_table(m: Any) -> str:
+    """The comparison as a Markdown table."""
+    lines = ["| policy | budget GB | old % | new % | Δ points | status |", "|---|---|---|---|---|---|"]
+    for _, r in m.iterrows():
+        old = "-" if r.hit_rate_old != r.hit_rate_old else f"{100 * r.hit_rate_old:.3f}"
+        new = "-" if r.hit_rate_new != r.hit_rate_new else f"{100 * r.hit_rate_new:.3f}"
+        d = "-" if r.delta_points != r.delta_points else f"{r.delta_points:+.3f}"
+        lines.append(f"| {r.policy} | {r.budget_gb:g} | {old} | {new} | {d} | {r.status} |")
+    return "\n".join(lines)
+
+
+def read_golden(path: Path) -> Any:
+    """The golden table; one line naming the file when it is missing or malformed."""
+    import pandas as pd
+
+    if not path.is_file():
+        raise FmoesimError(f"{path}: golden file not found (fmoesim-regress --update makes it)")
+    df = pd.read_csv(path)
+    missing = {"policy", "budget_gb", "hit_rate"} - set(df.columns)
+    if missing:
+        raise FmoesimError(f"{path}: missing column(s) {sorted(missing)}")
+    bad = df[(df.hit_rate < 0) | (df.hit_rate > 1) | df.hit_rate.isna()]
+    if len(bad):
+        i = int(bad.index[0])
+        raise FmoesimError(f"{path}: row {i + 2}: hit_rate must be in [0, 1]")
+    return df
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap.add_argument("--golden", default=str(GOLDEN), help="golden CSV (default: %(default)s)")
+    ap.add_argument("--update", action="store_true", help="write the new numbers as golden")
+    ap.add_argument("--policies", default="", help="comma-separated presets (default: all)")
+    ap.add_argument("--tolerance-points", type=float, default=TOLERANCE_POINTS)
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    code = run_or_exit(PROG, _run, args)
+    raise SystemExit(code)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from fmoesim.atomic import atomic_file
+
+    golden = Path(args.golden)
+    policies = [p for p in args.policies.split(",") if p] or None
+    new = compute_table(policies)
+    if args.update:
+        with atomic_file(golden) as tmp:
+            new.to_csv(tmp, index=False)
+        print(f"wrote {golden} ({len(new)} rows)")
+        return 0
+    old = read_golden(golden)
+    if policies:
+        old = old[old.policy.isin(policies)]
+    m = compare(old, new, args.tolerance_points)
+    print(format_table(m))
+    moved = m[m.status != "ok"]
+    if len(moved):
+        print(
+            f"\n{len(moved)} hit rate(s) moved beyond {args.tolerance_points:g} points or "
+            f"changed the table; if intended, run `{PROG} --update` and commit {golden}",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"\nall {len(m)} hit rates within {args.tolerance_points:g} points of {golden}")
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""CI regression on hit rates (issue 9): every policy preset on the bundled trace at the
+golden budgets must reproduce ``results/golden/hit_rates.csv`` within the stated
+tolerance, unless that file is updated in the same commit (``fmoesim-regress --update``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from fmoesim.config.build import preset_names
+from fmoesim.results.regress import (
+    GOLDEN,
+    TOLERANCE_POINTS,
+    compare,
+    compute_table,
+    format_table,
+    read_golden,
+)
+
+
+def test_hit_rates_match_the_golden_file():
+    golden = read_golden(GOLDEN)
+    assert set(golden.policy) == set(preset_names("policy"))  # every policy is guarded
+    m = compare(golden, compute_table())
+    moved = m[m.status != "ok"]
+    assert moved.empty, (
+        f"hit rates moved beyond {TOLERANCE_POINTS} points; if intended run "
+        f"`fmoesim-regress --update` and commit {GOLDEN}:\n{format_table(moved)}"
+    )
+
+
+def test_compare_flags_moves_new_and_gone():
+    old = pd.DataFrame(
+        {"policy": ["a", "a", "b"], "budget_gb": [1.0, 2.0, 1.0], "hit_rate": [0.5, 0.6, 0.7]}
+    )
+    new = pd.DataFrame(
+        {"policy": ["a", "a", "c"], "budget_gb": [1.0, 2.0, 1.0],
+         "hit_rate": [0.5005, 0.61, 0.2]}  # fmt: skip
+    )
+    m = compare(old, new, tolerance_points=0.1)
+    assert list(m.status) == ["ok", "MOVED", "GONE", "NEW"]  # +0.05 pt ok, +1 pt moved
+    assert m.delta_points[1] == pytest.approx(1.0)
+    table = format_table(m)
+    assert "| a | 2 | 60.000 | 61.000 | +1.000 | MOVED |" in table
+
+
+def run(*args: str):  # type: ignore[no-untyped-def]
+    return subprocess.run(
+        [sys.executable, "-m", "fmoesim.results.regress", *args],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_cli_update_then_check_then_catch_a_move(tmp_path):
+    golden = tmp_path / "g.csv"
+    p = run("--golden", str(golden), "--policies", "lru,lfu", "--update")
+    assert p.returncode == 0, p.stderr
+    assert len(pd.read_csv(golden)) == 4
+    p = run("--golden", str(golden), "--policies", "lru,lfu")
+    assert p.returncode == 0, p.stderr
+    assert "all 4 hit rates within 0.1 points" in p.stdout
+    df = pd.read_csv(golden)
+    df.loc[df.policy == "lfu", "hit_rate"] += 0.01
+    df.to_csv(golden, index=False)
+    p = run("--golden", str(golden), "--policies", "lru,lfu")
+    assert p.returncode == 1
+    assert "MOVED" in p.stdout and "-1.000" in p.stdout
+    assert "fmoesim-regress --update" in p.stderr
+
+
+def test_bad_golden_is_one_line(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("policy,budget_gb,hit_rate\nlru,12,1.5\n")
+    p = run("--golden", str(bad), "--policies", "lru")
+    assert p.returncode == 2
+    assert p.stderr.strip() == f"fmoesim-regress: error: {bad}: row 2: hit_rate must be in [0, 1]"
