@@ -37,8 +37,11 @@ def test_compare_flags_moves_new_and_gone():
         {"policy": ["a", "a", "b"], "budget_gb": [1.0, 2.0, 1.0], "hit_rate": [0.5, 0.6, 0.7]}
     )
     new = pd.DataFrame(
-        {"policy": ["a", "a", "c"], "budget_gb": [1.0, 2.0, 1.0],
-         "hit_rate": [0.5005, 0.61, 0.2]}  # fmt: skip
+        {
+            "policy": ["a", "a", "c"],
+            "budget_gb": [1.0, 2.0, 1.0],
+            "hit_rate": [0.5005, 0.61, 0.2],
+        }  # fmt: skip
     )
     m = compare(old, new, tolerance_points=0.1)
     assert list(m.status) == ["ok", "MOVED", "GONE", "NEW"]  # +0.05 pt ok, +1 pt moved

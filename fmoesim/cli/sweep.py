@@ -49,7 +49,8 @@ class SweepProgress(Callback):
         status = "failed"
         try:
             row = job_return.return_value
-            status = f"hit rate {100 * row['hit_rate']:.2f}%, TPOT {1e3 * row['tpot_mean_s']:.1f} ms"
+            hit, tpot = 100 * row["hit_rate"], 1e3 * row["tpot_mean_s"]
+            status = f"hit rate {hit:.2f}%, TPOT {tpot:.1f} ms"
         except Exception:  # noqa: BLE001 - a failed job has no row; its error is Hydra's
             pass
         swept = " ".join(

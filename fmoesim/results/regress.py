@@ -113,7 +113,10 @@ def compare(old: Any, new: Any, tolerance_points: float = TOLERANCE_POINTS) -> A
 
 def format_table(m: Any) -> str:
     """The comparison as a Markdown table."""
-    lines = ["| policy | budget GB | old % | new % | Δ points | status |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| policy | budget GB | old % | new % | Δ points | status |",
+        "|---|---|---|---|---|---|",
+    ]
     for _, r in m.iterrows():
         old = "-" if r.hit_rate_old != r.hit_rate_old else f"{100 * r.hit_rate_old:.3f}"
         new = "-" if r.hit_rate_new != r.hit_rate_new else f"{100 * r.hit_rate_new:.3f}"
