@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fmoesim-installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench figures clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check fmoesim policies replay tests
 	$(BIN)/ruff format --check fmoesim policies replay tests
+
+## Regenerate every paper figure and table (results/figures/) from the bundled traces.
+figures: $(STAMP)
+	$(BIN)/fmoesim-plot all --run --jobs 2
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.engine

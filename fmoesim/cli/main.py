@@ -174,7 +174,7 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
         {
             "trace": str(trace_path),
             "trace_source": trace.manifest.source.get("kind", ""),
-            "experiment": cfg.get("experiment") or "",
+            "experiment": cfg.get("experiment_name") or "",
             "config_hash": cfg_hash,
             "config_json": cfg_json,
             "fmoesim_version": fmoesim.__version__,
@@ -182,6 +182,7 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
             "numpy_version": np.__version__,
         }
     )
+    row.update(_row_extras(result))
     print(format_summary(row))
     if spec.output.write:
         out = write_results(spec, row, resolved, result)
@@ -189,6 +190,23 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
     if store is not None:
         print(f"stored     {store.add(row)}")
     return row
+
+
+def _row_extras(result: Any) -> dict[str, Any]:
+    """Per-request latencies as list columns (latency CDFs), and the mean of every
+    numeric column of the policy's own log as ``policy_mean_<name>`` (e.g. fMoE's
+    similarity scores)."""
+    import numpy as np
+
+    req = result.metrics.request_table()
+    out: dict[str, Any] = {
+        f"request_{k}": [float(x) for x in req[k]] for k in ("ttft_s", "tpot_s", "e2e_s")
+    }
+    for k, v in (result.policy_log or {}).items():
+        a = np.asarray(v)
+        if a.dtype.kind == "f" and a.size and np.isfinite(a).any():
+            out[f"policy_mean_{k}"] = float(np.nanmean(a))
+    return out
 
 
 def _trace_path(spec: RunSpec) -> Path:

@@ -29,6 +29,16 @@ def sweep_size(overrides: list[str]) -> int:
 _QUIET = ("output.", "store.", "progress", "workload.path", "hydra", "model.")
 
 
+def _total(hydra_cfg: Any) -> int:
+    """Jobs of the sweep: command-line sweeps plus ``hydra.sweeper.params`` (an
+    experiment preset's), a command-line value replacing a preset's for the same key."""
+    task = list(hydra_cfg.overrides.task)
+    given = {o.split("=")[0].lstrip("+~") for o in task}
+    params = hydra_cfg.sweeper.get("params") or {}
+    extra = [f"{k}={v}" for k, v in params.items() if k not in given]
+    return sweep_size(task + extra)
+
+
 class SweepProgress(Callback):
     """Prints ``[sweep k/N] overrides -> hit rate`` per job and where results are."""
 
@@ -37,7 +47,7 @@ class SweepProgress(Callback):
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         """Count the jobs."""
-        self.total = sweep_size(list(config.hydra.overrides.task))
+        self.total = _total(config.hydra)
         print(f"sweep: {self.total} runs -> {config.hydra.sweep.dir}", flush=True)
 
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
@@ -45,7 +55,7 @@ class SweepProgress(Callback):
         hc = config.hydra
         if hc.mode is None or str(hc.mode) != "RunMode.MULTIRUN":
             return
-        total = self.total or sweep_size(list(hc.overrides.task))
+        total = self.total or _total(hc)
         status = "failed"
         try:
             row = job_return.return_value

@@ -100,7 +100,7 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
-    experiment: str | None = None  # set by conf/experiment/ presets (paper figures)
+    experiment_name: str | None = None  # set by conf/experiment/ presets (paper figures)
     seed: int = 0
     progress: bool = True
 

@@ -1,0 +1,399 @@
+"""The papers' figures and tables, rebuilt from the results store.
+
+Each entry of :data:`FIGURES` names the ``conf/experiment/`` sweep whose rows it reads
+(``experiment`` column of the store) and a function that draws it.  :func:`render`
+writes ``<out>/<name>.png``, ``.pdf`` and a caption file ``<name>.md`` (what the paper
+shows, what was run, the trace and whether its routing is synthetic, and the plotted
+numbers as a table), each atomically.  Policies keep one colour everywhere
+(:mod:`fmoesim.plots.style`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fmoesim.atomic import atomic_file
+from fmoesim.errors import FmoesimError
+from fmoesim.plots.style import policy_color, setup, trace_caption
+
+
+def cfg_value(row: Any, dotted: str) -> Any:
+    """A value of a stored row's resolved config (``config_json``), by dotted key."""
+    node: Any = json.loads(row["config_json"])
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _with(df: Any, dotted: str, column: str) -> Any:
+    df = df.copy()
+    df[column] = [cfg_value(r, dotted) for _, r in df.iterrows()]
+    return df
+
+
+def _policies(df: Any) -> list[str]:
+    """Policies in the order of the frame (:func:`render` sorts it in the experiment's
+    sweep order)."""
+    return list(dict.fromkeys(df["policy"]))
+
+
+def sweep_order(experiment: str) -> list[str]:
+    """The policies of an experiment preset, in the order its sweep lists them."""
+    import yaml
+
+    from fmoesim.config.schema import CONF_DIR
+
+    path = CONF_DIR / "experiment" / f"{experiment}.yaml"
+    if not path.is_file():
+        return []
+    params = (yaml.safe_load(path.read_text()).get("hydra") or {}).get("sweeper", {})
+    return [p.strip() for p in str(params.get("params", {}).get("policy", "")).split(",") if p]
+
+
+def _short(path: str) -> str:
+    """A trace path relative to the project root when it is inside it."""
+    from fmoesim.config.schema import PROJECT_ROOT
+
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(PROJECT_ROOT.resolve()))
+    except ValueError:
+        return path
+
+
+def _bars(ax: Any, df: Any, column: str, scale: float, ylabel: str) -> None:
+    names = _policies(df)
+    vals = [scale * float(df[df.policy == p][column].iloc[0]) for p in names]
+    ax.bar(names, vals, color=[policy_color(p) for p in names])
+    ax.set_ylabel(ylabel)
+    ax.tick_params(axis="x", rotation=35)
+    for lab in ax.get_xticklabels():
+        lab.set_ha("right")
+
+
+def _lines(ax: Any, df: Any, x: str, y: str, scale: float, xlabel: str, ylabel: str) -> None:
+    for p in _policies(df):
+        d = df[df.policy == p].sort_values(x)
+        ax.plot(d[x], scale * d[y], "o-", color=policy_color(p), label=p)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+
+
+def _table(df: Any, columns: dict[str, tuple[str, float, str]], index: list[str]) -> str:
+    """Markdown table: ``index`` columns, then ``columns`` {label: (column, scale, fmt)}."""
+    head = [*index, *columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for _, r in df.iterrows():
+        cells = [str(r[c]) for c in index]
+        cells += [format(s * float(r[c]), f) for c, s, f in columns.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# -- the figures -----------------------------------------------------------------------
+
+
+def fig4(df: Any, plt: Any) -> tuple[Any, str]:
+    """Hit rate vs prefetch distance, coarse vs fine."""
+    df = _with(df, "policy.prefetch_distance", "distance")
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    _lines(ax, df, "distance", "hit_rate", 100, "prefetch distance (layers)", "expert hit rate (%)")
+    ax.set_title("coarse (fmoe-hit-count: request-level counts) vs fine (fmoe: expert maps)")
+    cols = {"hit rate %": ("hit_rate", 100, ".2f")}
+    return fig, _table(df.sort_values(["policy", "distance"]), cols, ["policy", "distance"])
+
+
+def fig9(df: Any, plt: Any) -> tuple[Any, str]:
+    """TTFT, TPOT and hit rate per policy."""
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    _bars(axes[0], df, "ttft_mean_s", 1e3, "mean TTFT (ms)")
+    _bars(axes[1], df, "tpot_mean_s", 1e3, "mean TPOT (ms)")
+    _bars(axes[2], df, "hit_rate", 100, "expert hit rate (%)")
+    cols = {
+        "TTFT ms": ("ttft_mean_s", 1e3, ".1f"),
+        "TPOT ms": ("tpot_mean_s", 1e3, ".1f"),
+        "hit rate %": ("hit_rate", 100, ".2f"),
+    }
+    return fig, _table(df, cols, ["policy"])
+
+
+def fig10(df: Any, plt: Any) -> tuple[Any, str]:
+    """CDF of end-to-end request latency (online serving)."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for p in _policies(df):
+        e2e = np.sort(np.asarray(df[df.policy == p]["request_e2e_s"].iloc[0], dtype=float))
+        ax.step(e2e, np.arange(1, len(e2e) + 1) / len(e2e), where="post", label=p,
+                color=policy_color(p))  # fmt: skip
+    ax.set_xlabel("end-to-end request latency (s)")
+    ax.set_ylabel("CDF")
+    ax.legend()
+    cols = {"e2e p50 s": ("e2e_p50_s", 1, ".2f"), "e2e p99 s": ("e2e_p99_s", 1, ".2f")}
+    return fig, _table(df, cols, ["policy"])
+
+
+def fig11(df: Any, plt: Any) -> tuple[Any, str]:
+    """TPOT vs expert budget."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    _lines(ax, df, "budget_gb", "tpot_mean_s", 1e3, "expert cache budget (GB)", "mean TPOT (ms)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(df.budget_gb)), [f"{b:g}" for b in sorted(set(df.budget_gb))])
+    cols = {"TPOT ms": ("tpot_mean_s", 1e3, ".1f"), "hit rate %": ("hit_rate", 100, ".2f")}
+    return fig, _table(df.sort_values(["policy", "budget_gb"]), cols, ["policy", "budget_gb"])
+
+
+def fig12(df: Any, plt: Any) -> tuple[Any, str]:
+    """Ablations: hit rate and TPOT per variant."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    _bars(axes[0], df, "hit_rate", 100, "expert hit rate (%)")
+    _bars(axes[1], df, "tpot_mean_s", 1e3, "mean TPOT (ms)")
+    cols = {"hit rate %": ("hit_rate", 100, ".2f"), "TPOT ms": ("tpot_mean_s", 1e3, ".1f")}
+    return fig, _table(df, cols, ["policy"])
+
+
+def fig13(df: Any, plt: Any) -> tuple[Any, str]:
+    """fMoE's TTFT and TPOT vs prefetch distance (the fmoe rows of fmoe-fig4)."""
+    df = _with(df[df.policy == "fmoe"], "policy.prefetch_distance", "distance")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    _lines(axes[0], df, "distance", "ttft_mean_s", 1e3, "prefetch distance", "mean TTFT (ms)")
+    _lines(axes[1], df, "distance", "tpot_mean_s", 1e3, "prefetch distance", "mean TPOT (ms)")
+    cols = {"TTFT ms": ("ttft_mean_s", 1e3, ".1f"), "TPOT ms": ("tpot_mean_s", 1e3, ".1f")}
+    return fig, _table(df.sort_values("distance"), cols, ["distance"])
+
+
+def fig14a(df: Any, plt: Any) -> tuple[Any, str]:
+    """Mean similarity scores vs Expert Map Store capacity."""
+    df = _with(df, "policy.store_capacity", "capacity").sort_values("capacity")
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for col, lab, c in (
+        ("policy_mean_semantic_score", "semantic", "#3182bd"),
+        ("policy_mean_trajectory_score", "trajectory", "#e6550d"),
+    ):
+        ax.plot(df.capacity, df[col], "o-", label=lab, color=c)
+    ax.set_xscale("log")
+    ax.set_xlabel("Expert Map Store capacity (maps)")
+    ax.set_ylabel("mean similarity of matches (cosine)")
+    ax.legend()
+    cols = {
+        "semantic": ("policy_mean_semantic_score", 1, ".3f"),
+        "trajectory": ("policy_mean_trajectory_score", 1, ".3f"),
+    }
+    return fig, _table(df, cols, ["capacity"])
+
+
+def fig14b(df: Any, plt: Any) -> tuple[Any, str]:
+    """TTFT and TPOT vs batch size."""
+    df = _with(df, "serving.batch_size", "batch")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    _lines(axes[0], df, "batch", "ttft_mean_s", 1e3, "batch size", "mean TTFT (ms)")
+    _lines(axes[1], df, "batch", "tpot_mean_s", 1e3, "batch size", "mean TPOT (ms)")
+    cols = {"TTFT ms": ("ttft_mean_s", 1e3, ".1f"), "TPOT ms": ("tpot_mean_s", 1e3, ".1f")}
+    return fig, _table(df.sort_values(["policy", "batch"]), cols, ["policy", "batch"])
+
+
+def mi_tab23(df: Any, plt: Any) -> tuple[Any, str]:
+    """Blocking time and bandwidth normalised to on-demand (deepspeed)."""
+    base = df[df.policy == "deepspeed"]
+    if base.empty:
+        raise FmoesimError("moe-infinity-tab2-3: no deepspeed (on-demand) run to normalise by")
+    df = df.copy()
+    df["blocking_norm"] = df.stall_s / float(base.stall_s.iloc[0])
+    df["bandwidth_norm"] = df.pcie_bytes / float(base.pcie_bytes.iloc[0])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    _bars(axes[0], df, "blocking_norm", 1, "GPU blocking time / on-demand")
+    _bars(axes[1], df, "bandwidth_norm", 1, "PCIe bytes / on-demand")
+    cols = {
+        "blocking (norm.)": ("blocking_norm", 1, ".2f"),
+        "bandwidth (norm.)": ("bandwidth_norm", 1, ".2f"),
+        "stall s": ("stall_s", 1, ".1f"),
+        "PCIe GB": ("pcie_bytes", 1e-9, ".0f"),
+    }
+    return fig, _table(df, cols, ["policy"])
+
+
+def mi_tab5(df: Any, plt: Any) -> tuple[Any, str]:
+    """Buffer hit rate per policy and budget (belady = ideal demand caching)."""
+    budgets = sorted(set(df.budget_gb))
+    names = _policies(df)
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    w = 0.8 / len(names)
+    for i, p in enumerate(names):
+        d = df[df.policy == p].set_index("budget_gb")
+        ax.bar(np.arange(len(budgets)) + i * w, [100 * d.hit_rate.get(b, np.nan) for b in budgets],
+               w, label=p, color=policy_color(p))  # fmt: skip
+    ax.set_xticks(np.arange(len(budgets)) + 0.4 - w / 2, [f"{b:g} GB" for b in budgets])
+    ax.set_xlabel("expert cache budget")
+    ax.set_ylabel("buffer hit rate (%)")
+    ax.legend()
+    cols = {"hit rate %": ("hit_rate", 100, ".2f")}
+    return fig, _table(df.sort_values(["budget_gb", "policy"]), cols, ["budget_gb", "policy"])
+
+
+def mi_fig13(df: Any, plt: Any) -> tuple[Any, str]:
+    """Latency vs EAMC capacity."""
+    df = _with(df, "policy.eamc_capacity", "capacity").sort_values("capacity")
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    ax.plot(df.capacity, df.e2e_mean_s, "o-", color=policy_color("moe-infinity"))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("EAMC capacity (matrices)")
+    ax.set_ylabel("mean request latency (s)")
+    cols = {"latency s": ("e2e_mean_s", 1, ".2f"), "hit rate %": ("hit_rate", 100, ".2f")}
+    return fig, _table(df, cols, ["capacity"])
+
+
+def moepic_tab1(df: Any, plt: Any) -> tuple[Any, str]:
+    """Hit rate vs experts per layer."""
+    df = df.copy()
+    df["C"] = df.experts_per_layer.astype(int)
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    _lines(ax, df, "C", "hit_rate", 100, "cache size C (experts per layer, of 60)", "hit rate (%)")
+    table = df.pivot_table(index="C", columns="policy", values="hit_rate") * 100
+    lines = ["| C | " + " | ".join(table.columns) + " |", "|---|" + "---|" * len(table.columns)]
+    for c, r in table.iterrows():
+        lines.append(f"| {c} | " + " | ".join(f"{v:.2f}" for v in r) + " |")
+    return fig, "\n".join(lines)
+
+
+def moepic_tab3(df: Any, plt: Any) -> tuple[Any, str]:
+    """Ablations: TTFT and TPOT relative to full MoEpic."""
+    base = df[df.policy == "moepic"]
+    if base.empty:
+        raise FmoesimError("moepic-tab3: no full moepic run to normalise by")
+    df = df.copy()
+    df["ttft_norm"] = df.ttft_mean_s / float(base.ttft_mean_s.iloc[0])
+    df["tpot_norm"] = df.tpot_mean_s / float(base.tpot_mean_s.iloc[0])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    _bars(axes[0], df, "ttft_norm", 1, "TTFT / MoEpic's")
+    _bars(axes[1], df, "tpot_norm", 1, "TPOT / MoEpic's")
+    cols = {
+        "TTFT ms": ("ttft_mean_s", 1e3, ".1f"),
+        "TPOT ms": ("tpot_mean_s", 1e3, ".1f"),
+        "TTFT x": ("ttft_norm", 1, ".2f"),
+        "TPOT x": ("tpot_norm", 1, ".2f"),
+    }
+    return fig, _table(df, cols, ["policy"])
+
+
+def min_budgets(df: Any, targets_s: list[float]) -> dict[str, list[float]]:
+    """Per policy, the smallest swept budget (GB) whose TPOT meets each target (NaN if
+    none does)."""
+    out = {}
+    for p in _policies(df):
+        d = df[df.policy == p].sort_values("budget_gb")
+        out[p] = [
+            float(d[d.tpot_mean_s <= t].budget_gb.min()) if (d.tpot_mean_s <= t).any() else np.nan
+            for t in targets_s
+        ]
+    return out
+
+
+def moepic_fig8(df: Any, plt: Any) -> tuple[Any, str]:
+    """Smallest budget per target TPOT.  The paper's targets (80-160 ms for Qwen1.5-MoE
+    on its GPU) do not transfer to this hardware model, so the targets are five evenly
+    spaced TPOTs between the best policy's TPOT at the largest budget and the median
+    TPOT of the sweep."""
+    best = df[df.budget_gb == df.budget_gb.max()].tpot_mean_s.min()
+    targets = list(np.linspace(1.05 * best, float(df.tpot_mean_s.median()), 5))
+    mins = min_budgets(df, targets)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    w = 0.8 / len(mins)
+    for i, (p, v) in enumerate(mins.items()):
+        axes[0].bar(np.arange(len(targets)) + i * w, v, w, label=p, color=policy_color(p))
+    axes[0].set_xticks(np.arange(len(targets)) + 0.4 - w / 2, [f"{1e3 * t:.0f}" for t in targets])
+    axes[0].set_xlabel("target TPOT (ms)")
+    axes[0].set_ylabel("minimum expert budget (GB)")
+    axes[0].legend()
+    _lines(axes[1], df, "budget_gb", "tpot_mean_s", 1e3, "expert budget (GB)", "mean TPOT (ms)")
+    lines = ["| target TPOT ms | " + " | ".join(mins) + " |", "|---|" + "---|" * len(mins)]
+    for j, t in enumerate(targets):
+        cells = ["not met" if v[j] != v[j] else f"{v[j]:g} GB" for v in mins.values()]
+        lines.append(f"| {1e3 * t:.0f} | " + " | ".join(cells) + " |")
+    return fig, "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One paper figure: the experiment (sweep) it reads, its title and its drawer."""
+
+    experiment: str
+    title: str
+    draw: Callable[[Any, Any], tuple[Any, str]]
+
+
+FIGURES: dict[str, Figure] = {
+    "fmoe-fig4": Figure("fmoe-fig4", "fMoE Fig. 4: hit rate vs prefetch distance", fig4),
+    "fmoe-fig9": Figure("fmoe-fig9", "fMoE Fig. 9: TTFT, TPOT, hit rate per policy", fig9),
+    "fmoe-fig10": Figure("fmoe-fig10", "fMoE Fig. 10: request latency CDF, online", fig10),
+    "fmoe-fig11": Figure("fmoe-fig11", "fMoE Fig. 11: TPOT vs expert budget", fig11),
+    "fmoe-fig12": Figure("fmoe-fig12", "fMoE Fig. 12: ablations", fig12),
+    "fmoe-fig13": Figure("fmoe-fig4", "fMoE Fig. 13: latency vs prefetch distance", fig13),
+    "fmoe-fig14a": Figure("fmoe-fig14a", "fMoE Fig. 14a: similarity vs store capacity", fig14a),
+    "fmoe-fig14b": Figure("fmoe-fig14b", "fMoE Fig. 14b: latency vs batch size", fig14b),
+    "moe-infinity-tab2-3": Figure(
+        "moe-infinity-tab2-3", "MoE-Infinity Tables 2-3: blocking time and bandwidth", mi_tab23
+    ),
+    "moe-infinity-tab5": Figure(
+        "moe-infinity-tab5", "MoE-Infinity Table 5: buffer hit rate", mi_tab5
+    ),
+    "moe-infinity-fig13": Figure(
+        "moe-infinity-fig13", "MoE-Infinity Fig. 13: EAMC capacity", mi_fig13
+    ),
+    "moepic-tab1": Figure("moepic-tab1", "MoEpic Table 1: hit rate vs cache size", moepic_tab1),
+    "moepic-tab3": Figure("moepic-tab3", "MoEpic Table 3: ablations", moepic_tab3),
+    "moepic-fig8": Figure(
+        "moepic-fig8", "MoEpic Fig. 8: minimum budget per target TPOT", moepic_fig8
+    ),
+}
+
+
+def render(name: str, results: Any, out_dir: Path) -> list[Path]:
+    """Draw figure ``name`` from the store's DataFrame ``results``; write PNG, PDF and the
+    caption file atomically; return their paths."""
+    if name not in FIGURES:
+        raise FmoesimError(f"figure {name!r}: unknown; valid: {', '.join(FIGURES)}")
+    f = FIGURES[name]
+    df = results[results["experiment"] == f.experiment] if len(results) else results
+    if len(df) == 0:
+        raise FmoesimError(
+            f"figure {name}: no runs of experiment {f.experiment} in the store "
+            f"(run: fmoesim -m experiment={f.experiment})"
+        )
+    order = {p: i for i, p in enumerate(sweep_order(f.experiment))}
+    df = df.assign(_o=[order.get(p, len(order)) for p in df.policy])
+    df = df.sort_values(["_o", "policy"], kind="stable").drop(columns="_o").reset_index(drop=True)
+    plt = setup()
+    fig, table = f.draw(df, plt)
+    cap = trace_caption([_short(t) for t in df.trace], list(df.trace_source))
+    row0 = df.iloc[0]
+    setting = f"{row0.model} on {row0.hardware}, {len(df)} runs (experiment={f.experiment})"
+    fig.suptitle(f.title, fontsize=11)
+    width_chars = int(fig.get_figwidth() * 16)  # about 16 characters per inch at 7 pt
+    note = textwrap.fill(f"{setting}; {cap}", width_chars)
+    fig.text(0.01, 0.005, note, fontsize=7, color="#555555", va="bottom")
+    fig.tight_layout(rect=(0, 0.035 * (note.count("\n") + 1) + 0.01, 1, 1))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for ext in ("png", "pdf"):
+        path = out_dir / f"{name}.{ext}"
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, format=ext)
+        paths.append(path)
+    plt.close(fig)
+    md = "\n".join(
+        [f"# {f.title}", "", f"- setting: {setting}", f"- {cap}",
+         f"- regenerate: `fmoesim-plot {name} --run`", "", inspect.cleandoc(f.draw.__doc__ or ""),
+         "", table, ""]
+    )  # fmt: skip
+    path = out_dir / f"{name}.md"
+    with atomic_file(path) as tmp:
+        tmp.write_text(md)
+    paths.append(path)
+    return paths
