@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,7 +88,7 @@ def _lines(ax: Any, df: Any, x: str, y: str, scale: float, xlabel: str, ylabel: 
     ax.legend()
 
 
-def _table(df: Any, columns: dict[str, tuple[str, float, str]], index: list[str]) -> str:
+def _table(df: Any, columns: Mapping[str, tuple[str, float, str]], index: list[str]) -> str:
     """Markdown table: ``index`` columns, then ``columns`` {label: (column, scale, fmt)}."""
     head = [*index, *columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
