@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from fmoesim.specs.model import ModelSpec
 from tests.test_engine_lru import ROUTES
 from tests.tiny import TINY, write_sequence_trace
 
@@ -29,20 +30,22 @@ def fmoesim(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[
     return run("fmoesim.cli.main", *args, cwd=cwd)
 
 
+SHAPE = ("name", "num_layers", "num_experts", "top_k", "hidden_size", "expert_intermediate_size")
+
+
+def model_overrides(m: ModelSpec, fields: tuple[str, ...] = SHAPE) -> list[str]:
+    """``model.<field>=<value>`` for ``fields`` of ``m``."""
+    return [f"model.{f}={getattr(m, f)}" for f in fields]
+
+
 def tiny_overrides(trace: Path, out: Path) -> list[str]:
-    m = TINY
     return [
         f"workload.path={trace}",
         f"output.dir={out}",
         f"store.dir={out}/store",
         "progress=false",
-        f"model.name={m.name}",
-        f"model.num_layers={m.num_layers}",
-        f"model.num_experts={m.num_experts}",
-        f"model.top_k={m.top_k}",
-        f"model.hidden_size={m.hidden_size}",
-        f"model.expert_intermediate_size={m.expert_intermediate_size}",
-        f"cache.budget_gb={2 * m.expert_size_bytes / 1e9}",
+        *model_overrides(TINY),
+        f"cache.budget_gb={2 * TINY.expert_size_bytes / 1e9}",
     ]
 
 

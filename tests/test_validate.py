@@ -12,25 +12,17 @@ pytest.importorskip("torch", reason="the replay needs torch")
 
 from replay.validate import compare, rel_err, validate  # noqa: E402
 from tests._baseline_helpers import write_one_token_trace  # noqa: E402
+from tests.test_cli import SHAPE, model_overrides  # noqa: E402
 from tests.test_policy_contract import MODEL  # noqa: E402
 
 
 def overrides(trace: str) -> list[str]:
-    m = MODEL
+    attention = ("num_attention_heads", "num_kv_heads", "head_dim", "vocab_size")
     return [
         f"workload.path={trace}",
         "progress=false",
-        f"model.name={m.name}",
-        f"model.num_layers={m.num_layers}",
-        f"model.num_experts={m.num_experts}",
-        f"model.top_k={m.top_k}",
-        f"model.hidden_size={m.hidden_size}",
-        f"model.expert_intermediate_size={m.expert_intermediate_size}",
-        f"model.num_attention_heads={m.num_attention_heads}",
-        f"model.num_kv_heads={m.num_kv_heads}",
-        f"model.head_dim={m.head_dim}",
-        f"model.vocab_size={m.vocab_size}",
-        f"cache.budget_gb={12 * m.expert_size_bytes / 1e9}",
+        *model_overrides(MODEL, SHAPE + attention),
+        f"cache.budget_gb={12 * MODEL.expert_size_bytes / 1e9}",
     ]
 
 

@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,13 +73,21 @@ def run_sweep(experiment: str, store: Path, jobs: int, root: Path) -> float:
     if jobs > 1 and importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher"):
         cmd += ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={jobs}"]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+    # the sweep's "[sweep k/N]" lines are passed on as they come (its progress)
+    with (
+        tempfile.TemporaryFile("w+") as errf,  # a file, not a pipe: it cannot fill and block
+        subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=errf, text=True) as p,
+    ):
+        assert p.stdout is not None
+        for line in p.stdout:
+            if line.startswith(("[sweep", "sweep")):
+                print(line.rstrip(), flush=True)
+        p.wait()
+        errf.seek(0)
+        err = errf.read()
     if p.returncode != 0:
-        last = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        last = (err.strip().splitlines() or ["(no output)"])[-1]
         raise FmoesimError(f"sweep experiment={experiment} failed: {last}")
-    for line in p.stdout.splitlines():
-        if line.startswith(("[sweep", "sweep")):
-            print(line, flush=True)
     return time.perf_counter() - t0
 
 

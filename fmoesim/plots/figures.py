@@ -199,17 +199,29 @@ def fig14b(df: Any, plt: Any) -> tuple[Any, str]:
     return fig, _table(df.sort_values(["policy", "batch"]), cols, ["policy", "batch"])
 
 
+def _normalised(
+    df: Any, plt: Any, base: str, figure: str, ratios: dict[str, tuple[str, str]]
+) -> tuple[Any, Any]:
+    """Bars of ``column / base policy's column`` for each ``{new column: (column,
+    y label)}``, one panel each; returns the figure and the frame with the ratios."""
+    ref = df[df.policy == base]
+    if ref.empty:
+        raise FmoesimError(f"{figure}: no {base} run to normalise by")
+    df = df.copy()
+    fig, axes = plt.subplots(1, len(ratios), figsize=(5 * len(ratios), 3.8))
+    for ax, (new, (col, label)) in zip(axes, ratios.items(), strict=True):
+        df[new] = df[col] / float(ref[col].iloc[0])
+        _bars(ax, df, new, 1, label)
+    return fig, df
+
+
 def mi_tab23(df: Any, plt: Any) -> tuple[Any, str]:
     """Blocking time and bandwidth normalised to on-demand (deepspeed)."""
-    base = df[df.policy == "deepspeed"]
-    if base.empty:
-        raise FmoesimError("moe-infinity-tab2-3: no deepspeed (on-demand) run to normalise by")
-    df = df.copy()
-    df["blocking_norm"] = df.stall_s / float(base.stall_s.iloc[0])
-    df["bandwidth_norm"] = df.pcie_bytes / float(base.pcie_bytes.iloc[0])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    _bars(axes[0], df, "blocking_norm", 1, "GPU blocking time / on-demand")
-    _bars(axes[1], df, "bandwidth_norm", 1, "PCIe bytes / on-demand")
+    fig, df = _normalised(
+        df, plt, "deepspeed", "moe-infinity-tab2-3",
+        {"blocking_norm": ("stall_s", "GPU blocking time / on-demand"),
+         "bandwidth_norm": ("pcie_bytes", "PCIe bytes / on-demand")},
+    )  # fmt: skip
     cols = {
         "blocking (norm.)": ("blocking_norm", 1, ".2f"),
         "bandwidth (norm.)": ("bandwidth_norm", 1, ".2f"),
@@ -264,15 +276,11 @@ def moepic_tab1(df: Any, plt: Any) -> tuple[Any, str]:
 
 def moepic_tab3(df: Any, plt: Any) -> tuple[Any, str]:
     """Ablations: TTFT and TPOT relative to full MoEpic."""
-    base = df[df.policy == "moepic"]
-    if base.empty:
-        raise FmoesimError("moepic-tab3: no full moepic run to normalise by")
-    df = df.copy()
-    df["ttft_norm"] = df.ttft_mean_s / float(base.ttft_mean_s.iloc[0])
-    df["tpot_norm"] = df.tpot_mean_s / float(base.tpot_mean_s.iloc[0])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    _bars(axes[0], df, "ttft_norm", 1, "TTFT / MoEpic's")
-    _bars(axes[1], df, "tpot_norm", 1, "TPOT / MoEpic's")
+    fig, df = _normalised(
+        df, plt, "moepic", "moepic-tab3",
+        {"ttft_norm": ("ttft_mean_s", "TTFT / MoEpic's"),
+         "tpot_norm": ("tpot_mean_s", "TPOT / MoEpic's")},
+    )  # fmt: skip
     cols = {
         "TTFT ms": ("ttft_mean_s", 1e3, ".1f"),
         "TPOT ms": ("tpot_mean_s", 1e3, ".1f"),
