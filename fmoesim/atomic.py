@@ -12,6 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # read once: mkstemp/mkdtemp make private (0600/0700) files
+
+
+def _as_created(path: str | os.PathLike[str], mode: int) -> None:
+    """Give a temporary file or directory the permissions a plain create would have."""
+    os.chmod(path, mode & ~_UMASK)
+
 
 def save_npz_atomic(path: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> None:
     """``np.savez`` of ``arrays`` to ``path`` (no pickle needed to read it back)."""
@@ -28,6 +36,7 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
     os.close(fd)
+    _as_created(tmp, 0o666)
     try:
         yield Path(tmp)
         os.replace(tmp, path)
@@ -43,6 +52,7 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    _as_created(tmp, 0o777)
     try:
         yield tmp
         os.replace(tmp, path)

@@ -82,7 +82,26 @@ def test_every_preset_policy_has_its_own_colour():
     presets = preset_names("policy")
     assert set(presets) <= set(POLICY_COLORS)
     assert len(set(POLICY_COLORS.values())) == len(POLICY_COLORS)
-    assert policy_color("unknown-x") == policy_color("unknown-x")
+    assert policy_color("lru") == POLICY_COLORS["lru"]
+    assert policy_color("unknown-x") not in POLICY_COLORS.values()
+
+
+def test_ambiguous_stale_or_incomplete_rows_are_refused(tmp_path, store_df):
+    from fmoesim.errors import FmoesimError
+    from fmoesim.results.store import code_version
+
+    fig11 = store_df[store_df.experiment == "fmoe-fig11"]
+    twice = pd.concat([store_df, fig11.iloc[[3]]], ignore_index=True)
+    with pytest.raises(FmoesimError, match=r"2 runs for the point policy=\S+ cache.budget_gb="):
+        render("fmoe-fig11", twice, tmp_path)
+    stale = store_df.assign(code_version="0123456789ab")
+    with pytest.raises(FmoesimError, match="runs are from other code versions"):
+        render("fmoe-fig11", stale, tmp_path)
+    current = store_df.assign(code_version=code_version())
+    assert render("fmoe-fig11", current, tmp_path)[0].is_file()
+    lacking = store_df.drop(columns=["policy_mean_semantic_score"])
+    with pytest.raises(FmoesimError, match="fmoe-fig14a: the store's rows lack"):
+        render("fmoe-fig14a", lacking, tmp_path)
 
 
 def test_min_budget_by_hand():

@@ -41,6 +41,24 @@ def test_config_key_ignores_where_results_go():
     assert config_key(a)[0] == config_key(b)[0]
     assert config_key(a)[0] != config_key(c)[0]
     assert len(config_key(a)[0]) == 16
+    # another code version or other input files: another run
+    assert config_key(a, {"code_version": "x"})[0] != config_key(a, {"code_version": "y"})[0]
+    assert config_key(a, {"code_version": "x"})[1] == config_key(a)[1]
+
+
+def test_input_digest_follows_the_files(tmp_path):
+    from fmoesim.results.store import input_digest
+
+    f = tmp_path / "arrivals.csv"
+    f.write_text("a")
+    d1 = input_digest([f, None])
+    f.write_text("b")
+    assert input_digest([f, None]) != d1
+    trace = write_sequence_trace(tmp_path / "seq", ROUTES)
+    d2 = input_digest([trace])
+    assert input_digest([trace]) == d2
+    (trace / "trace.json").write_text((trace / "trace.json").read_text() + " ")
+    assert input_digest([trace]) != d2
 
 
 def test_sweep_size():

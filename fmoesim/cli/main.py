@@ -142,12 +142,17 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
 
     import fmoesim
     from fmoesim.engine.simulate import simulate
-    from fmoesim.results.store import ResultsStore, config_key
+    from fmoesim.results.store import ResultsStore, code_version, config_key, input_digest
     from fmoesim.trace.reader import read_trace
 
     spec = build_run(cfg)
     resolved = config_to_dict(cfg)
-    cfg_hash, cfg_json = config_key(resolved)
+    inputs = [
+        resolve_path(spec.workload.path or "") if spec.workload.kind == "trace" else None,
+        spec.serving.arrivals_csv if spec.serving.arrivals == "csv" else None,
+    ]
+    versions = {"code_version": code_version(), "input_digest": input_digest(inputs)}
+    cfg_hash, cfg_json = config_key(resolved, versions)
     store = ResultsStore(resolve_out(cfg.store.dir)) if cfg.store.enabled else None
     skip = cfg.store.skip_done if cfg.store.skip_done is not None else multirun
     if store is not None and skip and store.has(cfg_hash):
@@ -177,6 +182,7 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
             "experiment": cfg.get("experiment_name") or "",
             "config_hash": cfg_hash,
             "config_json": cfg_json,
+            **versions,
             "fmoesim_version": fmoesim.__version__,
             "python": sys.version.split()[0],
             "numpy_version": np.__version__,

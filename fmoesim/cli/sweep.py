@@ -35,7 +35,7 @@ def _total(hydra_cfg: Any) -> int:
     task = list(hydra_cfg.overrides.task)
     given = {o.split("=")[0].lstrip("+~") for o in task}
     params = hydra_cfg.sweeper.get("params") or {}
-    extra = [f"{k}={v}" for k, v in params.items() if k not in given]
+    extra = [f"{k}={v}" for k, v in params.items() if k.lstrip("+~") not in given]
     return sweep_size(task + extra)
 
 

@@ -29,6 +29,8 @@ def cfg_value(row: Any, dotted: str) -> Any:
     """A value of a stored row's resolved config (``config_json``), by dotted key."""
     node: Any = json.loads(row["config_json"])
     for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise FmoesimError(f"run {row.get('config_hash', '?')}: its config has no {dotted}")
         node = node[part]
     return node
 
@@ -45,17 +47,47 @@ def _policies(df: Any) -> list[str]:
     return list(dict.fromkeys(df["policy"]))
 
 
-def sweep_order(experiment: str) -> list[str]:
-    """The policies of an experiment preset, in the order its sweep lists them."""
+def sweep_params(experiment: str) -> dict[str, list[str]]:
+    """The swept keys of an experiment preset (``+`` prefixes dropped) and their values,
+    in the order its ``hydra.sweeper.params`` lists them."""
     import yaml
 
     from fmoesim.config.schema import CONF_DIR
 
     path = CONF_DIR / "experiment" / f"{experiment}.yaml"
     if not path.is_file():
-        return []
-    params = (yaml.safe_load(path.read_text()).get("hydra") or {}).get("sweeper", {})
-    return [p.strip() for p in str(params.get("params", {}).get("policy", "")).split(",") if p]
+        return {}
+    params = ((yaml.safe_load(path.read_text()).get("hydra") or {}).get("sweeper") or {}).get(
+        "params"
+    ) or {}
+    return {k.lstrip("+"): [v.strip() for v in str(vals).split(",")] for k, vals in params.items()}
+
+
+def _points(df: Any, experiment: str) -> Any:
+    """The rows of ``experiment`` from the running code's version, one per sweep point;
+    more than one row for a point (a rerun with extra overrides into the same store)
+    is refused rather than plotted at random."""
+    from fmoesim.results.store import code_version
+
+    if "code_version" in df.columns:
+        df = df[df["code_version"] == code_version()]
+        if len(df) == 0:
+            raise FmoesimError(
+                f"experiment {experiment}: the store's runs are from other code versions "
+                f"(rerun: fmoesim -m experiment={experiment})"
+            )
+    keys = [k for k in sweep_params(experiment) if k != "policy"]
+    point = [tuple([r["policy"], *(str(cfg_value(r, k)) for k in keys)]) for _, r in df.iterrows()]
+    seen: dict[tuple[str, ...], int] = {}
+    for p in point:
+        seen[p] = seen.get(p, 0) + 1
+        if seen[p] > 1:
+            raise FmoesimError(
+                f"experiment {experiment}: {seen[p]} runs for the point policy={p[0]}"
+                + "".join(f" {k}={v}" for k, v in zip(keys, p[1:], strict=True))
+                + " (runs with other overrides share this store; use another store.dir)"
+            )
+    return df
 
 
 def _short(path: str) -> str:
@@ -374,11 +406,15 @@ def render(name: str, results: Any, out_dir: Path) -> list[Path]:
             f"figure {name}: no runs of experiment {f.experiment} in the store "
             f"(run: fmoesim -m experiment={f.experiment})"
         )
-    order = {p: i for i, p in enumerate(sweep_order(f.experiment))}
+    df = _points(df, f.experiment)
+    order = {p: i for i, p in enumerate(sweep_params(f.experiment).get("policy", []))}
     df = df.assign(_o=[order.get(p, len(order)) for p in df.policy])
     df = df.sort_values(["_o", "policy"], kind="stable").drop(columns="_o").reset_index(drop=True)
     plt = setup()
-    fig, table = f.draw(df, plt)
+    try:
+        fig, table = f.draw(df, plt)
+    except KeyError as exc:
+        raise FmoesimError(f"figure {name}: the store's rows lack {exc}") from None
     cap = trace_caption([_short(t) for t in df.trace], list(df.trace_source))
     row0 = df.iloc[0]
     setting = f"{row0.model} on {row0.hardware}, {len(df)} runs (experiment={f.experiment})"
@@ -392,7 +428,8 @@ def render(name: str, results: Any, out_dir: Path) -> list[Path]:
     for ext in ("png", "pdf"):
         path = out_dir / f"{name}.{ext}"
         with atomic_file(path) as tmp:
-            fig.savefig(tmp, format=ext)
+            # no creation date in the PDF: the same numbers give the same file
+            fig.savefig(tmp, format=ext, metadata={"CreationDate": None} if ext == "pdf" else None)
         paths.append(path)
     plt.close(fig)
     md = "\n".join(

@@ -8,9 +8,13 @@ loses only the runs that had not finished: rerunning it skips what is there and 
 the rest, with nothing lost or duplicated.  :func:`load_results` reads the dataset as
 one tidy DataFrame (a row per run, a column per metric and key setting).
 
-The hash covers every key that can change a result; ``progress``, ``output`` and
-``store`` (where and how results are written) are left out, so the same run writes the
-same row wherever it is written from.
+The hash covers everything that can change a result: the resolved config without
+``progress``, ``output`` and ``store`` (where and how results are written, so the same
+run writes the same row wherever it is written from), the code (:func:`code_version`,
+so a sweep rerun after a change to the simulator or a policy runs again rather than
+reusing stale rows) and the input files a config names only by path
+(:func:`input_digest`: a recorded trace, an arrivals CSV).  ``experiment_name`` is part
+of the config and so of the hash: figures select their rows by it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +33,50 @@ from fmoesim.atomic import atomic_file
 NON_SEMANTIC = ("progress", "output", "store")
 
 
-def config_key(resolved: dict[str, Any]) -> tuple[str, str]:
+def config_key(resolved: dict[str, Any], extra: dict[str, Any] | None = None) -> tuple[str, str]:
     """``(hash, canonical json)`` of a resolved config without :data:`NON_SEMANTIC`
-    keys; the hash is 16 hex digits of SHA-256."""
+    keys; ``extra`` (code version, input digests) joins the hash but not the json.  The
+    hash is 16 hex digits of SHA-256."""
     kept = {k: v for k, v in resolved.items() if k not in NON_SEMANTIC}
     text = json.dumps(kept, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16], text
+    keyed = text + json.dumps(extra or {}, sort_keys=True, default=str)
+    return hashlib.sha256(keyed.encode()).hexdigest()[:16], text
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """12 hex digits of SHA-256 over the simulator's and the policies' Python sources
+    (paths and contents), so any change to them changes every run's hash."""
+    from fmoesim.config.schema import PROJECT_ROOT
+
+    h = hashlib.sha256()
+    for pkg in ("fmoesim", "policies"):
+        for f in sorted((PROJECT_ROOT / pkg).rglob("*.py")):
+            h.update(str(f.relative_to(PROJECT_ROOT)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def input_digest(paths: Sequence[str | os.PathLike[str] | None]) -> str:
+    """12 hex digits over the input files a config names by path: a trace directory
+    (its ``trace.json`` and every file's size) or a file (its bytes); missing paths
+    count as absent (the run then fails on its own)."""
+    h = hashlib.sha256()
+    for p in paths:
+        if p is None:
+            continue
+        path = Path(p)
+        h.update(str(p).encode())
+        if path.is_dir():
+            manifest = path / "trace.json"
+            if manifest.is_file():
+                h.update(manifest.read_bytes())
+            for f in sorted(path.iterdir()):
+                if f.is_file():
+                    h.update(f"{f.name}:{f.stat().st_size}".encode())
+        elif path.is_file():
+            h.update(path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 class ResultsStore:
