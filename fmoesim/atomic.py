@@ -46,15 +46,18 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
 
 
 @contextmanager
-def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary directory beside ``path``; on success it replaces ``path`` (which
-    must not exist, or be an empty directory), on failure it is removed."""
+def atomic_dir(path: str | os.PathLike[str], replace: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory beside ``path``; on success it takes ``path``'s place
+    (``path`` must not exist or be an empty directory, unless ``replace``: then an
+    existing one is removed first), on failure it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     _as_created(tmp, 0o777)
     try:
         yield tmp
+        if replace and path.exists():
+            shutil.rmtree(path)
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

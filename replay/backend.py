@@ -44,12 +44,12 @@ from fmoesim.errors import FmoesimError
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
 from replay.link import CudaCopier, LinkScheduler, ThreadCopier
-from replay.weights import DEVICE_FRACTION, Executor, HostExperts, host_memory_bytes
+from replay.weights import DEVICE_FRACTION, Executor, HostExperts
 
 __all__ = [
     "GpuBackend",
     "InstantReplayBackend",
-    "host_memory_bytes",
+    "drop_evicted",
     "replay_backend",
     "segment_rows",
 ]
@@ -69,6 +69,12 @@ def segment_rows(model: ModelSpec, entries: dict[int, Entry], key: int) -> tuple
     if top is not None:
         return round(f * top.size_bytes / S), f
     return f - round(f * entries[key].size_bytes / S), f
+
+
+def drop_evicted(dev: dict[int, Any], entries: dict[int, Entry]) -> None:
+    """Free the device copies of keys the cache no longer holds."""
+    for k in [k for k in dev if k not in entries]:
+        del dev[k]
 
 
 def _one_gpu(caches: Sequence[ExpertCache]) -> None:
@@ -108,9 +114,7 @@ class InstantReplayBackend(InstantBackend):
     def pre_gate(self, layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
         """The previous step's copies land; evicted experts' device copies are freed."""
         super().pre_gate(layer, tokens, kv_tokens, pairs)
-        entries = self.caches[0].entries
-        for k in [k for k in self._dev if k not in entries]:
-            del self._dev[k]
+        drop_evicted(self._dev, self.caches[0].entries)
 
     def expert(self, gpu: int, key: int, tokens: int, fraction: float = 1.0) -> None:
         """The SwiGLU FFN of resident ``key`` (a whole expert or a segment)."""
@@ -275,9 +279,7 @@ class GpuBackend(Backend):
     def _free_evicted(self) -> None:
         """Drop the device copies of keys the cache evicted (the allocator reuses their
         memory once the compute stream is past their last use: see ``_landed``)."""
-        entries = self.caches[0].entries
-        for k in [k for k in self._dev if k not in entries]:
-            del self._dev[k]
+        drop_evicted(self._dev, self.caches[0].entries)
 
     def _issue(self, rec: TransferRecord, lo: int, hi: int) -> tuple[Any, Any]:
         key = rec.key

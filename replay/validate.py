@@ -148,11 +148,11 @@ def validate(
 ) -> Path:
     """Run every policy in the simulator and the replay; write the report to ``out``."""
     import pandas as pd
+    from hydra.utils import instantiate
 
     from fmoesim.atomic import atomic_dir
     from fmoesim.cli.main import _trace_path, compose_config
-    from fmoesim.config.build import build_run
-    from fmoesim.engine.simulate import simulate
+    from fmoesim.config.build import build_run, simulate_spec
     from fmoesim.trace.reader import read_trace
     from replay.backend import replay_backend
 
@@ -161,22 +161,18 @@ def validate(
     rows: list[dict[str, Any]] = []
     spec = None
     for name in policies:
-        spec = build_run(compose_config([*overrides, f"policy={name}"]))
+        cfg = compose_config([*overrides, f"policy={name}"])
+        spec = build_run(cfg)
         trace_path = _trace_path(spec)
         trace = read_trace(trace_path)
         common: dict[str, Any] = dict(
-            serving=spec.serving, seed=spec.seed, preempt=spec.engine.preempt
+            timing=True, access_log=False, progress=False, experts_per_layer=None
         )
-        sim = simulate(
-            trace, spec.model, spec.hardware, spec.policy, spec.budget_bytes, **common
-        ).summary
-        fresh = build_run(compose_config([*overrides, f"policy={name}"])).policy
-        rep = simulate(
+        sim = simulate_spec(spec, trace, **common).summary
+        rep = simulate_spec(
+            spec,
             trace,
-            spec.model,
-            spec.hardware,
-            fresh,
-            spec.budget_bytes,
+            policy=instantiate(cfg.policy),  # a fresh object: the simulator's has state
             make_backend=replay_backend(
                 spec.model,
                 spec.hardware,

@@ -13,14 +13,12 @@ one line on stderr naming the key or file and the rule, exit status 2, and no re
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from fmoesim.atomic import atomic_dir
 from fmoesim.config.build import (
     RunSpec,
     build_run,
@@ -141,7 +139,7 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
     import numpy as np
 
     import fmoesim
-    from fmoesim.engine.simulate import simulate
+    from fmoesim.config.build import simulate_spec
     from fmoesim.results.store import ResultsStore, code_version, config_key, input_digest
     from fmoesim.trace.reader import read_trace
 
@@ -160,20 +158,7 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
         return store.get(cfg_hash)
     trace_path = _trace_path(spec)
     trace = read_trace(trace_path)
-    result = simulate(
-        trace,
-        spec.model,
-        spec.hardware,
-        spec.policy,
-        spec.budget_bytes,
-        serving=spec.serving,
-        seed=spec.seed,
-        timing=spec.engine.timing,
-        preempt=spec.engine.preempt,
-        access_log=spec.output.access_log,
-        progress=spec.progress,
-        experts_per_layer=spec.experts_per_layer,
-    )
+    result = simulate_spec(spec, trace)
     row = dict(result.summary)
     row.update(
         {
@@ -276,11 +261,8 @@ def write_results(
         f"{time.strftime('%Y%m%d-%H%M%S')}-{row['policy']}-{row['model']}-"
         f"{row['budget_gb']:g}gb-{cfg_hash[:6]}"
     )
-    root = resolve_out(spec.output.dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / name
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
-    try:
+    final = resolve_out(spec.output.dir) / name
+    with atomic_dir(final, replace=True) as tmp:
         pd.DataFrame([row]).to_parquet(tmp / "summary.parquet", index=False)
         pd.DataFrame(result.metrics.layer_table()).to_parquet(tmp / "layers.parquet", index=False)
         pd.DataFrame(result.transfer_table()).to_parquet(tmp / "transfers.parquet", index=False)
@@ -306,12 +288,6 @@ def write_results(
                 tmp / "hit_rate.png",
                 caption,
             )
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 

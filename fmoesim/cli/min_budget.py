@@ -78,8 +78,7 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
     from hydra.utils import instantiate
 
     from fmoesim.cli.main import _trace_path, compose_config
-    from fmoesim.config.build import build_run
-    from fmoesim.engine.simulate import simulate
+    from fmoesim.config.build import build_run, simulate_spec
     from fmoesim.errors import ConfigError
     from fmoesim.trace.reader import read_trace
 
@@ -95,15 +94,15 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
 
     def tpot(n: int) -> float:
         if n not in runs:
-            r = simulate(
+            r = simulate_spec(
+                spec,
                 trace,
-                m,
-                spec.hardware,
-                instantiate(cfg.policy),
-                n * size,
-                serving=spec.serving,
-                seed=spec.seed,
-                preempt=spec.engine.preempt,
+                policy=instantiate(cfg.policy),
+                budget_bytes=n * size,
+                timing=True,
+                access_log=False,
+                progress=False,
+                experts_per_layer=None,
             )
             runs[n] = r.summary["tpot_mean_s"]
             print(f"  {n:>5} experts ({n * size / 1e9:7.2f} GB): TPOT {1e3 * runs[n]:9.2f} ms")

@@ -11,7 +11,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fmoesim.config.schema import CONF_DIR, EngineConfig, OutputConfig, WorkloadConfig
 from fmoesim.engine.serving import ServingConfig
-from fmoesim.engine.simulate import GB, check_budget, check_experts_per_layer
+from fmoesim.engine.simulate import GB, check_budget, check_experts_per_layer, simulate
 from fmoesim.errors import ConfigError
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
@@ -114,6 +114,37 @@ def build_run(cfg: DictConfig) -> RunSpec:
         int(cfg.seed),
         bool(cfg.progress),
         per_layer,
+    )
+
+
+def simulate_spec(
+    spec: RunSpec,
+    trace: Any,
+    *,
+    policy: Policy | None = None,
+    budget_bytes: int | None = None,
+    **overrides: Any,
+) -> Any:
+    """:func:`fmoesim.engine.simulate.simulate` with a checked run's settings (serving,
+    seed, engine, output, progress, per-layer caches); ``policy``, ``budget_bytes`` and
+    keyword ``overrides`` (``timing``, ``make_backend``...) replace the spec's."""
+    kwargs: dict[str, Any] = {
+        "serving": spec.serving,
+        "seed": spec.seed,
+        "timing": spec.engine.timing,
+        "preempt": spec.engine.preempt,
+        "access_log": spec.output.access_log,
+        "progress": spec.progress,
+        "experts_per_layer": spec.experts_per_layer,
+        **overrides,
+    }
+    return simulate(
+        trace,
+        spec.model,
+        spec.hardware,
+        spec.policy if policy is None else policy,
+        spec.budget_bytes if budget_bytes is None else budget_bytes,
+        **kwargs,
     )
 
 

@@ -44,36 +44,30 @@ def compute_table(
     """Hit rates of ``policies`` (default: every preset) at each budget, with the default
     model and hardware of ``conf/config.yaml``, hit-rate-only mode, seed 0."""
     import pandas as pd
+    from hydra.utils import instantiate
 
     from fmoesim.cli.main import compose_config
-    from fmoesim.config.build import build_run, preset_names
-    from fmoesim.engine.simulate import simulate
+    from fmoesim.config.build import build_run, preset_names, simulate_spec
+    from fmoesim.engine.simulate import GB
     from fmoesim.trace.reader import read_trace
 
     names = policies or preset_names("policy")
     tr = read_trace(ROOT / trace if not Path(trace).is_absolute() else trace)
     rows = []
     for name in names:
+        cfg = compose_config(
+            [f"policy={name}", f"serving.max_requests={max_requests}", "engine.timing=false"]
+        )
+        spec = build_run(cfg)
         for gb in budgets_gb:
-            spec = build_run(
-                compose_config(
-                    [
-                        f"policy={name}",
-                        f"cache.budget_gb={gb}",
-                        f"serving.max_requests={max_requests}",
-                        "engine.timing=false",
-                    ]
-                )
-            )
-            r = simulate(
+            r = simulate_spec(
+                spec,
                 tr,
-                spec.model,
-                spec.hardware,
-                spec.policy,
-                spec.budget_bytes,
-                serving=spec.serving,
-                seed=spec.seed,
+                policy=instantiate(cfg.policy),  # a fresh policy object per run
+                budget_bytes=int(gb * GB),
                 timing=False,
+                access_log=False,
+                progress=False,
             ).summary
             rows.append(
                 {
