@@ -91,6 +91,9 @@ class Backend(ABC):
     caches: Sequence[ExpertCache]
     transfers: list[TransferRecord]  # every transfer submitted, in order (the log)
     busy_compute_s: float  # time the GPUs spent computing (modelled or measured)
+    #: Whether :meth:`link_idle` and :meth:`demand_layer` are implemented (the
+    #: simulator's closed form for demand-only layer steps).
+    closed_form_demand: bool = False
 
     @abstractmethod
     def now(self) -> float:
@@ -167,6 +170,25 @@ class Backend(ABC):
     @abstractmethod
     def wait_any(self, gpu: int, keys: Sequence[int]) -> int:
         """Block ``gpu``'s compute until one of ``keys`` is resident; return it."""
+
+    def link_idle(self, gpu: int) -> bool:
+        """Whether ``gpu``'s link has nothing moving, queued or waiting for release."""
+        return False
+
+    def demand_layer(
+        self,
+        tokens: int,
+        ready_tokens: list[int],
+        miss_keys: list[int],
+        miss_tokens: list[int],
+        size_bytes: int,
+    ) -> tuple[list[TransferRecord], float]:
+        """GPU 0's whole expert phase of a layer whose link was idle and which issues no
+        prefetches: the shared experts, the resident experts (``ready_tokens``) computing
+        while the misses load on demand in order, each computing when it lands.  Returns
+        the misses' transfer records and the layer's stall.  Only where
+        :attr:`closed_form_demand` is true."""
+        raise NotImplementedError(f"{type(self).__name__} has no closed form for a layer")
 
     def drain(self) -> None:
         """The run is over: let every transfer still in flight land (default: none)."""

@@ -54,6 +54,7 @@ class Runner:
         access_log: bool = False,
         on_iteration: Callable[[], None] | None = None,
         served: list[int] | None = None,
+        closed_form: bool = True,
     ) -> None:
         self.trace, self.model, self.policy = trace, model, policy
         # the request positions served, in trace order (all of them unless some are held
@@ -91,6 +92,15 @@ class Runner:
         self._nz_tokens = flat[nz_row, self._nz_expert]  # (A,)
         self._nz_off = np.zeros(len(flat) + 1, dtype=np.int64)  # (rows * L + 1,)
         np.cumsum(np.bincount(nz_row, minlength=len(flat)), out=self._nz_off[1:])
+        # perf: a layer with no actions that starts with an idle link is a demand-only
+        # layer, timed in closed form (see _demand_layer); one GPU, whole experts.
+        self._demand_ok = (
+            closed_form
+            and self.N == 1
+            and not self.segments
+            and caches[0].group_of is None
+            and backend.closed_form_demand
+        )
         self.log: dict[str, list[Any]] | None = None
         if access_log:
             self.log = {
@@ -383,6 +393,9 @@ class Runner:
         actions = NO_ACTIONS
         if view is not None:
             actions = policy.on_gate(layer, view)
+        if actions is NO_ACTIONS and self._demand_ok and be.link_idle(0):
+            self._demand_layer(layer, experts, expert_tokens, tokens, step)
+            return
         m.layer_steps += 1
         acc = m.acc[layer]
         base = layer * self.E
@@ -429,6 +442,21 @@ class Runner:
                     strict=True,
                 ):
                     log[col].append(v)
+        self._finish_layer(layer, ready, pending, missing, tokens, actions)
+
+    def _finish_layer(
+        self,
+        layer: int,
+        ready: list[tuple[int, int, int, float]],
+        pending: list[tuple[int, int, int, float]],
+        missing: list[tuple[int, int, int, float]],
+        tokens: int,
+        actions: Actions,
+    ) -> None:
+        """The rest of a layer once its accesses are classified (hits and in-flight
+        experts pinned): on-demand loads, the gate's actions, shared experts, then each
+        GPU's expert phase."""
+        m, N, be = self.metrics, self.N, self.backend
         deferred: list[tuple[int, int, int, float]] = []
         for x in missing:  # on-demand loads jump the link's queue
             if self._load(x[0], x[1], ON_DEMAND, "on_demand", pin=True):
@@ -450,6 +478,101 @@ class Runner:
                     layer,
                 )
         stall = be.end_experts()
+        if stall:
+            m.stall_s += stall
+            m.stall_layer_s[layer] += stall
+
+    def _demand_layer(
+        self, layer: int, experts: list[int], expert_tokens: list[int], tokens: int, step: int
+    ) -> None:
+        """One layer step with no policy actions, on one GPU whose link is idle: every
+        cached expert is resident, so an access is a HIT or a MISS, and the misses load
+        on demand one after another while the hits compute.
+
+        Exactly what :meth:`_layer`'s general path does in this case (same policy
+        calls in the same order, same candidates for every victim, same transfer
+        records and clock, to the last bit: ``tests/test_engine_demand.py``), without
+        driving the link's event loop: the backend times the layer in closed form
+        (:meth:`fmoesim.engine.sim.SimBackend.demand_layer`).  When the misses might not
+        all fit next to the pinned hits it hands the layer to the general path.
+
+        perf: about half the cost of the general path per layer step, which is what
+        the demand-only caches spend their time on.
+        """
+        be, m, cache = self.backend, self.metrics, self.caches[0]
+        m.layer_steps += 1
+        acc = m.acc[layer]
+        base = layer * self.E
+        get = cache.entries.get
+        on_access = self.policy.on_access if self._has_access else None
+        log = self.log
+        hit_keys: list[int] = []
+        hit_tok: list[int] = []
+        miss_keys: list[int] = []
+        miss_tok: list[int] = []
+        for e, tok in zip(experts, expert_tokens, strict=True):
+            key = base + e
+            ent = get(key)
+            if ent is None:
+                outcome = _MISS
+                miss_keys.append(key)
+                miss_tok.append(tok)
+            else:
+                outcome = _HIT  # an idle link leaves nothing in flight
+                hit_keys.append(key)
+                hit_tok.append(tok)
+                if not ent.used:  # what pin() records; pins matter only if a miss admits
+                    ent.used = True
+                    if ent.record is not None:
+                        ent.record.used = True
+            if on_access is not None:
+                on_access(key, outcome)
+            if log is not None:
+                for col, v in zip(
+                    ("step", "iteration", "layer", "expert", "gpu", "outcome", "time_s"),
+                    (step, self.iteration, layer, e, 0, int(outcome), be.now()),
+                    strict=True,
+                ):
+                    log[col].append(v)
+        acc[0] += len(hit_keys)  # perf: plain ints, not the IntEnum, as list indices
+        acc[2] += len(miss_keys)
+        if miss_keys:
+            pin, unpin = cache.pin, cache.unpin
+            for key in hit_keys:  # the victims of the misses' admissions skip them
+                pin(key)
+            size = self.expert_bytes
+            free = cache.budget_bytes - cache.used_bytes + size * len(cache.evictable)
+            if size > cache.budget_bytes or free < size * len(miss_keys):
+                # some miss may not find room: the general path defers and reclaims
+                self._finish_layer(
+                    layer,
+                    [(0, k, t, 1.0) for k, t in zip(hit_keys, hit_tok, strict=True)],
+                    [],
+                    [(0, k, t, 1.0) for k, t in zip(miss_keys, miss_tok, strict=True)],
+                    tokens,
+                    NO_ACTIONS,
+                )
+                return
+            for key in miss_keys:
+                if not cache.admit(key, size, "on_demand"):  # pragma: no cover - checked
+                    raise RuntimeError(f"expert {key} found no room after the room check")
+            records, stall = be.demand_layer(tokens, hit_tok, miss_keys, miss_tok, size)
+            # the order the general path frees them in: the hits after they compute, then
+            # each miss as it lands (policies may read the candidates' order)
+            for key in hit_keys:
+                unpin(key)
+            entries = cache.entries
+            for key, rec in zip(miss_keys, records, strict=True):
+                ent = entries[key]
+                ent.record = rec
+                ent.used = rec.used = True
+                cache.complete(key)
+        else:
+            _, stall = be.demand_layer(tokens, hit_tok, miss_keys, miss_tok, 0)
+            ev = cache.evictable
+            for key in hit_keys:  # pinned and released: to the end of the candidates' order
+                del ev[key]
+                ev[key] = None
         if stall:
             m.stall_s += stall
             m.stall_layer_s[layer] += stall

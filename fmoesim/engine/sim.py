@@ -241,6 +241,8 @@ class SimLink:
 class SimBackend(Backend):
     """The timed simulator backend (see the module docstring)."""
 
+    closed_form_demand = True
+
     def __init__(
         self,
         hw: HardwareSpec,
@@ -408,6 +410,73 @@ class SimBackend(Backend):
                 )
             t = link.cur_end_s
             link.advance(t)
+
+    def link_idle(self, gpu: int) -> bool:
+        """Nothing moving on ``gpu``'s link and nothing queued or waiting for release
+        (stale heap entries of cancelled transfers do not count)."""
+        link = self.links[gpu]
+        return link.cur is None and link.cur_end_s == INF
+
+    def demand_layer(
+        self,
+        tokens: int,
+        ready_tokens: list[int],
+        miss_keys: list[int],
+        miss_tokens: list[int],
+        size_bytes: int,
+    ) -> tuple[list[TransferRecord], float]:
+        """The closed form of one GPU's expert phase when only on-demand loads use an
+        idle link (see :meth:`Backend.demand_layer`).
+
+        The misses load back to back from now: load ``i`` starts when load ``i - 1``
+        ends and takes ``overhead_s + size / bytes_per_s`` (on-demand loads are never
+        paused).  After the shared experts, the resident experts compute as one block;
+        then each miss waits for its load (the stall) and computes.  Every sum is taken
+        in the order :class:`SimLink`, :meth:`wait_any` and :meth:`expert` take it, so the
+        clock, the link's busy time and the records agree with the event-driven path to
+        the last bit (``tests/test_engine_demand.py``).
+        """
+        link = self.links[0]
+        t = self.clock_s
+        records: list[TransferRecord] = []
+        if miss_keys:
+            bps, overhead = link.bytes_per_s, link.overhead_s
+            transfers = self.transfers
+            busy = link.busy_s
+            for key in miss_keys:
+                rec = TransferRecord(key, 0, size_bytes, "on_demand", ON_DEMAND, self.clock_s)
+                rec.start_s = t
+                end = (t + overhead) + size_bytes / bps
+                busy += end - t
+                rec.end_s = t = end
+                rec.left_bytes = 0
+                rec.seq = link._seq
+                link._seq += 1
+                rec.state = _DONE
+                records.append(rec)
+                transfers.append(rec)
+            link.busy_s = busy
+        c = self.compute
+        if self._shared:
+            self._run(c.shared_s(tokens))
+        gpu = self.clock_s
+        a, b = c.expert_a_s, c.expert_b_s
+        busy_c = self.busy_compute_s
+        if ready_tokens:
+            d = len(ready_tokens) * a + b * sum(ready_tokens)
+            gpu += d
+            busy_c += d
+        wait = 0.0
+        for rec, tok in zip(records, miss_tokens, strict=True):
+            if rec.end_s > gpu:
+                wait += rec.end_s - gpu
+                gpu = rec.end_s
+            d = 1.0 * (a + b * tok)
+            gpu += d
+            busy_c += d
+        self.busy_compute_s = busy_c
+        self.clock_s = gpu
+        return records, wait
 
     def drain(self) -> None:
         """Let the prefetches still in flight land."""

@@ -217,8 +217,10 @@ def simulate(
     ``timing=False`` is the hit-rate-only mode (:class:`InstantBackend`: no clock, a
     transfer lands at the next layer step); ``preempt`` lets on-demand loads pause a
     prefetch at a chunk boundary; ``access_log`` keeps one row per expert access.
-    ``fast`` allows an exact fast path (:mod:`fmoesim.engine.fast`) for hit-rate-only
-    runs of plain LRU on one GPU; it keeps no transfer log and no cache objects.
+    ``fast`` allows the exact fast paths: :mod:`fmoesim.engine.fast` for hit-rate-only
+    runs of plain LRU on one GPU (it keeps no transfer log and no cache objects), and
+    the closed-form timing of layer steps without prefetches on one GPU
+    (:meth:`Runner._demand_layer`); ``fast=False`` runs everything event by event.
     ``experts_per_layer`` gives every layer a cache of its own for that many experts
     (one GPU; MoEpic Table 1's setting); ``budget_bytes`` must then be their total.
     ``make_backend(caches)`` replaces the simulator's backend (the GPU replay,
@@ -334,6 +336,7 @@ def simulate(
         arrival_s,
         access_log=access_log,
         served=served,
+        closed_form=fast,
     )
     total_iters = int(trace.output_tokens[served].sum())
     bar = None
