@@ -143,27 +143,18 @@ class MixtralOffloading(LayerGuard, Policy):
             key = self._lru_of(layer, candidates)
             if key >= 0:
                 return key
-        # perf: one pass for the layer most over its quota (ties: smaller layer); the sort
-        # over all layers is needed only if that layer has nothing evictable
-        best, best_excess = -1, 0
-        for lay in range(self._L):
-            excess = held[row + lay] - quota[lay]
-            if excess > best_excess and lay != layer:
-                best, best_excess = lay, excess
-        if best >= 0:
-            key = self._lru_of(best, candidates)
+        # the other layers over their quota, most over first (ties: smaller layer)
+        # perf: one comprehension over the layers, then a sort of the few over quota
+        over = [
+            (quota[lay] - held[row + lay], lay)
+            for lay in range(self._L)
+            if held[row + lay] > quota[lay] and lay != layer
+        ]
+        over.sort()
+        for _, lay in over:
+            key = self._lru_of(lay, candidates)
             if key >= 0:
                 return key
-            over = sorted(
-                (lay for lay in range(self._L) if lay not in (layer, best)),
-                key=lambda lay: (quota[lay] - held[row + lay], lay),
-            )
-            for lay in over:
-                if held[row + lay] <= quota[lay]:
-                    break
-                key = self._lru_of(lay, candidates)
-                if key >= 0:
-                    return key
         key = self._first_unguarded(candidates, candidates)  # admission order: the oldest
         if key < 0:
             raise ValueError("MixtralOffloading.victim called with no candidates")

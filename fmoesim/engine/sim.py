@@ -170,10 +170,9 @@ class SimLink:
         """Queue ``record``'s transfer at ``t_s`` (the link must be advanced to ``t_s``);
         it may start at ``record.release_s`` at the earliest."""
         job = record  # perf: the record is the link's job (no second object per transfer)
-        job.left_bytes = job.size_bytes
-        job.link_priority = job.priority
+        # a new record already has left_bytes = size_bytes, link_priority = priority and
+        # state = _QUEUED (TransferRecord.__init__)
         job.seq = self._seq
-        job.state = _QUEUED
         self._seq += 1
         self._jobs[job.key] = job
         if job.release_s > t_s and job.priority != ON_DEMAND:
