@@ -333,12 +333,14 @@ class MoEpic(Policy):
         raise ValueError("MoEpic.victim called with no candidates")
 
     def report(self) -> dict[str, np.ndarray]:
-        """The current configuration per layer: budget (experts), θ and tops cached."""
+        """The current configuration per layer: budget (experts), θ and tops cached, and
+        how many times the configurator has run (the same on every row)."""
         return {
             "layer": np.arange(self._L),
             "budget_experts": self._V.copy(),
             "split_ratio": self._theta.copy(),
             "cached_tops": self._sizes.copy(),
+            "configurations": np.full(self._L, float(self.configurations)),
         }
 
 

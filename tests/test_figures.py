@@ -55,6 +55,8 @@ def fake_rows(experiment: str) -> list[dict]:
             e2e_p99_s=float(e2e.max()), request_e2e_s=list(e2e),
             policy_mean_semantic_score=rng.uniform(0.5, 1),
             policy_mean_trajectory_score=rng.uniform(0.5, 1),
+            policy_mean_configurations=float(rng.integers(0, 4)),
+            policy_mean_split_ratio=rng.uniform(0.3, 0.7),
         )  # fmt: skip
         rows.append(row)
     return rows
@@ -157,3 +159,19 @@ def test_synthetic_azure_arrivals_read_back(tmp_path):
     gaps = np.diff(lengths.arrival_s)
     assert (gaps >= 0).all()
     assert 10 < gaps.mean() < 22 and gaps.std() / gaps.mean() > 1.1  # mean 15 s, bursty
+
+
+def test_moepic_ablation_run_is_long_enough_for_the_configurator() -> None:
+    """Table 3's "w/o CCA" only differs from MoEpic if the configurator runs: the tokens
+    the experiment's requests process must exceed its τ (at the paper's 5,000 they did
+    not, and the two rows were identical)."""
+    from fmoesim.cli.main import compose_config
+    from fmoesim.config.schema import PROJECT_ROOT
+    from fmoesim.trace import read_trace
+
+    cfg = compose_config(["experiment=moepic-tab3"])
+    assert cfg.workload.path == "traces/default"
+    tr = read_trace(PROJECT_ROOT / cfg.workload.path)
+    n = cfg.serving.max_requests
+    tokens = int(tr.prompt_tokens[:n].sum() + tr.output_tokens[:n].sum() - n)
+    assert cfg.policy.tau_tokens < tokens, (cfg.policy.tau_tokens, tokens)

@@ -113,6 +113,7 @@ def test_reconfiguration_moves_budget_and_keeps_the_total(trace):
     r = simulate(trace, MODEL, TINY_HW, pol, budget)
     assert pol.configurations >= 2
     rep = pol.report()
+    assert (rep["configurations"] == pol.configurations).all()  # reported per run
     V_e = (budget - 2 * K * size) / size  # the default buffer: 2K experts
     assert rep["budget_experts"].sum() == pytest.approx(V_e)
     assert (rep["budget_experts"] > 0).all()
