@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from policies._prefetching import LayerGuard, prefetch_actions, top_experts
+from policies._prefetching import LayerGuard, prefetch_actions, stale_prefetches, top_experts
 from policies.base import NO_ACTIONS, Actions, GateView, Policy, PolicyContext
 
 
@@ -26,16 +26,24 @@ class PreGated(LayerGuard, Policy):
     only what the current and next layer need is protected.  The protocol has no way to
     drop an entry before the budget is full, so with a budget larger than two layers'
     experts, leftovers can still hit; run it with ``2 * top_k`` experts of budget to
-    reproduce the paper's budget-independent behaviour.
+    reproduce the paper's budget-independent behaviour.  Stale predictions: the paper
+    is silent (in Pre-gated MoE the pre-gate's choice is the routing, so nothing is
+    mispredicted); here the router decides, so at the gate of layer ``l + 1`` the
+    still-queued prefetches this policy issued for it that the gate did not route to are
+    cancelled (``cancel_stale``, default on), because otherwise, on a link slower than a
+    layer's compute, mispredictions pile up in the queue, hold the budget in flight and
+    evict everything resident (TPOT then stays at the all-miss level at any budget);
+    ``false`` keeps them queued.
     """
 
     name = "pregated"
     uses_spec = True
 
-    def __init__(self, prefetch_experts: int | None = None) -> None:
+    def __init__(self, prefetch_experts: int | None = None, cancel_stale: bool = True) -> None:
         if prefetch_experts is not None and int(prefetch_experts) < 1:
             raise ValueError(f"prefetch_experts must be >= 1 or None, got {prefetch_experts}")
         self.prefetch_experts = None if prefetch_experts is None else int(prefetch_experts)
+        self.cancel_stale = bool(cancel_stale)
 
     def reset(self, ctx: PolicyContext) -> None:
         """Forget the last prediction."""
@@ -44,21 +52,25 @@ class PreGated(LayerGuard, Policy):
         m = ctx.model
         self._L, self._E, self._K = m.num_layers, m.num_experts, m.top_k
         self._next: set[int] = set()  # keys predicted for the next layer at the last gate
+        self._issued: list[list[int]] = [[] for _ in range(self._L)]  # per target layer
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """Prefetch the pre-gate's top experts of the next layer."""
         self._guard(layer, gate.counts)
+        cancel = stale_prefetches(self._issued, layer, gate.counts) if self.cancel_stale else []
         spec = gate.spec_next
         if spec is None or layer + 1 >= self._L:
             self._next = set()
-            return NO_ACTIONS
+            return Actions(cancel=cancel) if cancel else NO_ACTIONS
         routed = self._routed(gate)
         n = self.prefetch_experts or max(self._K, routed)
         n = min(n, self._E, self._room_experts(routed))
         base = (layer + 1) * self._E
         keys = [base + e for e in top_experts(spec, n)]
         self._next = set(keys)
-        return prefetch_actions(keys, self._E)
+        if self.cancel_stale:
+            self._issued[layer + 1] = keys
+        return prefetch_actions(keys, self._E, cancel=cancel)
 
     def victim(self, candidates: Collection[int], incoming: int) -> int:
         """Oldest candidate the current and next layer do not need (else the oldest unguarded)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies._prefetching import GuardedLRU, routed_by_count, top_experts
+from policies._prefetching import GuardedLRU, routed_by_count, stale_prefetches, top_experts
 from policies.base import NO_ACTIONS, Actions, GateView, PolicyContext, Prefetch
 
 
@@ -36,14 +36,25 @@ class ProMoE(GuardedLRU):
     routed to (never below ``top_k``) for the speculative part and all of the remembered
     routing for the stride part; all capped by the room next to the current layer's
     experts.  Cache: global LRU whose victim skips the current layer's routed experts
-    (ProMoE's cache policy is not described in ``000``/``002``).
+    (ProMoE's cache policy is not described in ``000``/``002``).  Stale prefetches (not
+    described either): at the gate of a target layer, the still-queued prefetches this
+    policy issued for it that the gate did not route to are cancelled (``cancel_stale``,
+    default on), because otherwise, on a link slower than a layer's compute, wrong
+    guesses pile up in the queue, hold the budget in flight and evict everything
+    resident (TPOT then stays at the all-miss level at any budget: on the default
+    Mixtral setting it stayed at about 720 ms from 6 to 48 GB); ``false`` keeps them
+    queued.
     """
 
     name = "promoe"
     uses_spec = True
 
     def __init__(
-        self, stride: int = 3, prefetch_experts: int | None = None, use_spec_next: bool = True
+        self,
+        stride: int = 3,
+        prefetch_experts: int | None = None,
+        use_spec_next: bool = True,
+        cancel_stale: bool = True,
     ) -> None:
         if int(stride) < 1:
             raise ValueError(f"stride must be >= 1, got {stride}")
@@ -52,6 +63,7 @@ class ProMoE(GuardedLRU):
         self.stride = int(stride)
         self.prefetch_experts = None if prefetch_experts is None else int(prefetch_experts)
         self.use_spec_next = bool(use_spec_next)
+        self.cancel_stale = bool(cancel_stale)
 
     def reset(self, ctx: PolicyContext) -> None:
         """Forget recency and routing history."""
@@ -61,12 +73,15 @@ class ProMoE(GuardedLRU):
         if self.stride > self._L:
             raise ValueError(f"stride {self.stride} exceeds the model's {self._L} MoE layers")
         self._last: list[list[int]] = [[] for _ in range(self._L)]  # experts, most tokens first
+        # keys prefetched for each target layer, not yet seen by that layer's gate
+        self._issued: list[list[int]] = [[] for _ in range(self._L)]
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """Remember this layer's routing; prefetch layer ``l + 1`` (spec) and ``l + stride``."""
         counts = gate.counts
         self._guard(layer, counts)
         self._last[layer] = routed_by_count(gate)
+        cancel = stale_prefetches(self._issued, layer, counts) if self.cancel_stale else []
         routed = self._routed(gate)
         room = self._room_experts(routed)
         E, cap = self._E, self.prefetch_experts
@@ -88,4 +103,9 @@ class ProMoE(GuardedLRU):
             keys = [base + e for e in hist if base + e not in chosen]
             keys = keys[: max(0, room - len(prefetch))]
             prefetch += [Prefetch(k, self.stride + r / E) for r, k in enumerate(keys)]
-        return Actions(prefetch=prefetch) if prefetch else NO_ACTIONS
+        if self.cancel_stale:
+            for p in prefetch:
+                self._issued[p.key // E].append(p.key)
+        if not prefetch and not cancel:
+            return NO_ACTIONS
+        return Actions(prefetch=prefetch, cancel=cancel)

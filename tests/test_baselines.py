@@ -313,7 +313,44 @@ def test_pregated_prefetches_predicted_and_evicts_what_no_layer_needs():
     assert [k for k, _ in pf(q.on_gate(0, gate(0, [1, 0, 0, 0], [0.1, 0.2, 0.6, 0.1])))] == [6, 5]
 
 
+def test_pregated_cancels_its_stale_predictions_at_their_layer():
+    """Gate 0 predicts expert 2 of layer 1 (key 6); gate 1 routes expert 1: the queued
+    prefetch of key 6 is cancelled there (the engine drops it only if it never
+    started).  A prediction the gate did route to is kept; ``cancel_stale=False`` keeps
+    everything."""
+    p = PreGated()
+    p.reset(context(M34, 4))
+    p.on_gate(0, gate(0, [1, 0, 0, 0], [0.1, 0.2, 0.6, 0.1]))
+    a = p.on_gate(1, gate(1, [0, 1, 0, 0], [0.6, 0.1, 0.2, 0.1]))
+    assert list(a.cancel) == [6] and pf(a) == [(8, 1.0)]
+    assert list(p.on_gate(2, gate(2, [1, 0, 0, 0])).cancel) == []  # key 8 was routed
+    q = PreGated(cancel_stale=False)
+    q.reset(context(M34, 4))
+    q.on_gate(0, gate(0, [1, 0, 0, 0], [0.1, 0.2, 0.6, 0.1]))
+    assert list(q.on_gate(1, gate(1, [0, 1, 0, 0], [0.6, 0.1, 0.2, 0.1])).cancel) == []
+
+
 # -- ProMoE ------------------------------------------------------------------------------
+def test_promoe_cancels_stale_prefetches_of_both_distances():
+    """stride 2: gate 0 prefetches 6 (layer 1, by speculation), 9 and 11 (layer 2, by
+    history).  Gate 1 routes expert 3: 6 is stale.  Gate 2 routes expert 1: 9 was
+    needed, 11 is stale."""
+    m = small_model(4, 4, 1)
+    p = ProMoE(stride=2)
+    p.reset(context(m, 16))
+    p.on_gate(2, gate(2, [0, 3, 0, 1]))
+    assert pf(p.on_gate(0, gate(0, [1, 0, 0, 0], [0.1, 0.1, 0.7, 0.1]))) == [
+        (6, 1.0), (9, 2.0), (11, 2.25)
+    ]  # fmt: skip
+    assert list(p.on_gate(1, gate(1, [0, 0, 0, 1])).cancel) == [6]
+    assert list(p.on_gate(2, gate(2, [0, 1, 0, 0])).cancel) == [11]
+    q = ProMoE(stride=2, cancel_stale=False)
+    q.reset(context(m, 16))
+    q.on_gate(2, gate(2, [0, 3, 0, 1]))
+    q.on_gate(0, gate(0, [1, 0, 0, 0], [0.1, 0.1, 0.7, 0.1]))
+    assert list(q.on_gate(1, gate(1, [0, 0, 0, 1])).cancel) == []
+
+
 def test_promoe_prefetches_next_layer_by_spec_and_stride_layer_by_history():
     m = small_model(4, 4, 1)
     p = ProMoE(stride=2)
