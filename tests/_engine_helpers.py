@@ -18,6 +18,7 @@ from fmoesim.engine.compute import ComputeModel
 from fmoesim.specs import HardwareSpec, ModelSpec
 from fmoesim.trace import TraceManifest, TraceModel, TraceWriter, read_trace
 from fmoesim.trace.reader import Trace
+from fmoesim.workload.synthetic import SyntheticConfig, generate
 from policies.base import NO_ACTIONS, Actions, BatchInfo, GateView, PolicyContext, Prefetch
 from policies.lru import LRU
 
@@ -131,3 +132,47 @@ class ScheduledPrefetch(LRU):
         return Actions(
             prefetch=[Prefetch(*k) if isinstance(k, tuple) else Prefetch(k) for k in keys]
         )
+
+
+def small_synthetic_trace(path: Path, model: ModelSpec, seed: int) -> Trace:
+    """Six requests of the synthetic workload (gate and speculative probabilities, so
+    prefetching policies act; prompts of ~12 tokens, ~10 outputs; 20 requests/s)."""
+    cfg = SyntheticConfig(
+        num_requests=6,
+        embedding_dim=8,
+        prompt_tokens_median=12,
+        prompt_tokens_max=40,
+        output_tokens_median=10,
+        output_tokens_max=24,
+        arrival_rate_rps=20.0,
+        seed=seed,
+    )
+    generate(model, cfg, path, overwrite=True)
+    return read_trace(path)
+
+
+def random_trace(
+    path: Path, model: ModelSpec, lengths: Sequence[int], seed: int, prompt: int = 1
+) -> Trace:
+    """Requests of ``lengths`` iterations (a prefill of ``prompt`` tokens, then one token
+    each), every token routed to ``top_k`` experts drawn uniformly per layer."""
+    rng = np.random.default_rng(seed)
+    L, E, k = model.num_layers, model.num_experts, model.top_k
+    man = TraceManifest(
+        model=TraceModel(model.name, L, E, k, model.hidden_size),
+        embedding_dim=0,
+        source={"kind": "synthetic", "generator": "tests/_engine_helpers.py"},
+        has_probs=False,
+        has_spec_probs=False,
+    )
+    with TraceWriter(path, man, overwrite=True) as w:
+        for rid, n in enumerate(lengths):
+            w.add_request(rid, prompt, n)
+            for i in range(n):
+                tokens = prompt if i == 0 else 1
+                counts = np.zeros((L, E), np.int32)
+                for _ in range(tokens):
+                    for layer in range(L):
+                        counts[layer, rng.choice(E, size=k, replace=False)] += 1
+                w.add_iteration(rid, i, tokens, None, counts, None, None)
+    return read_trace(path)

@@ -27,11 +27,16 @@ from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.sim import SimBackend
 from fmoesim.engine.simulate import RunResult, simulate
 from fmoesim.specs import HardwareSpec, ModelSpec
-from fmoesim.trace import TraceManifest, TraceModel, TraceWriter, read_trace
 from fmoesim.trace.reader import Trace
-from fmoesim.workload.synthetic import SyntheticConfig, generate
 from policies.base import Policy
-from tests._engine_helpers import Req, pre_gate_s, transfer_s, write_trace
+from tests._engine_helpers import (
+    Req,
+    pre_gate_s,
+    random_trace,
+    small_synthetic_trace,
+    transfer_s,
+    write_trace,
+)
 from tests.tiny import TINY_HW, small_model
 
 #: Presets that never prefetch: every layer step of theirs takes the closed form.
@@ -119,19 +124,7 @@ MODEL = ModelSpec(
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:
-    path = tmp_path_factory.mktemp("demand") / "trace"
-    cfg = SyntheticConfig(
-        num_requests=6,
-        embedding_dim=8,
-        prompt_tokens_median=12,
-        prompt_tokens_max=40,
-        output_tokens_median=10,
-        output_tokens_max=24,
-        arrival_rate_rps=20.0,
-        seed=5,
-    )
-    generate(MODEL, cfg, path, overwrite=True)
-    return read_trace(path)
+    return small_synthetic_trace(tmp_path_factory.mktemp("demand") / "trace", MODEL, seed=5)
 
 
 SERVINGS = {
@@ -173,32 +166,6 @@ def test_fast_path_is_off_with_two_gpus(trace: Trace) -> None:
 # -- random traces, tight budgets ----------------------------------------------------------
 
 
-def _random_trace(
-    path: Path, model: ModelSpec, lengths: list[int], prompt: int, seed: int
-) -> Trace:
-    """Requests of ``lengths`` iterations routed uniformly at random (top-k per token)."""
-    rng = np.random.default_rng(seed)
-    L, E, k = model.num_layers, model.num_experts, model.top_k
-    man = TraceManifest(
-        model=TraceModel(model.name, L, E, k, model.hidden_size),
-        embedding_dim=0,
-        source={"kind": "synthetic", "generator": "tests/test_engine_demand.py"},
-        has_probs=False,
-        has_spec_probs=False,
-    )
-    with TraceWriter(path, man, overwrite=True) as w:
-        for rid, n in enumerate(lengths):
-            w.add_request(rid, prompt, n)
-            for i in range(n):
-                tokens = prompt if i == 0 else 1
-                counts = np.zeros((L, E), np.int32)
-                for _ in range(tokens):
-                    for layer in range(L):
-                        counts[layer, rng.choice(E, size=k, replace=False)] += 1
-                w.add_iteration(rid, i, tokens, None, counts, None, None)
-    return read_trace(path)
-
-
 @settings(max_examples=30, deadline=None)
 @given(
     name=st.sampled_from(DEMAND_ONLY),
@@ -227,7 +194,7 @@ def test_random_traces_fast_equals_event_driven(
     k = min(k, E)
     model = small_model(L, E, k)
     with tempfile.TemporaryDirectory() as d:
-        tr = _random_trace(Path(d) / "t", model, lengths, prompt, seed)
+        tr = random_trace(Path(d) / "t", model, lengths, seed, prompt)
     budget = (k + extra) * model.expert_size_bytes
     fast, slow, _ = run_both(
         tr, model, TINY_HW, name, budget, serving=ServingConfig(batch_size=batch), seed=seed

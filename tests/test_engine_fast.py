@@ -14,8 +14,8 @@ from fmoesim.engine.fast import NotApplicable, lru_hit_only
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import simulate
 from fmoesim.specs import ModelSpec
-from fmoesim.trace import TraceManifest, TraceModel, TraceWriter, read_trace
 from policies.lru import LRU
+from tests._engine_helpers import random_trace
 from tests.tiny import TINY_HW
 
 IGNORED = {"wall_s", "speedup_vs_real"}
@@ -36,27 +36,6 @@ def _model(L: int, E: int, k: int) -> ModelSpec:
     )
 
 
-def _random_trace(path: Path, model: ModelSpec, lengths: list[int], seed: int) -> None:
-    """Requests of ``lengths`` iterations, one token each, routed uniformly at random."""
-    rng = np.random.default_rng(seed)
-    L, E, k = model.num_layers, model.num_experts, model.top_k
-    man = TraceManifest(
-        model=TraceModel(model.name, L, E, k, model.hidden_size),
-        embedding_dim=0,
-        source={"kind": "synthetic", "generator": "tests/test_engine_fast.py"},
-        has_probs=False,
-        has_spec_probs=False,
-    )
-    with TraceWriter(path, man, overwrite=True) as w:
-        for rid, n in enumerate(lengths):
-            w.add_request(rid, 1, n)
-            for i in range(n):
-                counts = np.zeros((L, E), np.int32)
-                for layer in range(L):
-                    counts[layer, rng.choice(E, size=k, replace=False)] = 1
-                w.add_iteration(rid, i, 1, None, counts, None, None)
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     L=st.integers(1, 3),
@@ -74,8 +53,7 @@ def test_fast_lru_equals_generic(
     model = _model(L, E, k)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "t"
-        _random_trace(path, model, lengths, seed)
-        tr = read_trace(path)
+        tr = random_trace(path, model, lengths, seed)
     budget = (k + extra) * model.expert_size_bytes
     serving = ServingConfig(batch_size=batch)
     slow = simulate(tr, model, TINY_HW, LRU(), budget, serving=serving, timing=False, fast=False)

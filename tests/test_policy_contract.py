@@ -33,9 +33,9 @@ from fmoesim.errors import ConfigError
 from fmoesim.specs import ModelSpec
 from fmoesim.trace import read_trace
 from fmoesim.trace.reader import Trace
-from fmoesim.workload.synthetic import SyntheticConfig, generate
 from policies.base import Policy
 from policies.lru import LRU
+from tests._engine_helpers import small_synthetic_trace
 from tests.tiny import TINY_HW
 
 MODEL = ModelSpec(
@@ -69,19 +69,7 @@ def r_policy_segments(r: RunResult) -> bool:
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:
-    path = tmp_path_factory.mktemp("contract") / "trace"
-    cfg = SyntheticConfig(
-        num_requests=6,
-        embedding_dim=8,
-        prompt_tokens_median=12,
-        prompt_tokens_max=40,
-        output_tokens_median=10,
-        output_tokens_max=24,
-        arrival_rate_rps=20.0,
-        seed=3,
-    )
-    generate(MODEL, cfg, path, overwrite=True)
-    return read_trace(path)
+    return small_synthetic_trace(tmp_path_factory.mktemp("contract") / "trace", MODEL, seed=3)
 
 
 def make_policy(name: str) -> Policy:
