@@ -6,7 +6,7 @@ from collections.abc import Collection
 
 import numpy as np
 
-from policies._prefetching import GuardedLRU, prefetch_actions
+from policies._prefetching import GuardedLRU, prefetch_actions, stale_prefetches
 from policies.base import NO_ACTIONS, Actions, GateView, PolicyContext
 
 CACHE_PRIORITIES = ("lru", "count")
@@ -64,8 +64,8 @@ class BrainStorm(GuardedLRU):
         self._neg = np.zeros((L, E), dtype=np.int64)
         self._flat = self._neg.reshape(-1)  # view: -_flat[key] is the count of key
         self._n = E if self.prefetch_experts is None else min(self.prefetch_experts, E)
-        self._issued: list[int] = []  # keys prefetched at the last gate (for layer + 1)
-        self._predicted: set[int] = set()  # the same keys, for O(1) membership
+        self._issued: list[list[int]] = [[] for _ in range(L)]  # prefetched, per target layer
+        self._predicted: set[int] = set()  # the last gate's prefetches, for O(1) membership
 
     def count(self, key: int) -> int:
         """Model-level count of expert ``key`` (tokens routed to it so far)."""
@@ -81,13 +81,7 @@ class BrainStorm(GuardedLRU):
         counts = gate.counts
         self._guard(layer, counts)
         self._neg[layer] -= counts
-        cancel: list[int] = []
-        issued = self._issued
-        if issued and issued[0] // self._E == layer:
-            c = counts.tolist()
-            base = layer * self._E
-            cancel = [k for k in issued if not c[k - base]]
-        self._issued = []
+        cancel = stale_prefetches(self._issued, layer, counts)
         self._predicted = set()
         if layer + 1 >= self._L:
             return Actions(cancel=cancel) if cancel else NO_ACTIONS
@@ -95,7 +89,7 @@ class BrainStorm(GuardedLRU):
         nxt = (layer + 1) * self._E
         order = self._neg[layer + 1].argsort(kind="stable")[: max(n, 0)].tolist()
         keys = [nxt + e for e in order]
-        self._issued = keys
+        self._issued[layer + 1] = keys
         self._predicted = set(keys)
         return prefetch_actions(keys, self._E, 1, cancel)
 
