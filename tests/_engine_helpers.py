@@ -28,6 +28,21 @@ TRANSFER_COLUMNS = {
     "used", "escalated", "preemptions", "cancelled",
 }  # fmt: skip
 
+#: A small MoE shape (4 layers x 8 experts, top-2) for runs of every policy preset on
+#: :func:`small_synthetic_trace` (the contract and closed-form suites).
+SMALL_MOE = ModelSpec(
+    name="contract",
+    num_layers=4,
+    num_experts=8,
+    top_k=2,
+    hidden_size=512,
+    expert_intermediate_size=1024,
+    num_attention_heads=8,
+    num_kv_heads=8,
+    head_dim=64,
+    vocab_size=1000,
+)
+
 #: routes[i][l] = the experts (``top_k`` of them) iteration ``i`` routes to in layer ``l``.
 Routes = Sequence[Sequence[Sequence[int]]]
 

@@ -30,6 +30,7 @@ from fmoesim.specs import HardwareSpec, ModelSpec
 from fmoesim.trace.reader import Trace
 from policies.base import Policy
 from tests._engine_helpers import (
+    SMALL_MOE,
     Req,
     pre_gate_s,
     random_trace,
@@ -105,17 +106,9 @@ def run_both(
 
 # -- every preset on a synthetic trace with probabilities --------------------------------
 
-MODEL = ModelSpec(
+MODEL = dataclasses.replace(
+    SMALL_MOE,
     name="demand",
-    num_layers=4,
-    num_experts=8,
-    top_k=2,
-    hidden_size=512,
-    expert_intermediate_size=1024,
-    num_attention_heads=8,
-    num_kv_heads=8,
-    head_dim=64,
-    vocab_size=1000,
     num_shared_experts=1,
     shared_expert_intermediate_size=512,
     dense_layers=1,

@@ -30,26 +30,14 @@ from fmoesim.config.schema import CONF_DIR
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import RunResult, simulate
 from fmoesim.errors import ConfigError
-from fmoesim.specs import ModelSpec
 from fmoesim.trace import read_trace
 from fmoesim.trace.reader import Trace
 from policies.base import Policy
 from policies.lru import LRU
-from tests._engine_helpers import small_synthetic_trace
+from tests._engine_helpers import SMALL_MOE, small_synthetic_trace
 from tests.tiny import TINY_HW
 
-MODEL = ModelSpec(
-    name="contract",
-    num_layers=4,
-    num_experts=8,
-    top_k=2,
-    hidden_size=512,
-    expert_intermediate_size=1024,
-    num_attention_heads=8,
-    num_kv_heads=8,
-    head_dim=64,
-    vocab_size=1000,
-)
+MODEL = SMALL_MOE
 SIZE = MODEL.expert_size_bytes
 BUDGET = 12 * SIZE  # 12 of 32 experts
 POLICIES = preset_names("policy")

@@ -436,12 +436,7 @@ class Runner:
             if on_access is not None:
                 on_access(key, outcome)
             if log is not None:
-                for col, v in zip(
-                    ("step", "iteration", "layer", "expert", "gpu", "outcome", "time_s"),
-                    (step, self.iteration, layer, e, g, int(outcome), be.now()),
-                    strict=True,
-                ):
-                    log[col].append(v)
+                self._log_access(step, layer, e, g, outcome)
         self._finish_layer(layer, ready, pending, missing, tokens, actions)
 
     def _finish_layer(
@@ -481,6 +476,16 @@ class Runner:
         if stall:
             m.stall_s += stall
             m.stall_layer_s[layer] += stall
+
+    def _log_access(self, step: int, layer: int, expert: int, gpu: int, outcome: Outcome) -> None:
+        """One row of the access log (only called when ``access_log`` is on)."""
+        assert self.log is not None
+        for col, v in zip(
+            ("step", "iteration", "layer", "expert", "gpu", "outcome", "time_s"),
+            (step, self.iteration, layer, expert, gpu, int(outcome), self.backend.now()),
+            strict=True,
+        ):
+            self.log[col].append(v)
 
     def _demand_layer(
         self, layer: int, experts: list[int], expert_tokens: list[int], tokens: int, step: int
@@ -528,12 +533,7 @@ class Runner:
             if on_access is not None:
                 on_access(key, outcome)
             if log is not None:
-                for col, v in zip(
-                    ("step", "iteration", "layer", "expert", "gpu", "outcome", "time_s"),
-                    (step, self.iteration, layer, e, 0, int(outcome), be.now()),
-                    strict=True,
-                ):
-                    log[col].append(v)
+                self._log_access(step, layer, e, 0, outcome)
         acc[0] += len(hit_keys)  # perf: plain ints, not the IntEnum, as list indices
         acc[2] += len(miss_keys)
         if miss_keys:
