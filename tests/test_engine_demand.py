@@ -1,5 +1,6 @@
-"""The closed-form timing of demand-only layer steps (``Runner._demand_layer`` with
-``SimBackend.demand_layer``) equals the event-driven path, to the last bit.
+"""The closed-form timing of demand-only layer steps (``Runner._layers_closed_form`` with
+``SimBackend.demand_timing`` / ``demand_loads``) equals the event-driven path, to the
+last bit.
 
 Every comparison runs the same configuration with ``fast=True`` (the default) and
 ``fast=False`` (every layer through the link's event loop) and requires identical
@@ -78,30 +79,20 @@ def assert_same_run(a: RunResult, b: RunResult) -> None:
         assert (ca.evictions, ca.peak_bytes) == (cb.evictions, cb.peak_bytes)
 
 
-class CountingSimBackend(SimBackend):
-    """The simulator backend, counting the layer steps it timed in closed form."""
-
-    closed_form_layers = 0
-
-    def demand_layer(self, *args: Any, **kw: Any) -> Any:  # type: ignore[override]
-        self.closed_form_layers += 1
-        return super().demand_layer(*args, **kw)
-
-
 def run_both(
     trace: Trace, model: ModelSpec, hw: HardwareSpec, name: str, budget: int, **kw: Any
 ) -> tuple[RunResult, RunResult, int]:
     """(fast run, event-driven run, layer steps the fast run timed in closed form)."""
-    backends: list[CountingSimBackend] = []
+    backends: list[SimBackend] = []
 
-    def make(caches: Any) -> CountingSimBackend:
-        be = CountingSimBackend(hw, ComputeModel.from_specs(model, hw), caches)
+    def make(caches: Any) -> SimBackend:
+        be = SimBackend(hw, ComputeModel.from_specs(model, hw), caches)
         backends.append(be)
         return be
 
     fast = simulate(trace, model, hw, make_policy(name), budget, make_backend=make, **kw)
     slow = simulate(trace, model, hw, make_policy(name), budget, fast=False, **kw)
-    return fast, slow, backends[0].closed_form_layers
+    return fast, slow, backends[0].closed_form_steps
 
 
 # -- every preset on a synthetic trace with probabilities --------------------------------

@@ -11,6 +11,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fmoesim.engine import simulate
 from fmoesim.engine.backend import ON_DEMAND, TransferRecord
@@ -326,6 +328,64 @@ def test_link_cancel_and_reprioritize_a_delayed_prefetch():
     assert lk.done == [1, 2]
     assert (a.start_s, b.start_s) == pytest.approx((2e-3, 4e-3))
     assert lk.link.idle() and lk.link.cur_end_s == float("inf")
+
+
+def _drive(ops: list[tuple[int, int, int]], compact: bool) -> tuple[list[int], list[tuple]]:
+    """Run ``ops`` on a fresh link: (kind, key, arg) = submit a prefetch of priority
+    ``arg`` / submit on demand / cancel / reprioritize to ``arg`` / escalate, each 0.5 ms
+    after the last.  Returns the completion order and every record's times."""
+    lk = Link(chunk=1 * MB)
+    lk.link.compact_slack = 0  # rebuild as soon as stale entries outnumber the live jobs
+    if not compact:
+        lk.link._compact = lambda: None  # type: ignore[method-assign]
+    recs: list[TransferRecord] = []
+    t = 0.0
+    for kind, key, arg in ops:
+        t += 0.5e-3
+        lk.link.advance(t)
+        if kind <= 1 and key not in lk.link._jobs:  # one transfer per key at a time
+            prio = float(arg) if kind == 0 else ON_DEMAND
+            recs.append(lk.submit(key, 2 * MB, t, prio=prio))
+            assert not compact or len(lk.link._heap) <= 2 * len(lk.link._jobs)
+        elif kind == 2:
+            lk.link.cancel(key)
+        elif kind == 3:
+            lk.link.reprioritize(key, float(arg))
+        elif kind == 4:
+            lk.link.escalate(key, t)
+    lk.finish()
+
+    def t_or_none(x: float) -> float | None:  # NaN (never started) compares unequal
+        return None if x != x else x
+
+    return lk.done, [(r.key, t_or_none(r.start_s), t_or_none(r.end_s), r.preemptions) for r in recs]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 4), st.integers(0, 15), st.integers(0, 5)),
+        min_size=100,  # long enough for the queue to fill with stale entries
+        max_size=400,
+    )
+)
+def test_link_queue_compaction_changes_nothing(ops: list[tuple[int, int, int]]) -> None:
+    """Dropping stale queue entries (cancelled or re-prioritised prefetches) keeps the
+    heap within twice the live jobs and leaves the schedule exactly as it was."""
+    assert _drive(ops, compact=True) == _drive(ops, compact=False)
+
+
+def test_link_queue_compaction_bounds_a_cancelled_backlog() -> None:
+    """A link busy with one long transfer while 1,000 prefetches are queued and
+    cancelled: without compaction all 1,000 stale entries stay queued."""
+    lk = Link()
+    lk.submit(10_000, 1000 * MB, 0.0)  # busy for a second
+    for k in range(1000):
+        lk.submit(k, 1 * MB, 1e-6 * k)
+        assert lk.link.cancel(k)
+    assert len(lk.link._heap) <= 2 * len(lk.link._jobs) + 64
+    lk.finish()
+    assert lk.done == [10_000]
 
 
 # -- 3. a prefetch for the next layer overlaps compute -------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from fmoesim.engine.cache import ExpertCache
 
@@ -80,6 +81,23 @@ class TransferRecord:
         )
 
 
+class DemandTiming(NamedTuple):
+    """What the closed form of a demand-only layer step needs from the timed backend,
+    for one iteration (every MoE layer of it has the same batch).
+
+    A layer step on one GPU whose link is idle and which issues no prefetches: attention
+    and router (``pre_s``); the misses load back to back (:meth:`Backend.demand_loads`);
+    the shared experts (``shared_s``, or None when the model has none); the resident
+    experts compute as one block (``n * expert_a_s + expert_b_s * tokens``); then each
+    miss waits for its load (the stall) and computes.
+    """
+
+    pre_s: float
+    shared_s: float | None
+    expert_a_s: float
+    expert_b_s: float
+
+
 class Backend(ABC):
     """The operations the Runner needs.  Times are seconds; GPUs are numbered from 0.
 
@@ -91,9 +109,14 @@ class Backend(ABC):
     caches: Sequence[ExpertCache]
     transfers: list[TransferRecord]  # every transfer submitted, in order (the log)
     busy_compute_s: float  # time the GPUs spent computing (modelled or measured)
-    #: Whether :meth:`link_idle` and :meth:`demand_layer` are implemented (the
-    #: simulator's closed form for demand-only layer steps).
+    clock_s: float  # closed-form backends: the forward pass's clock (:meth:`now`)
+    #: Whether the Runner may time demand-only layer steps in closed form: the backend
+    #: implements :meth:`link_idle`, :meth:`demand_timing` and :meth:`demand_loads`, and
+    #: its time is nothing but ``clock_s`` and ``busy_compute_s``, which the Runner then
+    #: advances itself (the simulator; see ``Runner._layers_closed_form``).
     closed_form_demand: bool = False
+    #: Layer steps the Runner timed in closed form (tests and benchmarks read it).
+    closed_form_steps: int = 0
 
     @abstractmethod
     def now(self) -> float:
@@ -175,18 +198,15 @@ class Backend(ABC):
         """Whether ``gpu``'s link has nothing moving, queued or waiting for release."""
         return False
 
-    def demand_layer(
-        self,
-        tokens: int,
-        ready_tokens: list[int],
-        miss_keys: list[int],
-        miss_tokens: list[int],
-        size_bytes: int,
-    ) -> tuple[list[TransferRecord], float]:
-        """GPU 0's whole expert phase of a layer whose link was idle and which issues no
-        prefetches: the shared experts, the resident experts (``ready_tokens``) computing
-        while the misses load on demand in order, each computing when it lands.  Returns
-        the misses' transfer records and the layer's stall.  Only where
+    def demand_timing(self, tokens: int, kv_tokens: int, pairs: int) -> DemandTiming:
+        """The constants of the closed form for one iteration's layers (see
+        :class:`DemandTiming`).  Only where :attr:`closed_form_demand` is true."""
+        raise NotImplementedError(f"{type(self).__name__} has no closed form for a layer")
+
+    def demand_loads(self, keys: list[int], size_bytes: int, t_s: float) -> list[TransferRecord]:
+        """On-demand loads of ``keys`` on GPU 0's idle link, back to back from ``t_s``,
+        already finished: their records (in the transfer log, the link's busy time and
+        sequence numbers updated), ``end_s`` of each the time it lands.  Only where
         :attr:`closed_form_demand` is true."""
         raise NotImplementedError(f"{type(self).__name__} has no closed form for a layer")
 

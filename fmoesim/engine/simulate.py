@@ -220,7 +220,7 @@ def simulate(
     ``fast`` allows the exact fast paths: :mod:`fmoesim.engine.fast` for hit-rate-only
     runs of plain LRU on one GPU (it keeps no transfer log and no cache objects), and
     the closed-form timing of layer steps without prefetches on one GPU
-    (:meth:`Runner._demand_layer`); ``fast=False`` runs everything event by event.
+    (:meth:`Runner._layers_closed_form`); ``fast=False`` runs everything event by event.
     ``experts_per_layer`` gives every layer a cache of its own for that many experts
     (one GPU; MoEpic Table 1's setting); ``budget_bytes`` must then be their total.
     ``make_backend(caches)`` replaces the simulator's backend (the GPU replay,
