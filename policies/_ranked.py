@@ -20,29 +20,31 @@ Rank = tuple[Any, ...]
 class RankedKeys:
     """Keys sorted by a rank tuple whose last element is the key itself (so ranks are unique)."""
 
-    __slots__ = ("_items", "_rank")
+    __slots__ = ("_items", "ranks")
 
     def __init__(self) -> None:
         self._items: list[Rank] = []  # ascending
-        self._rank: dict[int, Rank] = {}
+        #: key -> its current rank (read-only for callers; ``key in ranks`` is the
+        #: C-level membership test the policies' per-access hooks use)
+        self.ranks: dict[int, Rank] = {}
 
     def __contains__(self, key: object) -> bool:
-        return key in self._rank
+        return key in self.ranks
 
     def __len__(self) -> int:
         return len(self._items)
 
     def put(self, key: int, rank: Rank) -> None:
         """Add ``key`` with ``rank`` (``rank[-1] == key``), or move it there (O(log n))."""
-        old = self._rank.get(key)
+        old = self.ranks.get(key)
         if old is not None:
             del self._items[bisect_left(self._items, old)]
         insort(self._items, rank)
-        self._rank[key] = rank
+        self.ranks[key] = rank
 
     def discard(self, key: int) -> None:
         """Remove ``key`` if present (O(log n))."""
-        old = self._rank.pop(key, None)
+        old = self.ranks.pop(key, None)
         if old is not None:
             del self._items[bisect_left(self._items, old)]
 
@@ -69,7 +71,7 @@ class RankedPolicy(Policy):
 
     def _rerank(self, key: int) -> None:
         """Re-sort ``key`` if it is admitted."""
-        if key in self._ranked:
+        if key in self._ranked.ranks:  # perf: a dict lookup, not a __contains__ call
             self._ranked.put(key, self._rank(key))
 
     def on_insert(self, key: int) -> None:

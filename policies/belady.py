@@ -82,7 +82,9 @@ class Belady(RankedPolicy):
         self._pos[key] = i
         nxt = int(steps[i]) if i < end else NEVER
         self._next[key] = nxt
-        self._rerank(key)
+        ranked = self._ranked
+        if key in ranked.ranks:  # perf: _rerank with _rank inlined (nxt is after now)
+            ranked.put(key, (-nxt, key))
 
     def _rank(self, key: int) -> tuple[int, int]:
         """Farthest next access first; ties: smallest key."""

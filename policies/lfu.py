@@ -56,10 +56,14 @@ class LFU(RankedPolicy):
 
     def on_access(self, key: int, outcome: Outcome) -> None:
         """Count one use of ``key`` and stamp its recency."""
-        self._count[key] += 1
-        self._last[key] = self._seq
-        self._seq += 1
-        self._rerank(key)
+        count = self._count[key] + 1
+        seq = self._seq
+        self._count[key] = count
+        self._last[key] = seq
+        self._seq = seq + 1
+        ranked = self._ranked
+        if key in ranked.ranks:  # perf: _rerank with _rank inlined (the per-access hook)
+            ranked.put(key, (count, seq, key))
 
     def on_evict(self, key: int) -> None:
         """Stop ranking ``key``; in-cache mode (``persistent=False``) forgets its count."""

@@ -148,6 +148,28 @@ def test_rnd_is_a_function_of_the_rng_only():
     assert victims(1) != victims(2)
 
 
+@pytest.mark.parametrize("block", [1, 3])
+def test_rnd_buffered_uniforms_are_the_per_eviction_draws(block):
+    """Drawing the uniforms ``draw_block`` victims at a time (the default) picks the same
+    victims as drawing them one eviction at a time, across buffer refills."""
+
+    def victims(draw_block: int) -> list[int]:
+        p = RND()
+        p.draw_block = draw_block
+        p.reset(context(seed=3))
+        for k in range(40):
+            p.on_insert(k)
+        out = []
+        for i in range(600):  # > 2 refills of the default 256-victim block
+            v = p.victim(view(*range(0, 40, 3)), 100 + i)  # rejection and fallback mixed
+            out.append(v)
+            p.on_evict(v)
+            p.on_insert(v)
+        return out
+
+    assert victims(RND.draw_block) == victims(block)
+
+
 def test_rnd_evict_keeps_tracking_consistent():
     p = RND()
     p.reset(context())

@@ -140,10 +140,14 @@ class ExpertCache:
                 if not cands:
                     return False
                 self.evict(self._victim(cands, key))
+        evictable = self.evictable
         while self.used_bytes + size_bytes > self.budget_bytes:
-            if not self.evictable:
+            if not evictable:
                 return False
-            self.evict(self._victim(self.evictable, key))
+            victim = self.policy.victim(evictable, key)  # perf: _victim inlined
+            if victim not in evictable:
+                raise self._bad_victim(victim)
+            self.evict(victim)
         if self.group_of is not None:
             g = self.group_of(key)
             self.group_used[g] += size_bytes
@@ -158,11 +162,14 @@ class ExpertCache:
     def _victim(self, candidates: Evictable, incoming: int) -> int:
         victim = self.policy.victim(candidates, incoming)
         if victim not in candidates:
-            raise RuntimeError(
-                f"policy {self.policy.name!r} chose victim {victim} on GPU {self.gpu}, "
-                "which is pinned, in flight, absent or in another budget group"
-            )
+            raise self._bad_victim(victim)
         return victim
+
+    def _bad_victim(self, victim: int) -> RuntimeError:
+        return RuntimeError(
+            f"policy {self.policy.name!r} chose victim {victim} on GPU {self.gpu}, "
+            "which is pinned, in flight, absent or in another budget group"
+        )
 
     def set_group_budget(self, group: int, budget_bytes: int) -> bool:
         """Set ``group``'s budget, evicting its entries (policy's choice) to fit; False

@@ -463,6 +463,7 @@ class SimBackend(Backend):
         busy = link.busy_s
         t = t_s
         records: list[TransferRecord] = []
+        seq = link._seq
         for key in keys:
             rec = TransferRecord(key, 0, size_bytes, "on_demand", ON_DEMAND, t_s)
             rec.start_s = t
@@ -470,11 +471,12 @@ class SimBackend(Backend):
             busy += end - t
             rec.end_s = t = end
             rec.left_bytes = 0
-            rec.seq = link._seq
-            link._seq += 1
+            rec.seq = seq
+            seq += 1
             rec.state = _DONE
             records.append(rec)
-            transfers.append(rec)
+        transfers += records
+        link._seq = seq
         link.busy_s = busy
         return records
 
