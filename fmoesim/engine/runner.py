@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fmoesim.engine.backend import ON_DEMAND, Backend
+from fmoesim.engine.backend import ON_DEMAND, Backend, TransferRecord
 from fmoesim.engine.cache import ExpertCache
 from fmoesim.engine.metrics import Metrics
 from fmoesim.engine.serving import ServingConfig, static_batches
@@ -590,55 +590,49 @@ class Runner:
                 if log is not None:
                     self._log_access(step, layer, experts[i], 0, outcome, t)
             acc[0] += len(hit_keys)  # perf: plain ints, not the IntEnum, as list indices
-            if not miss_keys:  # the hits compute; nothing loads
-                closed += 1
-                if shared_s is not None:
-                    t += shared_s
-                    busy_c += shared_s
-                if hit_keys:
-                    d = len(hit_keys) * a + b * hit_tok
-                    t += d
-                    busy_c += d
+            records: list[TransferRecord] = []
+            if miss_keys:
+                acc[2] += len(miss_keys)
+                pin, unpin = cache.pin, cache.unpin
+                for key in hit_keys:  # the victims of the misses' admissions skip them
+                    pin(key)
+                free = cache.budget_bytes - cache.used_bytes + size * len(ev)
+                if size > cache.budget_bytes or free < size * len(miss_keys):
+                    # some miss may not find room: the general path defers and reclaims
+                    be.clock_s, be.busy_compute_s = t, busy_c
+                    hits = set(hit_keys)
+                    self._finish_layer(
+                        layer,
+                        [
+                            (0, base + experts[i], expert_tokens[i], 1.0)
+                            for i in range(o0, o1)
+                            if base + experts[i] in hits
+                        ],
+                        [],
+                        [(0, k, tok, 1.0) for k, tok in zip(miss_keys, miss_tok, strict=True)],
+                        tokens,
+                        NO_ACTIONS,
+                    )
+                    t, busy_c = be.clock_s, be.busy_compute_s
+                    idle = link_idle(0)
+                    continue
+                for key in miss_keys:
+                    if not cache.admit(key, size, "on_demand"):  # pragma: no cover - checked
+                        raise RuntimeError(f"expert {key} found no room after the room check")
+                records = be.demand_loads(miss_keys, size, t)  # loading from now on
+            closed += 1
+            if shared_s is not None:
+                t += shared_s
+                busy_c += shared_s
+            if hit_keys:  # the resident experts compute as one block
+                d = len(hit_keys) * a + b * hit_tok
+                t += d
+                busy_c += d
+            if not miss_keys:
                 for key in hit_keys:  # pinned and released: to the end of the candidates' order
                     del ev[key]
                     ev[key] = None
                 continue
-            acc[2] += len(miss_keys)
-            pin, unpin = cache.pin, cache.unpin
-            for key in hit_keys:  # the victims of the misses' admissions skip them
-                pin(key)
-            free = cache.budget_bytes - cache.used_bytes + size * len(ev)
-            if size > cache.budget_bytes or free < size * len(miss_keys):
-                # some miss may not find room: the general path defers and reclaims
-                be.clock_s, be.busy_compute_s = t, busy_c
-                hits = set(hit_keys)
-                self._finish_layer(
-                    layer,
-                    [
-                        (0, base + experts[i], expert_tokens[i], 1.0)
-                        for i in range(o0, o1)
-                        if base + experts[i] in hits
-                    ],
-                    [],
-                    [(0, k, tok, 1.0) for k, tok in zip(miss_keys, miss_tok, strict=True)],
-                    tokens,
-                    NO_ACTIONS,
-                )
-                t, busy_c = be.clock_s, be.busy_compute_s
-                idle = link_idle(0)
-                continue
-            closed += 1
-            for key in miss_keys:
-                if not cache.admit(key, size, "on_demand"):  # pragma: no cover - checked
-                    raise RuntimeError(f"expert {key} found no room after the room check")
-            records = be.demand_loads(miss_keys, size, t)
-            if shared_s is not None:
-                t += shared_s
-                busy_c += shared_s
-            if hit_keys:
-                d = len(hit_keys) * a + b * hit_tok
-                t += d
-                busy_c += d
             stall = 0.0
             for rec, tok in zip(records, miss_tok, strict=True):
                 if rec.end_s > t:  # the miss's load has not landed: the GPU waits
