@@ -288,7 +288,7 @@ class SimBackend(Backend):
         self._in_experts = False
         self._shared = compute.shared_a_s > 0
         # perf: every MoE layer of an iteration has the same attention/router arguments,
-        # so the last duration is memoised.
+        # so the last duration is memoised (_pre_gate_s).
         self._pre_args: tuple[int, int, int] = (-1, -1, -1)
         self._pre_s = 0.0
 
@@ -313,14 +313,19 @@ class SimBackend(Backend):
         self.clock_s += d
         self.busy_compute_s += d
 
-    def pre_gate(self, layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
-        """Attention + router, then sync."""
+    def _pre_gate_s(self, tokens: int, kv_tokens: int, pairs: int) -> float:
+        """Seconds of attention + router (memoised: every MoE layer of an iteration asks
+        with the same arguments)."""
         args = (tokens, kv_tokens, pairs)
         if args != self._pre_args:
             c = self.compute
             self._pre_args = args
             self._pre_s = c.attention_s(tokens, kv_tokens, pairs) + c.router_s(tokens)
-        self._run(self._pre_s)
+        return self._pre_s
+
+    def pre_gate(self, layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
+        """Attention + router, then sync."""
+        self._run(self._pre_gate_s(tokens, kv_tokens, pairs))
         self.sync()
 
     def dense_layer(self, index: int, tokens: int, kv_tokens: int, pairs: int) -> None:
@@ -442,13 +447,10 @@ class SimBackend(Backend):
         """The closed form's constants for an iteration's layers (see
         :class:`DemandTiming`); every duration is the float :meth:`pre_gate`,
         :meth:`begin_experts`, :meth:`experts` and :meth:`expert` compute."""
-        args = (tokens, kv_tokens, pairs)
         c = self.compute
-        if args != self._pre_args:
-            self._pre_args = args
-            self._pre_s = c.attention_s(tokens, kv_tokens, pairs) + c.router_s(tokens)
         shared = c.shared_s(tokens) if self._shared else None
-        return DemandTiming(self._pre_s, shared, c.expert_a_s, c.expert_b_s)
+        pre = self._pre_gate_s(tokens, kv_tokens, pairs)
+        return DemandTiming(pre, shared, c.expert_a_s, c.expert_b_s)
 
     def demand_loads(self, keys: list[int], size_bytes: int, t_s: float) -> list[TransferRecord]:
         """The closed form of on-demand loads on GPU 0's idle link (see
