@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fmoesim-installed
 
-.PHONY: run test lint bench figures clean
+.PHONY: run test lint bench figures clean compiled pure
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,5 +35,14 @@ figures: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.engine
 
+## Optional: compile the engine's hot modules with mypyc (about 2x faster, same results);
+## rerun after editing one of them (imports refuse a stale build). `make pure` undoes it.
+compiled: $(STAMP)
+	$(BIN)/python fmoesim/_compiled.py build
+
+pure: $(STAMP)
+	$(BIN)/python fmoesim/_compiled.py pure
+
 clean:
+	[ ! -x $(BIN)/python ] || $(BIN)/python fmoesim/_compiled.py pure
 	rm -rf $(VENV) build *.egg-info

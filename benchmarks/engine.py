@@ -5,6 +5,9 @@ README.  Setting: the bundled trace (Mixtral-8x7B shape) on the RTX 3090 preset 
 default 24 GB expert budget, batch size 1, one core.  Each number is the best of
 ``--repeat`` runs (the machine is shared; the best run is the least disturbed one).
 
+Run it on both builds: as checked out (pure Python) and after ``make compiled``; the
+first line says which one ran.
+
 Targets (issue 3): every policy models >= 1000x real time; LRU in hit-rate-only mode
 processes >= 2 million expert accesses per second.
 """
@@ -21,6 +24,7 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from fmoesim._compiled import is_compiled
 from fmoesim.config.build import load_preset, preset_names
 from fmoesim.config.schema import CONF_DIR, PROJECT_ROOT
 from fmoesim.engine.serving import ServingConfig
@@ -115,6 +119,8 @@ def main() -> None:
     ap.add_argument("--policies", default=None, help="comma-separated presets (default: every one)")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    build = "compiled with mypyc (make compiled)" if is_compiled() else "pure Python"
+    print(f"Engine build: {build}.\n")
     print("## Per policy (Mixtral-8x7B, RTX 3090 PCIe 4, 24 GB, batch 1, bundled trace)\n")
     names = args.policies.split(",") if args.policies else None
     print("\n".join(per_policy(args.repeat, names)))

@@ -9,6 +9,9 @@ imports torch.
 
 __version__ = "0.1.0"
 
+from fmoesim._compiled import check_fresh
 from fmoesim.errors import ConfigError, FmoesimError, TraceError
+
+check_fresh()  # an optional compiled build must match its sources (fmoesim/_compiled.py)
 
 __all__ = ["ConfigError", "FmoesimError", "TraceError", "__version__"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
+from mypy_extensions import mypyc_attr, trait
 
 from policies.base import Actions, GateView, PolicyContext, Prefetch
 from policies.lru import LRU
@@ -83,6 +84,8 @@ def stale_prefetches(issued: list[list[int]], layer: int, counts: np.ndarray) ->
     return [k for k in dict.fromkeys(keys) if not c[k % E]]
 
 
+@trait
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LayerGuard:
     """Remembers the current gate's layer and counts to protect its routed experts.
 
@@ -145,7 +148,8 @@ class LayerGuard:
         return self._capacity_total - routed
 
 
-class GuardedLRU(LayerGuard, LRU):
+@mypyc_attr(allow_interpreted_subclasses=True)
+class GuardedLRU(LRU, LayerGuard):
     """Global LRU whose victim skips the current layer's routed experts when it can.
 
     Prefetching a resident expert leaves its recency unchanged (the prefetch is a no-op

@@ -12,6 +12,8 @@ from bisect import bisect_left, insort
 from collections.abc import Collection
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from policies.base import Policy
 
 Rank = tuple[Any, ...]
@@ -56,6 +58,7 @@ class RankedKeys:
         return None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RankedPolicy(Policy):
     """A policy that evicts its lowest-ranked admitted expert (LFU, LCP, Belady).
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from policies.base import Actions, BatchInfo, GateView, Outcome, PolicyContext
 from policies.mixtral_offloading import MixtralOffloading
@@ -43,6 +44,7 @@ def allocate_slots(miss: np.ndarray, total_slots: int, min_slots: int) -> list[i
     return slots
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class AdapMoE(MixtralOffloading):
     """Speculative next-layer prefetch and per-layer LRU, each layer's size chosen by DP.
 

@@ -51,12 +51,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
-if TYPE_CHECKING:
-    from fmoesim.specs.model import ModelSpec
+from fmoesim.specs.model import ModelSpec
 
 
 class Outcome(IntEnum):
@@ -289,6 +289,7 @@ class Actions:
 NO_ACTIONS = Actions()
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Policy(ABC):
     """Base class of every offloading policy.
 

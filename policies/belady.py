@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from fmoesim.errors import ConfigError
 from policies._ranked import RankedKeys, RankedPolicy
@@ -12,6 +15,7 @@ from policies.base import NO_ACTIONS, Actions, GateView, Outcome, PolicyContext
 NEVER = int(np.iinfo(np.int64).max)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Belady(RankedPolicy):
     """Evict the candidate whose next access is farthest in the future.
 
@@ -56,13 +60,15 @@ class Belady(RankedPolicy):
             raise ValueError(f"future accesses hold keys outside [0, {n_keys})")
         step_of = np.repeat(np.arange(len(ptr) - 1, dtype=np.int64), np.diff(ptr))
         order = np.argsort(keys, kind="stable")  # stable: steps stay ascending per key
-        self._steps = step_of[order]  # grouped by key, ascending within each key
         start = np.zeros(n_keys + 1, dtype=np.int64)
         np.cumsum(np.bincount(keys, minlength=n_keys), out=start[1:])
+        # perf: plain lists, whose items the per-access hook reads as Python ints (a
+        # numpy scalar read costs several times more)
+        self._steps: list[int] = step_of[order].tolist()  # grouped by key, ascending within
         self._start: list[int] = start.tolist()
         self._pos: list[int] = start[:-1].tolist()  # per key: its first access not yet done
         self._next: list[int] = [
-            int(self._steps[lo]) if hi > lo else NEVER
+            self._steps[lo] if hi > lo else NEVER
             for lo, hi in zip(self._start[:-1], self._start[1:], strict=True)
         ]
         self._step = -1
@@ -80,7 +86,7 @@ class Belady(RankedPolicy):
         while i < end and steps[i] <= now:
             i += 1
         self._pos[key] = i
-        nxt = int(steps[i]) if i < end else NEVER
+        nxt = steps[i] if i < end else NEVER
         self._next[key] = nxt
         ranked = self._ranked
         if key in ranked.ranks:  # perf: _rerank with _rank inlined (nxt is after now)
@@ -97,5 +103,5 @@ class Belady(RankedPolicy):
             return nxt
         # Not refreshed by on_access (e.g. admitted without an access): search its steps.
         lo, hi = self._start[key], self._start[key + 1]
-        i = lo + int(np.searchsorted(self._steps[lo:hi], self._step, side="right"))
-        return int(self._steps[i]) if i < hi else NEVER
+        i = bisect_right(self._steps, self._step, lo, hi)
+        return self._steps[i] if i < hi else NEVER

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from policies._prefetching import GuardedLRU, prefetch_actions, stale_prefetches
 from policies.base import NO_ACTIONS, Actions, GateView, PolicyContext
@@ -12,6 +13,7 @@ from policies.base import NO_ACTIONS, Actions, GateView, PolicyContext
 CACHE_PRIORITIES = ("lru", "count")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BrainStorm(GuardedLRU):
     """Prefetch the next layer's experts by model-level activation counts; LRU cache.
 

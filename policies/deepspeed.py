@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from mypy_extensions import mypyc_attr
+
 from policies.lru import LRU
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class DeepSpeedInference(LRU):
     """On-demand loading only, with an LRU expert cache.
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from mypy_extensions import mypyc_attr
+
 from policies._prefetching import GuardedLRU
 from policies.base import NO_ACTIONS, Actions, GateView, PolicyContext, Prefetch
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class DependencyPrefetch(GuardedLRU):
     """After layer ``l``'s gate, prefetch every expert of layer ``l + 1``; LRU cache.
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from policies.base import Policy
-from policies.lru import LRU
+from mypy_extensions import mypyc_attr
+
+from policies.lru import AdmissionOrder
 
 
-class FIFO(LRU):
+@mypyc_attr(allow_interpreted_subclasses=True)
+class FIFO(AdmissionOrder):
     """Evict the expert admitted earliest, whatever its use since.
 
     paper: the textbook FIFO replacement policy; none of the three papers evaluates it,
@@ -19,6 +21,5 @@ class FIFO(LRU):
 
     name = "fifo"
 
-    # An access does not change the admission order: the base class's no-op, not LRU's
-    # move to the back (perf: the engine skips hooks a policy leaves as the base's).
-    on_access = Policy.on_access
+    # An access does not change the order: ``on_access`` stays the base class's no-op,
+    # which the engine does not even call (perf), where LRU moves the expert to the back.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from fmoesim.errors import ConfigError
 from policies._ranked import Rank, RankedKeys, RankedPolicy
@@ -20,6 +21,7 @@ from policies.base import (
 UNITS = ("pass", "token")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LCP(RankedPolicy):
     """Evict the expert of lowest cache priority ``P = mu * rho ** (nu / omega)``.
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from mypy_extensions import mypyc_attr
+
 from policies._ranked import Rank, RankedKeys, RankedPolicy
 from policies.base import Outcome, PolicyContext
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LFU(RankedPolicy):
     """Evict the expert with the fewest accesses; ties go to the least recently accessed.
 

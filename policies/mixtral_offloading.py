@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
+from mypy_extensions import mypyc_attr
+
 from policies._prefetching import LayerGuard, prefetch_actions, top_experts
 from policies.base import NO_ACTIONS, Actions, GateView, Outcome, Policy, PolicyContext
 
 
-class MixtralOffloading(LayerGuard, Policy):
+@mypyc_attr(allow_interpreted_subclasses=True)
+class MixtralOffloading(Policy, LayerGuard):
     """Each layer owns ``capacity // L`` slots managed by LRU; prefetch layer ``l + 1``'s
     speculatively predicted experts at the gate of layer ``l``.
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from mypy_extensions import mypyc_attr
+
 from policies._prefetching import LayerGuard, prefetch_actions, stale_prefetches, top_experts
 from policies.base import NO_ACTIONS, Actions, GateView, Policy, PolicyContext
 
 
-class PreGated(LayerGuard, Policy):
+@mypyc_attr(allow_interpreted_subclasses=True)
+class PreGated(Policy, LayerGuard):
     """Prefetch layer ``l + 1``'s predicted experts at the gate of layer ``l``; no cache.
 
     paper: Pre-gated MoE (Hwang et al., ISCA 2024), as MoEpic §4.1 (``002``) states it:

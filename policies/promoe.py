@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from mypy_extensions import mypyc_attr
+
 from policies._prefetching import GuardedLRU, routed_by_count, stale_prefetches, top_experts
 from policies.base import NO_ACTIONS, Actions, GateView, PolicyContext, Prefetch
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ProMoE(GuardedLRU):
     """At the gate of layer ``l``, prefetch the predicted experts of layer ``l + stride``.
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from mypy_extensions import mypyc_attr
+
 from policies.base import Policy, PolicyContext
 
 #: Uniform draws over the tracked keys tried before falling back to listing the candidates.
 _REJECTION_TRIES = 8
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RND(Policy):
     """Evict a candidate chosen uniformly at random.
 
@@ -48,7 +51,7 @@ class RND(Policy):
         self._draw()
 
     #: Victims' worth of uniforms taken from the generator per call.
-    draw_block = 256
+    draw_block: int = 256
 
     def _draw(self) -> None:
         """Draw the uniforms the next :meth:`victim` uses (the only use of ``ctx.rng``).

@@ -335,9 +335,8 @@ def _drive(ops: list[tuple[int, int, int]], compact: bool) -> tuple[list[int], l
     ``arg`` / submit on demand / cancel / reprioritize to ``arg`` / escalate, each 0.5 ms
     after the last.  Returns the completion order and every record's times."""
     lk = Link(chunk=1 * MB)
-    lk.link.compact_slack = 0  # rebuild as soon as stale entries outnumber the live jobs
-    if not compact:
-        lk.link._compact = lambda: None  # type: ignore[method-assign]
+    # compact: rebuild as soon as stale entries outnumber the live jobs; else never
+    lk.link.compact_slack = 0 if compact else 1 << 62
     recs: list[TransferRecord] = []
     t = 0.0
     for kind, key, arg in ops:

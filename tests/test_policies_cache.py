@@ -167,7 +167,7 @@ def test_rnd_buffered_uniforms_are_the_per_eviction_draws(block):
             p.on_insert(v)
         return out
 
-    assert victims(RND.draw_block) == victims(block)
+    assert victims(RND().draw_block) == victims(block)
 
 
 def test_rnd_evict_keeps_tracking_consistent():

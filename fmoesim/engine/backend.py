@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from mypy_extensions import mypyc_attr
+
 from fmoesim.engine.cache import ExpertCache
 
 #: Priority of an on-demand load: ahead of every prefetch (lower values go first).
@@ -98,6 +100,7 @@ class DemandTiming(NamedTuple):
     expert_b_s: float
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Backend(ABC):
     """The operations the Runner needs.  Times are seconds; GPUs are numbered from 0.
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from policies.base import Outcome, Policy
 
 
@@ -60,6 +62,7 @@ class GroupEvictable(Evictable):
         return filter(self.__contains__, self._entries)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ExpertCache:
     """Byte-budgeted expert cache of one GPU.
 

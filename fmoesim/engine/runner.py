@@ -487,13 +487,17 @@ class Runner:
         self, step: int, layer: int, expert: int, gpu: int, outcome: Outcome, time_s: float
     ) -> None:
         """One row of the access log (only called when ``access_log`` is on)."""
-        assert self.log is not None
-        for col, v in zip(
-            ("step", "iteration", "layer", "expert", "gpu", "outcome", "time_s"),
-            (step, self.iteration, layer, expert, gpu, int(outcome), time_s),
-            strict=True,
-        ):
-            self.log[col].append(v)
+        log = self.log
+        assert log is not None
+        # one append per column, not a loop over a tuple of mixed ints and a float: the
+        # compiled build would type such a tuple's items as floats
+        log["step"].append(step)
+        log["iteration"].append(self.iteration)
+        log["layer"].append(layer)
+        log["expert"].append(expert)
+        log["gpu"].append(gpu)
+        log["outcome"].append(int(outcome))
+        log["time_s"].append(time_s)
 
     def _layers_closed_form(
         self,

@@ -22,6 +22,8 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 
+from mypy_extensions import mypyc_attr
+
 from fmoesim.engine.backend import ON_DEMAND, Backend, DemandTiming, TransferRecord
 from fmoesim.engine.cache import ExpertCache
 from fmoesim.engine.compute import ComputeModel
@@ -52,7 +54,7 @@ class SimLink:
 
     #: Stale queue entries tolerated beyond twice the live jobs before the queue is
     #: rebuilt (:meth:`_compact`).
-    compact_slack = 64
+    compact_slack: int = 64
 
     def __init__(
         self,
@@ -259,6 +261,7 @@ class SimLink:
         return self.cur is None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SimBackend(Backend):
     """The timed simulator backend (see the module docstring)."""
 
@@ -501,6 +504,7 @@ class SimBackend(Backend):
         return max(self._wait_s)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class InstantBackend(Backend):
     """The hit-rate-only backend: no time at all.
 

@@ -1,0 +1,203 @@
+"""The optional compiled build: the engine's hot modules compiled with mypyc.
+
+fmoesim is a pure-Python package.  ``make compiled`` (``python fmoesim/_compiled.py
+build``) compiles the modules in :data:`MODULES` with mypyc, from the same sources,
+into extension modules next to them, which Python then imports instead of the
+``.py`` files: the same decisions and the same modelled times (``tests/
+test_compiled.py``), about twice as fast (README "Speed").  ``make pure`` removes
+them again; ``python fmoesim/_compiled.py status`` says which build is active.
+
+A compiled module silently shadows its source, so an edit to the source would not
+take effect.  The build records each source's SHA-256 in :data:`MANIFEST`, and
+importing :mod:`fmoesim` or :mod:`policies` calls :func:`check_fresh`, which refuses
+(one line naming the file, exit status non-zero) to run a compiled module whose source
+has changed since.
+
+This file is run as a script by path, not as ``python -m fmoesim...``: importing the
+package would run the very check a rebuild is meant to fix.  It imports nothing from
+fmoesim.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
+
+#: The repository (or install) root that holds ``fmoesim/`` and ``policies/``.
+ROOT = Path(__file__).resolve().parent.parent
+
+#: The modules compiled, relative to :data:`ROOT`: the Runner, the cache, the simulator
+#: backend, the policy protocol and the policies of issue 3 (the classic caches and the
+#: prefetching baselines).  MoE-Infinity, fMoE and MoEpic stay interpreted (most of
+#: their time is numpy calls) and run on the compiled engine.
+MODULES = (
+    "fmoesim/engine/backend.py",
+    "fmoesim/engine/cache.py",
+    "fmoesim/engine/compute.py",
+    "fmoesim/engine/metrics.py",
+    "fmoesim/engine/runner.py",
+    "fmoesim/engine/sim.py",
+    "policies/base.py",
+    "policies/_ranked.py",
+    "policies/lru.py",
+    "policies/fifo.py",
+    "policies/deepspeed.py",
+    "policies/rnd.py",
+    "policies/lfu.py",
+    "policies/lcp.py",
+    "policies/belady.py",
+    "policies/_prefetching.py",
+    "policies/dependency.py",
+    "policies/brainstorm.py",
+    "policies/mixtral_offloading.py",
+    "policies/adapmoe.py",
+    "policies/pregated.py",
+    "policies/promoe.py",
+)
+
+#: Source hashes of the last build, relative to :data:`ROOT` (ignored by git).
+MANIFEST = ".mypyc-manifest.json"
+
+#: mypyc's group name: its shared runtime library becomes ``fmoesim.native__mypyc``, a
+#: module inside the package (by default it is a top-level module next to the
+#: packages, which an editable install does not put on the import path).
+GROUP = "fmoesim.native"
+
+#: Compile with mypyc and build in place (setuptools' ``build_ext --inplace``); argv:
+#: the modules.
+_SETUP = f"""
+import sys
+from mypyc.build import mypycify
+from setuptools import setup
+setup(
+    name="fmoesim-native",
+    ext_modules=mypycify(sys.argv[1:], group_name={GROUP!r}),
+    script_args=["build_ext", "--inplace"],
+)
+"""
+
+
+class StaleBuildError(ImportError):
+    """A compiled module does not match its source."""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def extension_of(module: str, root: Path = ROOT) -> Path | None:
+    """The compiled extension of ``module`` (a path like ``policies/lru.py``), if built."""
+    stem = (root / module).with_suffix("")
+    for suffix in EXTENSION_SUFFIXES:
+        ext = stem.with_name(stem.name + suffix)
+        if ext.exists():
+            return ext
+    return None
+
+
+def _runtime_libs(root: Path) -> list[Path]:
+    """mypyc's shared runtime library of the build (see :data:`GROUP`)."""
+    package, name = GROUP.split(".")
+    return sorted((root / package).glob(f"{name}__mypyc*"))
+
+
+def compiled_modules(root: Path = ROOT) -> list[str]:
+    """The modules of :data:`MODULES` that have a compiled extension next to them."""
+    return [m for m in MODULES if extension_of(m, root) is not None]
+
+
+def check_fresh(root: Path = ROOT) -> None:
+    """Raise :class:`StaleBuildError` if a compiled module's source changed since the
+    build (or the build is incomplete); do nothing for a pure-Python tree.
+
+    Cost: one ``stat`` per module; the sources are hashed only when a build exists.
+    """
+    built = compiled_modules(root)
+    if not built:
+        return
+    fix = "run `make compiled` to rebuild or `make pure` to use the sources"
+    manifest = root / MANIFEST
+    try:
+        hashes = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        raise StaleBuildError(
+            f"{manifest}: missing or unreadable, but {built[0]} is compiled; {fix}"
+        ) from None
+    for module in MODULES:
+        if module not in hashes or extension_of(module, root) is None:
+            raise StaleBuildError(f"{root / module}: not part of the compiled build; {fix}")
+        if _sha256(root / module) != hashes[module]:
+            raise StaleBuildError(f"{root / module}: changed since it was compiled; {fix}")
+
+
+def is_compiled() -> bool:
+    """Whether this process runs the compiled engine (checked on the imported module)."""
+    import fmoesim.engine.runner as runner  # noqa: PLC0415 - only when asked
+
+    return not str(runner.__file__).endswith(".py")
+
+
+def clean(root: Path = ROOT) -> list[Path]:
+    """Remove the compiled extensions, mypyc's runtime library and the manifest."""
+    removed = [p for p in (extension_of(m, root) for m in MODULES) if p is not None]
+    removed += _runtime_libs(root)
+    if (root / MANIFEST).exists():
+        removed.append(root / MANIFEST)
+    for path in removed:
+        path.unlink()
+    return removed
+
+
+def build(root: Path = ROOT) -> None:
+    """Compile :data:`MODULES` in place with mypyc and record their sources' hashes.
+
+    The old build is removed first, and the manifest is written (temp file, then
+    rename) only after mypyc succeeded, so an interrupted build is refused at import.
+    """
+    clean(root)
+    hashes = {m: _sha256(root / m) for m in MODULES}
+    subprocess.run([sys.executable, "-c", _SETUP, *MODULES], cwd=root, check=True)
+    if any(_sha256(root / m) != h for m, h in hashes.items()):
+        raise SystemExit("a source changed while it was being compiled; build again")
+    tmp = root / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(hashes, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, root / MANIFEST)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``build`` | ``pure`` | ``status``."""
+    args = sys.argv[1:] if argv is None else argv
+    if args not in (["build"], ["pure"], ["status"]):
+        print("usage: python fmoesim/_compiled.py build|pure|status", file=sys.stderr)
+        return 2
+    if args == ["build"]:
+        try:
+            build()
+        except subprocess.CalledProcessError:
+            print("mypyc failed (its messages are above); the tree is pure Python", file=sys.stderr)
+            clean()  # whatever it built before failing
+            return 1
+        print(f"compiled {len(MODULES)} modules with mypyc")
+    elif args == ["pure"]:
+        print(f"removed {len(clean())} compiled files")
+    else:
+        built = compiled_modules()
+        if not built:
+            print("pure Python: no module is compiled")
+            return 0
+        try:
+            check_fresh()
+        except StaleBuildError as e:
+            print(f"compiled, stale: {e}")
+            return 1
+        print(f"compiled: {len(built)} of {len(MODULES)} modules, up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

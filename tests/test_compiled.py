@@ -1,0 +1,216 @@
+"""The optional mypyc build (``make compiled``, :mod:`fmoesim._compiled`).
+
+Two promises: a compiled build makes the same decisions and models the same times as
+the sources it was built from (checked by building one in a temporary copy of the
+package and comparing runs of every policy preset, to the last bit), and a compiled
+module whose source changed since is refused at import (checked on fake builds).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from fmoesim import _compiled
+from fmoesim._compiled import MANIFEST, MODULES, StaleBuildError, check_fresh, clean
+
+ROOT = Path(__file__).resolve().parent.parent
+SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def copy_sources(dst: Path) -> None:
+    """The sources of :data:`MODULES` under ``dst``, as in the repository."""
+    for module in MODULES:
+        (dst / module).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / module, dst / module)
+
+
+def fake_build(root: Path) -> None:
+    """What a build leaves behind, without compiling: an (empty) extension per module,
+    mypyc's runtime library and the manifest of the sources' hashes."""
+    hashes = {}
+    for module in MODULES:
+        (root / module).with_suffix(SUFFIX).write_bytes(b"")
+        hashes[module] = _compiled._sha256(root / module)
+    (root / f"fmoesim/native__mypyc{SUFFIX}").write_bytes(b"")
+    (root / MANIFEST).write_text(json.dumps(hashes))
+
+
+def test_a_pure_tree_passes_the_check(tmp_path: Path) -> None:
+    copy_sources(tmp_path)
+    check_fresh(tmp_path)
+    assert _compiled.compiled_modules(tmp_path) == []
+
+
+def test_a_fresh_build_passes_and_an_edited_source_is_refused(tmp_path: Path) -> None:
+    copy_sources(tmp_path)
+    fake_build(tmp_path)
+    check_fresh(tmp_path)
+    assert _compiled.compiled_modules(tmp_path) == list(MODULES)
+    src = tmp_path / "policies/lru.py"
+    src.write_text(src.read_text() + "\n# edited\n")
+    with pytest.raises(StaleBuildError, match=r"policies/lru\.py: changed since it was compiled"):
+        check_fresh(tmp_path)
+
+
+def test_a_build_without_its_manifest_is_refused(tmp_path: Path) -> None:
+    copy_sources(tmp_path)
+    fake_build(tmp_path)
+    (tmp_path / MANIFEST).unlink()
+    with pytest.raises(StaleBuildError, match=r"\.mypyc-manifest\.json: missing"):
+        check_fresh(tmp_path)
+
+
+def test_a_partial_build_is_refused(tmp_path: Path) -> None:
+    copy_sources(tmp_path)
+    fake_build(tmp_path)
+    (tmp_path / "fmoesim/engine/sim.py").with_suffix(SUFFIX).unlink()
+    with pytest.raises(StaleBuildError, match=r"engine/sim\.py: not part of the compiled build"):
+        check_fresh(tmp_path)
+
+
+def test_clean_removes_every_built_file_and_nothing_else(tmp_path: Path) -> None:
+    copy_sources(tmp_path)
+    fake_build(tmp_path)
+    removed = clean(tmp_path)
+    assert len(removed) == len(MODULES) + 2  # the extensions, the runtime, the manifest
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.*")) == sorted(
+        MODULES
+    )
+    check_fresh(tmp_path)
+
+
+def test_a_stale_build_stops_the_import_with_one_line(tmp_path: Path) -> None:
+    """End to end: ``import fmoesim`` in a tree whose build is stale exits non-zero with
+    the check's message (fake extensions: the check runs before any is loaded)."""
+    shutil.copytree(ROOT / "fmoesim", tmp_path / "fmoesim", ignore=_ignore_builds)
+    shutil.copytree(ROOT / "policies", tmp_path / "policies", ignore=_ignore_builds)
+    fake_build(tmp_path)
+    (tmp_path / "fmoesim/engine/cache.py").write_text("# edited\n")
+    out = subprocess.run(
+        [sys.executable, "-c", "import fmoesim"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode != 0
+    assert "engine/cache.py: changed since it was compiled; run `make compiled`" in out.stderr
+
+
+def _ignore_builds(directory: str, names: list[str]) -> set[str]:
+    return {n for n in names if n.endswith(".so") or n == "__pycache__"}
+
+
+#: Runs every policy preset in several settings and prints one JSON line per run: the
+#: summary without wall-clock fields and digests of the per-layer, per-request and
+#: transfer tables (and of the access log in the static setting).  Run once against the
+#: sources and once against the compiled copy.
+RUNS = r"""
+import hashlib, json, sys
+from dataclasses import replace
+from pathlib import Path
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from fmoesim._compiled import is_compiled
+from fmoesim.config.build import load_preset
+from fmoesim.engine.serving import ServingConfig
+from fmoesim.engine.simulate import simulate
+from fmoesim.specs import HardwareSpec, ModelSpec
+from fmoesim.trace import read_trace
+from policies.lru import LRU
+
+class Interpreted(LRU):
+    '''A user's policy: an interpreted subclass of a compiled one.'''
+    name = "user-lru"
+    def victim(self, candidates, incoming):
+        keys = [k for k in self._order if k in candidates]
+        return keys[len(keys) // 2]
+
+repo = Path(sys.argv[1])
+trace = read_trace(repo / "traces" / "default")
+model = load_preset("model", "mixtral-8x7b", ModelSpec)
+hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
+names = sorted(p.stem for p in (repo / "conf" / "policy").glob("*.yaml"))
+def digest(table):
+    h = hashlib.sha256()
+    for col in sorted(table):
+        h.update(col.encode()); h.update(repr(list(table[col])).encode())
+    return h.hexdigest()
+settings = [
+    ("static", dict(serving=ServingConfig(max_requests=1), access_log=True), 1, 12e9),
+    ("hit-only", dict(serving=ServingConfig(max_requests=1), timing=False), 1, 12e9),
+    ("batch-3", dict(serving=ServingConfig(batch_size=3, max_requests=3)), 1, 12e9),
+    ("online-2gpu", dict(serving=ServingConfig(mode="online", arrivals="poisson", rate_rps=2.0,
+                                               max_requests=3)), 2, 6e9),
+]
+for label, kw, gpus, budget in settings:
+    for name in names + ["user-lru"]:
+        if name == "belady" and label == "online-2gpu":
+            continue  # needs the future: static batching only
+        policy = Interpreted() if name == "user-lru" else instantiate(
+            OmegaConf.load(repo / "conf" / "policy" / f"{name}.yaml"))
+        r = simulate(trace, model, replace(hw, num_gpus=gpus), policy, int(budget), **kw)
+        s = {k: v for k, v in r.summary.items() if k not in ("wall_s", "speedup_vs_real")}
+        s["layers"] = digest(r.metrics.layer_table())
+        s["requests"] = digest(r.metrics.request_table())
+        s["transfers"] = digest(r.transfer_table())
+        s["accesses"] = None if r.accesses is None else digest(r.accesses)
+        print(json.dumps({"run": f"{label}/{name}", "compiled": is_compiled(), "s": s},
+                         sort_keys=True, default=repr))
+"""
+
+
+def _c_compiler() -> str | None:
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    return shutil.which(cc)
+
+
+def _runs(code_root: Path) -> list[dict[str, object]]:
+    out = subprocess.run(
+        [sys.executable, "-c", RUNS, str(ROOT)],
+        cwd=code_root,
+        env={**os.environ, "PYTHONPATH": str(code_root)},
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, f"{code_root}: {out.stderr[-3000:]}"
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+@pytest.mark.skipif(_c_compiler() is None, reason="no C compiler: mypyc cannot build here")
+def test_the_compiled_build_makes_the_same_runs_as_the_sources(tmp_path: Path) -> None:
+    """Build the compiled modules in a copy of the package (about a minute) and compare
+    every policy preset, and an interpreted subclass of a compiled policy, in four
+    settings (static, hit-rate-only, batch 3, online on two GPUs) against the sources:
+    summaries and the digests of every per-layer, per-request and transfer table must
+    be identical."""
+    for pkg in ("fmoesim", "policies", "conf"):
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=_ignore_builds)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)  # mypy's settings, which mypyc reads
+    built = subprocess.run(
+        [sys.executable, "fmoesim/_compiled.py", "build"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    assert _compiled.compiled_modules(tmp_path) == list(MODULES)
+
+    pure_root = tmp_path.parent / f"{tmp_path.name}-pure"
+    for pkg in ("fmoesim", "policies", "conf"):
+        shutil.copytree(ROOT / pkg, pure_root / pkg, ignore=_ignore_builds)
+    pure, compiled = _runs(pure_root), _runs(tmp_path)
+    assert all(not r["compiled"] for r in pure) and all(r["compiled"] for r in compiled)
+    assert len(pure) == len(compiled) > 60
+    for a, b in zip(pure, compiled, strict=True):
+        assert a["run"] == b["run"]
+        assert a["s"] == b["s"], a["run"]
