@@ -111,7 +111,7 @@ class BrainStorm(GuardedLRU):
                 if fallback < 0:
                     fallback = key
                 continue
-            c = -flat[key]
+            c = -int(flat[key])  # an int: the compiled build refuses a numpy scalar here
             if best < 0 or c < best_count:
                 best, best_count = key, c
         if best >= 0:
