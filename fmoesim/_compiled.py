@@ -9,7 +9,8 @@ them again; ``python fmoesim/_compiled.py status`` says which build is active.
 
 A compiled module silently shadows its source, so an edit to the source would not
 take effect.  The build records each source's SHA-256 in :data:`MANIFEST`, and
-importing :mod:`fmoesim` or :mod:`policies` calls :func:`check_fresh`, which refuses
+importing :mod:`fmoesim` (which :mod:`policies` imports first) calls :func:`check_fresh`,
+which refuses
 (one line naming the file, exit status non-zero) to run a compiled module whose source
 has changed since.
 

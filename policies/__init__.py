@@ -1,9 +1,8 @@
 """Offloading policies: pure decision logic on the protocol of :mod:`policies.base`."""
 
-from fmoesim._compiled import check_fresh
-
-check_fresh()  # before a compiled policy module is imported (fmoesim/_compiled.py)
-
-from policies.base import Actions, GateView, Outcome, Policy, PolicyContext, Prefetch  # noqa: E402
+# Importing fmoesim first runs its check of the optional compiled build
+# (fmoesim/_compiled.py), before a compiled policy module can load.
+import fmoesim  # noqa: F401
+from policies.base import Actions, GateView, Outcome, Policy, PolicyContext, Prefetch
 
 __all__ = ["Actions", "GateView", "Outcome", "Policy", "PolicyContext", "Prefetch"]

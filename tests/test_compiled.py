@@ -89,21 +89,23 @@ def test_clean_removes_every_built_file_and_nothing_else(tmp_path: Path) -> None
 
 
 def test_a_stale_build_stops_the_import_with_one_line(tmp_path: Path) -> None:
-    """End to end: ``import fmoesim`` in a tree whose build is stale exits non-zero with
-    the check's message (fake extensions: the check runs before any is loaded)."""
+    """End to end: ``import fmoesim`` or ``import policies`` in a tree whose build is
+    stale exits non-zero with the check's message (fake extensions: the check runs
+    before any is loaded)."""
     shutil.copytree(ROOT / "fmoesim", tmp_path / "fmoesim", ignore=_ignore_builds)
     shutil.copytree(ROOT / "policies", tmp_path / "policies", ignore=_ignore_builds)
     fake_build(tmp_path)
     (tmp_path / "fmoesim/engine/cache.py").write_text("# edited\n")
-    out = subprocess.run(
-        [sys.executable, "-c", "import fmoesim"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode != 0
-    assert "engine/cache.py: changed since it was compiled; run `make compiled`" in out.stderr
+    for package in ("fmoesim", "policies"):
+        out = subprocess.run(
+            [sys.executable, "-c", f"import {package}"],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(tmp_path)},
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode != 0, package
+        assert "engine/cache.py: changed since it was compiled; run `make compiled`" in out.stderr
 
 
 def _ignore_builds(directory: str, names: list[str]) -> set[str]:
