@@ -20,34 +20,51 @@ import numpy as np
 from mypy_extensions import mypyc_attr, trait
 
 from policies.base import Actions, GateView, PolicyContext, Prefetch
-from policies.lru import LRU
+from policies.lru import LRU, _any_order
 
 
 def top_experts(scores: np.ndarray, n: int) -> list[int]:
     """Indices of the ``n`` largest ``scores``, largest first, ties to the smaller index.
 
-    perf: one ``argmax`` for ``n == 1``; a Python sort of the ``tolist()`` for small
-    layers; otherwise a stable argsort of the negated scores.
+    perf: one ``argmax`` for ``n == 1``; for a few of at most 64 experts, ``n`` passes of
+    selection over the ``tolist()`` (no sort, no numpy call per pass); a Python sort of
+    the ``tolist()`` for other small layers; otherwise a stable argsort of the negated
+    scores.
     """
     if n <= 0:
         return []
     if n == 1:
         return [int(scores.argmax())]
-    if len(scores) <= 16:
+    E = len(scores)
+    if n <= 4 and E <= 64:
+        s: list[float] = scores.tolist()
+        chosen: list[int] = []
+        for _ in range(min(n, E)):
+            best, best_v = -1, 0.0
+            for i in range(E):
+                v = s[i]
+                if (best < 0 or v > best_v) and i not in chosen:
+                    best, best_v = i, v
+            chosen.append(best)
+        return chosen
+    if E <= 16:
         s = scores.tolist()
-        order = sorted(range(len(s)), key=s.__getitem__, reverse=True)  # stable
+        order = sorted(range(E), key=s.__getitem__, reverse=True)  # stable
         return order[:n]
     return (-scores).argsort(kind="stable")[:n].tolist()
 
 
-def routed_by_count(gate: GateView) -> list[int]:
-    """Experts the gate routes to, most tokens first, ties to the smaller index.
+def routed_by_count(gate: GateView, counts: list[int] | None = None) -> list[int]:
+    """Experts the gate routes to, most tokens first, ties to the smaller index
+    (``counts``: ``gate.counts.tolist()`` if the caller has it already).
 
-    perf: one token routes to its top-k with one token each, so no sort is needed then.
+    perf: one token routes to its top-k with one token each, so no sort is needed then;
+    the nonzero entries are found on a ``tolist()`` (``np.flatnonzero`` on a row of a few
+    dozen experts costs several times more).
     """
-    nz = np.flatnonzero(gate.counts).tolist()
+    c = gate.counts.tolist() if counts is None else counts
+    nz = [e for e in range(len(c)) if c[e]]
     if gate.num_tokens > 1 and len(nz) > 1:
-        c = gate.counts.tolist()
         nz.sort(key=c.__getitem__, reverse=True)  # stable: equal counts keep id order
     return nz
 
@@ -66,10 +83,11 @@ def prefetch_actions(
     )
 
 
-def stale_prefetches(issued: list[list[int]], layer: int, counts: np.ndarray) -> list[int]:
+def stale_prefetches(issued: list[list[int]], layer: int, counts: list[int]) -> list[int]:
     """The keys prefetched for ``layer`` (``issued[layer]``, emptied here) that its gate
-    did not route to: once the layer has run they are no longer needed for it, so a
-    policy cancels them (the engine drops only those still queued and never started).
+    did not route to (``counts``: the gate's counts as a list, ``gate.counts.tolist()``):
+    once the layer has run they are no longer needed for it, so a policy cancels them
+    (the engine drops only those still queued and never started).
 
     Without this, on a link slower than the layers (a 14 ms expert against 1 ms of
     compute) mispredicted prefetches pile up in the queue, hold the budget in flight
@@ -80,8 +98,7 @@ def stale_prefetches(issued: list[list[int]], layer: int, counts: np.ndarray) ->
         return []
     issued[layer] = []
     E = len(counts)
-    c = counts.tolist()
-    return [k for k in dict.fromkeys(keys) if not c[k % E]]
+    return [k for k in dict.fromkeys(keys) if not counts[k % E]]
 
 
 @trait
@@ -121,8 +138,8 @@ class LayerGuard:
         keys = self._guard_keys
         if keys is None:
             base = self._guard_layer * self._guard_E
-            nz = np.flatnonzero(self._guard_counts)  # type: ignore[arg-type]
-            keys = self._guard_keys = {base + e for e in nz.tolist()}
+            c = self._guard_counts.tolist()  # type: ignore[union-attr]
+            keys = self._guard_keys = {base + e for e in range(len(c)) if c[e]}
         return key in keys
 
     def _first_unguarded(self, keys: Iterable[int], candidates: Collection[int]) -> int:
@@ -163,7 +180,23 @@ class GuardedLRU(LRU, LayerGuard):
 
     def victim(self, candidates: Collection[int], incoming: int) -> int:
         """Least recently used candidate not routed by the current layer (else plain LRU)."""
-        key = self._first_unguarded(self._order, candidates)
+        order = self._order
+        if 8 * len(candidates) < len(order):  # perf: see AdmissionOrder._first_in_order
+            key = fallback = -1
+            stamp = fallback_stamp = self._stamp + 1
+            for k in _any_order(candidates):
+                s = order.get(k, -1)
+                if s < 0 or (s > stamp and s > fallback_stamp):
+                    continue
+                if self._guarded(k):
+                    if s < fallback_stamp:
+                        fallback, fallback_stamp = k, s
+                elif s < stamp:
+                    key, stamp = k, s
+            if key < 0:
+                key = fallback
+        else:
+            key = self._first_unguarded(order, candidates)
         if key < 0:
             raise ValueError("no candidate is tracked by this LRU")
         return key

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar
 
@@ -240,7 +240,6 @@ class GateView:
         self.request_probs = request_probs
 
 
-@dataclass(frozen=True)
 class Prefetch:
     """Ask the engine to load expert ``key``; lower ``priority`` values go first.
 
@@ -251,11 +250,51 @@ class Prefetch:
     first.  Prefetching a key that is resident, or whose transfer has started, does
     nothing; prefetching a key whose transfer is still queued moves it to ``priority``
     (the latest decision wins, as MoE-Infinity's I/O thread re-ranks its queue).
+
+    Immutable, compared and hashed by value like a frozen dataclass.  perf: a plain
+    class with read-only properties, not ``@dataclass(frozen=True)``: a frozen
+    dataclass's generated ``__init__`` sets each field through ``object.__setattr__``
+    and is never compiled, and prefetching policies build several per layer step.
     """
 
-    key: int
-    priority: float = 1.0
-    reason: str = "prefetch"
+    __slots__ = ("_key", "_priority", "_reason")
+
+    def __init__(self, key: int, priority: float = 1.0, reason: str = "prefetch") -> None:
+        self._key = key
+        self._priority = priority
+        self._reason = reason
+
+    @property
+    def key(self) -> int:
+        """The expert (or segment) key to load."""
+        return self._key
+
+    @property
+    def priority(self) -> float:
+        """Lower goes first (among prefetches)."""
+        return self._priority
+
+    @property
+    def reason(self) -> str:
+        """The transfer's label in the log."""
+        return self._reason
+
+    def _fields(self) -> tuple[int, float, str]:
+        return (self._key, self._priority, self._reason)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Prefetch):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __reduce__(self) -> tuple[type[Prefetch], tuple[int, float, str]]:
+        return (Prefetch, self._fields())
+
+    def __repr__(self) -> str:
+        return f"Prefetch(key={self._key!r}, priority={self._priority!r}, reason={self._reason!r})"
 
 
 @dataclass
@@ -277,13 +316,30 @@ class Actions:
     ``victim`` choosing); ``evict`` drops resident, unused entries (or cancels queued
     ones), e.g. segments cut at an old split ratio.  Both are applied before the
     prefetches.
+
+    perf: ``__init__`` is written out (a dataclass keeps a class's own ``__init__``) so
+    that the compiled build compiles it; the generated one stays interpreted.
     """
 
-    prefetch: Sequence[Prefetch] = field(default_factory=tuple)
-    cancel: Sequence[int] = field(default_factory=tuple)
+    prefetch: Sequence[Prefetch] = ()
+    cancel: Sequence[int] = ()
     delay_s: float = 0.0
-    evict: Sequence[int] = field(default_factory=tuple)
+    evict: Sequence[int] = ()
     budgets: dict[int, int] | None = None
+
+    def __init__(
+        self,
+        prefetch: Sequence[Prefetch] = (),
+        cancel: Sequence[int] = (),
+        delay_s: float = 0.0,
+        evict: Sequence[int] = (),
+        budgets: dict[int, int] | None = None,
+    ) -> None:
+        self.prefetch = prefetch
+        self.cancel = cancel
+        self.delay_s = delay_s
+        self.evict = evict
+        self.budgets = budgets
 
 
 NO_ACTIONS = Actions()

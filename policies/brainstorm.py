@@ -83,7 +83,7 @@ class BrainStorm(GuardedLRU):
         counts = gate.counts
         self._guard(layer, counts)
         self._neg[layer] -= counts
-        cancel = stale_prefetches(self._issued, layer, counts)
+        cancel = stale_prefetches(self._issued, layer, counts.tolist())
         self._predicted = set()
         if layer + 1 >= self._L:
             return Actions(cancel=cancel) if cancel else NO_ACTIONS

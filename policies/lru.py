@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 from mypy_extensions import mypyc_attr
 
 from policies.base import Outcome, Policy, PolicyContext
+
+
+def _any_order(candidates: Collection[int]) -> Iterable[int]:
+    """``candidates`` in whatever order is cheapest: a dict's own keys (the cache's
+    candidates iterate in admission order by walking every entry; a minimum needs no
+    order)."""
+    return candidates.keys() if isinstance(candidates, dict) else candidates
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -21,23 +27,55 @@ class AdmissionOrder(Policy):
     def reset(self, ctx: PolicyContext) -> None:
         """Forget the order."""
         super().reset(ctx)
-        self._order: OrderedDict[int, None] = OrderedDict()  # first to evict first
+        # key -> its stamp, first to evict first; stamps grow along the dict's order
+        # perf: a plain dict (moving a key = delete + insert) iterates several times
+        # faster than an OrderedDict, and the stamps let victim() rank a few candidates
+        # without walking the order
+        self._order: dict[int, int] = {}
+        self._stamp = 0
+
+    def _to_back(self, key: int) -> None:
+        """Put ``key`` at the back of the order (with the newest stamp)."""
+        order = self._order
+        if key in order:
+            del order[key]
+        self._stamp += 1
+        order[key] = self._stamp
 
     def on_insert(self, key: int) -> None:
         """A newly admitted expert goes to the back."""
-        self._order[key] = None
-        self._order.move_to_end(key)
+        self._to_back(key)
 
     def on_evict(self, key: int) -> None:
         """Drop ``key`` from the order."""
         self._order.pop(key, None)
 
-    def victim(self, candidates: Collection[int], incoming: int) -> int:
-        """The first of ``candidates`` in the order."""
-        for key in self._order:
+    def _first_in_order(self, candidates: Collection[int]) -> int:
+        """The first of ``candidates`` in the order (-1 if none is tracked).
+
+        perf: when the candidates are few against the order (a saturated link leaves
+        most admitted experts in flight, and dependency prefetch's order was 95% such
+        entries), the candidate with the smallest stamp is found without the walk.
+        """
+        order = self._order
+        if 8 * len(candidates) < len(order):
+            best, best_stamp = -1, self._stamp + 1
+            for key in _any_order(candidates):
+                s = order.get(key, best_stamp)
+                if s < best_stamp:
+                    best, best_stamp = key, s
+            return best
+        for key in order:
             if key in candidates:
                 return key
-        raise ValueError(f"no candidate is tracked by this {self.name} policy")
+        return -1
+
+    def victim(self, candidates: Collection[int], incoming: int) -> int:
+        """The first of ``candidates`` in the order."""
+        key = self._first_in_order(candidates)
+        if key < 0:
+            raise ValueError(f"no candidate is tracked by this {self.name} policy")
+        return key
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -56,4 +94,4 @@ class LRU(AdmissionOrder):
     def on_access(self, key: int, outcome: Outcome) -> None:
         """Mark ``key`` most recently used."""
         if key in self._order:
-            self._order.move_to_end(key)
+            self._to_back(key)

@@ -60,7 +60,9 @@ class PreGated(Policy, LayerGuard):
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """Prefetch the pre-gate's top experts of the next layer."""
         self._guard(layer, gate.counts)
-        cancel = stale_prefetches(self._issued, layer, gate.counts) if self.cancel_stale else []
+        cancel: list[int] = []
+        if self.cancel_stale:
+            cancel = stale_prefetches(self._issued, layer, gate.counts.tolist())
         spec = gate.spec_next
         if spec is None or layer + 1 >= self._L:
             self._next = set()

@@ -83,8 +83,9 @@ class ProMoE(GuardedLRU):
         """Remember this layer's routing; prefetch layer ``l + 1`` (spec) and ``l + stride``."""
         counts = gate.counts
         self._guard(layer, counts)
-        self._last[layer] = routed_by_count(gate)
-        cancel = stale_prefetches(self._issued, layer, counts) if self.cancel_stale else []
+        c = counts.tolist()
+        self._last[layer] = routed_by_count(gate, c)
+        cancel = stale_prefetches(self._issued, layer, c) if self.cancel_stale else []
         routed = self._routed(gate)
         room = self._room_experts(routed)
         E, cap = self._E, self.prefetch_experts

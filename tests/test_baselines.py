@@ -11,20 +11,25 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import pickle
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
 from hydra.utils import instantiate
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from fmoesim.config.schema import CONF_DIR
+from fmoesim.engine.cache import Evictable
 from fmoesim.engine.simulate import RunResult, simulate
 from fmoesim.trace import read_trace
 from fmoesim.trace.reader import Trace
 from fmoesim.workload.synthetic import SyntheticConfig, generate
+from policies._prefetching import routed_by_count, top_experts
 from policies.adapmoe import AdapMoE, allocate_slots
-from policies.base import BatchInfo, GateView, Outcome, Policy
+from policies.base import BatchInfo, GateView, Outcome, Policy, Prefetch
 from policies.brainstorm import BrainStorm
 from policies.deepspeed import DeepSpeedInference
 from policies.dependency import DependencyPrefetch
@@ -130,6 +135,128 @@ def test_dependency_victim_skips_the_current_layers_experts_and_prefetch_is_no_u
     assert q.victim(cands(4, 9), 6) == 4
     q.on_access(4, Outcome.HIT)
     assert q.victim(cands(4, 9), 6) == 9
+
+
+M10x8 = small_model(10, 8, 2)  # 80 keys: room for orders much longer than the candidates
+
+
+@pytest.mark.parametrize(
+    ("candidates", "expected"),
+    [
+        ((17, 60, 19), 19),
+        ((17, 60), 60),
+        ((17, 16), 16),
+        ((99, 17, 60), 60),
+        (tuple(range(16, 40)), 18),
+    ],
+    ids=["stamp-oldest", "stamp-unguarded", "stamp-fallback", "stamp-untracked", "walk"],
+)
+def test_guarded_lru_victim_by_stamp_and_by_walk(candidates, expected):
+    """80 admitted in key order; layer 2 routes experts 0 and 1 (keys 16, 17).  The oldest
+    unguarded candidate, else the oldest candidate, whether found by stamps (a few
+    candidates among 80 tracked) or by walking the order (many)."""
+    p = DependencyPrefetch()
+    p.reset(context(M10x8, 80))
+    insert(p, *range(80))
+    p.on_gate(2, gate(2, [1, 1, 0, 0, 0, 0, 0, 0]))
+    ev = Evictable(dict.fromkeys(range(100)))  # type: ignore[arg-type]
+    for k in candidates:
+        ev[k] = None
+    assert p.victim(ev, 0) == expected
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(st.tuples(st.sampled_from("iiiae"), st.integers(0, 79)), max_size=200),
+    picks=st.lists(st.integers(0, 79), max_size=10, unique=True),
+    layer=st.integers(0, 9),
+    routed=st.lists(st.integers(0, 7), min_size=1, max_size=3, unique=True),
+)
+def test_guarded_lru_victim_matches_a_list_reference(ops, picks, layer, routed):
+    """The first candidate in LRU order that the current layer does not route to, else
+    the first candidate in LRU order: against the order kept as a list, on the cache's
+    own candidates type (few candidates among many tracked take the stamp search)."""
+    p = DependencyPrefetch()
+    p.reset(context(M10x8, 80))
+    ref: list[int] = []
+    for op, k in ops:
+        if op == "i":
+            p.on_insert(k)
+            if k in ref:
+                ref.remove(k)
+            ref.append(k)
+        elif op == "a":
+            p.on_access(k, Outcome.HIT)
+            if k in ref:
+                ref.remove(k)
+                ref.append(k)
+        else:
+            p.on_evict(k)
+            if k in ref:
+                ref.remove(k)
+    counts = [0] * 8
+    for x in routed:
+        counts[x] = 1
+    p.on_gate(layer, gate(layer, counts))
+    ev = Evictable(dict.fromkeys(range(80)))  # type: ignore[arg-type]
+    for k in picks:
+        ev[k] = None
+    guarded = {layer * 8 + x for x in routed}
+    in_order = [k for k in ref if k in ev]
+    expected = next((k for k in in_order if k not in guarded), in_order[0] if in_order else None)
+    if expected is None:
+        with pytest.raises(ValueError):
+            p.victim(ev, 0)
+    else:
+        assert p.victim(ev, 0) == expected
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    scores=st.lists(st.integers(0, 3), min_size=1, max_size=80),
+    n=st.integers(-1, 9),
+    as_float=st.booleans(),
+)
+def test_top_experts_is_a_stable_descending_argsort(scores, n, as_float):
+    """Every path (argmax, selection, sort, argsort) against a stable argsort of the
+    negated scores: largest first, ties to the smaller index (few distinct values, so
+    ties are the rule)."""
+    a = np.asarray(scores, dtype=np.float32 if as_float else np.int64)
+    if as_float:
+        a = a / np.float32(3)
+    expected = (-a).argsort(kind="stable")[: max(n, 0)].tolist()
+    assert top_experts(a, n) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(counts=st.lists(st.integers(0, 4), min_size=1, max_size=70), tokens=st.integers(1, 5))
+def test_routed_by_count_orders_by_tokens_then_id(counts, tokens):
+    """The routed experts, most tokens first, ties to the smaller id (one token: id order)."""
+    c = np.asarray(counts, dtype=np.int64)
+    g = GateView(0, c, tokens)
+    nz = [i for i, x in enumerate(counts) if x]
+    expected = sorted(nz, key=lambda i: -counts[i]) if tokens > 1 else nz
+    assert routed_by_count(g) == expected
+    assert routed_by_count(g, list(counts)) == expected
+
+
+def test_prefetch_is_an_immutable_value():
+    """Prefetch keeps the frozen dataclass's contract: compared and hashed by value,
+    read-only, picklable (policies holding prebuilt prefetches are pickled by sweeps)."""
+    p = Prefetch(7, 1.25)
+    assert (p.key, p.priority, p.reason) == (7, 1.25, "prefetch")
+    assert p == Prefetch(7, 1.25) and hash(p) == hash(Prefetch(7, 1.25))
+    assert p != Prefetch(7, 1.25, "configure") and p != Prefetch(8, 1.25)
+    assert p != (7, 1.25, "prefetch")
+    assert repr(p) == "Prefetch(key=7, priority=1.25, reason='prefetch')"
+    with pytest.raises(AttributeError):
+        p.key = 8  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(p)) == p
+    q = DependencyPrefetch()
+    q.reset(context(M34, 10))
+    assert pf(pickle.loads(pickle.dumps(q)).on_gate(0, gate(0, [1, 0, 0, 0]))) == pf(
+        q.on_gate(0, gate(0, [1, 0, 0, 0]))
+    )
 
 
 # -- BrainStorm --------------------------------------------------------------------------

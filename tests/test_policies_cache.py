@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fmoesim.config.build import load_preset
+from fmoesim.engine.cache import Evictable
 from fmoesim.engine.simulate import RunResult, simulate
 from fmoesim.errors import ConfigError
 from fmoesim.specs import ModelSpec
@@ -195,6 +196,77 @@ def test_fifo_evicts_earliest_admitted_and_ignores_hits():
     p.on_evict(2)
     admit(p, 2)  # readmitted: back of the queue
     assert p.victim(view(0, 5, 2), 7) == 0
+
+
+# -- LRU and FIFO: the order and its stamps ----------------------------------------------
+def _evictable(keys: Sequence[int], universe: int = 40) -> Evictable:
+    """The cache's own candidates type holding ``keys`` (a dict subclass whose iteration
+    walks every entry, so the policies take its own keys when order does not matter)."""
+    ev = Evictable(dict.fromkeys(range(universe)))  # type: ignore[arg-type]
+    for k in keys:
+        ev[k] = None
+    return ev
+
+
+@pytest.mark.parametrize(
+    ("cls", "candidates", "expected"),
+    [
+        (LRU, (39, 5, 20), 20),  # 8 * 3 < 40 tracked: found by stamp
+        (FIFO, (39, 5, 20), 5),
+        (LRU, tuple(range(0, 40, 4)), 4),  # 10 candidates: found by walking the order
+        (FIFO, tuple(range(0, 40, 4)), 0),
+        (LRU, (77, 39, 20), 20),  # a candidate the policy never saw is not chosen
+    ],
+    ids=["lru-stamp", "fifo-stamp", "lru-walk", "fifo-walk", "untracked"],
+)
+def test_admission_order_victim_by_stamp_and_by_walk(cls, candidates, expected):
+    """40 admitted in key order, then 0 and 5 accessed: LRU moved them to the back (0
+    before 5), FIFO did not.  A few candidates are ranked by their stamps, many by a walk
+    of the order; both must name the first candidate in the order."""
+    p = cls()
+    p.reset(context())
+    for k in range(40):
+        p.on_insert(k)
+    p.on_access(0, Outcome.HIT)
+    p.on_access(5, Outcome.HIT)
+    assert p.victim(_evictable(candidates, universe=80), -1) == expected
+    assert p.victim(view(*candidates), -1) == expected  # any collection, not only the cache's
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(st.tuples(st.sampled_from("iiiae"), st.integers(0, 39)), max_size=150),
+    picks=st.lists(st.integers(0, 39), max_size=8, unique=True),
+    lru=st.booleans(),
+)
+def test_admission_order_victim_matches_a_list_reference(ops, picks, lru):
+    """Random inserts, accesses and evictions against the order kept as a plain list;
+    candidate sets of 0-12 keys among up to 40 tracked take the stamp search or the walk."""
+    p = LRU() if lru else FIFO()
+    p.reset(context())
+    ref: list[int] = []
+    for op, k in ops:
+        if op == "i":
+            p.on_insert(k)
+            if k in ref:
+                ref.remove(k)
+            ref.append(k)
+        elif op == "a":
+            p.on_access(k, Outcome.HIT)
+            if lru and k in ref:
+                ref.remove(k)
+                ref.append(k)
+        else:
+            p.on_evict(k)
+            if k in ref:
+                ref.remove(k)
+    ev = _evictable(picks)
+    expected = next((k for k in ref if k in ev), None)
+    if expected is None:
+        with pytest.raises(ValueError, match="no candidate is tracked"):
+            p.victim(ev, -1)
+    else:
+        assert p.victim(ev, -1) == expected
 
 
 # -- LFU ---------------------------------------------------------------------------------

@@ -21,6 +21,9 @@ from fmoesim.engine.cache import ExpertCache
 #: Priority of an on-demand load: ahead of every prefetch (lower values go first).
 ON_DEMAND = float("-inf")
 
+# perf: parsed once, not by a float("nan") call per transfer record
+_NAN = float("nan")
+
 
 class TransferRecord:
     """One host-to-device transfer: the transfer log row of DESIGN.md.
@@ -65,8 +68,8 @@ class TransferRecord:
         self.priority = priority
         self.submit_s = submit_s
         self.release_s = submit_s  # earliest start (later for a delayed prefetch)
-        self.start_s = float("nan")
-        self.end_s = float("nan")
+        self.start_s = _NAN
+        self.end_s = _NAN
         self.used = False
         self.escalated = False
         self.preemptions = 0

@@ -260,19 +260,24 @@ class Runner:
             assert tr.probs is not None
             req_probs = tr.probs[rows].astype(np.float32)  # (B, L, E)
         step0 = self.step
+        # perf: the rows as a list of views at once, and the validity as Python bools (a
+        # numpy index per layer, and a numpy bool per layer, cost more)
+        count_rows = list(counts) if self._has_gate else []  # L x (E,)
+        spec_rows = list(spec) if spec is not None else []  # L x (E,)
+        spec_ok_l: list[bool] = [] if spec_ok is None else np.asarray(spec_ok).tolist()  # (L,)
 
         def view_of(layer: int) -> GateView:
             """The gate of ``layer`` for this batch (only for policies with ``on_gate``)."""
             spec_next = None
             if spec is not None:
                 if layer + 1 < self.L:
-                    if spec_ok[layer + 1]:  # type: ignore[index]
-                        spec_next = spec[layer + 1]
+                    if spec_ok_l[layer + 1]:
+                        spec_next = spec_rows[layer + 1]
                 else:
                     spec_next = spec_first
             return GateView(
                 layer,
-                counts[layer],
+                count_rows[layer],
                 tokens,
                 None if probs is None else probs[layer],
                 spec_next,
