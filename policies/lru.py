@@ -54,8 +54,9 @@ class AdmissionOrder(Policy):
         """The first of ``candidates`` in the order (-1 if none is tracked).
 
         perf: when the candidates are few against the order (a saturated link leaves
-        most admitted experts in flight, and dependency prefetch's order was 95% such
-        entries), the candidate with the smallest stamp is found without the walk.
+        most admitted experts in flight: dependency prefetch's walk visited 65 of about
+        68 keys per victim), the candidate with the smallest stamp is found without the
+        walk.
         """
         order = self._order
         if 8 * len(candidates) < len(order):
