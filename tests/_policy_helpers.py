@@ -14,7 +14,35 @@ import numpy as np
 
 from fmoesim.specs import ModelSpec
 from fmoesim.trace import TraceManifest, TraceModel, TraceWriter
+from policies.base import Outcome, Policy
 from tests.tiny import TINY, small_model  # noqa: F401 - re-exported
+
+
+def replay_order_ops(
+    policy: Policy, ops: Sequence[tuple[str, int]], access_moves: bool
+) -> list[int]:
+    """Feed ``policy`` the hooks ``ops`` name (``"i"`` insert, ``"a"`` access, ``"e"``
+    evict, each with a key) and return the reference order they imply, kept as a plain
+    list, first to evict first: an insert goes to the back, an access moves a tracked
+    key to the back when ``access_moves`` (LRU; FIFO keeps it), an evict drops it."""
+    ref: list[int] = []
+    for op, k in ops:
+        if op == "i":
+            policy.on_insert(k)
+            if k in ref:
+                ref.remove(k)
+            ref.append(k)
+        elif op == "a":
+            policy.on_access(k, Outcome.HIT)
+            if access_moves and k in ref:
+                ref.remove(k)
+                ref.append(k)
+        else:
+            policy.on_evict(k)
+            if k in ref:
+                ref.remove(k)
+    return ref
+
 
 #: routes[i][l] = the experts iteration ``i`` routes its token to in layer ``l``.
 Routes = Sequence[Sequence[Sequence[int]]]

@@ -51,6 +51,7 @@ from tests._baseline_helpers import (
     write_fig8_trace,
     write_trace,
 )
+from tests._policy_helpers import replay_order_ops
 from tests.tiny import TINY_HW
 
 #: An iteration's batch for the hooks that take one (AdapMoE ignores its contents).
@@ -178,22 +179,7 @@ def test_guarded_lru_victim_matches_a_list_reference(ops, picks, layer, routed):
     own candidates type (few candidates among many tracked take the stamp search)."""
     p = DependencyPrefetch()
     p.reset(context(M10x8, 80))
-    ref: list[int] = []
-    for op, k in ops:
-        if op == "i":
-            p.on_insert(k)
-            if k in ref:
-                ref.remove(k)
-            ref.append(k)
-        elif op == "a":
-            p.on_access(k, Outcome.HIT)
-            if k in ref:
-                ref.remove(k)
-                ref.append(k)
-        else:
-            p.on_evict(k)
-            if k in ref:
-                ref.remove(k)
+    ref = replay_order_ops(p, ops, access_moves=True)
     counts = [0] * 8
     for x in routed:
         counts[x] = 1

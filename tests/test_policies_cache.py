@@ -57,6 +57,7 @@ from tests._policy_helpers import (
     Routes,
     layer_steps,
     random_routes,
+    replay_order_ops,
     small_model,
     write_routes_trace,
     write_uniform_trace,
@@ -244,22 +245,7 @@ def test_admission_order_victim_matches_a_list_reference(ops, picks, lru):
     candidate sets of 0-12 keys among up to 40 tracked take the stamp search or the walk."""
     p = LRU() if lru else FIFO()
     p.reset(context())
-    ref: list[int] = []
-    for op, k in ops:
-        if op == "i":
-            p.on_insert(k)
-            if k in ref:
-                ref.remove(k)
-            ref.append(k)
-        elif op == "a":
-            p.on_access(k, Outcome.HIT)
-            if lru and k in ref:
-                ref.remove(k)
-                ref.append(k)
-        else:
-            p.on_evict(k)
-            if k in ref:
-                ref.remove(k)
+    ref = replay_order_ops(p, ops, access_moves=lru)
     ev = _evictable(picks)
     expected = next((k for k in ref if k in ev), None)
     if expected is None:
