@@ -94,5 +94,8 @@ class LRU(AdmissionOrder):
 
     def on_access(self, key: int, outcome: Outcome) -> None:
         """Mark ``key`` most recently used."""
-        if key in self._order:
-            self._to_back(key)
+        order = self._order
+        if key in order:  # perf: _to_back inlined, its membership test already made
+            del order[key]
+            self._stamp += 1
+            order[key] = self._stamp
