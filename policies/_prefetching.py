@@ -26,8 +26,9 @@ from policies.lru import LRU, _any_order
 def top_experts(scores: np.ndarray, n: int) -> list[int]:
     """Indices of the ``n`` largest ``scores``, largest first, ties to the smaller index.
 
-    perf: one ``argmax`` for ``n == 1``; for a few of at most 64 experts, ``n`` passes of
-    selection over the ``tolist()`` (no sort, no numpy call per pass); a Python sort of
+    perf: one ``argmax`` for ``n == 1``; for a few of at most 64 experts, one pass over
+    the ``tolist()`` keeping the best ``n`` so far in order (no sort, no numpy call but
+    the ``tolist()``; most scores lose against the n-th best at once); a Python sort of
     the ``tolist()`` for other small layers; otherwise a stable argsort of the negated
     scores.
     """
@@ -38,15 +39,39 @@ def top_experts(scores: np.ndarray, n: int) -> list[int]:
     E = len(scores)
     if n <= 4 and E <= 64:
         s: list[float] = scores.tolist()
-        chosen: list[int] = []
-        for _ in range(min(n, E)):
-            best, best_v = -1, 0.0
-            for i in range(E):
+        m = min(n, E)
+        if m == 2:  # perf: top-2 (Mixtral's top_k), the best two in local variables
+            b1, v1, b2, v2 = 0, s[0], 1, s[1]
+            if v2 > v1:
+                b1, v1, b2, v2 = 1, s[1], 0, s[0]
+            for i in range(2, E):
                 v = s[i]
-                if (best < 0 or v > best_v) and i not in chosen:
-                    best, best_v = i, v
-            chosen.append(best)
-        return chosen
+                if v > v2:  # an equal score keeps the smaller index ahead
+                    if v > v1:
+                        b2, v2 = b1, v1
+                        b1, v1 = i, v
+                    else:
+                        b2, v2 = i, v
+            return [b1, b2]
+        best = [0] * m  # the best so far, best first (by index: list.insert is a call)
+        best_v = [0.0] * m
+        filled = 0
+        for i in range(E):
+            v = s[i]
+            if filled < m:
+                j = filled
+                filled += 1
+            elif v > best_v[m - 1]:
+                j = m - 1
+            else:
+                continue
+            while j > 0 and v > best_v[j - 1]:  # after the equal ones: ties to the smaller
+                best[j] = best[j - 1]
+                best_v[j] = best_v[j - 1]
+                j -= 1
+            best[j] = i
+            best_v[j] = v
+        return best
     if E <= 16:
         s = scores.tolist()
         order = sorted(range(E), key=s.__getitem__, reverse=True)  # stable
@@ -62,7 +87,7 @@ def routed_by_count(gate: GateView, counts: list[int] | None = None) -> list[int
     the nonzero entries are found on a ``tolist()`` (``np.flatnonzero`` on a row of a few
     dozen experts costs several times more).
     """
-    c = gate.counts.tolist() if counts is None else counts
+    c: list[int] = gate.counts.tolist() if counts is None else counts
     nz = [e for e in range(len(c)) if c[e]]
     if gate.num_tokens > 1 and len(nz) > 1:
         nz.sort(key=c.__getitem__, reverse=True)  # stable: equal counts keep id order
@@ -84,7 +109,7 @@ def prefetch_actions(
 
 
 def stale_prefetches(issued: list[list[int]], layer: int, counts: list[int]) -> list[int]:
-    """The keys prefetched for ``layer`` (``issued[layer]``, emptied here) that its gate
+    """The keys prefetched for ``layer`` (``issued[layer]``, distinct, emptied here) that its gate
     did not route to (``counts``: the gate's counts as a list, ``gate.counts.tolist()``):
     once the layer has run they are no longer needed for it, so a policy cancels them
     (the engine drops only those still queued and never started).
@@ -98,7 +123,7 @@ def stale_prefetches(issued: list[list[int]], layer: int, counts: list[int]) -> 
         return []
     issued[layer] = []
     E = len(counts)
-    return [k for k in dict.fromkeys(keys) if not counts[k % E]]
+    return [k for k in keys if not counts[k % E]]
 
 
 @trait
@@ -138,7 +163,7 @@ class LayerGuard:
         keys = self._guard_keys
         if keys is None:
             base = self._guard_layer * self._guard_E
-            c = self._guard_counts.tolist()  # type: ignore[union-attr]
+            c: list[int] = self._guard_counts.tolist()  # type: ignore[union-attr]
             keys = self._guard_keys = {base + e for e in range(len(c)) if c[e]}
         return key in keys
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
 from mypy_extensions import mypyc_attr
@@ -64,7 +63,11 @@ class MixtralOffloading(Policy, LayerGuard):
         self._guard_reset(ctx)
         m = ctx.model
         self._L, self._E, self._K, self._G = m.num_layers, m.num_experts, m.top_k, ctx.num_gpus
-        self._orders: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self._L)]
+        # each layer's keys, least recently used first
+        # perf: plain dicts, a key moved to the back by deleting and re-inserting it:
+        # compiled, those are native dict operations, while OrderedDict.move_to_end is a
+        # generic method call (counted with callgrind)
+        self._orders: list[dict[int, None]] = [{} for _ in range(self._L)]
         self._held = [0] * (self._G * self._L)  # entries (resident or in flight) per (gpu, layer)
         slots = self.layer_slots or ctx.capacity_experts // self._L
         self._set_quotas([slots] * self._L)
@@ -94,7 +97,8 @@ class MixtralOffloading(Policy, LayerGuard):
             return []
         routed = self._routed(gate)
         n = self.prefetch_experts or max(self._K, routed)
-        n = min(n, self._E, self.quotas[target] or 1, self._room_experts(routed))
+        # perf: nested two-argument min compiles to comparisons, a longer one to a call
+        n = min(min(n, self._E), min(self.quotas[target] or 1, self._room_experts(routed)))
         base = target * self._E
         return [base + e for e in top_experts(spec, n)]
 
@@ -107,21 +111,24 @@ class MixtralOffloading(Policy, LayerGuard):
         order = self._orders[keys[0] // self._E]
         for k in keys:  # a predicted expert counts as used: keep it over the others
             if k in order:
-                order.move_to_end(k)
+                del order[k]
+                order[k] = None
         return prefetch_actions(keys, self._E)
 
     def on_insert(self, key: int) -> None:
         """A newly admitted expert is its layer's most recently used."""
         order = self._orders[key // self._E]
+        if key in order:
+            del order[key]
         order[key] = None
-        order.move_to_end(key)
         self._held[self._slot(key)] += 1
 
     def on_access(self, key: int, outcome: Outcome) -> None:
         """Mark ``key`` most recently used in its layer."""
         order = self._orders[key // self._E]
         if key in order:
-            order.move_to_end(key)
+            del order[key]
+            order[key] = None
 
     def on_evict(self, key: int) -> None:
         """Drop ``key`` from its layer's list."""

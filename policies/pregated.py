@@ -69,7 +69,7 @@ class PreGated(Policy, LayerGuard):
             return Actions(cancel=cancel) if cancel else NO_ACTIONS
         routed = self._routed(gate)
         n = self.prefetch_experts or max(self._K, routed)
-        n = min(n, self._E, self._room_experts(routed))
+        n = min(min(n, self._E), self._room_experts(routed))  # perf: see ProMoE
         base = (layer + 1) * self._E
         keys = [base + e for e in top_experts(spec, n)]
         self._next = set(keys)

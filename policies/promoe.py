@@ -83,33 +83,42 @@ class ProMoE(GuardedLRU):
         """Remember this layer's routing; prefetch layer ``l + 1`` (spec) and ``l + stride``."""
         counts = gate.counts
         self._guard(layer, counts)
-        c = counts.tolist()
+        c: list[int] = counts.tolist()
         self._last[layer] = routed_by_count(gate, c)
         cancel = stale_prefetches(self._issued, layer, c) if self.cancel_stale else []
         routed = self._routed(gate)
         room = self._room_experts(routed)
         E, cap = self._E, self.prefetch_experts
         prefetch: list[Prefetch] = []
-        chosen: set[int] = set()
+        spec_keys: list[int] = []
         spec = gate.spec_next
         if self.use_spec_next and spec is not None and layer + 1 < self._L:
             n = cap or max(self._K, routed)
             base = (layer + 1) * E
-            keys = [base + e for e in top_experts(spec, min(n, E, room))]
-            prefetch += [Prefetch(k, 1 + r / E) for r, k in enumerate(keys)]
-            chosen.update(keys)
+            # perf: nested two-argument min, which compiles to comparisons (min of three
+            # is a generic call)
+            spec_keys = [base + e for e in top_experts(spec, min(min(n, E), room))]
+            prefetch += [Prefetch(k, 1 + r / E) for r, k in enumerate(spec_keys)]
         target = (layer + self.stride) % self._L
         if self.stride > 1 or not prefetch:
             hist = self._last[target]
             if cap is not None:
                 hist = hist[:cap]
             base = target * E
-            keys = [base + e for e in hist if base + e not in chosen]
+            if target == layer + 1 and spec_keys:  # the same layer: skip the spec's keys
+                chosen = set(spec_keys)
+                keys = [base + e for e in hist if base + e not in chosen]
+            else:
+                keys = [base + e for e in hist]
             keys = keys[: max(0, room - len(prefetch))]
             prefetch += [Prefetch(k, self.stride + r / E) for r, k in enumerate(keys)]
         if self.cancel_stale:
+            issued = self._issued
             for p in prefetch:
-                self._issued[p.key // E].append(p.key)
+                k = p.key
+                mine = issued[k // E]
+                if k not in mine:  # distinct, as stale_prefetches expects (a few keys)
+                    mine.append(k)
         if not prefetch and not cancel:
             return NO_ACTIONS
         return Actions(prefetch=prefetch, cancel=cancel)

@@ -285,6 +285,37 @@ def test_brainstorm_count_priority_evicts_the_least_counted():
         BrainStorm(prefetch_experts=0)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.integers(0, 9), st.lists(st.integers(0, 3), min_size=8, max_size=8)),
+            st.tuples(st.just(-1), st.lists(st.integers(0, 5), min_size=80, max_size=80)),
+        ),
+        max_size=40,
+    )
+)
+def test_brainstorm_ranking_matches_a_sort_of_the_counts(ops):
+    """The ranking kept sorted as counts grow (and re-sorted after ``add_counts``)
+    names the next layer's experts exactly as a sort by (-count, id) of reference counts:
+    red if a bumped expert stops early, overtakes an equal smaller id or a higher count."""
+    p = BrainStorm()
+    p.reset(context(M10x8, 80))
+    ref = np.zeros((10, 8), dtype=np.int64)
+    for layer, counts in ops:
+        if layer < 0:  # counts from earlier serving
+            extra = np.asarray(counts, dtype=np.int64).reshape(10, 8)
+            p.add_counts(extra)
+            ref += extra
+            continue
+        actions = p.on_gate(layer, gate(layer, counts))
+        ref[layer] += counts
+        if layer + 1 < 10:
+            want = sorted(range(8), key=lambda e: (-ref[layer + 1, e], e))
+            assert [k - 8 * (layer + 1) for k, _ in pf(actions)] == want
+    assert [p.count(k) for k in range(80)] == ref.reshape(-1).tolist()
+
+
 # -- Mixtral-Offloading ------------------------------------------------------------------
 def test_mixtral_prefetches_speculative_top_k_of_the_next_layer():
     p = MixtralOffloading()
@@ -325,6 +356,60 @@ def test_mixtral_layer_below_quota_takes_a_slot_back():
     p.reset(context(M34K2, 6))
     insert(p, 0, 1, 2, 4, 5, 8)  # layer 0 borrowed a slot while the cache filled
     assert p.victim(cands(0, 1, 2, 4, 5, 8), 9) == 0  # layer 2 (1 < 2) takes from layer 0
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_mixtral_victim_matches_a_scan_of_every_layer(data):
+    """Victims against a reference that keeps each layer's LRU list and scans every
+    layer for those over quota (most over first, ties to the smaller layer), through
+    random admissions, uses, evictions and re-planned quotas (AdapMoE's ``_set_quotas``):
+    red if the set of layers over quota goes stale or the over-quota order changes."""
+    L, E = 10, 8
+    p = MixtralOffloading()
+    p.reset(context(M10x8, 20))  # 2 slots per layer
+    orders: list[list[int]] = [[] for _ in range(L)]
+    quotas = [2] * L
+    for _ in range(data.draw(st.integers(1, 60))):
+        op = data.draw(st.sampled_from(["insert", "insert", "access", "evict", "quotas"]))
+        held = [k for o in orders for k in o]
+        if op == "insert":
+            key = data.draw(st.integers(0, L * E - 1))
+            if key not in held:
+                p.on_insert(key)
+                orders[key // E].append(key)
+        elif op == "quotas":
+            quotas = data.draw(st.lists(st.integers(1, 3), min_size=L, max_size=L))
+            p._set_quotas(quotas)
+        elif held:
+            key = data.draw(st.sampled_from(held))
+            orders[key // E].remove(key)
+            if op == "access":
+                p.on_access(key, Outcome.HIT)
+                orders[key // E].append(key)
+            else:
+                p.on_evict(key)
+        held = [k for o in orders for k in o]
+        if not held:
+            continue
+        cand = data.draw(st.lists(st.sampled_from(held), min_size=1, unique=True))
+        incoming = data.draw(st.integers(0, L * E - 1))
+
+        def lru(layer: int, cand: list[int] = cand) -> int:
+            return next((k for k in orders[layer] if k in cand), -1)
+
+        want = -1
+        lay = incoming // E
+        if len(orders[lay]) >= quotas[lay]:
+            want = lru(lay)
+        if want < 0:
+            over = sorted(
+                (quotas[x] - len(orders[x]), x)
+                for x in range(L)
+                if len(orders[x]) > quotas[x] and x != lay
+            )
+            want = next((k for k in (lru(x) for _, x in over) if k >= 0), cand[0])
+        assert p.victim(cands(*cand), incoming) == want
 
 
 def test_mixtral_prediction_refreshes_a_cached_expert():

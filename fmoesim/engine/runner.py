@@ -22,8 +22,8 @@ as it needs) and otherwise waits for one to land; a real server must do the same
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 import numpy as np
 
@@ -35,7 +35,10 @@ from fmoesim.specs.model import ModelSpec
 from fmoesim.trace.reader import Trace
 from policies.base import NO_ACTIONS, Actions, BatchInfo, GateView, Outcome, Policy, RequestInfo
 
-_HIT, _LATE, _MISS = Outcome.HIT, Outcome.LATE, Outcome.MISS
+# perf: Final, so the compiled build reads them as constants, not from the module's dict
+_HIT: Final = Outcome.HIT
+_LATE: Final = Outcome.LATE
+_MISS: Final = Outcome.MISS
 
 
 class Runner:
@@ -334,22 +337,14 @@ class Runner:
             for cache in caches:
                 for group, b in actions.budgets.items():
                     cache.set_group_budget(group, b)
-        for key in actions.evict:
-            cache = caches[(key % E) % N]
-            ent = cache.entries.get(key)
-            if ent is None or ent.pins:
-                continue
-            if ent.resident:
-                cache.evict(key)
-            elif be.cancel((key % E) % N, key):
-                cache.abort(key)
-        for key in actions.cancel:
-            g = (key % E) % N
-            cache = caches[g]
-            ent = cache.entries.get(key)
-            # only a transfer nobody waits for: this layer's own loads are pinned
-            if ent is not None and not ent.resident and not ent.pins and be.cancel(g, key):
-                cache.abort(key)
+        # perf: an empty field is skipped without an iterator (the fields are generic
+        # sequences, so even an empty one costs a generic iteration)
+        if actions.evict:
+            self._evict(actions.evict)
+        if actions.cancel:
+            self._cancel(actions.cancel)
+        if not actions.prefetch:
+            return
         for p in actions.prefetch:
             key = p.key
             if not 0 <= key < self.max_key:
@@ -373,6 +368,31 @@ class Runner:
                 continue
             if not self._load(g, key, p.priority, p.reason, delay_s=delay):
                 m.prefetch_dropped += 1
+
+    def _evict(self, keys: Sequence[int]) -> None:
+        """A policy's evictions: resident ones leave, queued ones are cancelled (pinned
+        ones, in use by the current layer, stay)."""
+        be, caches, E, N = self.backend, self.caches, self.E, self.N
+        for key in keys:
+            cache = caches[(key % E) % N]
+            ent = cache.entries.get(key)
+            if ent is None or ent.pins:
+                continue
+            if ent.resident:
+                cache.evict(key)
+            elif be.cancel((key % E) % N, key):
+                cache.abort(key)
+
+    def _cancel(self, keys: Sequence[int]) -> None:
+        """A policy's cancellations: transfers still queued and never started are dropped."""
+        be, caches, E, N = self.backend, self.caches, self.E, self.N
+        for key in keys:
+            g = (key % E) % N
+            cache = caches[g]
+            ent = cache.entries.get(key)
+            # only a transfer nobody waits for: this layer's own loads are pinned
+            if ent is not None and not ent.resident and not ent.pins and be.cancel(g, key):
+                cache.abort(key)
 
     def _size_of(self, g: int, key: int) -> int:
         """Bytes of ``key``: a whole expert, or a segment at the policy's split ratio (a
@@ -426,41 +446,50 @@ class Runner:
         acc = m.acc[layer]
         base = layer * self.E
         log = self.log
-        on_access = policy.on_access if self._has_access else None
+        has_access = self._has_access
         # (gpu, key, tokens, share of the expert) of the experts (or segments) needed, by
         # what the access found
         ready: list[tuple[int, int, int, float]] = []
         pending: list[tuple[int, int, int, float]] = []
         missing: list[tuple[int, int, int, float]] = []
         cache = caches[0]
-        get, pin = cache.entries.get, cache.pin  # perf: bound once per layer
+        entries = cache.entries
         multi = N > 1
         segments = self.segments
         g = 0
-        for e, tok in zip(experts, expert_tokens, strict=True):
+        # perf: the cache's and the policy's methods are called directly, not bound once
+        # per layer: compiled, a direct call is a native call and a bound one a generic
+        # call (hundreds of instructions more per access, counted with callgrind);
+        # likewise the counters are indexed with plain ints, not the IntEnum, and the
+        # lists by index (a zip with strict=True is a generic call, ~2,500 instructions)
+        for i in range(len(experts)):
+            e, tok = experts[i], expert_tokens[i]
             key = base + e
             if multi:
                 g = e % N
                 cache = caches[g]
-                get, pin = cache.entries.get, cache.pin
-            ent = get(key)
+                entries = cache.entries
+            ent = entries.get(key)
             if segments and ent is None:
                 outcome = self._access_parts(g, layer, key, tok, ready, pending, missing)
+                acc[int(outcome)] += 1
             elif ent is None:
                 outcome = _MISS
                 missing.append((g, key, tok, 1.0))
+                acc[2] += 1
             else:
-                pin(key)
+                cache.pin(key)
                 if ent.resident:
                     outcome = _HIT
                     ready.append((g, key, tok, 1.0))
+                    acc[0] += 1
                 else:
                     outcome = _LATE
                     pending.append((g, key, tok, 1.0))
+                    acc[1] += 1
                     be.escalate(g, key)  # an in-flight prefetch needed now jumps the queue
-            acc[outcome] += 1
-            if on_access is not None:
-                on_access(key, outcome)
+            if has_access:
+                policy.on_access(key, outcome)
             if log is not None:
                 self._log_access(step, layer, e, g, outcome, be.now())
         self._finish_layer(layer, ready, pending, missing, tokens, actions)
@@ -554,14 +583,11 @@ class Runner:
         size = self.expert_bytes
         E = self.E
         entries = cache.entries
-        get = entries.get
         ev = cache.evictable
-        on_access = policy.on_access if self._has_access else None
-        on_gate = policy.on_gate
+        has_access = self._has_access  # perf: direct calls, see _layer
         log = self.log
         acc_all = m.acc
-        link_idle = be.link_idle
-        idle = link_idle(0)
+        idle = be.link_idle(0)
         t, busy_c = be.clock_s, be.busy_compute_s
         closed = 0  # layer steps timed here
         for layer in range(self.L):
@@ -572,20 +598,20 @@ class Runner:
                 be.clock_s, be.busy_compute_s = t, busy_c
                 be.pre_gate(layer, tokens, kv_tokens, pairs)
                 t, busy_c = be.clock_s, be.busy_compute_s
-                idle = link_idle(0)
+                idle = be.link_idle(0)
             step = self.step
             self.step = step + 1
             o0, o1 = offsets[layer], offsets[layer + 1]
             actions = NO_ACTIONS
             if gate is not None:
-                actions = on_gate(layer, gate(layer))
+                actions = policy.on_gate(layer, gate(layer))
                 if actions is not NO_ACTIONS:
                     idle = False
             if not idle:  # the general path, on the backend's clock
                 be.clock_s, be.busy_compute_s = t, busy_c
                 self._layer(layer, experts[o0:o1], expert_tokens[o0:o1], tokens, step, actions)
                 t, busy_c = be.clock_s, be.busy_compute_s
-                idle = link_idle(0)
+                idle = be.link_idle(0)
                 continue
             m.layer_steps += 1
             acc = acc_all[layer]
@@ -596,7 +622,7 @@ class Runner:
             miss_tok: list[int] = []
             for i in range(o0, o1):
                 key = base + experts[i]
-                ent = get(key)
+                ent = entries.get(key)
                 if ent is None:
                     outcome = _MISS
                     miss_keys.append(key)
@@ -609,17 +635,16 @@ class Runner:
                         ent.used = True
                         if ent.record is not None:
                             ent.record.used = True
-                if on_access is not None:
-                    on_access(key, outcome)
+                if has_access:
+                    policy.on_access(key, outcome)
                 if log is not None:
                     self._log_access(step, layer, experts[i], 0, outcome, t)
             acc[0] += len(hit_keys)  # perf: plain ints, not the IntEnum, as list indices
             records: list[TransferRecord] = []
             if miss_keys:
                 acc[2] += len(miss_keys)
-                pin, unpin = cache.pin, cache.unpin
                 for key in hit_keys:  # the victims of the misses' admissions skip them
-                    pin(key)
+                    cache.pin(key)
                 free = cache.budget_bytes - cache.used_bytes + size * len(ev)
                 if size > cache.budget_bytes or free < size * len(miss_keys):
                     # some miss may not find room: the general path defers and reclaims
@@ -638,7 +663,7 @@ class Runner:
                         NO_ACTIONS,
                     )
                     t, busy_c = be.clock_s, be.busy_compute_s
-                    idle = link_idle(0)
+                    idle = be.link_idle(0)
                     continue
                 for key in miss_keys:
                     if not cache.admit(key, size, "on_demand"):  # pragma: no cover - checked
@@ -658,7 +683,8 @@ class Runner:
                     ev[key] = None
                 continue
             stall = 0.0
-            for rec, tok in zip(records, miss_tok, strict=True):
+            for i in range(len(records)):  # perf: by index, see _layer
+                rec, tok = records[i], miss_tok[i]
                 if rec.end_s > t:  # the miss's load has not landed: the GPU waits
                     stall += rec.end_s - t
                     t = rec.end_s
@@ -668,8 +694,9 @@ class Runner:
             # the order the general path frees them in: the hits after they compute, then
             # each miss as it lands (policies may read the candidates' order)
             for key in hit_keys:
-                unpin(key)
-            for key, rec in zip(miss_keys, records, strict=True):
+                cache.unpin(key)
+            for i in range(len(records)):
+                key, rec = miss_keys[i], records[i]
                 ent = entries[key]
                 ent.record = rec
                 ent.used = rec.used = True

@@ -47,6 +47,9 @@ class SimLink:
     than now (an asynchronous matcher still deciding, fMoE §4.3) waits off the queue
     until then; if it is needed before then, escalating it releases it at once.
 
+    A transfer that lands is reported to ``cache`` (its :meth:`ExpertCache.complete`)
+    or, without a cache, to ``on_done(key)``.
+
     ``cur_end_s`` is the time of the link's next event: the end (or pause point) of the
     running transfer, or, while idle, the next release time (``inf`` when there is
     neither).
@@ -62,13 +65,19 @@ class SimLink:
         overhead_s: float,
         chunk_bytes: int,
         preempt: bool,
-        on_done: Callable[[int], None],
+        on_done: Callable[[int], None] | None = None,
+        cache: ExpertCache | None = None,
     ) -> None:
+        if (on_done is None) == (cache is None):
+            raise ValueError("a link reports landed transfers to on_done or to a cache (one)")
         self.bytes_per_s = bytes_per_s
         self.overhead_s = overhead_s
         self.chunk_bytes = chunk_bytes
         self.preempt = preempt
         self.on_done = on_done
+        # perf: a cache's complete() is called directly, a native call where a callable
+        # is a generic one (SimBackend passes its caches)
+        self.cache = cache
         self._heap: list[tuple[float, int, TransferRecord]] = []
         self._delayed: list[tuple[float, int, TransferRecord]] = []  # (release_s, seq, job)
         self._jobs: dict[int, TransferRecord] = {}  # key -> queued or running job
@@ -106,7 +115,10 @@ class SimLink:
             job.left_bytes = 0
             job.end_s = t
             del self._jobs[job.key]
-            self.on_done(job.key)
+            if self.cache is not None:
+                self.cache.complete(job.key)
+            elif self.on_done is not None:
+                self.on_done(job.key)
         self._start_next(t)
 
     def _release(self, t_s: float) -> None:
@@ -278,9 +290,7 @@ class SimBackend(Backend):
         self.caches = caches
         self.num_gpus = len(caches)
         self.links = [
-            SimLink(
-                hw.pcie_bytes_per_s, hw.transfer_overhead_s, hw.chunk_bytes, preempt, c.complete
-            )
+            SimLink(hw.pcie_bytes_per_s, hw.transfer_overhead_s, hw.chunk_bytes, preempt, cache=c)
             for c in caches
         ]
         self.transfers: list[TransferRecord] = []
@@ -389,8 +399,12 @@ class SimBackend(Backend):
         if self._shared:
             self._run(self.compute.shared_s(tokens))
         n = self.num_gpus
-        self._gpu_s = [self.clock_s] * n
-        self._wait_s = [0.0] * n
+        if n == 1:  # perf: in place, no two new lists per layer step
+            self._gpu_s[0] = self.clock_s
+            self._wait_s[0] = 0.0
+        else:
+            self._gpu_s = [self.clock_s] * n
+            self._wait_s = [0.0] * n
         self._in_experts = True
 
     def expert(self, gpu: int, key: int, tokens: int, fraction: float = 1.0) -> None:
@@ -412,7 +426,10 @@ class SimBackend(Backend):
         segments' fractions)."""
         c = self.compute
         if fractions is None:
-            d = len(tokens) * c.expert_a_s + c.expert_b_s * sum(tokens)
+            total = 0  # perf: a loop, not sum(), which the compiled build calls generically
+            for t in tokens:
+                total += t
+            d = len(tokens) * c.expert_a_s + c.expert_b_s * total
         else:
             a, b = c.expert_a_s, c.expert_b_s
             d = sum(f * (a + b * t) for t, f in zip(tokens, fractions, strict=True))
