@@ -26,9 +26,9 @@ from policies.lru import LRU, _any_order
 def top_experts(scores: np.ndarray, n: int) -> list[int]:
     """Indices of the ``n`` largest ``scores``, largest first, ties to the smaller index.
 
-    perf: one ``argmax`` for ``n == 1``; for a few of at most 64 experts, one pass over
-    the ``tolist()`` keeping the best ``n`` so far in order (no sort, no numpy call but
-    the ``tolist()``; most scores lose against the n-th best at once); a Python sort of
+    perf: one ``argmax`` for ``n == 1``; for a few of at most 64 experts, no sort and no
+    numpy call but one ``tolist()``: the best two kept in local variables in one pass
+    for ``n == 2`` (Mixtral's top-k), else ``n`` passes of selection; a Python sort of
     the ``tolist()`` for other small layers; otherwise a stable argsort of the negated
     scores.
     """
@@ -53,25 +53,15 @@ def top_experts(scores: np.ndarray, n: int) -> list[int]:
                     else:
                         b2, v2 = i, v
             return [b1, b2]
-        best = [0] * m  # the best so far, best first (by index: list.insert is a call)
-        best_v = [0.0] * m
-        filled = 0
-        for i in range(E):
-            v = s[i]
-            if filled < m:
-                j = filled
-                filled += 1
-            elif v > best_v[m - 1]:
-                j = m - 1
-            else:
-                continue
-            while j > 0 and v > best_v[j - 1]:  # after the equal ones: ties to the smaller
-                best[j] = best[j - 1]
-                best_v[j] = best_v[j - 1]
-                j -= 1
-            best[j] = i
-            best_v[j] = v
-        return best
+        chosen: list[int] = []
+        for _ in range(m):
+            best, best_v = -1, 0.0
+            for i in range(E):
+                v = s[i]
+                if (best < 0 or v > best_v) and i not in chosen:
+                    best, best_v = i, v
+            chosen.append(best)
+        return chosen
     if E <= 16:
         s = scores.tolist()
         order = sorted(range(E), key=s.__getitem__, reverse=True)  # stable
