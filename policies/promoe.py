@@ -90,26 +90,23 @@ class ProMoE(GuardedLRU):
         room = self._room_experts(routed)
         E, cap = self._E, self.prefetch_experts
         prefetch: list[Prefetch] = []
-        spec_keys: list[int] = []
         spec = gate.spec_next
         if self.use_spec_next and spec is not None and layer + 1 < self._L:
             n = cap or max(self._K, routed)
             base = (layer + 1) * E
             # perf: nested two-argument min, which compiles to comparisons (min of three
             # is a generic call)
-            spec_keys = [base + e for e in top_experts(spec, min(min(n, E), room))]
-            prefetch += [Prefetch(k, 1 + r / E) for r, k in enumerate(spec_keys)]
+            keys = [base + e for e in top_experts(spec, min(min(n, E), room))]
+            prefetch += [Prefetch(k, 1 + r / E) for r, k in enumerate(keys)]
         target = (layer + self.stride) % self._L
         if self.stride > 1 or not prefetch:
             hist = self._last[target]
             if cap is not None:
                 hist = hist[:cap]
             base = target * E
-            if target == layer + 1 and spec_keys:  # the same layer: skip the spec's keys
-                chosen = set(spec_keys)
-                keys = [base + e for e in hist if base + e not in chosen]
-            else:
-                keys = [base + e for e in hist]
+            # never the spec's keys: a stride above 1 targets another layer, and a stride
+            # of 1 reaches here only when the spec part prefetched nothing
+            keys = [base + e for e in hist]
             keys = keys[: max(0, room - len(prefetch))]
             prefetch += [Prefetch(k, self.stride + r / E) for r, k in enumerate(keys)]
         if self.cancel_stale:
