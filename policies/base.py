@@ -51,7 +51,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar
+from typing import ClassVar, Final
 
 import numpy as np
 from mypy_extensions import mypyc_attr
@@ -342,7 +342,8 @@ class Actions:
         self.budgets = budgets
 
 
-NO_ACTIONS = Actions()
+#: The empty ``Actions`` (Final: the compiled build reads it as a constant).
+NO_ACTIONS: Final = Actions()
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_right
+from typing import Final
 
 import numpy as np
 from mypy_extensions import mypyc_attr
@@ -12,7 +13,7 @@ from policies._ranked import RankedKeys, RankedPolicy
 from policies.base import NO_ACTIONS, Actions, GateView, Outcome, PolicyContext
 
 #: "Never accessed again": later than any step.
-NEVER = int(np.iinfo(np.int64).max)
+NEVER: Final = int(np.iinfo(np.int64).max)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

@@ -369,7 +369,7 @@ class GpuBackend(Backend):
         """The SwiGLU FFN of resident ``key`` on its device copy."""
         self._compute(self.exe.ffn, self._dev[key], tokens)
 
-    def wait_any(self, gpu: int, keys: Sequence[int]) -> int:
+    def wait_any(self, gpu: int, keys: list[int]) -> int:
         """Feed the link until one of ``keys`` lands; the stall is the time from the
         compute stream running dry to that landing (0 if it landed first)."""
         entries = self.caches[0].entries

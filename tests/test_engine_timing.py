@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fmoesim.engine import sim as sim_engine
 from fmoesim.engine import simulate
 from fmoesim.engine.backend import ON_DEMAND, TransferRecord
 from fmoesim.engine.compute import ComputeModel
@@ -330,59 +331,52 @@ def test_link_cancel_and_reprioritize_a_delayed_prefetch():
     assert lk.link.idle() and lk.link.cur_end_s == float("inf")
 
 
-def _drive(ops: list[tuple[int, int, int]], compact: bool) -> tuple[list[int], list[tuple]]:
-    """Run ``ops`` on a fresh link: (kind, key, arg) = submit a prefetch of priority
-    ``arg`` / submit on demand / cancel / reprioritize to ``arg`` / escalate, each 0.5 ms
-    after the last.  Returns the completion order and every record's times."""
-    lk = Link(chunk=1 * MB)
-    # compact: rebuild as soon as stale entries outnumber the live jobs; else never
-    lk.link.compact_slack = 0 if compact else 1 << 62
-    recs: list[TransferRecord] = []
-    t = 0.0
-    for kind, key, arg in ops:
-        t += 0.5e-3
-        lk.link.advance(t)
-        if kind <= 1 and key not in lk.link._jobs:  # one transfer per key at a time
-            prio = float(arg) if kind == 0 else ON_DEMAND
-            recs.append(lk.submit(key, 2 * MB, t, prio=prio))
-            assert not compact or len(lk.link._heap) <= 2 * len(lk.link._jobs)
-        elif kind == 2:
-            lk.link.cancel(key)
-        elif kind == 3:
-            lk.link.reprioritize(key, float(arg))
-        elif kind == 4:
-            lk.link.escalate(key, t)
-    lk.finish()
-
-    def t_or_none(x: float) -> float | None:  # NaN (never started) compares unequal
-        return None if x != x else x
-
-    return lk.done, [(r.key, t_or_none(r.start_s), t_or_none(r.end_s), r.preemptions) for r in recs]
+def _queued_in_order(link: SimLink) -> list[TransferRecord]:
+    """Brute force: the link's queued jobs, the next to start last (``_queue``'s order)."""
+    queued = [j for j in link._jobs.values() if j.state == sim_engine._QUEUED]
+    return sorted(queued, key=lambda j: (j.link_priority, j.seq), reverse=True)
 
 
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(
         st.tuples(st.integers(0, 4), st.integers(0, 15), st.integers(0, 5)),
-        min_size=100,  # long enough for the queue to fill with stale entries
-        max_size=400,
+        min_size=50,
+        max_size=300,
     )
 )
-def test_link_queue_compaction_changes_nothing(ops: list[tuple[int, int, int]]) -> None:
-    """Dropping stale queue entries (cancelled or re-prioritised prefetches) keeps the
-    heap within twice the live jobs and leaves the schedule exactly as it was."""
-    assert _drive(ops, compact=True) == _drive(ops, compact=False)
+def test_link_queue_is_its_queued_jobs_by_priority(ops: list[tuple[int, int, int]]) -> None:
+    """After every request, the queue holds exactly the queued jobs (no cancelled or
+    re-prioritised leftovers), ordered by (priority, submission): ops (kind, key, arg)
+    = submit a prefetch of priority ``arg`` / submit on demand / cancel / reprioritize
+    to ``arg`` / escalate, each 0.5 ms after the last, on a preempting 2-chunk link."""
+    lk = Link(chunk=1 * MB)
+    t = 0.0
+    for kind, key, arg in ops:
+        t += 0.5e-3
+        lk.link.advance(t)
+        if kind <= 1 and key not in lk.link._jobs:  # one transfer per key at a time
+            lk.submit(key, 2 * MB, t, prio=float(arg) if kind == 0 else ON_DEMAND)
+        elif kind == 2:
+            lk.link.cancel(key)
+        elif kind == 3:
+            lk.link.reprioritize(key, float(arg))
+        elif kind == 4:
+            lk.link.escalate(key, t)
+        assert lk.link._queue == _queued_in_order(lk.link)
+    lk.finish()
+    assert not lk.link._queue and not lk.link._jobs
 
 
-def test_link_queue_compaction_bounds_a_cancelled_backlog() -> None:
+def test_cancelled_prefetches_leave_the_queue() -> None:
     """A link busy with one long transfer while 1,000 prefetches are queued and
-    cancelled: without compaction all 1,000 stale entries stay queued."""
+    cancelled: none stays queued, and only the long transfer runs."""
     lk = Link()
     lk.submit(10_000, 1000 * MB, 0.0)  # busy for a second
     for k in range(1000):
         lk.submit(k, 1 * MB, 1e-6 * k)
         assert lk.link.cancel(k)
-    assert len(lk.link._heap) <= 2 * len(lk.link._jobs) + 64
+    assert lk.link._queue == [] and list(lk.link._jobs) == [10_000]
     lk.finish()
     assert lk.done == [10_000]
 

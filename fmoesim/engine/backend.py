@@ -12,17 +12,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from mypy_extensions import mypyc_attr
 
 from fmoesim.engine.cache import ExpertCache
 
 #: Priority of an on-demand load: ahead of every prefetch (lower values go first).
-ON_DEMAND = float("-inf")
+ON_DEMAND: Final = float("-inf")
 
-# perf: parsed once, not by a float("nan") call per transfer record
-_NAN = float("nan")
+# perf: parsed once, not by a float("nan") call per transfer record; Final, so the
+# compiled build reads these as constants, not from the module's dict
+_NAN: Final = float("nan")
 
 
 class TransferRecord:
@@ -197,7 +198,7 @@ class Backend(ABC):
             self.expert(gpu, key, tok, 1.0 if fractions is None else fractions[i])
 
     @abstractmethod
-    def wait_any(self, gpu: int, keys: Sequence[int]) -> int:
+    def wait_any(self, gpu: int, keys: list[int]) -> int:
         """Block ``gpu``'s compute until one of ``keys`` is resident; return it."""
 
     def link_idle(self, gpu: int) -> bool:

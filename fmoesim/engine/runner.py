@@ -809,7 +809,7 @@ class Runner:
                 )
             if len(pending) == 1:
                 x = pending.pop()
-                be.wait_any(g, (x[1],))
+                be.wait_any(g, [x[1]])
             else:
                 keys = [x[1] for x in pending]  # distinct: one entry per expert or segment
                 x = pending.pop(keys.index(be.wait_any(g, keys)))
