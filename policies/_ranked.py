@@ -3,7 +3,9 @@
 perf: LFU and LCP rank every admitted expert by a tuple that changes only when that
 expert is accessed, so a sorted list answers ``victim`` by walking from the front to
 the first candidate (usually the first entry), and each access costs one bisect-delete
-plus one bisect-insert (O(log n) comparisons and an O(n) memmove done in C).
+plus one bisect-insert (O(log n) comparisons and an O(n) memmove done in C).  A rank
+that fits one int (Belady's) is stored as that int: an int comparison in the bisect
+costs a fraction of a tuple comparison.
 """
 
 from __future__ import annotations
@@ -16,16 +18,23 @@ from mypy_extensions import mypyc_attr
 
 from policies.base import Policy
 
-Rank = tuple[Any, ...]
+#: A tuple whose last element is the key, or an int whose remainder by the
+#: ``RankedKeys``' modulus is the key.
+Rank = tuple[Any, ...] | int
 
 
 class RankedKeys:
-    """Keys sorted by a rank tuple whose last element is the key itself (so ranks are unique)."""
+    """Keys sorted by a rank that ends in the key itself (so ranks are unique): a tuple
+    whose last element is the key, or, with ``modulus`` (every key below it), an int
+    ``r`` with ``r % modulus == key``."""
 
-    __slots__ = ("_items", "ranks")
+    __slots__ = ("_items", "modulus", "ranks")
 
-    def __init__(self) -> None:
-        self._items: list[Rank] = []  # ascending
+    def __init__(self, modulus: int = 0) -> None:
+        if modulus < 0:
+            raise ValueError(f"modulus must be >= 0 (0: tuple ranks), got {modulus}")
+        self.modulus = modulus
+        self._items: list[Any] = []  # ascending
         #: key -> its current rank (read-only for callers; ``key in ranks`` is the
         #: C-level membership test the policies' per-access hooks use)
         self.ranks: dict[int, Rank] = {}
@@ -37,7 +46,8 @@ class RankedKeys:
         return len(self._items)
 
     def put(self, key: int, rank: Rank) -> None:
-        """Add ``key`` with ``rank`` (``rank[-1] == key``), or move it there (O(log n))."""
+        """Add ``key`` with ``rank`` (ending in ``key``, see the class), or move it there
+        (O(log n))."""
         old = self.ranks.get(key)
         if old is not None:
             del self._items[bisect_left(self._items, old)]
@@ -52,9 +62,11 @@ class RankedKeys:
 
     def first_in(self, candidates: Collection[int]) -> int | None:
         """The lowest-ranked key that is in ``candidates``, or None."""
+        m = self.modulus
         for rank in self._items:
-            if rank[-1] in candidates:
-                return int(rank[-1])
+            key: int = rank % m if m else rank[-1]
+            if key in candidates:
+                return key
         return None
 
 
