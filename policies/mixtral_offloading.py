@@ -154,15 +154,18 @@ class MixtralOffloading(Policy, LayerGuard):
             if key >= 0:
                 return key
         # the other layers over their quota, most over first (ties: smaller layer)
-        # perf: one comprehension over the layers, then a sort of the few over quota
+        # perf: one comprehension over the layers, then a sort of the few over quota,
+        # each as the int (quota - held) * L + layer, which sorts as the tuple
+        # (quota - held, layer) would (0 <= layer < L) but compares as a C int
+        L = self._L
         over = [
-            (quota[lay] - held[row + lay], lay)
-            for lay in range(self._L)
+            (quota[lay] - held[row + lay]) * L + lay
+            for lay in range(L)
             if held[row + lay] > quota[lay] and lay != layer
         ]
         over.sort()
-        for _, lay in over:
-            key = self._lru_of(lay, candidates)
+        for k in over:
+            key = self._lru_of(k % L, candidates)
             if key >= 0:
                 return key
         key = self._first_unguarded(candidates, candidates)  # admission order: the oldest

@@ -95,20 +95,23 @@ class ProMoE(GuardedLRU):
             n = cap or max(self._K, routed)
             base = (layer + 1) * E
             # perf: nested two-argument min, which compiles to comparisons (min of three
-            # is a generic call)
-            keys = [base + e for e in top_experts(spec, min(min(n, E), room))]
-            prefetch += [Prefetch(k, 1 + r / E) for r, k in enumerate(keys)]
+            # is a generic call); the Prefetches appended, no list of keys between
+            r = 0
+            for e in top_experts(spec, min(min(n, E), room)):
+                prefetch.append(Prefetch(base + e, 1 + r / E))
+                r += 1
         target = (layer + self.stride) % self._L
         if self.stride > 1 or not prefetch:
             hist = self._last[target]
+            # the first cap (if set) of them, as many as fit next to the spec part's
+            m = min(len(hist), room - len(prefetch))
             if cap is not None:
-                hist = hist[:cap]
+                m = min(m, cap)
             base = target * E
             # never the spec's keys: a stride above 1 targets another layer, and a stride
             # of 1 reaches here only when the spec part prefetched nothing
-            keys = [base + e for e in hist]
-            keys = keys[: max(0, room - len(prefetch))]
-            prefetch += [Prefetch(k, self.stride + r / E) for r, k in enumerate(keys)]
+            for r in range(m):  # (m < 1: none)
+                prefetch.append(Prefetch(base + hist[r], self.stride + r / E))
         if self.cancel_stale:
             issued = self._issued
             for p in prefetch:
