@@ -9,7 +9,7 @@ import numpy as np
 from mypy_extensions import mypyc_attr
 
 from fmoesim.errors import ConfigError
-from policies._ranked import RankedKeys, RankedPolicy
+from policies._ranked import IntRankedKeys, RankedPolicy
 from policies.base import NO_ACTIONS, Actions, GateView, Outcome, PolicyContext
 
 #: "Never accessed again": later than any step.
@@ -75,11 +75,10 @@ class Belady(RankedPolicy):
         self._step = -1
         # admitted keys by (-next access, key), as the int -min(next, never) * n_keys +
         # key (same order: 0 <= key < n_keys, and "never" is later than every step)
-        # perf: an int rank, not a tuple: the bisects of every access compare ints (the
-        # tuple comparisons were most of Belady's run, counted with callgrind)
+        # perf: an int rank, not a tuple (see IntRankedKeys)
         self._n_keys = n_keys
         self._never = len(ptr)  # a step after the last
-        self._ranked = RankedKeys(modulus=n_keys)
+        self._ranked = IntRankedKeys(n_keys)
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """Remember the current global layer step."""

@@ -39,6 +39,7 @@ from fmoesim.engine.simulate import RunResult, simulate
 from fmoesim.errors import ConfigError
 from fmoesim.specs import ModelSpec
 from fmoesim.trace import read_trace
+from policies._ranked import IntRankedKeys, RankedKeys
 from policies.base import (
     BatchInfo,
     FutureAccesses,
@@ -471,6 +472,35 @@ def test_belady_recomputes_a_next_use_it_did_not_see():
     p.on_access(1, Outcome.HIT)
     assert p.next_access(0) == 4 and p.next_access(1) == NEVER
     assert p.victim(view(0, 1), 7) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(0, 11), st.integers(-30, 30)), max_size=120),
+    st.sets(st.integers(0, 11)),
+)
+def test_int_ranked_keys_match_tuple_ranked_keys(
+    ops: list[tuple[bool, int, int]], candidates: set[int]
+) -> None:
+    """Belady's int ranks (``v * 12 + key``) keep the keys in the order, and give the
+    same first candidate, as the tuple ranks ``(v, key)`` do, through random puts
+    (new keys and moves) and discards; ``len`` and membership agree."""
+    ints, tuples = IntRankedKeys(12), RankedKeys()
+    for put, key, v in ops:
+        if put:
+            ints.put(key, v * 12 + key)
+            tuples.put(key, (v, key))
+        else:
+            ints.discard(key)
+            tuples.discard(key)
+        assert [r % 12 for r in ints._ints] == [r[-1] for r in tuples._items]
+        assert len(ints) == len(tuples) and all((k in ints) == (k in tuples) for k in range(12))
+    assert ints.first_in(candidates) == tuples.first_in(candidates)
+
+
+def test_int_ranked_keys_need_a_positive_modulus() -> None:
+    with pytest.raises(ValueError, match="modulus must be >= 1, got 0"):
+        IntRankedKeys(0)
 
 
 def test_belady_without_future_is_refused():
