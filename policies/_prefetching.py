@@ -161,8 +161,9 @@ class LayerGuard:
         """The first of ``keys`` that is a candidate and not guarded; else the first that
         is a candidate; -1 if none is."""
         fallback = -1
+        every = keys is candidates  # perf: then no membership test per key
         for key in keys:
-            if key in candidates:
+            if every or key in candidates:
                 if not self._guarded(key):
                     return key
                 if fallback < 0:

@@ -155,11 +155,12 @@ class MixtralOffloading(Policy, LayerGuard):
                 return key
         # the other layers over their quota, most over first (ties: smaller layer)
         # perf: one comprehension over the layers, then a sort of the few over quota,
-        # each as the int (quota - held) * L + layer, which sorts as the tuple
-        # (quota - held, layer) would (0 <= layer < L) but compares as a C int
+        # each as the int layer - (held - quota) * L, which sorts as the tuple
+        # (quota - held, layer) would (0 <= layer < L) but compares as a C int (and
+        # multiplies two positive ints: compiled, a negative factor takes a slow path)
         L = self._L
         over = [
-            (quota[lay] - held[row + lay]) * L + lay
+            lay - (held[row + lay] - quota[lay]) * L
             for lay in range(L)
             if held[row + lay] > quota[lay] and lay != layer
         ]
