@@ -232,7 +232,7 @@ class SimLink:
         """Take queued ``job`` out of the queue."""
         q = self._queue
         i = len(q) - 1
-        while q[i] is not job:  # a queued job is in the queue (ValueError-free by design)
+        while q[i] is not job:  # from the end; a queued job is always in the queue
             i -= 1
         q.pop(i)
 
@@ -475,7 +475,7 @@ class SimBackend(Backend):
 
     def link_idle(self, gpu: int) -> bool:
         """Nothing moving on ``gpu``'s link and nothing queued or waiting for release
-        (stale heap entries of cancelled transfers do not count)."""
+        (the release entries of cancelled delayed prefetches do not count)."""
         link = self.links[gpu]
         return link.cur is None and link.cur_end_s == INF
 
