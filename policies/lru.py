@@ -34,21 +34,22 @@ class AdmissionOrder(Policy):
         self._order: dict[int, int] = {}
         self._stamp = 0
 
-    def _to_back(self, key: int) -> None:
-        """Put ``key`` at the back of the order (with the newest stamp)."""
-        order = self._order
-        if key in order:
-            del order[key]
-        self._stamp += 1
-        order[key] = self._stamp
-
     def on_insert(self, key: int) -> None:
-        """A newly admitted expert goes to the back."""
-        self._to_back(key)
+        """A newly admitted expert goes to the back (with the newest stamp).
+
+        perf: no membership test: the cache admits only a key it does not hold, and every
+        entry that leaves it is reported to :meth:`on_evict`, so ``key`` is not in the
+        order (the contract suite checks that the order follows the cache)."""
+        self._stamp += 1
+        self._order[key] = self._stamp
 
     def on_evict(self, key: int) -> None:
         """Drop ``key`` from the order."""
-        self._order.pop(key, None)
+        # perf: a test and a del, not pop(key, None), a generic method call compiled
+        # (~400 instructions, callgrind)
+        order = self._order
+        if key in order:
+            del order[key]
 
     def _first_in_order(self, candidates: Collection[int]) -> int:
         """The first of ``candidates`` in the order (-1 if none is tracked).

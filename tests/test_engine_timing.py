@@ -106,11 +106,31 @@ OV = 1e-3  # fixed cost per transfer
 
 
 class Link:
-    """A SimLink with the completions it reported, driven at explicit times."""
+    """A SimLink with the completions it reported, driven at explicit times; requests
+    name a key and go to the record last submitted for it (the link is addressed by
+    record, as SimBackend does through its cache entries)."""
 
     def __init__(self, chunk: int = 4 * MB, preempt: bool = True) -> None:
         self.done: list[int] = []
         self.link = SimLink(BW, OV, chunk, preempt, self.done.append)
+        self.records: dict[int, TransferRecord] = {}
+
+    def live(self) -> list[TransferRecord]:
+        """The records the link still holds: queued, delayed or running."""
+        gone = (sim_engine._DONE, sim_engine._CANCELLED)
+        return [r for r in self.records.values() if r.state not in gone]
+
+    # a key never submitted has no record: nothing to do (as SimBackend does)
+    def cancel(self, key: int) -> bool:
+        return key in self.records and self.link.cancel(self.records[key])
+
+    def escalate(self, key: int, t: float) -> None:
+        if key in self.records:
+            self.link.escalate(self.records[key], t)
+
+    def reprioritize(self, key: int, prio: float) -> None:
+        if key in self.records:
+            self.link.reprioritize(self.records[key], prio)
 
     def submit(
         self, key: int, size: int, t: float, prio: float = 1.0, release: float | None = None
@@ -121,6 +141,7 @@ class Link:
             rec.release_s = release
         self.link.advance(t)
         self.link.submit(rec, t)
+        self.records[key] = rec
         return rec
 
     def finish(self) -> None:
@@ -218,15 +239,14 @@ def test_link_cancel_only_queued_never_started():
     run = lk.submit(1, 10 * MB, 0.0)
     queued = lk.submit(2, 1 * MB, 0.0)
     od = lk.submit(3, 2 * MB, OV + 5e-3, prio=ON_DEMAND)  # pauses key 1 at 9 ms
-    assert not lk.link.cancel(1)  # running
-    assert lk.link.cancel(2)  # queued, never started
-    assert not lk.link.cancel(2)  # already cancelled
-    assert not lk.link.cancel(99)  # unknown
+    assert not lk.cancel(1)  # running
+    assert lk.cancel(2)  # queued, never started
+    assert not lk.cancel(2)  # already cancelled
     lk.link.advance(10e-3)  # key 1 paused after moving 8 MB, key 3 running
     assert run.preemptions == 1
-    assert not lk.link.cancel(1)  # paused after it started: not cancellable
+    assert not lk.cancel(1)  # paused after it started: not cancellable
     lk.finish()
-    assert not lk.link.cancel(3)  # finished
+    assert not lk.cancel(3)  # finished
     assert lk.done == [3, 1]
     assert queued.start_s != queued.start_s  # NaN: never started
     assert run.end_s == pytest.approx(14e-3)
@@ -239,7 +259,7 @@ def test_link_escalate_moves_queued_prefetch_ahead():
     a = lk.submit(1, 1 * MB, 0.0)
     b = lk.submit(2, 1 * MB, 0.0)
     c = lk.submit(3, 1 * MB, 0.0)
-    lk.link.escalate(3, 0.5e-3)
+    lk.escalate(3, 0.5e-3)
     lk.finish()
     assert lk.done == [1, 3, 2]
     assert c.escalated and not b.escalated and not a.escalated
@@ -252,7 +272,7 @@ def test_link_escalate_pauses_running_prefetch_at_chunk_boundary():
     a = lk.submit(1, 10 * MB, 0.0)
     b = lk.submit(2, 1 * MB, 0.0)
     c = lk.submit(3, 1 * MB, 0.0)
-    lk.link.escalate(3, OV + 5e-3)  # a pauses at 8 MB (9 ms)
+    lk.escalate(3, OV + 5e-3)  # a pauses at 8 MB (9 ms)
     lk.finish()
     assert lk.done == [3, 1, 2]  # a resumes before b: same priority, submitted first
     assert (c.start_s, c.end_s) == pytest.approx((9e-3, 11e-3))
@@ -263,7 +283,7 @@ def test_link_escalate_pauses_running_prefetch_at_chunk_boundary():
 def test_link_escalated_running_transfer_is_not_paused():
     lk = Link(chunk=4 * MB)
     a = lk.submit(1, 10 * MB, 0.0)
-    lk.link.escalate(1, 2e-3)  # an access waits for it now: it is on-demand
+    lk.escalate(1, 2e-3)  # an access waits for it now: it is on-demand
     od = lk.submit(2, 2 * MB, OV + 5e-3, prio=ON_DEMAND)
     lk.finish()
     assert a.escalated and a.preemptions == 0
@@ -277,7 +297,7 @@ def test_link_busy_time_is_sum_of_busy_intervals():
     lk.submit(2, 3 * MB, 5e-3)  # idle 2 .. 5 ms, then 5 .. 9 ms
     lk.submit(3, 1 * MB, 5e-3)  # 9 .. 11 ms
     lk.submit(4, 1 * MB, 5e-3)
-    assert lk.link.cancel(4)
+    assert lk.cancel(4)
     lk.finish()
     assert lk.link.busy_s == pytest.approx(2e-3 + 4e-3 + 2e-3)
     assert lk.link.idle()
@@ -311,7 +331,7 @@ def test_link_escalated_delayed_prefetch_starts_at_once():
     lk = Link()
     a = lk.submit(1, 1 * MB, 0.0, release=10e-3)
     lk.link.advance(1e-3)
-    lk.link.escalate(1, 1e-3)
+    lk.escalate(1, 1e-3)
     lk.finish()
     assert a.escalated and (a.start_s, a.end_s) == pytest.approx((1e-3, 3e-3))
 
@@ -321,8 +341,8 @@ def test_link_cancel_and_reprioritize_a_delayed_prefetch():
     a = lk.submit(1, 1 * MB, 0.0, prio=0.9, release=2e-3)
     b = lk.submit(2, 1 * MB, 0.0, prio=0.5, release=2e-3)
     c = lk.submit(3, 1 * MB, 0.0, prio=0.1, release=1e-3)
-    assert lk.link.cancel(3)
-    lk.link.reprioritize(1, 0.1)  # still held back until 2 ms, then ahead of b
+    assert lk.cancel(3)
+    lk.reprioritize(1, 0.1)  # still held back until 2 ms, then ahead of b
     lk.link.advance(1.5e-3)
     assert a.start_s != a.start_s and c.start_s != c.start_s
     lk.finish()
@@ -331,9 +351,9 @@ def test_link_cancel_and_reprioritize_a_delayed_prefetch():
     assert lk.link.idle() and lk.link.cur_end_s == float("inf")
 
 
-def _queued_in_order(link: SimLink) -> list[TransferRecord]:
+def _queued_in_order(lk: Link) -> list[TransferRecord]:
     """Brute force: the link's queued jobs, the next to start last (``_queue``'s order)."""
-    queued = [j for j in link._jobs.values() if j.state == sim_engine._QUEUED]
+    queued = [j for j in lk.live() if j.state == sim_engine._QUEUED]
     return sorted(queued, key=lambda j: (j.link_priority, j.seq), reverse=True)
 
 
@@ -355,17 +375,17 @@ def test_link_queue_is_its_queued_jobs_by_priority(ops: list[tuple[int, int, int
     for kind, key, arg in ops:
         t += 0.5e-3
         lk.link.advance(t)
-        if kind <= 1 and key not in lk.link._jobs:  # one transfer per key at a time
+        if kind <= 1 and all(r.key != key for r in lk.live()):  # one transfer per key at a time
             lk.submit(key, 2 * MB, t, prio=float(arg) if kind == 0 else ON_DEMAND)
         elif kind == 2:
-            lk.link.cancel(key)
+            lk.cancel(key)
         elif kind == 3:
-            lk.link.reprioritize(key, float(arg))
+            lk.reprioritize(key, float(arg))
         elif kind == 4:
-            lk.link.escalate(key, t)
-        assert lk.link._queue == _queued_in_order(lk.link)
+            lk.escalate(key, t)
+        assert lk.link._queue == _queued_in_order(lk)
     lk.finish()
-    assert not lk.link._queue and not lk.link._jobs
+    assert not lk.link._queue and not lk.live()
 
 
 def test_cancelled_prefetches_leave_the_queue() -> None:
@@ -375,8 +395,8 @@ def test_cancelled_prefetches_leave_the_queue() -> None:
     lk.submit(10_000, 1000 * MB, 0.0)  # busy for a second
     for k in range(1000):
         lk.submit(k, 1 * MB, 1e-6 * k)
-        assert lk.link.cancel(k)
-    assert lk.link._queue == [] and list(lk.link._jobs) == [10_000]
+        assert lk.cancel(k)
+    assert lk.link._queue == [] and [r.key for r in lk.live()] == [10_000]
     lk.finish()
     assert lk.done == [10_000]
 

@@ -407,12 +407,12 @@ def test_a_queued_prefetch_takes_its_new_priority():
     a, b, c = rec(1, 1.0), rec(2, 2.0), rec(3, 3.0)
     for r in (a, b, c):
         link.submit(r, 0.0)
-    link.reprioritize(3, 1.0)
-    link.reprioritize(1, 9.0)  # running: no effect
+    link.reprioritize(c, 1.0)
+    link.reprioritize(a, 9.0)  # running: no effect
     link.advance(10.0)
     assert done == [1, 3, 2]
     d, f = rec(4, ON_DEMAND), rec(5, 1.0)
     link.submit(f, 10.0)
     link.submit(d, 10.0)
-    link.reprioritize(4, 0.5)
+    link.reprioritize(d, 0.5)
     assert d.link_priority == ON_DEMAND

@@ -11,7 +11,8 @@ hit-rate-only, online serving, and two GPUs.  Invariants checked on every run:
 - hits + late + misses = the accesses the trace implies (counted independently here);
 - bytes are conserved: per GPU, bytes moved = bytes evicted + bytes still cached, and
   the summary's PCIe bytes = the transfer log's;
-- identical config and seed give identical results.
+- identical config and seed give identical results;
+- an admission-ordered policy's order holds exactly the cached keys.
 """
 
 from __future__ import annotations
@@ -151,6 +152,11 @@ def test_invariants(trace: Trace, name: str, setting: str) -> None:
     # every transfer landed (the run lets in-flight prefetches finish)
     for c in r.caches:
         assert all(e.resident for e in c.entries.values())
+    # an admission order (LRU, FIFO and the prefetchers built on them) holds exactly the
+    # cached keys: its on_insert relies on never being told of a key it already holds
+    order = getattr(policy, "_order", None)
+    if isinstance(order, dict):
+        assert set(order) == {k for c in r.caches for k in c.entries}
 
 
 @pytest.mark.parametrize("setting", ["static", "online"])

@@ -234,9 +234,10 @@ class ExpertCache:
         self.cancelled += 1
         self.policy.on_evict(key)
 
-    def pin(self, key: int) -> None:
-        """Mark ``key`` in use (not evictable) and used."""
-        e = self.entries[key]
+    def pin(self, key: int, entry: Entry | None = None) -> None:
+        """Mark ``key`` in use (not evictable) and used (``entry``: its entry, when the
+        caller has looked it up already; perf: one dict lookup less per access)."""
+        e = self.entries[key] if entry is None else entry
         if e.resident and not e.pins:
             del self.evictable[key]
             if self.group_of is not None:

@@ -478,7 +478,7 @@ class Runner:
                 missing.append((g, key, tok, 1.0))
                 acc[2] += 1
             else:
-                cache.pin(key)
+                cache.pin(key, ent)
                 if ent.resident:
                     outcome = _HIT
                     ready.append((g, key, tok, 1.0))

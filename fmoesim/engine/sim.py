@@ -57,6 +57,10 @@ class SimLink:
     A transfer that lands is reported to ``cache`` (its :meth:`ExpertCache.complete`)
     or, without a cache, to ``on_done(key)``.
 
+    The link is addressed by record: :meth:`escalate`, :meth:`reprioritize` and
+    :meth:`cancel` take the :class:`TransferRecord` that :meth:`submit` queued (the
+    cache entry holds it), and ignore one that is no longer queued, delayed or running.
+
     The queue (``_queue``) holds exactly the jobs in state queued, sorted by
     ``(link_priority, seq)`` descending, so the next to start is the last.
 
@@ -91,7 +95,8 @@ class SimLink:
         # ~8 prefetches it queues per layer step; the heap was 15% of its run, callgrind)
         self._queue: list[TransferRecord] = []  # queued jobs, (link_priority, seq) descending
         self._delayed: list[tuple[float, int, TransferRecord]] = []  # (release_s, seq, job)
-        self._jobs: dict[int, TransferRecord] = {}  # key -> queued or running job
+        # perf: no key -> job dict: the callers hold the records (a dict insert and delete
+        # per transfer and a lookup per request, ~5% of BrainStorm's run, callgrind)
         self._seq = 0
         self.cur: TransferRecord | None = None
         self.cur_end_s = INF  # when the current job finishes or reaches its pause point
@@ -125,7 +130,6 @@ class SimLink:
             job.state = _DONE
             job.left_bytes = 0
             job.end_s = t
-            del self._jobs[job.key]
             if self.cache is not None:
                 self.cache.complete(job.key)
             elif self.on_done is not None:
@@ -199,7 +203,6 @@ class SimLink:
         # state = _QUEUED (TransferRecord.__init__)
         job.seq = self._seq
         self._seq += 1
-        self._jobs[job.key] = job
         if job.release_s > t_s and job.priority != ON_DEMAND:
             job.state = _DELAYED
             heapq.heappush(self._delayed, (job.release_s, job.seq, job))
@@ -236,10 +239,9 @@ class SimLink:
             i -= 1
         q.pop(i)
 
-    def escalate(self, key: int, t_s: float) -> None:
-        """Give ``key``'s queued or running transfer on-demand priority."""
-        job = self._jobs.get(key)
-        if job is None or job.link_priority == ON_DEMAND:
+    def escalate(self, job: TransferRecord, t_s: float) -> None:
+        """Give ``job``, queued, delayed or running, on-demand priority."""
+        if job.link_priority == ON_DEMAND or job.state == _DONE or job.state == _CANCELLED:
             return
         job.link_priority = ON_DEMAND
         job.escalated = True
@@ -255,15 +257,13 @@ class SimLink:
             else:
                 self._pause_current(t_s)
 
-    def reprioritize(self, key: int, priority: float) -> None:
-        """Move ``key``'s queued, never-started prefetch to ``priority``."""
-        job = self._jobs.get(key)
-        if job is not None and job.state == _DELAYED:
+    def reprioritize(self, job: TransferRecord, priority: float) -> None:
+        """Move ``job``, a queued, never-started prefetch, to ``priority``."""
+        if job.state == _DELAYED:
             job.link_priority = priority  # queued at this priority when released
             return
         if (
-            job is None
-            or job.state != _QUEUED
+            job.state != _QUEUED
             or job.start_s == job.start_s  # started (now paused): keeps its place
             or job.link_priority == ON_DEMAND
             or job.link_priority == priority
@@ -273,15 +273,13 @@ class SimLink:
         job.link_priority = priority
         self._enqueue(job)
 
-    def cancel(self, key: int) -> bool:
-        """Drop ``key``'s transfer if it is queued and never started."""
-        job = self._jobs.get(key)
-        if job is None or job.state not in (_QUEUED, _DELAYED) or job.start_s == job.start_s:
+    def cancel(self, job: TransferRecord) -> bool:
+        """Drop ``job`` if it is queued (or delayed) and never started."""
+        if (job.state != _QUEUED and job.state != _DELAYED) or job.start_s == job.start_s:
             return False
         if job.state == _QUEUED:
             self._dequeue(job)
         job.state = _CANCELLED
-        del self._jobs[key]
         return True
 
     def idle(self) -> bool:
@@ -388,23 +386,32 @@ class SimBackend(Backend):
         link.submit(rec, t)
         return rec
 
+    def _record(self, gpu: int, key: int) -> TransferRecord | None:
+        """The transfer record of ``key``'s cache entry on ``gpu`` (None if absent)."""
+        ent = self.caches[gpu].entries.get(key)
+        return None if ent is None else ent.record
+
     def escalate(self, gpu: int, key: int) -> None:
         """Raise an in-flight transfer to on-demand priority."""
+        rec = self._record(gpu, key)
+        if rec is None:
+            return
         t = self._gpu_s[gpu] if self._in_experts else self.clock_s
         link = self.links[gpu]
         if link.cur_end_s <= t:
             link.advance(t)
-        link.escalate(key, t)
+        link.escalate(rec, t)
 
     def reprioritize(self, gpu: int, key: int, priority: float) -> None:
         """Move a queued, never-started prefetch to ``priority``."""
-        self.links[gpu].reprioritize(key, priority)
+        rec = self._record(gpu, key)
+        if rec is not None:
+            self.links[gpu].reprioritize(rec, priority)
 
     def cancel(self, gpu: int, key: int) -> bool:
         """Cancel a queued, never-started transfer."""
-        link = self.links[gpu]
-        rec = link._jobs.get(key)
-        if rec is None or not link.cancel(key):
+        rec = self._record(gpu, key)
+        if rec is None or not self.links[gpu].cancel(rec):
             return False
         rec.cancelled = True
         rec.start_s = rec.end_s = rec.submit_s
