@@ -7,7 +7,7 @@ from collections.abc import Collection
 import numpy as np
 from mypy_extensions import mypyc_attr
 
-from policies._prefetching import GuardedLRU, prefetch_actions, stale_prefetches
+from policies._prefetching import GuardedLRU, PrefetchTable, stale_prefetches
 from policies.base import NO_ACTIONS, Actions, GateView, PolicyContext
 
 CACHE_PRIORITIES = ("lru", "count")
@@ -73,6 +73,7 @@ class BrainStorm(GuardedLRU):
         self._n = E if self.prefetch_experts is None else min(self.prefetch_experts, E)
         self._issued: list[list[int]] = [[] for _ in range(L)]  # prefetched, per target layer
         self._predicted: set[int] = set()  # the last gate's prefetches, for O(1) membership
+        self._prefetches = PrefetchTable(L * E, E)
 
     def count(self, key: int) -> int:
         """Model-level count of expert ``key`` (tokens routed to it so far)."""
@@ -122,7 +123,7 @@ class BrainStorm(GuardedLRU):
         keys = [nxt + e for e in self._rank[layer + 1][: max(n, 0)]]
         self._issued[layer + 1] = keys
         self._predicted = set(keys)
-        return prefetch_actions(keys, self._E, 1, cancel)
+        return self._prefetches.actions(keys, cancel)
 
     def _guarded(self, key: int) -> bool:
         """Routed by the current layer, or named by this gate's prefetch of the next layer."""

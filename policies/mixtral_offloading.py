@@ -6,7 +6,7 @@ from collections.abc import Collection, Sequence
 
 from mypy_extensions import mypyc_attr
 
-from policies._prefetching import LayerGuard, prefetch_actions, top_experts
+from policies._prefetching import LayerGuard, PrefetchTable, top_experts
 from policies.base import NO_ACTIONS, Actions, GateView, Outcome, Policy, PolicyContext
 
 
@@ -69,6 +69,7 @@ class MixtralOffloading(Policy, LayerGuard):
         # generic method call (counted with callgrind)
         self._orders: list[dict[int, None]] = [{} for _ in range(self._L)]
         self._held = [0] * (self._G * self._L)  # entries (resident or in flight) per (gpu, layer)
+        self._prefetches = PrefetchTable(self._L * self._E, self._E)
         slots = self.layer_slots or ctx.capacity_experts // self._L
         self._set_quotas([slots] * self._L)
 
@@ -113,7 +114,7 @@ class MixtralOffloading(Policy, LayerGuard):
             if k in order:
                 del order[k]
                 order[k] = None
-        return prefetch_actions(keys, self._E)
+        return self._prefetches.actions(keys)
 
     def on_insert(self, key: int) -> None:
         """A newly admitted expert is its layer's most recently used."""

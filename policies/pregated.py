@@ -6,7 +6,7 @@ from collections.abc import Collection
 
 from mypy_extensions import mypyc_attr
 
-from policies._prefetching import LayerGuard, prefetch_actions, stale_prefetches, top_experts
+from policies._prefetching import LayerGuard, PrefetchTable, stale_prefetches, top_experts
 from policies.base import NO_ACTIONS, Actions, GateView, Policy, PolicyContext
 
 
@@ -56,6 +56,7 @@ class PreGated(Policy, LayerGuard):
         self._L, self._E, self._K = m.num_layers, m.num_experts, m.top_k
         self._next: set[int] = set()  # keys predicted for the next layer at the last gate
         self._issued: list[list[int]] = [[] for _ in range(self._L)]  # per target layer
+        self._prefetches = PrefetchTable(self._L * self._E, self._E)
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """Prefetch the pre-gate's top experts of the next layer."""
@@ -75,7 +76,7 @@ class PreGated(Policy, LayerGuard):
         self._next = set(keys)
         if self.cancel_stale:
             self._issued[layer + 1] = keys
-        return prefetch_actions(keys, self._E, cancel=cancel)
+        return self._prefetches.actions(keys, cancel)
 
     def victim(self, candidates: Collection[int], incoming: int) -> int:
         """Oldest candidate the current and next layer do not need (else the oldest unguarded)."""

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from mypy_extensions import mypyc_attr
 
-from policies._prefetching import GuardedLRU, routed_by_count, stale_prefetches, top_experts
+from policies._prefetching import (
+    GuardedLRU,
+    PrefetchTable,
+    routed_by_count,
+    stale_prefetches,
+    top_experts,
+)
 from policies.base import NO_ACTIONS, Actions, GateView, PolicyContext, Prefetch
 
 
@@ -78,6 +84,9 @@ class ProMoE(GuardedLRU):
         self._last: list[list[int]] = [[] for _ in range(self._L)]  # experts, most tokens first
         # keys prefetched for each target layer, not yet seen by that layer's gate
         self._issued: list[list[int]] = [[] for _ in range(self._L)]
+        # priorities 1 + rank / E (the spec part) and stride + rank / E
+        self._spec_prefetches = PrefetchTable(self._L * self._E, self._E, 1)
+        self._stride_prefetches = PrefetchTable(self._L * self._E, self._E, self.stride)
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """Remember this layer's routing; prefetch layer ``l + 1`` (spec) and ``l + stride``."""
@@ -96,9 +105,10 @@ class ProMoE(GuardedLRU):
             base = (layer + 1) * E
             # perf: nested two-argument min, which compiles to comparisons (min of three
             # is a generic call); the Prefetches appended, no list of keys between
+            table = self._spec_prefetches
             r = 0
             for e in top_experts(spec, min(min(n, E), room)):
-                prefetch.append(Prefetch(base + e, 1 + r / E))
+                prefetch.append(table.get(base + e, r))
                 r += 1
         target = (layer + self.stride) % self._L
         if self.stride > 1 or not prefetch:
@@ -110,8 +120,9 @@ class ProMoE(GuardedLRU):
             base = target * E
             # never the spec's keys: a stride above 1 targets another layer, and a stride
             # of 1 reaches here only when the spec part prefetched nothing
+            table = self._stride_prefetches
             for r in range(m):  # (m < 1: none)
-                prefetch.append(Prefetch(base + hist[r], self.stride + r / E))
+                prefetch.append(table.get(base + hist[r], r))
         if self.cancel_stale:
             issued = self._issued
             for p in prefetch:

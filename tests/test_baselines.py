@@ -27,7 +27,7 @@ from fmoesim.engine.simulate import RunResult, simulate
 from fmoesim.trace import read_trace
 from fmoesim.trace.reader import Trace
 from fmoesim.workload.synthetic import SyntheticConfig, generate
-from policies._prefetching import routed_by_count, top_experts
+from policies._prefetching import PrefetchTable, routed_by_count, top_experts
 from policies.adapmoe import AdapMoE, allocate_slots
 from policies.base import BatchInfo, GateView, Outcome, Policy, Prefetch
 from policies.brainstorm import BrainStorm
@@ -224,6 +224,24 @@ def test_routed_by_count_orders_by_tokens_then_id(counts, tokens):
     expected = sorted(nz, key=lambda i: -counts[i]) if tokens > 1 else nz
     assert routed_by_count(g) == expected
     assert routed_by_count(g, list(counts)) == expected
+
+
+@pytest.mark.parametrize("distance", [1, 3])
+def test_prefetch_table_hands_out_the_prefetches_it_stands_for(distance):
+    """``get(key, rank)`` is ``Prefetch(key, distance + rank / E)`` to the last bit (the
+    priorities the policies computed before the table), built once per pair."""
+    E = 8
+    table = PrefetchTable(4 * E, E, distance)
+    for key in range(4 * E):
+        for r in range(E):
+            p = table.get(key, r)
+            assert p == Prefetch(key, distance + r / E)
+            assert p.priority == distance + r / E and p.reason == "prefetch"
+            assert table.get(key, r) is p
+    a = table.actions([5, 2, 9], [7])
+    assert list(a.prefetch) == [Prefetch(k, distance + r / E) for r, k in enumerate([5, 2, 9])]
+    assert list(a.cancel) == [7]
+    assert list(table.actions([3]).cancel) == []
 
 
 def test_prefetch_is_an_immutable_value():
