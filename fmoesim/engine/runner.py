@@ -207,13 +207,13 @@ class Runner:
             else:  # decode: one new token attends over p + j - 1 cached tokens and itself
                 kv_tokens += p + j - 1
                 pairs += p + j
+        emb = None  # (B, D)
+        if tr.embedding.shape[1]:
+            # perf: one request's row as a view (a slice), not a copy by fancy indexing:
+            # 3% fewer instructions for LRU's whole run (callgrind)
+            emb = tr.embedding[rows[0] : rows[0] + 1] if len(rows) == 1 else tr.embedding[rows]
         batch = BatchInfo(
-            self.iteration,
-            tuple(self._rid[r] for r in reqs),
-            tuple(js),
-            tokens,
-            prefill,
-            tr.embedding[rows] if tr.embedding.shape[1] else None,
+            self.iteration, tuple(self._rid[r] for r in reqs), tuple(js), tokens, prefill, emb
         )
         start_actions = policy.on_iteration_start(batch)
         if start_actions is not None and start_actions is not NO_ACTIONS:
