@@ -119,7 +119,7 @@ class PrefetchTable:
 
 
 def stale_prefetches(issued: list[list[int]], layer: int, counts: list[int]) -> list[int]:
-    """The keys prefetched for ``layer`` (``issued[layer]``, distinct, emptied here) that its gate
+    """The keys prefetched for ``layer`` (``issued[layer]``, emptied here) that its gate
     did not route to (``counts``: the gate's counts as a list, ``gate.counts.tolist()``):
     once the layer has run they are no longer needed for it, so a policy cancels them
     (the engine drops only those still queued and never started).

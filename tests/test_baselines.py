@@ -260,6 +260,30 @@ def test_prefetch_is_an_immutable_value():
     assert pickle.loads(pickle.dumps(prebuilt)) == prebuilt
 
 
+def test_batch_info_is_an_immutable_value():
+    """BatchInfo keeps the frozen dataclass's contract: compared by value (embeddings
+    element by element), read-only, picklable (in both builds)."""
+    emb = np.arange(6, dtype=np.float16).reshape(2, 3)
+    b = BatchInfo(4, (7, 9), (0, 3), 5, False, emb)
+    assert (b.iteration, b.request_ids, b.request_iterations) == (4, (7, 9), (0, 3))
+    assert (b.num_tokens, b.prefill, b.embeddings is emb) == (5, False, True)
+    same = BatchInfo(4, (7, 9), (0, 3), 5, False, emb.copy())
+    assert b == same and hash(b) == hash(same)
+    assert b != BatchInfo(4, (7, 9), (0, 3), 5, False, emb + 1)
+    assert b != BatchInfo(4, (7, 9), (0, 3), 5, False) and b != BatchInfo(
+        4, (7, 9), (0, 3), 5, True, emb
+    )
+    assert BatchInfo(0, (1,), (0,), 1, True) == BatchInfo(0, (1,), (0,), 1, True)
+    assert b != (4, (7, 9), (0, 3), 5, False, emb)
+    assert repr(BatchInfo(0, (1,), (0,), 1, True)) == (
+        "BatchInfo(iteration=0, request_ids=(1,), request_iterations=(0,), num_tokens=1, "
+        "prefill=True, embeddings=None)"
+    )
+    with pytest.raises(AttributeError):
+        b.iteration = 5  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(b)) == b
+
+
 # -- BrainStorm --------------------------------------------------------------------------
 def test_brainstorm_ranks_by_model_level_counts_and_cancels_mispredictions():
     p = BrainStorm()
