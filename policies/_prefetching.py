@@ -26,19 +26,44 @@ from policies.lru import LRU, _any_order
 def top_experts(scores: np.ndarray, n: int) -> list[int]:
     """Indices of the ``n`` largest ``scores``, largest first, ties to the smaller index.
 
-    perf: one ``argmax`` for ``n == 1``; for a few of at most 64 experts, no sort and no
-    numpy call but one ``tolist()``: the best two kept in local variables in one pass
-    for ``n == 2`` (Mixtral's top-k), else ``n`` passes of selection; a Python sort of
-    the ``tolist()`` for other small layers; otherwise a stable argsort of the negated
-    scores.
+    perf: one ``argmax`` for ``n == 1``; for a few of at most 64 experts or a small
+    layer, the selection of :func:`_top_of_list` on one ``tolist()``; otherwise a
+    stable argsort of the negated scores.
     """
     if n <= 0:
         return []
     if n == 1:
         return [int(scores.argmax())]
-    E = len(scores)
+    top = _top_of_list(scores.tolist(), n) if len(scores) <= 64 else None
+    if top is not None:
+        return top
+    return (-scores).argsort(kind="stable")[:n].tolist()
+
+
+def top_spec(gate: GateView, n: int) -> list[int]:
+    """:func:`top_experts` of ``gate.spec_next`` (not None), read from ``gate.spec_list``
+    when that needs no argsort (perf: then the gate makes no array for it)."""
+    s = gate.spec_list
+    assert s is not None, "top_spec needs a speculative prediction"
+    top = _top_of_list(s, n)
+    if top is not None:
+        return top
+    spec = gate.spec_next
+    assert spec is not None
+    return top_experts(spec, n)
+
+
+def _top_of_list(s: list[float], n: int) -> list[int] | None:
+    """:func:`top_experts` on a list where it is cheap, None where an argsort should do it.
+
+    perf: no sort and no numpy call for a few of at most 64 experts: the best two kept
+    in local variables in one pass for ``n == 2`` (Mixtral's top-k), else ``n`` passes of
+    selection; a Python sort for other layers of at most 16 experts.
+    """
+    if n <= 0:
+        return []
+    E = len(s)
     if n <= 4 and E <= 64:
-        s: list[float] = scores.tolist()
         m = min(n, E)
         if m == 2:  # perf: top-2 (Mixtral's top_k), the best two in local variables
             b1, v1, b2, v2 = 0, s[0], 1, s[1]
@@ -63,21 +88,19 @@ def top_experts(scores: np.ndarray, n: int) -> list[int]:
             chosen.append(best)
         return chosen
     if E <= 16:
-        s = scores.tolist()
         order = sorted(range(E), key=s.__getitem__, reverse=True)  # stable
         return order[:n]
-    return (-scores).argsort(kind="stable")[:n].tolist()
+    return None
 
 
-def routed_by_count(gate: GateView, counts: list[int] | None = None) -> list[int]:
-    """Experts the gate routes to, most tokens first, ties to the smaller index
-    (``counts``: ``gate.counts.tolist()`` if the caller has it already).
+def routed_by_count(gate: GateView) -> list[int]:
+    """Experts the gate routes to, most tokens first, ties to the smaller index.
 
     perf: one token routes to its top-k with one token each, so no sort is needed then;
-    the nonzero entries are found on a ``tolist()`` (``np.flatnonzero`` on a row of a few
-    dozen experts costs several times more).
+    the nonzero entries are found on ``gate.counts_list`` (``np.flatnonzero`` on a row of
+    a few dozen experts costs several times more).
     """
-    c: list[int] = gate.counts.tolist() if counts is None else counts
+    c = gate.counts_list
     nz = [e for e in range(len(c)) if c[e]]
     if gate.num_tokens > 1 and len(nz) > 1:
         nz.sort(key=c.__getitem__, reverse=True)  # stable: equal counts keep id order
@@ -120,7 +143,7 @@ class PrefetchTable:
 
 def stale_prefetches(issued: list[list[int]], layer: int, counts: list[int]) -> list[int]:
     """The keys prefetched for ``layer`` (``issued[layer]``, emptied here) that its gate
-    did not route to (``counts``: the gate's counts as a list, ``gate.counts.tolist()``):
+    did not route to (``counts``: the gate's counts as a list, ``gate.counts_list``):
     once the layer has run they are no longer needed for it, so a policy cancels them
     (the engine drops only those still queued and never started).
 
@@ -147,7 +170,7 @@ class LayerGuard:
     """
 
     _guard_layer: int = -1
-    _guard_counts: np.ndarray | None = None
+    _guard_counts: list[int] | None = None
     _guard_keys: set[int] | None = None
     _guard_E: int = 1
     _guard_K: int = 1
@@ -161,7 +184,8 @@ class LayerGuard:
         self._guard_K = ctx.model.top_k
         self._capacity_total = ctx.capacity_experts * ctx.num_gpus
 
-    def _guard(self, layer: int, counts: np.ndarray) -> None:
+    def _guard(self, layer: int, counts: list[int]) -> None:
+        """Guard the experts ``counts`` (the gate's ``counts_list``) routes to."""
         self._guard_layer = layer
         self._guard_counts = counts
         self._guard_keys = None  # built on first use: most gates never need a victim
@@ -173,7 +197,8 @@ class LayerGuard:
         keys = self._guard_keys
         if keys is None:
             base = self._guard_layer * self._guard_E
-            c: list[int] = self._guard_counts.tolist()  # type: ignore[union-attr]
+            c = self._guard_counts
+            assert c is not None  # set with the layer
             keys = self._guard_keys = {base + e for e in range(len(c)) if c[e]}
         return key in keys
 
@@ -194,7 +219,8 @@ class LayerGuard:
         """Distinct experts the gate routes to (``top_k`` for one token, no numpy call)."""
         if gate.num_tokens == 1:
             return self._guard_K
-        return int(np.count_nonzero(gate.counts))
+        c = gate.counts_list
+        return len(c) - c.count(0)
 
     def _room_experts(self, routed: int) -> int:
         """How many prefetches fit next to the ``routed`` experts of the current layer."""

@@ -97,9 +97,8 @@ class BrainStorm(GuardedLRU):
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """Count, cancel the mispredicted prefetches of this layer, prefetch the next one."""
-        counts = gate.counts
-        self._guard(layer, counts)
-        c: list[int] = counts.tolist()  # perf: typed, so indexing it is native
+        c = gate.counts_list  # perf: a typed list, so indexing it is native
+        self._guard(layer, c)
         mine, rank, place = self._counts[layer], self._rank[layer], self._place[layer]
         for e in range(self._E):
             if c[e]:

@@ -44,7 +44,7 @@ class DependencyPrefetch(GuardedLRU):
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """Prefetch the whole next layer (as much of it as fits)."""
-        self._guard(layer, gate.counts)
+        self._guard(layer, gate.counts_list)
         if layer + 1 >= self._L:
             return NO_ACTIONS
         room = self._room_experts(self._routed(gate))

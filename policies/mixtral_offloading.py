@@ -6,7 +6,7 @@ from collections.abc import Collection, Sequence
 
 from mypy_extensions import mypyc_attr
 
-from policies._prefetching import LayerGuard, PrefetchTable, top_experts
+from policies._prefetching import LayerGuard, PrefetchTable, top_spec
 from policies.base import NO_ACTIONS, Actions, GateView, Outcome, Policy, PolicyContext
 
 
@@ -90,7 +90,7 @@ class MixtralOffloading(Policy, LayerGuard):
     # -- decisions --------------------------------------------------------------------
     def _predict(self, layer: int, gate: GateView) -> list[int]:
         """Keys of the next layer to prefetch, most probable first."""
-        spec = gate.spec_next
+        spec = gate.spec_list  # perf: a list, so the gate makes no array (top_spec)
         target = layer + 1
         if target == self._L and self.first_layer_spec:
             target = 0  # the last layer's gate predicts layer 0 of the next iteration
@@ -101,11 +101,11 @@ class MixtralOffloading(Policy, LayerGuard):
         # perf: nested two-argument min compiles to comparisons, a longer one to a call
         n = min(min(n, self._E), min(self.quotas[target] or 1, self._room_experts(routed)))
         base = target * self._E
-        return [base + e for e in top_experts(spec, n)]
+        return [base + e for e in top_spec(gate, n)]
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """Prefetch the speculative top experts of the next layer."""
-        self._guard(layer, gate.counts)
+        self._guard(layer, gate.counts_list)
         keys = self._predict(layer, gate)
         if not keys:
             return NO_ACTIONS

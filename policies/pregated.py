@@ -6,7 +6,7 @@ from collections.abc import Collection
 
 from mypy_extensions import mypyc_attr
 
-from policies._prefetching import LayerGuard, PrefetchTable, stale_prefetches, top_experts
+from policies._prefetching import LayerGuard, PrefetchTable, stale_prefetches, top_spec
 from policies.base import NO_ACTIONS, Actions, GateView, Policy, PolicyContext
 
 
@@ -60,11 +60,11 @@ class PreGated(Policy, LayerGuard):
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """Prefetch the pre-gate's top experts of the next layer."""
-        self._guard(layer, gate.counts)
+        self._guard(layer, gate.counts_list)
         cancel: list[int] = []
         if self.cancel_stale:
-            cancel = stale_prefetches(self._issued, layer, gate.counts.tolist())
-        spec = gate.spec_next
+            cancel = stale_prefetches(self._issued, layer, gate.counts_list)
+        spec = gate.spec_list  # perf: a list, so the gate makes no array (top_spec)
         if spec is None or layer + 1 >= self._L:
             self._next = set()
             return Actions(cancel=cancel) if cancel else NO_ACTIONS
@@ -72,7 +72,7 @@ class PreGated(Policy, LayerGuard):
         n = self.prefetch_experts or max(self._K, routed)
         n = min(min(n, self._E), self._room_experts(routed))  # perf: see ProMoE
         base = (layer + 1) * self._E
-        keys = [base + e for e in top_experts(spec, n)]
+        keys = [base + e for e in top_spec(gate, n)]
         self._next = set(keys)
         if self.cancel_stale:
             self._issued[layer + 1] = keys

@@ -9,7 +9,7 @@ from policies._prefetching import (
     PrefetchTable,
     routed_by_count,
     stale_prefetches,
-    top_experts,
+    top_spec,
 )
 from policies.base import NO_ACTIONS, Actions, GateView, PolicyContext, Prefetch
 
@@ -90,16 +90,15 @@ class ProMoE(GuardedLRU):
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """Remember this layer's routing; prefetch layer ``l + 1`` (spec) and ``l + stride``."""
-        counts = gate.counts
-        self._guard(layer, counts)
-        c: list[int] = counts.tolist()
-        self._last[layer] = routed_by_count(gate, c)
+        c = gate.counts_list
+        self._guard(layer, c)
+        self._last[layer] = routed_by_count(gate)
         cancel = stale_prefetches(self._issued, layer, c) if self.cancel_stale else []
         routed = self._routed(gate)
         room = self._room_experts(routed)
         E, cap = self._E, self.prefetch_experts
         prefetch: list[Prefetch] = []
-        spec = gate.spec_next
+        spec = gate.spec_list  # perf: a list, so the gate makes no array (top_spec)
         if self.use_spec_next and spec is not None and layer + 1 < self._L:
             n = cap or max(self._K, routed)
             base = (layer + 1) * E
@@ -107,7 +106,7 @@ class ProMoE(GuardedLRU):
             # is a generic call); the Prefetches appended, no list of keys between
             table = self._spec_prefetches
             r = 0
-            for e in top_experts(spec, min(min(n, E), room)):
+            for e in top_spec(gate, min(min(n, E), room)):
                 prefetch.append(table.get(base + e, r))
                 r += 1
         target = (layer + self.stride) % self._L

@@ -27,9 +27,9 @@ from fmoesim.engine.simulate import RunResult, simulate
 from fmoesim.trace import read_trace
 from fmoesim.trace.reader import Trace
 from fmoesim.workload.synthetic import SyntheticConfig, generate
-from policies._prefetching import PrefetchTable, routed_by_count, top_experts
+from policies._prefetching import PrefetchTable, routed_by_count, top_experts, top_spec
 from policies.adapmoe import AdapMoE, allocate_slots
-from policies.base import BatchInfo, GateView, Outcome, Policy, Prefetch
+from policies.base import BatchInfo, GateRows, GateView, Outcome, Policy, Prefetch
 from policies.brainstorm import BrainStorm
 from policies.deepspeed import DeepSpeedInference
 from policies.dependency import DependencyPrefetch
@@ -212,6 +212,13 @@ def test_top_experts_is_a_stable_descending_argsort(scores, n, as_float):
         a = a / np.float32(3)
     expected = (-a).argsort(kind="stable")[: max(n, 0)].tolist()
     assert top_experts(a, n) == expected
+    # from a gate's spec_list (and spec_next where the list path hands over)
+    counts = np.zeros(len(a), dtype=np.int64)
+    assert top_spec(GateView(0, counts, 1, None, a), n) == expected
+    rows = GateRows(np.stack([a, a[::-1]]))
+    assert top_spec(GateView(0, counts, 1, count_rows=None, spec_rows=rows, spec_layer=0), n) == (
+        expected
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -223,7 +230,8 @@ def test_routed_by_count_orders_by_tokens_then_id(counts, tokens):
     nz = [i for i, x in enumerate(counts) if x]
     expected = sorted(nz, key=lambda i: -counts[i]) if tokens > 1 else nz
     assert routed_by_count(g) == expected
-    assert routed_by_count(g, list(counts)) == expected
+    rows = GateRows(np.stack([c, c]))
+    assert routed_by_count(GateView(1, None, tokens, count_rows=rows)) == expected
 
 
 @pytest.mark.parametrize("distance", [1, 3])

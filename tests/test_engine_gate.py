@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import simulate
 from fmoesim.trace import read_trace
 from fmoesim.workload.synthetic import SyntheticConfig, generate
-from policies.base import NO_ACTIONS, Actions, GateView
+from policies.base import NO_ACTIONS, Actions, GateRows, GateView
 from policies.lru import LRU
 from tests.test_policy_contract import MODEL
 from tests.tiny import TINY_HW
@@ -27,9 +28,13 @@ class Recording(LRU):
         self.gates: list[tuple[int, int, np.ndarray, np.ndarray | None, np.ndarray | None]] = []
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
+        # the lists first (a policy may read only them), then the arrays: the same values
+        counts_list, spec_list = gate.counts_list, gate.spec_list
         spec = None if gate.spec_next is None else gate.spec_next.copy()
         probs = None if gate.probs is None else gate.probs.copy()
         self.gates.append((gate.step, layer, gate.counts.copy(), probs, spec))
+        assert counts_list == gate.counts.tolist() and type(counts_list[0]) is int
+        assert spec_list == (None if spec is None else spec.tolist())
         return NO_ACTIONS
 
 
@@ -61,6 +66,29 @@ def test_gate_views_match_the_trace(tmp_path: Path) -> None:
             np.testing.assert_allclose(spec, tr.spec_probs[nxt].astype(np.float32), rtol=1e-6)
         else:
             assert spec is None
+
+
+def test_batched_gates_lists_match_their_arrays(tmp_path: Path) -> None:
+    """Batches of 3 (summed counts, weighted predictions): every gate's lists equal its
+    arrays (checked in ``Recording``)."""
+    path = tmp_path / "t"
+    generate(MODEL, SyntheticConfig(num_requests=5, output_tokens_median=6, seed=2), path)
+    tr = read_trace(path)
+    pol = Recording()
+    serving = ServingConfig(batch_size=3)
+    simulate(tr, MODEL, TINY_HW, pol, 12 * MODEL.expert_size_bytes, serving=serving)
+    assert any(g[4] is not None for g in pol.gates)
+    assert any(int(g[2].max()) > 1 for g in pol.gates)  # an expert with several tokens
+
+
+def test_a_gate_takes_its_counts_or_the_iterations_rows() -> None:
+    rows = GateRows(np.array([[0, 2], [1, 0]]))
+    g = GateView(1, None, 1, count_rows=rows)
+    assert g.counts.tolist() == g.counts_list == [1, 0] and g.spec_next is None
+    with pytest.raises(ValueError, match="counts or the iteration's count rows"):
+        GateView(0, np.zeros(2), 1, count_rows=rows)
+    with pytest.raises(ValueError, match="counts or the iteration's count rows"):
+        GateView(0, None, 1)
 
 
 def test_cancelling_a_key_the_layer_is_loading_does_nothing(tmp_path: Path) -> None:
