@@ -32,8 +32,10 @@ a batch)::
 
 Additions after issue 3 (backwards compatible): :attr:`GateView.request_counts` for
 policies that trace per request (``uses_request_gates``), :meth:`Policy.learn` for the
-offline mode (requests held in from the trace), and a prefetch of a key whose transfer
-is still queued now moves it to the new priority.  For fMoE (issue 5):
+offline mode (requests held in from the trace), a prefetch of a key whose transfer
+is still queued now moves it to the new priority, and :attr:`GateView.counts_list` /
+:attr:`GateView.spec_list` (the gate's arrays as lists, made on first use from the
+iteration's :class:`GateRows`).  For fMoE (issue 5):
 :meth:`Policy.on_iteration_start` may return :class:`Actions` (before layer 0 runs, for
 predictions that need no gate, e.g. a semantic search on the iteration's embedding);
 :attr:`Actions.delay_s` holds prefetches back for an asynchronous matcher's latency;
