@@ -184,10 +184,10 @@ class BatchInfo:
     requests' iteration embeddings, if the trace recorded them.
 
     Immutable, compared by value (the embeddings element by element) and hashed by its
-    other fields.  perf: a plain
-    class with read-only properties, not ``@dataclass(frozen=True)``, whose generated
-    ``__init__`` is never compiled and cost ~9,000 instructions per iteration (2% of
-    LRU's run, callgrind), as for :class:`Prefetch`.
+    other fields.  perf: a plain class with read-only properties, not
+    ``@dataclass(frozen=True)``, whose generated ``__init__`` is never compiled and cost
+    ~9,000 instructions per iteration (2% of LRU's run, callgrind), as for
+    :class:`Prefetch`.
     """
 
     __slots__ = (
@@ -281,8 +281,9 @@ class GateRows:
     list, each made on first use (the Runner shares one between an iteration's gates).
 
     perf: compiled, a row's view costs ~900 instructions and its ``tolist()`` as much
-    again, while one ``tolist()`` of the whole array costs about as much as a dozen
-    rows'; a policy that reads lists (the prefetching baselines) takes no views at all.
+    again, while one ``tolist()`` of a 32-layer array costs about a quarter of its rows'
+    views and lists; a policy that reads lists (the prefetching baselines) takes no
+    views at all.
     """
 
     __slots__ = ("array", "_lists")
