@@ -24,13 +24,15 @@ def replay_order_ops(
     """Feed ``policy`` the hooks ``ops`` name (``"i"`` insert, ``"a"`` access, ``"e"``
     evict, each with a key) and return the reference order they imply, kept as a plain
     list, first to evict first: an insert goes to the back, an access moves a tracked
-    key to the back when ``access_moves`` (LRU; FIFO keeps it), an evict drops it."""
+    key to the back when ``access_moves`` (LRU; FIFO keeps it), an evict drops it.  An
+    insert of a key already tracked is skipped, as the protocol guarantees: the cache
+    admits only keys it does not hold and reports every departure to ``on_evict``."""
     ref: list[int] = []
     for op, k in ops:
         if op == "i":
-            policy.on_insert(k)
             if k in ref:
-                ref.remove(k)
+                continue
+            policy.on_insert(k)
             ref.append(k)
         elif op == "a":
             policy.on_access(k, Outcome.HIT)
