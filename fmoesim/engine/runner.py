@@ -302,7 +302,7 @@ class Runner:
         # perf: the rows shared by the iteration's gates, each row's view and list made
         # when a policy reads it (GateRows), and the validity as Python bools (a numpy
         # bool per layer costs more)
-        count_rows = GateRows(counts)  # (L, E)
+        count_rows = GateRows(counts) if self._has_gate else None  # (L, E)
         spec_rows = None if spec is None else GateRows(spec)  # (L, E)
         spec_ok_l: list[bool] = [] if spec_ok is None else np.asarray(spec_ok).tolist()  # (L,)
 
