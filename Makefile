@@ -1,46 +1,60 @@
 # Two commands do all set-up on a fresh machine: `make run` and `make test`.
-# Both create .venv on first use and install the project (editable) into it.
+# Both create .venv on first use and install the project (editable) into it:
+# `make run` the simulator alone (no torch), `make test` everything the tests need.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.fmoesim-installed
+# The torch build `make test` installs before the collector's and the replay's extras.
+# On a machine without a GPU, point TORCH_INDEX at PyTorch's CPU-only wheels
+# (docs/install.md); left empty, pip takes torch from its configured index.
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+BASE := $(VENV)/.fmoesim-base
+PLOT := $(VENV)/.fmoesim-plot
+DEV := $(VENV)/.fmoesim-dev
 
 .PHONY: run test lint bench figures clean compiled pure
 
-$(STAMP): pyproject.toml
+$(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch first, pinned: on a CPU machine this is the local CPU wheel, and the extras'
-	# unpinned "torch>=2.4" is then already satisfied (no multi-GB CUDA download)
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev,collect]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(PLOT): $(BASE)
+	$(BIN)/python -m pip install --quiet -e '.[plot]'
+	touch $@
+
+$(DEV): $(BASE)
+	$(BIN)/python -m pip install --quiet $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/python -m pip install --quiet -e '.[dev,plot,collect,replay]'
+	touch $(PLOT) $@
 
 ## Simulate the bundled default trace (Mixtral-8x7B shape, RTX 3090, LRU) and print the summary.
-run: $(STAMP)
+run: $(BASE)
 	$(BIN)/fmoesim
 
 ## Run the test suite.
-test: $(STAMP)
+test: $(DEV)
 	$(BIN)/python -m pytest -q
 
-lint: $(STAMP)
-	$(BIN)/ruff check fmoesim policies replay tests
-	$(BIN)/ruff format --check fmoesim policies replay tests
+lint: $(DEV)
+	$(BIN)/ruff check fmoesim policies replay tests benchmarks examples
+	$(BIN)/ruff format --check fmoesim policies replay tests benchmarks examples
 
 ## Regenerate every paper figure and table (results/figures/) from the bundled traces.
-figures: $(STAMP)
+figures: $(PLOT)
 	$(BIN)/fmoesim-plot all --run --jobs 2
 
-bench: $(STAMP)
+bench: $(BASE)
 	$(BIN)/python -m benchmarks.engine
 
 ## Optional: compile the engine's hot modules with mypyc (about 2x faster, same results);
 ## rerun after editing one of them (imports refuse a stale build). `make pure` undoes it.
-compiled: $(STAMP)
+compiled: $(DEV)
 	$(BIN)/python fmoesim/_compiled.py build
 
-pure: $(STAMP)
+pure: $(BASE)
 	$(BIN)/python fmoesim/_compiled.py pure
 
 clean:

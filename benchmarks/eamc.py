@@ -4,7 +4,7 @@ Run ``python -m benchmarks.eamc``.  Mixtral shape (32 layers x 8 experts).  The
 collection holds random request-level EAMs (Poisson counts); a query is what the policy
 does at one gate: add the layer's counts to the running match and rank the collection
 (:class:`policies.moe_infinity.EAMCQuery`), averaged over the 32 gates of an iteration.
-The paper measures 21 us per query at 1K EAMs and 226 us at 10K; issue 4's target here
+The paper measures 21 us per query at 1K EAMs and 226 us at 10K; the target here
 is at most 21 us at 1K and at most 100 us at 10K.  "full" is the non-incremental
 reference (:meth:`EAMC.similarity` over all observed layers at every gate).
 """

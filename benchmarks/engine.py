@@ -9,7 +9,7 @@ in rounds over the policies; the per-policy table also gives the median.
 Run it on both builds: as checked out (pure Python) and after ``make compiled``; the
 first line says which one ran.
 
-Targets (issue 3): every policy models >= 1000x real time; LRU in hit-rate-only mode
+Targets: every policy models >= 1000x real time; LRU in hit-rate-only mode
 processes >= 2 million expert accesses per second.
 """
 

@@ -7,7 +7,7 @@ Run ``python -m benchmarks.fmoe`` (``--part search|memory|ladder`` for one table
   give a few hundred at most).  A *trajectory query* is what the policy does at one
   gate (add the layer's row to the running match and take the best stored map,
   :class:`policies.fmoe.TrajectoryQuery`), averaged over the 32 gates of an iteration;
-  a *semantic query* is one iteration-start search over the embeddings.  Issue 5's
+  a *semantic query* is one iteration-start search over the embeddings.  The
   target: at most 20 us at C = 1K and 100 us at C = 10K (MoE-Infinity's matcher: 21
   and 226 us).  RDY is the cost of one store update at capacity when the scores must be
   recomputed (the policy reuses its searches' scores instead, so this is the

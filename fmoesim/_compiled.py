@@ -33,8 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The modules compiled, relative to :data:`ROOT`: the Runner, the cache, the simulator
-#: backend, the policy protocol and the policies of issue 3 (the classic caches and the
-#: prefetching baselines).  MoE-Infinity, fMoE and MoEpic stay interpreted (most of
+#: backend, the policy protocol, the classic caches and the prefetching
+#: baselines.  MoE-Infinity, fMoE and MoEpic stay interpreted (most of
 #: their time is numpy calls) and run on the compiled engine.
 MODULES = (
     "fmoesim/engine/backend.py",

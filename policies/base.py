@@ -1,4 +1,4 @@
-"""The policy protocol: events in, decisions out.  (Frozen in issue 3.)
+"""The policy protocol: events in, decisions out.
 
 A policy never reads a clock, never sleeps and never touches the simulator, torch or
 the backend, so the same object drives the simulator (:mod:`fmoesim.engine`) and the
@@ -30,21 +30,24 @@ a batch)::
 ``on_insert`` is called when a transfer is *issued* (the bytes are reserved at once);
 ``on_evict`` when an entry leaves the cache, including a cancelled prefetch.
 
-Additions after issue 3 (backwards compatible): :attr:`GateView.request_counts` for
-policies that trace per request (``uses_request_gates``), :meth:`Policy.learn` for the
-offline mode (requests held in from the trace), a prefetch of a key whose transfer
-is still queued now moves it to the new priority, and :attr:`GateView.counts_list` /
-:attr:`GateView.spec_list` (the gate's arrays as lists, made on first use from the
-iteration's :class:`GateRows`).  For fMoE (issue 5):
-:meth:`Policy.on_iteration_start` may return :class:`Actions` (before layer 0 runs, for
-predictions that need no gate, e.g. a semantic search on the iteration's embedding);
-:attr:`Actions.delay_s` holds prefetches back for an asynchronous matcher's latency;
-:attr:`GateView.request_probs` gives per-request gate probabilities; and
-:meth:`Policy.report` returns a policy's own per-iteration table.  For MoEpic (issue 6):
-split experts (``uses_segments``, :meth:`Policy.split_ratio`, :func:`top_key`,
-:func:`bottom_key`), budget groups (:meth:`Policy.cache_groups`), and
-:attr:`Actions.budgets` / :attr:`Actions.evict` / :attr:`Prefetch.reason` for cache
-reconfiguration.
+What the protocol offers beyond these events:
+
+- per-request tracing: :attr:`GateView.request_counts` and
+  :attr:`GateView.request_probs` for policies that trace per request
+  (``uses_request_gates``), and :meth:`Policy.learn` for the offline mode (requests
+  held in from the trace);
+- the gate as lists: :attr:`GateView.counts_list` / :attr:`GateView.spec_list`, made on
+  first use from the iteration's :class:`GateRows`;
+- prefetching: a prefetch of a key whose transfer is still queued moves it to the new
+  priority; :meth:`Policy.on_iteration_start` may return :class:`Actions` (before layer
+  0 runs, for predictions that need no gate, e.g. a semantic search on the iteration's
+  embedding); :attr:`Actions.delay_s` holds prefetches back for an asynchronous
+  matcher's latency;
+- split experts (``uses_segments``, :meth:`Policy.split_ratio`, :func:`top_key`,
+  :func:`bottom_key`), budget groups (:meth:`Policy.cache_groups`), and
+  :attr:`Actions.budgets` / :attr:`Actions.evict` / :attr:`Prefetch.reason` for cache
+  reconfiguration (MoEpic);
+- :meth:`Policy.report`: a policy's own per-iteration table.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The real-hardware side of fmoesim (issue 8).
-
-Built so far: the profiler (:mod:`replay.profile`, ``fmoesim-profile``) and the CPU path
-of the replay backend (:mod:`replay.backend`).  Still to come: its CUDA path (copy
-stream, events, link scheduler) and the validation report.  The simulator never imports
-this package.
+"""The real-hardware side of fmoesim: the profiler (:mod:`replay.profile`,
+``fmoesim-profile``), the replay backend (:mod:`replay.backend`, with its link scheduler
+in :mod:`replay.link` and expert weights in :mod:`replay.weights`) and the validation
+report (:mod:`replay.validate`, ``fmoesim-validate``).  The simulator never imports this
+package.
 """

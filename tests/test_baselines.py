@@ -1,4 +1,4 @@
-"""The offloading baselines of issue 3: DeepSpeed-Inference, dependency-based prefetching,
+"""The offloading baselines: DeepSpeed-Inference, dependency-based prefetching,
 BrainStorm, Mixtral-Offloading, AdapMoE, Pre-gated MoE and ProMoE.
 
 Hook-level tests drive ``reset`` / ``on_gate`` / ``on_access`` / ``victim`` directly with

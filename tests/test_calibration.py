@@ -1,4 +1,4 @@
-"""The calibrated Mixtral preset against the real Mixtral routing (issue 7's acceptance):
+"""The calibrated Mixtral preset against the real Mixtral routing:
 LRU and LFU hit rates at every per-layer capacity 1..7 within 5 points."""
 
 from __future__ import annotations

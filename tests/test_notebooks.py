@@ -1,4 +1,4 @@
-"""The notebooks run top to bottom (issue 9); their cells assert on what they compute."""
+"""The notebooks run top to bottom; their cells assert on what they compute."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The classic cache policies of issue 3: RND, FIFO, LFU, LCP (MoEpic) and Belady.
+"""The classic cache policies: RND, FIFO, LFU, LCP (MoEpic) and Belady.
 
 Three levels of tests:
 

@@ -1,4 +1,4 @@
-"""The hardware profiler (issue 8): fits by hand, and a CPU run that writes a profile the
+"""The hardware profiler: fits by hand, and a CPU run that writes a profile the
 simulator loads and uses."""
 
 from __future__ import annotations

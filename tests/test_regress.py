@@ -1,4 +1,4 @@
-"""CI regression on hit rates (issue 9): every policy preset on the bundled trace at the
+"""CI regression on hit rates: every policy preset on the bundled trace at the
 golden budgets must reproduce ``results/golden/hit_rates.csv`` within the stated
 tolerance, unless that file is updated in the same commit (``fmoesim-regress --update``)."""
 

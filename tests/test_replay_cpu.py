@@ -1,4 +1,4 @@
-"""The replay's untimed CPU path (issue 8): real weights, copies and FFNs, the policy's
+"""The replay's untimed CPU path: real weights, copies and FFNs, the policy's
 own decisions, and the hit rates of the hit-rate-only simulator exactly; memory checks;
 weights from a local safetensors checkpoint."""
 
@@ -124,7 +124,7 @@ def test_host_memory_check_names_the_numbers():
 
 
 def test_default_shapes_fit_a_128_gb_host():
-    """Issue 8: a Qwen1.5-MoE-shaped model fits whole in 128 GB of pinned host memory."""
+    """A Qwen1.5-MoE-shaped model fits whole in 128 GB of pinned host memory."""
     qwen = load_preset("model", "qwen1.5-moe-a2.7b", ModelSpec)
     need = check_host_memory(qwen, 2, have_bytes=128 * 10**9)
     assert need == qwen.num_layers * qwen.num_experts * qwen.expert_size_bytes

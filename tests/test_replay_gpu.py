@@ -1,4 +1,4 @@
-"""The replay's CUDA path (issue 8).  Marked ``gpu``: skipped with a reason without a
+"""The replay's CUDA path.  Marked ``gpu``: skipped with a reason without a
 CUDA GPU, run with ``pytest -m gpu`` on one."""
 
 from __future__ import annotations

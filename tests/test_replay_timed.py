@@ -1,4 +1,4 @@
-"""The timed replay backend on the CPU (issue 8): the copy stream is a worker thread,
+"""The timed replay backend on the CPU: the copy stream is a worker thread,
 compute is synchronous, the scheduling and measuring code is the GPU path's.  Demand-only
 policies make timing-independent decisions, so their hits and misses equal the
 simulator's exactly; the measured metrics are consistent with each other."""

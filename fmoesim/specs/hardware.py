@@ -15,7 +15,7 @@ class HardwareSpec:
     Units: ``pcie_gbps`` and ``hbm_gbps`` in GB/s (1e9 bytes/s), ``peak_tflops`` in
     dense bf16/fp16 tensor TFLOP/s, times in seconds.  A preset's numbers come from
     published figures (each YAML cites its source); a measured profile written by
-    ``fmoesim-profile`` (issue 8) may add fitted coefficients in ``measured``.
+    ``fmoesim-profile`` may add fitted coefficients in ``measured``.
     """
 
     name: str = "unnamed"
