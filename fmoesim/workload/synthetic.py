@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from scipy.signal import lfilter
 
 from fmoesim.errors import ConfigError, FmoesimError
 from fmoesim.specs.model import ModelSpec
@@ -140,6 +139,20 @@ class SyntheticConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"{prefix}.seed", self.seed, "must be an integer >= 0")
         return self
+
+
+def _ar1(eps: np.ndarray, rho: float) -> np.ndarray:
+    """The AR(1) process ``u[t] = sqrt(1 - rho^2) eps[t] + rho u[t-1]`` (``u[-1] = 0``)
+    along axis 0 of ``eps`` (T, E): unit variance when ``eps[0]`` is scaled to the
+    stationary law.  The same floating-point operations, in the same order, as
+    ``scipy.signal.lfilter([sqrt(1 - rho^2)], [1, -rho], eps, axis=0)``."""
+    u = math.sqrt(1 - rho * rho) * eps  # (T, E)
+    prev = u[0]
+    for t in range(1, len(u)):
+        row = u[t]
+        row += rho * prev
+        prev = row
+    return u
 
 
 @dataclass
@@ -275,7 +288,7 @@ class SyntheticWorkload:
         for layer in range(L):
             eps = rng.standard_normal((T, E))
             eps[0] /= math.sqrt(1 - rho * rho)  # start the AR(1) in its stationary law
-            u = lfilter([math.sqrt(1 - rho * rho)], [1.0, -rho], eps, axis=0)  # (T, E)
+            u = _ar1(eps, rho)  # (T, E)
             x = self.base[topic, layer] + jitter[layer] + cfg.noise * u
             if prev_sel is not None and cfg.cross_layer:
                 x += cfg.cross_layer * (prev_sel @ self.cross[layer])
