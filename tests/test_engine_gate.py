@@ -108,3 +108,82 @@ def test_cancelling_a_key_the_layer_is_loading_does_nothing(tmp_path: Path) -> N
     r = simulate(tr, TINY, TINY_HW, CancelEverything(), 3 * TINY.expert_size_bytes)
     assert not any(t.cancelled for t in r.transfers if t.reason == "on_demand")
     assert r.summary["misses"] >= 3
+
+
+def test_batched_gates_are_token_weighted_by_hand(tmp_path: Path) -> None:
+    """A static batch of two prefills of different lengths, A (3 tokens) and B (1 token),
+    then their decodes (1 token each), with hand-set probabilities (exact in float16).
+
+    GateView documents ``probs`` as the token-weighted mean, and the Runner weights the
+    speculative rows the same way: at a prefill gate the batch sees ``(3 p_A + 1 p_B) / 4``
+    (and ``(3 s_A + 1 s_B) / 4`` for the next layer's prediction); at the last layer the
+    prediction of the next iteration's layer 0 weighs each continuing request by its next
+    iteration's tokens (1 each: ``(s_A + s_B) / 2``); at a decode gate both weigh 1/2; at
+    the last decode nobody continues, so there is no prediction.  Counts are summed.
+    Red when: the batch's probs (or its speculative rows) are averaged without weighting
+    by each request's tokens (``(p_A + p_B) / 2`` at the prefill)."""
+    from fmoesim.trace import TraceManifest, TraceModel, TraceWriter
+    from tests.tiny import small_model
+
+    model = small_model(2, 4, 2)
+    nan = [np.nan] * 4
+    # (request, iteration, tokens, counts, probs, spec_probs), each (L=2, E=4)
+    rows = [
+        (0, 0, 3, [[3, 3, 0, 0], [0, 3, 3, 0]],
+         [[0.5, 0.25, 0.125, 0.125], [0.25, 0.25, 0.25, 0.25]],
+         [nan, [0.5, 0.5, 0.0, 0.0]]),
+        (0, 1, 1, [[1, 1, 0, 0], [0, 0, 1, 1]],
+         [[0.125, 0.125, 0.25, 0.5], [0.5, 0.0, 0.5, 0.0]],
+         [[0.25, 0.25, 0.5, 0.0], [0.0, 0.25, 0.25, 0.5]]),
+        (1, 0, 1, [[0, 1, 1, 0], [1, 0, 0, 1]],
+         [[0.0, 0.25, 0.25, 0.5], [1.0, 0.0, 0.0, 0.0]],
+         [nan, [0.0, 0.0, 0.5, 0.5]]),
+        (1, 1, 1, [[0, 0, 1, 1], [1, 1, 0, 0]],
+         [[0.5, 0.25, 0.25, 0.0], [0.0, 0.5, 0.0, 0.5]],
+         [[0.75, 0.25, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]),
+    ]  # fmt: skip
+    man = TraceManifest(
+        model=TraceModel(model.name, 2, 4, 2, model.hidden_size),
+        embedding_dim=0,
+        source={"kind": "synthetic", "generator": "tests/test_engine_gate.py"},
+        has_probs=True,
+        has_spec_probs=True,
+    )
+    with TraceWriter(tmp_path / "t", man) as w:
+        w.add_request(0, 3, 2)
+        w.add_request(1, 1, 2)
+        for rid, it, n, counts, probs, spec in rows:
+            w.add_iteration(rid, it, n, None, np.array(counts), np.array(probs), np.array(spec))
+    tr = read_trace(tmp_path / "t")
+    pol = Recording()
+    serving = ServingConfig(batch_size=2)
+    simulate(tr, model, TINY_HW, pol, 8 * model.expert_size_bytes, serving=serving)
+    # (step, layer, counts, probs, spec_next), worked out by hand from the rows above
+    want = [
+        # prefill: weights 3/4 (A), 1/4 (B)
+        (0, 0, [3, 4, 1, 0],
+         [(3 * 0.5 + 0.0) / 4, (3 * 0.25 + 0.25) / 4, (3 * 0.125 + 0.25) / 4,
+          (3 * 0.125 + 0.5) / 4],  # [0.375, 0.25, 0.15625, 0.21875]
+         [(3 * 0.5 + 0.0) / 4, (3 * 0.5 + 0.0) / 4, (0.0 + 0.5) / 4, (0.0 + 0.5) / 4]),
+        (1, 1, [1, 3, 3, 1],
+         [(3 * 0.25 + 1.0) / 4, 3 * 0.25 / 4, 3 * 0.25 / 4, 3 * 0.25 / 4],
+         # layer 0 of the decodes (1 token each): (s_A + s_B) / 2
+         [(0.25 + 0.75) / 2, (0.25 + 0.25) / 2, (0.5 + 0.0) / 2, 0.0]),
+        # decode: weights 1/2, 1/2
+        (2, 0, [1, 1, 1, 1],
+         [(0.125 + 0.5) / 2, (0.125 + 0.25) / 2, (0.25 + 0.25) / 2, (0.5 + 0.0) / 2],
+         [(0.0 + 0.5) / 2, (0.25 + 0.5) / 2, (0.25 + 0.0) / 2, (0.5 + 0.0) / 2]),
+        (3, 1, [1, 1, 1, 1], [0.25, 0.25, 0.25, 0.25], None),
+    ]  # fmt: skip
+    assert len(pol.gates) == len(want)
+    for (step, layer, counts, probs, spec), (w_step, w_layer, w_counts, w_probs, w_spec) in zip(
+        pol.gates, want, strict=True
+    ):
+        assert (step, layer, counts.tolist()) == (w_step, w_layer, w_counts)
+        assert probs is not None
+        np.testing.assert_allclose(probs, w_probs, rtol=1e-6, atol=1e-7)
+        if w_spec is None:
+            assert spec is None
+        else:
+            assert spec is not None
+            np.testing.assert_allclose(spec, w_spec, rtol=1e-6, atol=1e-7)
