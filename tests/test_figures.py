@@ -1,7 +1,9 @@
-"""Paper figures (issue 9): every figure draws from store rows shaped like its
-experiment's sweep (built from the preset's own sweep parameters, so presets and drawers
-cannot drift apart), writes PNG, PDF and a caption naming the trace as synthetic; one
-colour per policy; bad names are one line."""
+"""Paper figures: every figure draws from store rows shaped like its experiment's sweep
+(built from the preset's own sweep parameters, so presets and drawers cannot drift
+apart), writes PNG, PDF and a caption naming the trace, the requests served of it and
+whether its routing is real or synthetic; one colour, marker and dash pattern per policy;
+equal series stay visible and are named; legends never cover data; latency figures read
+timed runs only; bad names are one line."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ import yaml
 
 from fmoesim.config.build import preset_names
 from fmoesim.config.schema import CONF_DIR
-from fmoesim.plots.figures import FIGURES, min_budgets, render
-from fmoesim.plots.style import POLICY_COLORS, policy_color
+from fmoesim.plots.figures import FIGURES, draw_figure, min_budgets, render
+from fmoesim.plots.run import draw_run, plot_run, run_caption
+from fmoesim.plots.style import POLICY_COLORS, POLICY_MARKS, policy_color, policy_marks
 
 
 def fake_rows(experiment: str) -> list[dict]:
@@ -32,7 +35,7 @@ def fake_rows(experiment: str) -> list[dict]:
         conf: dict = {"policy": {}, "serving": {"batch_size": 1}, "cache": {}}
         row = {"experiment": experiment, "model": "mixtral-8x7b", "hardware": "rtx3090-pcie4",
                "trace": "traces/default", "trace_source": "synthetic", "budget_gb": 24.0,
-               "experts_per_layer": 0}  # fmt: skip
+               "experts_per_layer": 0, "requests": 16}  # fmt: skip
         for key, val in zip(params, combo, strict=True):
             if key == "policy":
                 row["policy"] = val
@@ -74,7 +77,8 @@ def test_every_figure_renders_with_a_synthetic_caption(tmp_path, store_df, name)
     assert [p.suffix for p in paths] == [".png", ".pdf", ".md"]
     assert paths[0].stat().st_size > 5000 and paths[1].stat().st_size > 1000
     md = paths[2].read_text()
-    assert "traces/default (synthetic routing from fmoesim's workload model, not real)" in md
+    assert "traces/default (synthetic routing from fmoesim's workload model, not real; " in md
+    assert "16 of 32 requests served" in md
     assert f"fmoesim-plot {name} --run" in md
     assert md.count("|") > 6  # the numbers as a table
     assert not list(tmp_path.glob(".*"))  # no temp file left
@@ -86,6 +90,9 @@ def test_every_preset_policy_has_its_own_colour():
     assert len(set(POLICY_COLORS.values())) == len(POLICY_COLORS)
     assert policy_color("lru") == POLICY_COLORS["lru"]
     assert policy_color("unknown-x") not in POLICY_COLORS.values()
+    assert set(presets) <= set(POLICY_MARKS)
+    assert len(set(POLICY_MARKS.values())) == len(POLICY_MARKS)  # no two policies alike
+    assert policy_marks("lru") == POLICY_MARKS["lru"]
 
 
 def test_ambiguous_stale_or_incomplete_rows_are_refused(tmp_path, store_df):
@@ -175,3 +182,153 @@ def test_moepic_ablation_run_is_long_enough_for_the_configurator() -> None:
     n = cfg.serving.max_requests
     tokens = int(tr.prompt_tokens[:n].sum() + tr.output_tokens[:n].sum() - n)
     assert cfg.policy.tau_tokens < tokens, (cfg.policy.tau_tokens, tokens)
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    import matplotlib.pyplot as plt
+
+    yield
+    plt.close("all")
+
+
+def _fig11_rows(**extra: object) -> pd.DataFrame:
+    return pd.DataFrame(fake_rows("fmoe-fig11")).assign(**extra)
+
+
+def test_identical_series_stay_distinct_and_are_named(tmp_path):
+    """DeepSpeed's and ProMoE's TPOT lines made equal: both stay visible (their own
+    marker and dash pattern, the earlier line drawn wider) and the caption says they
+    coincide."""
+    df = _fig11_rows()
+    ds = df.policy == "deepspeed"
+    for col in ("tpot_mean_s", "hit_rate"):
+        df.loc[df.policy == "promoe", col] = df.loc[ds, col].to_numpy()
+    drawing = draw_figure("fmoe-fig11", df)
+    lines = {ln.get_label(): ln for ln in drawing.fig.axes[0].get_lines()}
+    a, b = lines["deepspeed"], lines["promoe"]
+    assert np.array_equal(a.get_ydata(), b.get_ydata())
+    assert a.get_marker() != b.get_marker() and a.get_linestyle() != b.get_linestyle()
+    assert a.get_linewidth() > b.get_linewidth() and a.get_markersize() > b.get_markersize()
+    assert drawing.notes == ["deepspeed and promoe coincide (identical values) in mean TPOT (ms)"]
+    assert "deepspeed and promoe coincide" in drawing.fig.texts[-1].get_text().replace("\n", " ")
+    md = render("fmoe-fig11", df, tmp_path)[2].read_text()
+    assert "- note: deepspeed and promoe coincide (identical values) in mean TPOT (ms)" in md
+    md = render("fmoe-fig11", _fig11_rows(), tmp_path)[2].read_text()
+    assert "coincide" not in md
+
+
+def _legend_clear_of_data(fig) -> list:
+    """The legends of ``fig`` after drawing, each checked to lie inside the figure and
+    outside every axes' data area."""
+    fig.canvas.draw()
+    legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+    for leg in legends:
+        box = leg.get_window_extent()
+        for ax in fig.axes:
+            assert not box.overlaps(ax.get_window_extent()), (leg, ax.get_ylabel())
+        assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)
+    return legends
+
+
+#: the figures with a legend (the others name their series on the x axis)
+WITH_LEGEND = {"fmoe-fig4", "fmoe-fig10", "fmoe-fig11", "fmoe-fig13", "fmoe-fig14a",
+               "fmoe-fig14b", "moe-infinity-tab5", "moepic-tab1", "moepic-fig8"}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(FIGURES))
+def test_legends_never_cover_data(store_df, name):
+    legends = _legend_clear_of_data(draw_figure(name, store_df).fig)
+    assert len(legends) == (name in WITH_LEGEND)
+
+
+def test_run_figure_legend_is_above_the_bars(tmp_path):
+    """The per-run plot: the legend of the 32-layer stacked bars sits outside both axes
+    and clear of the title; the caption names the trace, the requests served and the
+    routing."""
+    acc = np.tile([90, 5, 5], (32, 1))
+    fig = draw_run(acc, np.ones(32), "lru · mixtral-8x7b · 24 GB", "trace: x")
+    (legend,) = _legend_clear_of_data(fig)
+    assert not legend.get_window_extent().overlaps(fig._suptitle.get_window_extent())
+    cap = run_caption("traces/default", "synthetic", requests_served=12)
+    assert cap == (
+        "trace: traces/default (synthetic routing from fmoesim's workload model, not real; "
+        "12 of 32 requests served)"
+    )
+    assert run_caption("traces/default", "synthetic", 12, timed=False) == (
+        cap + "; hit-rate-only: no stall"
+    )
+    assert "16 others held in" in run_caption("traces/default", "synthetic", 16,
+                                              held_in_fraction=0.5)  # fmt: skip
+    plot_run(acc, np.ones(32), "t", tmp_path / "a.png", trace="traces/default",
+             trace_source="synthetic", requests_served=12)  # fmt: skip
+    plot_run(acc, np.ones(32), "t", tmp_path / "b.png", "trace: as given")
+    assert (tmp_path / "a.png").stat().st_size > 5000 and (tmp_path / "b.png").is_file()
+
+
+def test_caption_gives_requests_served_and_real_or_synthetic(tmp_path):
+    """A 12-of-32 sweep says so and says synthetic; an imported trace says real; runs
+    that hold requests in say how many."""
+    drawing = draw_figure("fmoe-fig11", _fig11_rows(requests=12))
+    text = drawing.fig.texts[-1].get_text().replace("\n", " ")
+    for part in ("traces/default", "12 of 32 requests served", "synthetic routing", "not real"):
+        assert part in text and part in drawing.trace
+    md = render("fmoe-fig11", _fig11_rows(requests=12), tmp_path)[2].read_text()
+    assert "traces/default (synthetic routing from fmoesim's workload model, not real; " in md
+    assert "12 of 32 requests served" in md
+
+    real = tmp_path / "imported"
+    real.mkdir()
+    (real / "trace.json").write_text(json.dumps({"num_requests": 40}))
+    drawing = draw_figure("fmoe-fig11", _fig11_rows(trace=str(real), trace_source="importer",
+                                                    requests=40))  # fmt: skip
+    assert f"{real} (real routing, imported from a published trace; all 40 requests " in (
+        drawing.trace
+    )
+    assert "synthetic" not in drawing.trace
+
+    rows = pd.DataFrame(fake_rows("fmoe-fig14a"))
+    rows["config_json"] = [
+        json.dumps(json.loads(c) | {"serving": {"held_in_fraction": 0.5}}) for c in rows.config_json
+    ]
+    drawing = draw_figure("fmoe-fig14a", rows)
+    assert "16 of 32 requests served, 16 others held in for the policy to learn from" in (
+        drawing.trace
+    )
+
+
+def test_latency_figures_read_timed_runs_only(tmp_path):
+    """Hit-rate-only reruns of a latency figure's sweep (latencies NaN) in the same
+    store are left out, by the ``timing`` column or, without it, by the config; a figure
+    of hit rates keeps them; a store of untimed runs only is refused."""
+    from fmoesim.errors import FmoesimError
+
+    timed = _fig11_rows()
+    untimed = timed.assign(tpot_mean_s=np.nan, ttft_mean_s=np.nan, hit_rate=0.0)
+    mixed = pd.concat([timed.assign(timing=True), untimed.assign(timing=False)])
+    md = render("fmoe-fig11", mixed, tmp_path)[2].read_text()
+    assert "nan" not in md and "25 runs" in md and "25 hit-rate-only runs left out" in md
+    assert md == render("fmoe-fig11", timed, tmp_path)[2].read_text().replace(
+        "(experiment=fmoe-fig11)", "(experiment=fmoe-fig11), timed runs only "
+        "(25 hit-rate-only runs left out)")  # fmt: skip
+    by_config = untimed.assign(
+        config_json=[json.dumps(json.loads(c) | {"engine": {"timing": False}})
+                     for c in untimed.config_json]
+    )  # fmt: skip
+    assert "nan" not in render("fmoe-fig11", pd.concat([timed, by_config]), tmp_path)[2].read_text()
+    with pytest.raises(FmoesimError, match="fmoe-fig11: plots latencies, but .* hit-rate-only"):
+        render("fmoe-fig11", untimed.assign(timing=False), tmp_path)
+    tab1 = pd.DataFrame(fake_rows("moepic-tab1")).assign(timing=False, tpot_mean_s=np.nan)
+    assert "20 runs" in render("moepic-tab1", tab1, tmp_path)[2].read_text()
+
+
+def test_online_figure_names_its_arrivals():
+    """Fig. 10 serves online: its caption says where the arrival times came from."""
+    rows = pd.DataFrame(fake_rows("fmoe-fig10"))
+    online = {"mode": "online", "arrivals": "csv", "arrivals_csv": "traces/.cache/az.csv"}
+    rows["config_json"] = [
+        json.dumps(json.loads(c) | {"serving": online}) for c in rows.config_json
+    ]
+    drawing = draw_figure("fmoe-fig10", rows)
+    assert drawing.setting.endswith(", online serving, arrivals from traces/.cache/az.csv")
+    assert "online" not in draw_figure("fmoe-fig11", _fig11_rows()).setting

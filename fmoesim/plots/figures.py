@@ -3,9 +3,12 @@
 Each entry of :data:`FIGURES` names the ``conf/experiment/`` sweep whose rows it reads
 (``experiment`` column of the store) and a function that draws it.  :func:`render`
 writes ``<out>/<name>.png``, ``.pdf`` and a caption file ``<name>.md`` (what the paper
-shows, what was run, the trace and whether its routing is synthetic, and the plotted
-numbers as a table), each atomically.  Policies keep one colour everywhere
-(:mod:`fmoesim.plots.style`).
+shows, what was run, the trace, how many of its requests were served and whether its
+routing is real or synthetic, which plotted series coincide, and the plotted numbers as
+a table), each atomically.  Policies keep one colour, marker and dash pattern everywhere
+(:mod:`fmoesim.plots.style`); legends sit outside the data area.  A figure that plots
+latencies reads timed runs only (``engine.timing=true``): a hit-rate-only run has no
+latencies.
 """
 
 from __future__ import annotations
@@ -22,7 +25,15 @@ import numpy as np
 
 from fmoesim.atomic import atomic_file
 from fmoesim.errors import FmoesimError
-from fmoesim.plots.style import policy_color, setup, trace_caption
+from fmoesim.plots.style import (
+    held_in_count,
+    legend_outside,
+    policy_color,
+    series_style,
+    setup,
+    trace_caption,
+    trace_requests,
+)
 
 
 def cfg_value(row: Any, dotted: str) -> Any:
@@ -33,6 +44,24 @@ def cfg_value(row: Any, dotted: str) -> Any:
             raise FmoesimError(f"run {row.get('config_hash', '?')}: its config has no {dotted}")
         node = node[part]
     return node
+
+
+def _cfg_get(row: Any, dotted: str, default: Any) -> Any:
+    """:func:`cfg_value`, or ``default`` when the row's config lacks the key."""
+    try:
+        return cfg_value(row, dotted)
+    except FmoesimError:
+        return default
+
+
+def is_timed(row: Any) -> bool:
+    """Whether a stored run simulated time (``engine.timing``), so that its latency
+    columns hold latencies: the row's ``timing`` column when it has a value, else its
+    config's ``engine.timing`` (true when the config does not say, its default)."""
+    value = row.get("timing")
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    return bool(_cfg_get(row, "engine.timing", True))
 
 
 def _with(df: Any, dotted: str, column: str) -> Any:
@@ -111,13 +140,18 @@ def _bars(ax: Any, df: Any, column: str, scale: float, ylabel: str) -> None:
         lab.set_ha("right")
 
 
-def _lines(ax: Any, df: Any, x: str, y: str, scale: float, xlabel: str, ylabel: str) -> None:
-    for p in _policies(df):
+def _lines(
+    ax: Any, df: Any, x: str, y: str, scale: float, xlabel: str, ylabel: str, legend: bool = True
+) -> None:
+    """One line per policy, each in its own colour, marker and dash pattern, later ones
+    thinner (:func:`~fmoesim.plots.style.series_style`), the legend right of the axes."""
+    for i, p in enumerate(_policies(df)):
         d = df[df.policy == p].sort_values(x)
-        ax.plot(d[x], scale * d[y], "o-", color=policy_color(p), label=p)
+        ax.plot(d[x], scale * d[y], label=p, **series_style(p, i))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend()
+    if legend:
+        legend_outside(ax)
 
 
 def _table(df: Any, columns: Mapping[str, tuple[str, float, str]], index: list[str]) -> str:
@@ -137,9 +171,10 @@ def _table(df: Any, columns: Mapping[str, tuple[str, float, str]], index: list[s
 def fig4(df: Any, plt: Any) -> tuple[Any, str]:
     """Hit rate vs prefetch distance, coarse vs fine."""
     df = _with(df, "policy.prefetch_distance", "distance")
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    fig, ax = plt.subplots(figsize=(7, 3.8))
     _lines(ax, df, "distance", "hit_rate", 100, "prefetch distance (layers)", "expert hit rate (%)")
-    ax.set_title("coarse (fmoe-hit-count: request-level counts) vs fine (fmoe: expert maps)")
+    ax.set_title("coarse (fmoe-hit-count: request-level counts) vs fine (fmoe: expert maps)",
+                 fontsize=9)  # fmt: skip
     cols = {"hit rate %": ("hit_rate", 100, ".2f")}
     return fig, _table(df.sort_values(["policy", "distance"]), cols, ["policy", "distance"])
 
@@ -163,21 +198,21 @@ def fig10(df: Any, plt: Any) -> tuple[Any, str]:
     """CDF of end-to-end request latency (online serving).  MoEpic keeps its paper τ of
     5,000 tokens, more than these 16 requests process (3,254 tokens): its configurator
     does not run here."""
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for p in _policies(df):
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for i, p in enumerate(_policies(df)):
         e2e = np.sort(np.asarray(df[df.policy == p]["request_e2e_s"].iloc[0], dtype=float))
-        ax.step(e2e, np.arange(1, len(e2e) + 1) / len(e2e), where="post", label=p,
-                color=policy_color(p))  # fmt: skip
+        style = series_style(p, i) | {"markersize": max(6.0 - 0.6 * i, 3.0)}
+        ax.step(e2e, np.arange(1, len(e2e) + 1) / len(e2e), where="post", label=p, **style)
     ax.set_xlabel("end-to-end request latency (s)")
     ax.set_ylabel("CDF")
-    ax.legend()
+    legend_outside(ax)
     cols = {"e2e p50 s": ("e2e_p50_s", 1, ".2f"), "e2e p99 s": ("e2e_p99_s", 1, ".2f")}
     return fig, _table(df, cols, ["policy"])
 
 
 def fig11(df: Any, plt: Any) -> tuple[Any, str]:
     """TPOT vs expert budget."""
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    fig, ax = plt.subplots(figsize=(7, 3.8))
     _lines(ax, df, "budget_gb", "tpot_mean_s", 1e3, "expert cache budget (GB)", "mean TPOT (ms)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(set(df.budget_gb)), [f"{b:g}" for b in sorted(set(df.budget_gb))])
@@ -198,7 +233,8 @@ def fig13(df: Any, plt: Any) -> tuple[Any, str]:
     """fMoE's TTFT and TPOT vs prefetch distance (the fmoe rows of fmoe-fig4)."""
     df = _with(df[df.policy == "fmoe"], "policy.prefetch_distance", "distance")
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    _lines(axes[0], df, "distance", "ttft_mean_s", 1e3, "prefetch distance", "mean TTFT (ms)")
+    _lines(axes[0], df, "distance", "ttft_mean_s", 1e3, "prefetch distance", "mean TTFT (ms)",
+           legend=False)  # fmt: skip
     _lines(axes[1], df, "distance", "tpot_mean_s", 1e3, "prefetch distance", "mean TPOT (ms)")
     cols = {"TTFT ms": ("ttft_mean_s", 1e3, ".1f"), "TPOT ms": ("tpot_mean_s", 1e3, ".1f")}
     return fig, _table(df.sort_values("distance"), cols, ["distance"])
@@ -207,16 +243,19 @@ def fig13(df: Any, plt: Any) -> tuple[Any, str]:
 def fig14a(df: Any, plt: Any) -> tuple[Any, str]:
     """Mean similarity scores vs Expert Map Store capacity."""
     df = _with(df, "policy.store_capacity", "capacity").sort_values("capacity")
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for col, lab, c in (
-        ("policy_mean_semantic_score", "semantic", "#3182bd"),
-        ("policy_mean_trajectory_score", "trajectory", "#e6550d"),
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for i, (col, lab, c, m, ls) in enumerate(
+        (
+            ("policy_mean_semantic_score", "semantic", "#3182bd", "s", "-"),
+            ("policy_mean_trajectory_score", "trajectory", "#e6550d", "o", "--"),
+        )
     ):
-        ax.plot(df.capacity, df[col], "o-", label=lab, color=c)
+        style = series_style(lab, i) | {"color": c, "marker": m, "linestyle": ls}
+        ax.plot(df.capacity, df[col], label=lab, **style)
     ax.set_xscale("log")
     ax.set_xlabel("Expert Map Store capacity (maps)")
     ax.set_ylabel("mean similarity of matches (cosine)")
-    ax.legend()
+    legend_outside(ax)
     cols = {
         "semantic": ("policy_mean_semantic_score", 1, ".3f"),
         "trajectory": ("policy_mean_trajectory_score", 1, ".3f"),
@@ -227,8 +266,8 @@ def fig14a(df: Any, plt: Any) -> tuple[Any, str]:
 def fig14b(df: Any, plt: Any) -> tuple[Any, str]:
     """TTFT and TPOT vs batch size."""
     df = _with(df, "serving.batch_size", "batch")
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    _lines(axes[0], df, "batch", "ttft_mean_s", 1e3, "batch size", "mean TTFT (ms)")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    _lines(axes[0], df, "batch", "ttft_mean_s", 1e3, "batch size", "mean TTFT (ms)", legend=False)
     _lines(axes[1], df, "batch", "tpot_mean_s", 1e3, "batch size", "mean TPOT (ms)")
     cols = {"TTFT ms": ("ttft_mean_s", 1e3, ".1f"), "TPOT ms": ("tpot_mean_s", 1e3, ".1f")}
     return fig, _table(df.sort_values(["policy", "batch"]), cols, ["policy", "batch"])
@@ -270,7 +309,7 @@ def mi_tab5(df: Any, plt: Any) -> tuple[Any, str]:
     """Buffer hit rate per policy and budget (belady = ideal demand caching)."""
     budgets = sorted(set(df.budget_gb))
     names = _policies(df)
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
     w = 0.8 / len(names)
     for i, p in enumerate(names):
         d = df[df.policy == p].set_index("budget_gb")
@@ -279,7 +318,7 @@ def mi_tab5(df: Any, plt: Any) -> tuple[Any, str]:
     ax.set_xticks(np.arange(len(budgets)) + 0.4 - w / 2, [f"{b:g} GB" for b in budgets])
     ax.set_xlabel("expert cache budget")
     ax.set_ylabel("buffer hit rate (%)")
-    ax.legend()
+    legend_outside(ax)
     cols = {"hit rate %": ("hit_rate", 100, ".2f")}
     return fig, _table(df.sort_values(["budget_gb", "policy"]), cols, ["budget_gb", "policy"])
 
@@ -288,7 +327,7 @@ def mi_fig13(df: Any, plt: Any) -> tuple[Any, str]:
     """Latency vs EAMC capacity."""
     df = _with(df, "policy.eamc_capacity", "capacity").sort_values("capacity")
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    ax.plot(df.capacity, df.e2e_mean_s, "o-", color=policy_color("moe-infinity"))
+    ax.plot(df.capacity, df.e2e_mean_s, **series_style("moe-infinity"))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("EAMC capacity (matrices)")
     ax.set_ylabel("mean request latency (s)")
@@ -300,7 +339,7 @@ def moepic_tab1(df: Any, plt: Any) -> tuple[Any, str]:
     """Hit rate vs experts per layer."""
     df = df.copy()
     df["C"] = df.experts_per_layer.astype(int)
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    fig, ax = plt.subplots(figsize=(7, 3.8))
     _lines(ax, df, "C", "hit_rate", 100, "cache size C (experts per layer, of 60)", "hit rate (%)")
     table = df.pivot_table(index="C", columns="policy", values="hit_rate") * 100
     lines = ["| C | " + " | ".join(table.columns) + " |", "|---|" + "---|" * len(table.columns)]
@@ -353,14 +392,18 @@ def moepic_fig8(df: Any, plt: Any) -> tuple[Any, str]:
     best = df[df.budget_gb == df.budget_gb.max()].tpot_mean_s.min()
     targets = list(np.linspace(1.05 * best, float(df.tpot_mean_s.median()), 5))
     mins = min_budgets(df, targets)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
     w = 0.8 / len(mins)
     for i, (p, v) in enumerate(mins.items()):
-        axes[0].bar(np.arange(len(targets)) + i * w, v, w, label=p, color=policy_color(p))
+        x = np.arange(len(targets)) + i * w
+        axes[0].bar(x, v, w, label=p, color=policy_color(p))
+        for xj, vj in zip(x, v, strict=True):
+            if vj != vj:  # no swept budget meets the target: say so where the bar would be
+                axes[0].text(xj, 0.2, "not met", rotation=90, ha="center", va="bottom",
+                             fontsize=6, color=policy_color(p))  # fmt: skip
     axes[0].set_xticks(np.arange(len(targets)) + 0.4 - w / 2, [f"{1e3 * t:.0f}" for t in targets])
     axes[0].set_xlabel("target TPOT (ms)")
     axes[0].set_ylabel("minimum expert budget (GB)")
-    axes[0].legend()
     _lines(axes[1], df, "budget_gb", "tpot_mean_s", 1e3, "expert budget (GB)", "mean TPOT (ms)")
     lines = ["| target TPOT ms | " + " | ".join(mins) + " |", "|---|" + "---|" * len(mins)]
     for j, t in enumerate(targets):
@@ -371,32 +414,38 @@ def moepic_fig8(df: Any, plt: Any) -> tuple[Any, str]:
 
 @dataclass(frozen=True)
 class Figure:
-    """One paper figure: the experiment (sweep) it reads, its title and its drawer."""
+    """One paper figure: the experiment (sweep) it reads, its title, its drawer, and
+    whether it plots latencies (then it reads the experiment's timed runs only)."""
 
     experiment: str
     title: str
     draw: Callable[[Any, Any], tuple[Any, str]]
+    timed: bool = True
 
 
 FIGURES: dict[str, Figure] = {
-    "fmoe-fig4": Figure("fmoe-fig4", "fMoE Fig. 4: hit rate vs prefetch distance", fig4),
+    "fmoe-fig4": Figure("fmoe-fig4", "fMoE Fig. 4: hit rate vs prefetch distance", fig4, False),
     "fmoe-fig9": Figure("fmoe-fig9", "fMoE Fig. 9: TTFT, TPOT, hit rate per policy", fig9),
     "fmoe-fig10": Figure("fmoe-fig10", "fMoE Fig. 10: request latency CDF, online", fig10),
     "fmoe-fig11": Figure("fmoe-fig11", "fMoE Fig. 11: TPOT vs expert budget", fig11),
     "fmoe-fig12": Figure("fmoe-fig12", "fMoE Fig. 12: ablations", fig12),
     "fmoe-fig13": Figure("fmoe-fig4", "fMoE Fig. 13: latency vs prefetch distance", fig13),
-    "fmoe-fig14a": Figure("fmoe-fig14a", "fMoE Fig. 14a: similarity vs store capacity", fig14a),
+    "fmoe-fig14a": Figure(
+        "fmoe-fig14a", "fMoE Fig. 14a: similarity vs store capacity", fig14a, False
+    ),
     "fmoe-fig14b": Figure("fmoe-fig14b", "fMoE Fig. 14b: latency vs batch size", fig14b),
     "moe-infinity-tab2-3": Figure(
         "moe-infinity-tab2-3", "MoE-Infinity Tables 2-3: blocking time and bandwidth", mi_tab23
     ),
     "moe-infinity-tab5": Figure(
-        "moe-infinity-tab5", "MoE-Infinity Table 5: buffer hit rate", mi_tab5
+        "moe-infinity-tab5", "MoE-Infinity Table 5: buffer hit rate", mi_tab5, False
     ),
     "moe-infinity-fig13": Figure(
         "moe-infinity-fig13", "MoE-Infinity Fig. 13: EAMC capacity", mi_fig13
     ),
-    "moepic-tab1": Figure("moepic-tab1", "MoEpic Table 1: hit rate vs cache size", moepic_tab1),
+    "moepic-tab1": Figure(
+        "moepic-tab1", "MoEpic Table 1: hit rate vs cache size", moepic_tab1, False
+    ),
     "moepic-tab3": Figure("moepic-tab3", "MoEpic Table 3: ablations", moepic_tab3),
     "moepic-fig8": Figure(
         "moepic-fig8", "MoEpic Fig. 8: minimum budget per target TPOT", moepic_fig8
@@ -404,9 +453,95 @@ FIGURES: dict[str, Figure] = {
 }
 
 
-def render(name: str, results: Any, out_dir: Path) -> list[Path]:
-    """Draw figure ``name`` from the store's DataFrame ``results``; write PNG, PDF and the
-    caption file atomically; return their paths."""
+def coinciding_series(fig: Any) -> list[str]:
+    """A sentence per group of labelled lines that are identical (same x and y values)
+    in some panel of ``fig``, naming the panels by their y label; such lines lie on top
+    of each other, which the caption says."""
+    found: dict[tuple[str, ...], list[str]] = {}
+    for ax in fig.axes:
+        groups: list[tuple[Any, Any, list[str]]] = []
+        for line in ax.get_lines():
+            label = str(line.get_label())
+            if label.startswith("_"):
+                continue
+            x = np.asarray(line.get_xdata(), dtype=float)
+            y = np.asarray(line.get_ydata(), dtype=float)
+            for gx, gy, names in groups:
+                if np.array_equal(gx, x, equal_nan=True) and np.array_equal(gy, y, equal_nan=True):
+                    names.append(label)
+                    break
+            else:
+                groups.append((x, y, [label]))
+        for _, _, names in groups:
+            if len(names) > 1:
+                found.setdefault(tuple(names), []).append(ax.get_ylabel() or "the plot")
+    return [
+        f"{' and '.join(names)} coincide (identical values) in {' and '.join(panels)}"
+        for names, panels in found.items()
+    ]
+
+
+@dataclass
+class Drawing:
+    """A drawn figure before it is written: the matplotlib figure, its numbers as a
+    Markdown table, and the parts of its caption."""
+
+    fig: Any
+    table: str
+    setting: str
+    trace: str
+    notes: list[str]
+
+    @property
+    def caption(self) -> str:
+        """The caption printed under the figure: setting, trace, notes."""
+        return "; ".join([self.setting, self.trace, *self.notes])
+
+
+def arrivals_note(df: Any) -> str:
+    """How requests arrived in the rows' runs when they served online (``serving.mode``):
+    the trace's arrival times, Poisson arrivals at a rate, or an Azure-format CSV named
+    by path; empty for static batches."""
+    notes = []
+    for _, r in df.iterrows():
+        if _cfg_get(r, "serving.mode", "static") != "online":
+            continue
+        kind = _cfg_get(r, "serving.arrivals", "trace")
+        if kind == "csv":
+            note = f"arrivals from {_short(str(_cfg_get(r, 'serving.arrivals_csv', '?')))}"
+        elif kind == "poisson":
+            note = f"Poisson arrivals at {_cfg_get(r, 'serving.rate_rps', '?')} requests/s"
+        else:
+            note = "arrivals at the trace's times"
+        notes.append(note)
+    return "online serving, " + "; ".join(dict.fromkeys(notes)) if notes else ""
+
+
+def figure_caption_trace(df: Any) -> str:
+    """The trace part of a figure's caption from its rows: each trace, whether its
+    routing is real or synthetic, and how many of its requests the runs served (the
+    ``requests`` column, of the trace's ``num_requests``; the held-in share from each
+    run's ``serving.held_in_fraction``)."""
+    totals = {t: trace_requests(t) for t in set(df.trace)}
+    served = list(df["requests"]) if "requests" in df.columns else None
+    held = [
+        held_in_count(float(_cfg_get(r, "serving.held_in_fraction", 0.0) or 0.0), totals[r.trace])
+        if totals[r.trace] is not None
+        else 0
+        for _, r in df.iterrows()
+    ]
+    return trace_caption(
+        [_short(t) for t in df.trace],
+        list(df.trace_source),
+        served,
+        [totals[t] for t in df.trace],
+        held,
+    )
+
+
+def draw_figure(name: str, results: Any) -> Drawing:
+    """Draw figure ``name`` from the store's DataFrame ``results`` (the experiment's
+    rows of the running code version, timed ones only for a figure of latencies)."""
     if name not in FIGURES:
         raise FmoesimError(f"figure {name!r}: unknown; valid: {', '.join(FIGURES)}")
     f = FIGURES[name]
@@ -416,6 +551,17 @@ def render(name: str, results: Any, out_dir: Path) -> list[Path]:
             f"figure {name}: no runs of experiment {f.experiment} in the store "
             f"(run: fmoesim -m experiment={f.experiment})"
         )
+    untimed = 0
+    if f.timed:
+        timed = [is_timed(r) for _, r in df.iterrows()]
+        untimed = len(df) - sum(timed)
+        df = df[timed]
+        if len(df) == 0:
+            raise FmoesimError(
+                f"figure {name}: plots latencies, but the store's runs of experiment "
+                f"{f.experiment} are hit-rate-only (engine.timing=false); "
+                f"run: fmoesim -m experiment={f.experiment} engine.timing=true"
+            )
     df = _points(df, f.experiment)
     order = {p: i for i, p in enumerate(sweep_params(f.experiment).get("policy", []))}
     df = df.assign(_o=[order.get(p, len(order)) for p in df.policy])
@@ -425,27 +571,45 @@ def render(name: str, results: Any, out_dir: Path) -> list[Path]:
         fig, table = f.draw(df, plt)
     except KeyError as exc:
         raise FmoesimError(f"figure {name}: the store's rows lack {exc}") from None
-    cap = trace_caption([_short(t) for t in df.trace], list(df.trace_source))
     row0 = df.iloc[0]
     setting = f"{row0.model} on {row0.hardware}, {len(df)} runs (experiment={f.experiment})"
+    if untimed:
+        setting += f", timed runs only ({untimed} hit-rate-only runs left out)"
+    if arrivals := arrivals_note(df):
+        setting += f", {arrivals}"
+    drawing = Drawing(fig, table, setting, figure_caption_trace(df), coinciding_series(fig))
     fig.suptitle(f.title, fontsize=11)
     width_chars = int(fig.get_figwidth() * 16)  # about 16 characters per inch at 7 pt
-    note = textwrap.fill(f"{setting}; {cap}", width_chars)
+    note = textwrap.fill(drawing.caption, width_chars)
     fig.text(0.01, 0.005, note, fontsize=7, color="#555555", va="bottom")
     fig.tight_layout(rect=(0, 0.035 * (note.count("\n") + 1) + 0.01, 1, 1))
+    return drawing
+
+
+def render(name: str, results: Any, out_dir: Path) -> list[Path]:
+    """Draw figure ``name`` from the store's DataFrame ``results`` (:func:`draw_figure`);
+    write PNG, PDF and the caption file atomically; return their paths."""
+    drawing = draw_figure(name, results)
+    f, fig = FIGURES[name], drawing.fig
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for ext in ("png", "pdf"):
-        path = out_dir / f"{name}.{ext}"
-        with atomic_file(path) as tmp:
-            # no creation date in the PDF: the same numbers give the same file
-            fig.savefig(tmp, format=ext, metadata={"CreationDate": None} if ext == "pdf" else None)
-        paths.append(path)
-    plt.close(fig)
+    try:
+        for ext in ("png", "pdf"):
+            path = out_dir / f"{name}.{ext}"
+            with atomic_file(path) as tmp:
+                # no creation date in the PDF: the same numbers give the same file
+                meta = {"CreationDate": None} if ext == "pdf" else None
+                fig.savefig(tmp, format=ext, metadata=meta)
+            paths.append(path)
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
     md = "\n".join(
-        [f"# {f.title}", "", f"- setting: {setting}", f"- {cap}",
+        [f"# {f.title}", "", f"- setting: {drawing.setting}", f"- {drawing.trace}",
+         *(f"- note: {n}" for n in drawing.notes),
          f"- regenerate: `fmoesim-plot {name} --run`", "", inspect.cleandoc(f.draw.__doc__ or ""),
-         "", table, ""]
+         "", drawing.table, ""]
     )  # fmt: skip
     path = out_dir / f"{name}.md"
     with atomic_file(path) as tmp:
