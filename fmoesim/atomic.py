@@ -1,11 +1,19 @@
 """Atomic writes: to a temporary file beside the destination, then renamed into place, so
-a reader never sees a half-written file and a failure leaves the old one (or none)."""
+a reader never sees a half-written file and a failure leaves the old one (or none).
+
+A temporary name says who made it: ``.<name>.tmp-<host>-<pid>-<random>`` (a file keeps
+its suffix).  A process killed outright (SIGKILL, a power cut) cannot remove its
+temporary; :func:`clean_stale_temps` removes those whose creating process is gone.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +22,21 @@ import numpy as np
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)  # read once: mkstemp/mkdtemp make private (0600/0700) files
+
+#: this machine in temporary names: the host name with anything but letters, digits
+#: and ``_`` replaced by ``_`` (so the ``-`` that separates host and pid stays unique)
+HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "localhost"
+#: a temporary of this module: the host and the pid of the process that made it
+_TEMP = re.compile(r"\..+\.tmp-(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-[^/]*")
+#: a temporary directory of an older layout, without host and pid (``mkdtemp``'s suffix)
+_TEMP_UNOWNED = re.compile(r"\..+\.tmp-[a-z0-9_]{8}")
+#: age after which any recognised temporary counts as abandoned (no write takes so long)
+STALE_AGE_S = 24 * 3600.0
+
+
+def _prefix(name: str) -> str:
+    """The start of a temporary name for ``name`` made by this process."""
+    return f".{name}.tmp-{HOST}-{os.getpid()}-"
 
 
 def _as_created(path: str | os.PathLike[str], mode: int) -> None:
@@ -34,7 +57,7 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
     as matplotlib and pandas do, still work)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_prefix(path.stem), suffix=path.suffix)
     os.close(fd)
     _as_created(tmp, 0o666)
     try:
@@ -52,7 +75,7 @@ def atomic_dir(path: str | os.PathLike[str], replace: bool = False) -> Iterator[
     existing one is removed first), on failure it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_prefix(path.name), dir=path.parent))
     _as_created(tmp, 0o777)
     try:
         yield tmp
@@ -62,3 +85,55 @@ def atomic_dir(path: str | os.PathLike[str], replace: bool = False) -> Iterator[
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this machine (one of another user counts)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def clean_stale_temps(directory: str | os.PathLike[str]) -> list[Path]:
+    """Remove the abandoned temporaries of :func:`atomic_file` and :func:`atomic_dir`
+    in ``directory`` (not below it) and return them.
+
+    A temporary is abandoned when it was made on this host by a process that no longer
+    exists, or when it is older than :data:`STALE_AGE_S` (any host, and the older names
+    without host and pid).  A live writer's temporary (its process exists, even if its
+    pid was reused) and anything else in ``directory`` are left alone; errors (a
+    temporary that another process removes first) are ignored.
+    """
+    d = Path(directory)
+    removed: list[Path] = []
+    try:
+        entries = list(d.iterdir())
+    except OSError:
+        return removed
+    now = time.time()
+    for p in entries:
+        m = _TEMP.fullmatch(p.name)
+        if m is None and _TEMP_UNOWNED.fullmatch(p.name) is None:
+            continue
+        try:
+            old = now - p.lstat().st_mtime > STALE_AGE_S
+        except OSError:
+            continue
+        dead = m is not None and m["host"] == HOST and not _alive(int(m["pid"]))
+        if not (dead or old):
+            continue
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        except OSError:
+            continue
+        removed.append(p)
+    return removed

@@ -1,10 +1,23 @@
-"""Errors that reach the user as one line: what, where, and which rule was broken."""
+"""Errors that reach the user as one line: what, where, and which rule was broken.
+
+The console commands share one exit contract: bad input is one line on stderr
+(``<prog>: error: ...``) and exit status 2; Ctrl-C is one line (``<prog>:
+interrupted``) and exit status 130; a closed stdout (``fmoesim-trace inspect ... |
+head -1``) ends the command quietly with exit status 141, as a process killed by
+SIGPIPE would.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
+
+#: exit status of a command stopped by Ctrl-C (128 + SIGINT)
+EXIT_INTERRUPTED = 130
+#: exit status of a command whose stdout was closed by its reader (128 + SIGPIPE)
+EXIT_STDOUT_CLOSED = 141
 
 
 class FmoesimError(Exception):
@@ -39,11 +52,40 @@ class TraceError(FmoesimError):
         super().__init__(f"{where}: {what}")
 
 
-def run_or_exit(prog: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """Call ``fn(*args)``; an :class:`FmoesimError` becomes one line on stderr
-    (``<prog>: error: ...``) and exit status 2 (the console commands' contract)."""
+def exit_interrupted(prog: str) -> NoReturn:
+    """Ctrl-C: one line on stderr and exit status :data:`EXIT_INTERRUPTED`."""
     try:
-        return fn(*args)
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+    finally:
+        raise SystemExit(EXIT_INTERRUPTED)
+
+
+def exit_stdout_closed() -> NoReturn:
+    """The reader of stdout went away: point stdout at the null device (so that the
+    interpreter's final flush raises nothing) and exit quietly with
+    :data:`EXIT_STDOUT_CLOSED`."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor behind stdout: nothing to redirect
+        pass
+    raise SystemExit(EXIT_STDOUT_CLOSED)
+
+
+def run_or_exit(prog: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call ``fn(*args)`` under the console commands' exit contract (module docstring):
+    an :class:`FmoesimError` becomes one line on stderr (``<prog>: error: ...``) and exit
+    status 2, Ctrl-C one line and 130, a closed stdout a quiet exit with 141 (also after
+    ``fn`` exits by ``SystemExit``, as argparse's ``--help`` does)."""
+    try:
+        try:
+            return fn(*args)
+        finally:  # a closed stdout shows here, not at the interpreter's exit
+            sys.stdout.flush()
     except FmoesimError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        exit_interrupted(prog)
+    except BrokenPipeError:
+        exit_stdout_closed()

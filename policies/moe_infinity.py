@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from fmoesim.atomic import save_npz_atomic
+from fmoesim.errors import ConfigError
 from policies.base import (
     NO_ACTIONS,
     Actions,
@@ -323,6 +324,8 @@ class MoEInfinity(Policy):
         self.layer_proximity = bool(layer_proximity)
         self.initial_layer_priority = bool(initial_layer_priority)
         self.learn_online = bool(learn_online)
+        if eamc_path and not Path(eamc_path).is_file():
+            raise ConfigError("policy.eamc_path", eamc_path, "file not found")
         self.eamc_path = eamc_path
 
     # -- run lifecycle ------------------------------------------------------------------

@@ -18,12 +18,8 @@ HEAVY = ("torch", "transformers", "matplotlib", "scipy")
 
 _BLOCKED_RUN = """
 import sys
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {heavy!r}:
-            raise ImportError(f"{{name}} is blocked: not in the default install")
-        return None
-sys.meta_path.insert(0, Block())
+for name in {heavy!r}:
+    sys.modules[name] = None  # import raises ImportError, find_spec gives None: not installed
 from fmoesim.config.build import load_preset
 from fmoesim.specs import ModelSpec
 from fmoesim.workload.synthetic import SyntheticConfig, generate

@@ -1,4 +1,4 @@
-"""Sweeps and the results store (issue 9): one row per run keyed by its config hash,
+"""Sweeps and the results store: one row per run keyed by its config hash,
 reruns skip what is done, an interrupted sweep resumes with nothing lost or duplicated,
 the joblib launcher gives the same rows, the loader returns a tidy DataFrame."""
 

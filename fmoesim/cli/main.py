@@ -5,20 +5,29 @@ Examples::
     fmoesim                                   # bundled trace, Mixtral-8x7B, RTX 3090, LRU
     fmoesim cache.budget_gb=12 policy=lru model=mixtral-8x7b
     fmoesim workload=synthetic model=qwen1.5-moe-a2.7b cache.budget_gb=4
+    fmoesim -m policy=lru,lfu cache.budget_gb=12,24     # a sweep: one line per run
+    fmoesim -v -m policy=lru,lfu cache.budget_gb=12,24  # ... and every run's summary
     fmoesim --cfg job                         # print the composed config
 
 Bad input (an unknown preset, a typo'd key, a non-positive budget, a broken trace) gives
-one line on stderr naming the key or file and the rule, exit status 2, and no result.
+one line on stderr naming the key or file and the rule, exit status 2, and no result;
+every point of a sweep is checked before its first run.  Ctrl-C gives one line and exit
+status 130, a closed stdout a quiet exit with status 141 (:mod:`fmoesim.errors`).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import os
 import sys
 import time
+import typing
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from fmoesim.atomic import atomic_dir
+from fmoesim.atomic import atomic_dir, clean_stale_temps
 from fmoesim.config.build import (
     RunSpec,
     build_run,
@@ -27,8 +36,8 @@ from fmoesim.config.build import (
     preset_names,
     synthetic_trace_path,
 )
-from fmoesim.config.schema import CONF_DIR, register_configs, resolve_path
-from fmoesim.errors import FmoesimError
+from fmoesim.config.schema import CONF_DIR, RunConfig, register_configs, resolve_path
+from fmoesim.errors import FmoesimError, exit_interrupted, exit_stdout_closed
 
 PROG = "fmoesim"
 _HYDRA_FLAGS = {
@@ -46,6 +55,10 @@ _HYDRA_FLAGS = {
     "--package",
     "-p",
 }
+#: command-line flags of fmoesim itself, taken out before Hydra parses the rest
+VERBOSE_FLAGS = ("-v", "--verbose")
+#: what ``-v`` adds: every run's summary, and Hydra's own log lines (launch, job list)
+_VERBOSE_OVERRIDES = ("output.verbose=true", "hydra.hydra_logging.root.level=INFO")
 
 
 def _fail(msg: str) -> None:
@@ -77,36 +90,229 @@ def _friendly(exc: BaseException) -> str:
     return one_line(exc)
 
 
+def _is_group(key: str) -> bool:
+    """Whether an override's key names a config group (``policy=lru``), not a value."""
+    return "/" in key or ("." not in key and (CONF_DIR / key).is_dir())
+
+
+def _unknown_key(key: str) -> str | None:
+    """Why ``key`` (dotted) names no field of the typed schema (:class:`RunConfig`), or
+    None when it does or lies under an untyped node (``policy``, whose keys are its
+    class's keyword arguments, checked when it is made)."""
+    node: Any = RunConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        hints = typing.get_type_hints(node)
+        if part not in hints:
+            where = ".".join(parts[:i]) or "<root>"
+            return (
+                f"config key '{'.'.join(parts[: i + 1])}': unknown key '{part}' under "
+                f"'{where}' (typo?)"
+            )
+        nxt = hints[part]
+        typed = [t for t in (typing.get_args(nxt) or (nxt,)) if dataclasses.is_dataclass(t)]
+        if not typed:
+            return None  # a scalar, or Any: nothing further to check here
+        node = typed[0]
+    return None
+
+
+def check_added_keys(overrides: list[str]) -> None:
+    """Refuse a ``+key=value`` or ``++key=value`` override whose key is not in the typed
+    schema: Hydra adds such a key silently, so a typo (``+cache.budjet_gb=12``) would
+    run the defaults.  Keys of ``hydra``, config groups (``+experiment=...``) and keys
+    under ``policy`` (its constructor's keyword arguments) are left to Hydra and to the
+    policy."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as exc:  # noqa: BLE001 - Hydra's parse errors, one line
+        raise FmoesimError(one_line(exc)) from None
+    for o in parsed:
+        if not (o.is_add() or o.is_force_add()):
+            continue
+        key = o.key_or_group
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or o.package is not None:
+            continue
+        if _is_group(key):
+            continue
+        why = _unknown_key(key)
+        if why is not None:
+            raise FmoesimError(why)
+
+
+def _compose(overrides: list[str], hydra_config: bool = False) -> Any:
+    """Hydra's compose of ``overrides`` (within an initialised Hydra); a composition
+    error becomes one :class:`FmoesimError` line."""
+    from hydra import compose
+
+    check_added_keys(overrides)
+    try:
+        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra_config)
+    except Exception as exc:  # noqa: BLE001 - every composition error becomes one line
+        raise FmoesimError(_friendly(exc)) from None
+
+
 def compose_config(overrides: list[str]) -> Any:
     """The composed ``fmoesim`` config for ``overrides`` (Hydra's compose API, outside
-    ``hydra.main``); a composition error becomes one :class:`FmoesimError` line."""
-    from hydra import compose, initialize_config_dir
+    ``hydra.main``); a composition error, or a ``+key`` not in the schema
+    (:func:`check_added_keys`), becomes one :class:`FmoesimError` line."""
+    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     register_configs()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name="config", overrides=overrides)
-    except Exception as exc:  # noqa: BLE001 - every composition error becomes one line
-        raise FmoesimError(_friendly(exc)) from None
+            return _compose(overrides)
     finally:
         GlobalHydra.instance().clear()
+
+
+def check_dir(key: str, directory: str | os.PathLike[str]) -> Path:
+    """``directory`` (the value of config key ``key``) is a writable directory or can be
+    made: its nearest existing ancestor is a writable directory.  Returns it as a path."""
+    d = Path(directory).expanduser()
+    probe = d
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        what = "is not a directory" if probe == d else f"cannot be made: {probe} is a file"
+        raise FmoesimError(f"config key '{key}' = '{directory}': {what}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "is not writable" if probe == d else f"cannot be made: {probe} is not writable"
+        raise FmoesimError(f"config key '{key}' = '{directory}': {what}")
+    return d
+
+
+def _check_destinations(cfg: Any) -> None:
+    """Where a run writes (``output.dir``, ``store.dir``) can be written: checked before
+    the run, so that a run never ends without its results."""
+    if cfg.output.write:
+        check_dir("output.dir", cfg.output.dir)
+    if cfg.store.enabled:
+        check_dir("store.dir", cfg.store.dir)
 
 
 def _preflight(overrides: list[str]) -> None:
     """Compose and check the config before Hydra runs, so errors are one line."""
     try:
-        build_run(compose_config(overrides))
+        cfg = compose_config(overrides)
+        build_run(cfg)
+        _check_destinations(cfg)
     except FmoesimError as exc:
         _fail(str(exc))
 
 
+def sweep_points(overrides: list[str], preset_params: dict[str, Any]) -> list[list[str]]:
+    """Every job of a basic sweep over ``overrides`` (comma lists and ranges) and an
+    experiment preset's ``hydra.sweeper.params`` (a command-line value replaces a
+    preset's for the same key), in Hydra's order: one override list per job."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    given = {o.split("=")[0].lstrip("+~") for o in overrides}
+    extra = [f"{k}={v}" for k, v in preset_params.items() if k.lstrip("+~") not in given]
+    parsed = OverridesParser.create().parse_overrides(overrides + extra)
+    return BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
+
+
+def _preflight_sweep(overrides: list[str]) -> int:
+    """Check every point of a sweep as a single run is checked (composition, every
+    value, where it writes), before any job runs; returns the number of points (0 for
+    a sweeper other than Hydra's basic one, whose points are not known in advance).
+
+    Cheap: the config is composed once per distinct choice of config groups (``policy``,
+    ``model``...), and each point's other overrides are applied to a copy of it, as
+    Hydra applies overrides after composing the defaults (with Hydra's own function for
+    that; were it gone, each point is composed in full).  No trace is read.
+    """
+    from hydra import initialize_config_dir
+    from hydra._internal import config_loader_impl
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    apply = getattr(config_loader_impl.ConfigLoaderImpl, "_apply_overrides_to_config", None)
+
+    own = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    parser = OverridesParser.create()
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            try:
+                first = sweep_points(own, {})[0]
+            except Exception as exc:  # noqa: BLE001 - Hydra's parse errors, one line
+                raise FmoesimError(one_line(exc)) from None
+            sweeper = _compose(first, hydra_config=True).hydra.sweeper
+            if not str(sweeper.get("_target_", "")).endswith(".BasicSweeper"):
+                return 0  # points picked as the sweep goes (optuna...): each job checks
+            params = sweeper.get("params") or {}
+            points = sweep_points(own, dict(params))
+            bases: dict[tuple[str, ...], Any] = {}
+            names: dict[str, int] = {}
+            swept = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
+            for k, point in enumerate(points):
+                shown = " ".join(point[i] for i in swept)
+                where = f" (sweep run {k + 1}/{len(points)}: {shown})"
+                try:
+                    groups = [o for o in point if _is_group(o.split("=")[0].lstrip("+~"))]
+                    values = [o for o in point if o not in groups]
+                    check_added_keys(values)
+                    if apply is None:
+                        cfg = _compose(point)
+                    else:
+                        if tuple(groups) not in bases:
+                            bases[tuple(groups)] = _compose(groups)
+                        cfg = copy.deepcopy(bases[tuple(groups)])
+                        try:
+                            apply(parser.parse_overrides(values), cfg)
+                        except Exception as exc:  # noqa: BLE001 - as a composition error
+                            raise FmoesimError(_friendly(exc)) from None
+                    spec = build_run(cfg)
+                    _check_destinations(cfg)
+                except FmoesimError as exc:
+                    raise FmoesimError(f"{exc}{where}") from None
+                if spec.output.write and spec.output.name is not None:
+                    names[spec.output.name] = names.get(spec.output.name, 0) + 1
+            for name, n in names.items():
+                if n > 1:
+                    raise FmoesimError(
+                        f"config key 'output.name' = '{name}': the same for {n} runs of "
+                        "the sweep (each run needs a directory of its own: leave "
+                        "output.name unset or sweep it too)"
+                    )
+            return len(points)
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point of ``fmoesim``."""
+    """Console entry point of ``fmoesim``.
+
+    ``argv`` (default ``sys.argv[1:]``) is Hydra's command line, plus ``-v`` /
+    ``--verbose`` anywhere in it: every run's full summary table (a sweep prints one
+    line per run without it) and Hydra's own log lines; it stands for the overrides
+    ``output.verbose=true hydra.hydra_logging.root.level=INFO``.  Ctrl-C ends with one
+    line and exit status 130; a closed stdout ends quietly with 141.
+    """
+    try:
+        try:
+            _main(list(sys.argv[1:] if argv is None else argv))
+        finally:  # a closed stdout shows here, not at the interpreter's exit
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        exit_interrupted(PROG)
+    except BrokenPipeError:
+        exit_stdout_closed()
+
+
+def _main(argv: list[str]) -> None:
     import hydra
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in VERBOSE_FLAGS for a in argv):
+        argv = [a for a in argv if a not in VERBOSE_FLAGS] + list(_VERBOSE_OVERRIDES)
     register_configs()
     if not (CONF_DIR / "config.yaml").is_file():
         _fail(
@@ -115,8 +321,17 @@ def main(argv: list[str] | None = None) -> None:
         )
     multirun = any(a in ("-m", "--multirun") for a in argv)
     special = any(a.split("=")[0] in _HYDRA_FLAGS for a in argv)
-    if not multirun and not special:
-        _preflight([a for a in argv if not a.startswith("-")])
+    if not special:
+        overrides = [a for a in argv if not a.startswith("-")]
+        if multirun and any(a.startswith("hydra/sweeper=") for a in overrides):
+            pass  # another sweeper (optuna...) picks its points as it goes: jobs check
+        elif multirun:
+            try:
+                _preflight_sweep(overrides)
+            except FmoesimError as exc:
+                _fail(str(exc))
+        else:
+            _preflight(overrides)
     sys.argv = [PROG, *argv]
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)()
 
@@ -130,20 +345,34 @@ def _task(cfg: Any) -> dict[str, Any]:
     except FmoesimError as exc:
         _fail(str(exc))
         raise  # unreachable
+    except BrokenPipeError:  # Hydra would report it as a failed job
+        exit_stdout_closed()
 
 
 def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
     """Run one composed config: load or generate the trace, simulate, print, write results
     and add the summary row to the results store.  In a sweep (or with
-    ``store.skip_done=true``) a config already in the store is not run again."""
+    ``store.skip_done=true``) a config already in the store is not run again.
+
+    Before the simulation: ``output.dir`` and ``store.dir`` must be writable
+    (:func:`check_dir`), the run directory must not hold another config's run
+    (:func:`check_run_dir`), and abandoned temporaries of earlier writes there are
+    removed (:func:`fmoesim.atomic.clean_stale_temps`).  After it, the run directory
+    appears only together with its store row (:func:`save_results`).  Prints the full
+    summary (:func:`format_summary`) when ``output.verbose`` is true, or unset in a
+    single run; one line otherwise (a sweep's line is :mod:`fmoesim.cli.sweep`'s).
+    The row returned by a skipped run has ``done_already`` set.
+    """
     import numpy as np
 
     import fmoesim
     from fmoesim.config.build import simulate_spec
+    from fmoesim.engine.simulate import GB
     from fmoesim.results.store import ResultsStore, code_version, config_key, input_digest
     from fmoesim.trace.reader import read_trace
 
     spec = build_run(cfg)
+    verbose = spec.output.verbose if spec.output.verbose is not None else not multirun
     resolved = config_to_dict(cfg)
     inputs = [
         resolve_path(spec.workload.path or "") if spec.workload.kind == "trace" else None,
@@ -151,11 +380,23 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
     ]
     versions = {"code_version": code_version(), "input_digest": input_digest(inputs)}
     cfg_hash, cfg_json = config_key(resolved, versions)
-    store = ResultsStore(resolve_out(cfg.store.dir)) if cfg.store.enabled else None
+    store = ResultsStore(check_dir("store.dir", cfg.store.dir)) if cfg.store.enabled else None
     skip = cfg.store.skip_done if cfg.store.skip_done is not None else multirun
     if store is not None and skip and store.has(cfg_hash):
-        print(f"done already: {store.path(cfg_hash)} (store.skip_done=false reruns it)")
-        return store.get(cfg_hash)
+        if verbose or not multirun:
+            print(f"done already: {store.path(cfg_hash)} (store.skip_done=false reruns it)")
+        return {**store.get(cfg_hash), "done_already": True}
+    final = None
+    if spec.output.write:
+        name = spec.output.name or (
+            f"{time.strftime('%Y%m%d-%H%M%S')}-{spec.policy.name}-{spec.model.name}-"
+            f"{spec.budget_bytes / GB:g}gb-{cfg_hash[:6]}"
+        )
+        final = check_dir("output.dir", spec.output.dir) / name
+        check_run_dir(final, cfg_hash)
+        clean_stale_temps(final.parent)
+    if store is not None:
+        clean_stale_temps(store.root)
     trace_path = _trace_path(spec)
     trace = read_trace(trace_path)
     result = simulate_spec(spec, trace)
@@ -174,13 +415,72 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
         }
     )
     row.update(_row_extras(result))
-    print(format_summary(row))
-    if spec.output.write:
-        out = write_results(spec, row, resolved, result)
-        print(f"results    {out}")
-    if store is not None:
-        print(f"stored     {store.add(row)}")
+    # saved before anything is printed: a closed stdout does not cost the run its results
+    stored = save_results(final, store, spec, row, resolved, result)
+    if verbose:
+        print(format_summary(row))
+        if final is not None:
+            print(f"results    {final}")
+        if stored is not None:
+            print(f"stored     {stored}")
+    elif not multirun:
+        print(format_line(row) + (f"; results {final}" if final is not None else ""))
     return row
+
+
+def check_run_dir(final: Path, config_hash: str) -> None:
+    """``final`` (``<output.dir>/<output.name>``) may be written by a run of
+    ``config_hash``: it does not exist, is an empty directory, or holds a run of that
+    same hash (the same config, code and inputs: a rerun replaces its own directory).
+    A directory of another config's run, or of anything else, is refused: never
+    deleted."""
+    if not final.exists() and not final.is_symlink():
+        return
+    key = f"config key 'output.name' = '{final.name}'"
+    if not final.is_dir() or final.is_symlink():
+        raise FmoesimError(f"{key}: {final} exists and is not a run directory; pick another name")
+    if not any(final.iterdir()):
+        return
+    summary = final / "summary.parquet"
+    try:
+        import pyarrow.parquet as pq
+
+        theirs = str(pq.read_table(summary, columns=["config_hash"]).column(0)[0])
+    except Exception:  # noqa: BLE001 - missing, unreadable, not a run: not ours to replace
+        raise FmoesimError(
+            f"{key}: {final} exists and does not hold a fmoesim run; pick another "
+            "output.name (or remove that directory)"
+        ) from None
+    if theirs != config_hash:
+        raise FmoesimError(
+            f"{key}: {final} holds a run of another config (hash {theirs}; this run "
+            f"{config_hash}); pick another output.name, or remove that directory to reuse it"
+        )
+
+
+def save_results(
+    final: Path | None, store: Any, spec: RunSpec, row: dict[str, Any], resolved: Any, result: Any
+) -> Path | None:
+    """Write the run directory ``final`` (if any, :func:`write_run_files`) and add
+    ``row`` to ``store`` (if any), all or nothing: the directory is filled under a
+    temporary name, the store row is written, and only then the directory takes its
+    name; a failure (or Ctrl-C) in between removes both.  Returns the store row's path.
+    A file system error becomes one :class:`FmoesimError` line."""
+    stored: Path | None = None
+    try:
+        with atomic_dir(final, replace=True) if final is not None else nullcontext() as tmp:
+            if tmp is not None:
+                write_run_files(tmp, spec, row, resolved, result)
+            if store is not None:
+                stored = store.add(row)
+    except BaseException as exc:
+        if stored is not None:
+            stored.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            where = exc.filename or final or store.root
+            raise FmoesimError(f"{where}: cannot write results ({exc.strerror or exc})") from None
+        raise
+    return stored
 
 
 def _row_extras(result: Any) -> dict[str, Any]:
@@ -216,11 +516,37 @@ def _trace_path(spec: RunSpec) -> Path:
     return path
 
 
-def format_summary(row: dict[str, Any]) -> str:
-    """The summary table printed after a run."""
+def _timed(row: dict[str, Any]) -> bool:
+    """Whether a row's run simulated time (its ``timing`` column; true when absent)."""
+    return bool(row.get("timing", True))
 
-    def ms(x: float) -> str:
-        return f"{x * 1e3:.1f} ms"
+
+def _time(x: Any, unit: str, timed: bool) -> str:
+    """A time for the tables: ``ms`` or ``s``; ``n/a`` for a missing one."""
+    if not timed:
+        return "n/a (hit-rate-only)"
+    if x is None or x != x:
+        return "n/a"
+    return f"{x * 1e3:.1f} ms" if unit == "ms" else f"{x:.3f} s"
+
+
+def format_line(row: dict[str, Any]) -> str:
+    """One line for a run: hit rate and mean TPOT (``n/a`` without timing)."""
+    tpot = _time(row.get("tpot_mean_s"), "ms", _timed(row))
+    return f"hit rate {100 * row['hit_rate']:.2f}%, TPOT {tpot}"
+
+
+def format_summary(row: dict[str, Any]) -> str:
+    """The summary table printed after a run; a hit-rate-only run's times read
+    ``n/a (hit-rate-only)``."""
+    timed = _timed(row)
+    w = 20  # width of the value column
+
+    def t(key: str, unit: str) -> str:
+        return f"{_time(row[key], unit, timed):>{w}}"
+
+    def gb(key: str) -> str:
+        return f"{row[key] / 1e9:>{w - 3}.2f} GB"
 
     lines = [
         f"policy     {row['policy']}   model {row['model']}   hardware {row['hardware']}   "
@@ -229,65 +555,97 @@ def format_summary(row: dict[str, Any]) -> str:
         f"trace      {row['trace']} ({row['trace_source']}; {row['requests']} requests, "
         f"{row['iterations']} iterations)",
         "",
-        f"{'metric':<22}{'value':>16}",
-        "-" * 38,
-        f"{'expert hit rate':<22}{row['hit_rate'] * 100:>15.2f}%",
-        f"{'late (in flight)':<22}{row['late_rate'] * 100:>15.2f}%",
-        f"{'accesses':<22}{row['accesses']:>16,}",
-        f"{'GPU stall':<22}{row['stall_s']:>14.3f} s",
-        f"{'TTFT mean':<22}{ms(row['ttft_mean_s']):>16}",
-        f"{'TPOT mean':<22}{ms(row['tpot_mean_s']):>16}",
-        f"{'TPOT p99':<22}{ms(row['tpot_p99_s']):>16}",
-        f"{'end-to-end mean':<22}{row['e2e_mean_s']:>14.3f} s",
-        f"{'PCIe bytes':<22}{row['pcie_bytes'] / 1e9:>13.2f} GB",
-        f"{'PCIe wasted':<22}{row['wasted_bytes'] / 1e9:>13.2f} GB",
-        f"{'peak expert memory':<22}{row['peak_expert_bytes'] / 1e9:>13.2f} GB",
-        f"{'simulated time':<22}{row['simulated_s']:>14.3f} s",
-        f"{'wall time':<22}{row['wall_s']:>14.3f} s",
+        f"{'metric':<22}{'value':>{w}}",
+        "-" * (22 + w),
+        f"{'expert hit rate':<22}{row['hit_rate'] * 100:>{w - 1}.2f}%",
+        f"{'late (in flight)':<22}{row['late_rate'] * 100:>{w - 1}.2f}%",
+        f"{'accesses':<22}{row['accesses']:>{w},}",
+        f"{'GPU stall':<22}{t('stall_s', 's')}",
+        f"{'TTFT mean':<22}{t('ttft_mean_s', 'ms')}",
+        f"{'TPOT mean':<22}{t('tpot_mean_s', 'ms')}",
+        f"{'TPOT p99':<22}{t('tpot_p99_s', 'ms')}",
+        f"{'end-to-end mean':<22}{t('e2e_mean_s', 's')}",
+        f"{'PCIe bytes':<22}{gb('pcie_bytes')}",
+        f"{'PCIe wasted':<22}{gb('wasted_bytes')}",
+        f"{'peak expert memory':<22}{gb('peak_expert_bytes')}",
+        f"{'simulated time':<22}{t('simulated_s', 's')}",
+        f"{'wall time':<22}{row['wall_s']:>{w - 2}.3f} s",
     ]
     return "\n".join(lines)
+
+
+def write_run_files(
+    tmp: Path, spec: RunSpec, row: dict[str, Any], resolved: dict[str, Any], result: Any
+) -> None:
+    """Write a run's files into the directory ``tmp``: ``summary.parquet``,
+    ``layers.parquet``, ``transfers.parquet`` (+ ``accesses.parquet``,
+    ``policy_log.parquet``), ``config.yaml`` and ``hit_rate.png``."""
+    import pandas as pd
+    import yaml
+
+    layers = result.metrics.layer_table()
+    pd.DataFrame([row]).to_parquet(tmp / "summary.parquet", index=False)
+    pd.DataFrame(layers).to_parquet(tmp / "layers.parquet", index=False)
+    pd.DataFrame(result.transfer_table()).to_parquet(tmp / "transfers.parquet", index=False)
+    if result.accesses is not None:
+        pd.DataFrame(result.accesses).to_parquet(tmp / "accesses.parquet", index=False)
+    if result.policy_log is not None:
+        pd.DataFrame(result.policy_log).to_parquet(tmp / "policy_log.parquet", index=False)
+    (tmp / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    if spec.output.plot and plotting_available():
+        from fmoesim.plots.run import plot_run
+
+        plot_run(
+            result.metrics.accesses,
+            layers["stall_s"],
+            f"{row['policy']} · {row['model']} · {row['hardware']} · "
+            f"{row['budget_gb']:g} GB · hit rate {row['hit_rate'] * 100:.1f}%",
+            tmp / "hit_rate.png",
+            trace=row["trace"],
+            trace_source=row["trace_source"],
+            requests_served=row["requests"],
+            held_in_fraction=spec.serving.held_in_fraction,
+            timed=_timed(row),
+        )
+
+
+def plotting_available() -> bool:
+    """Whether matplotlib (the ``plot`` extra) is installed.  Without it a run writes
+    everything but ``hit_rate.png`` and says so once on stderr."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return True
+    global _PLOT_NOTED
+    if not _PLOT_NOTED:
+        print(
+            f"{PROG}: note: hit_rate.png skipped: matplotlib is not installed "
+            "(pip install -e '.[plot]'; output.plot=false silences this)",
+            file=sys.stderr,
+        )
+        _PLOT_NOTED = True
+    return False
+
+
+_PLOT_NOTED = False
 
 
 def write_results(
     spec: RunSpec, row: dict[str, Any], resolved: dict[str, Any], result: Any
 ) -> Path:
-    """Write ``summary.parquet``, ``layers.parquet``, ``transfers.parquet`` (+
-    ``accesses.parquet``, ``policy_log.parquet``, ``config.yaml``, ``hit_rate.png``) atomically."""
-    import pandas as pd
-    import yaml
-
+    """Write the run directory ``<output.dir>/<output.name>`` (named from the row when
+    ``output.name`` is unset) atomically, without a store row; it must not hold another
+    config's run (:func:`check_run_dir`).  :func:`run_config` writes both together."""
     cfg_hash = row["config_hash"]
     name = spec.output.name or (
         f"{time.strftime('%Y%m%d-%H%M%S')}-{row['policy']}-{row['model']}-"
         f"{row['budget_gb']:g}gb-{cfg_hash[:6]}"
     )
     final = resolve_out(spec.output.dir) / name
-    with atomic_dir(final, replace=True) as tmp:
-        pd.DataFrame([row]).to_parquet(tmp / "summary.parquet", index=False)
-        pd.DataFrame(result.metrics.layer_table()).to_parquet(tmp / "layers.parquet", index=False)
-        pd.DataFrame(result.transfer_table()).to_parquet(tmp / "transfers.parquet", index=False)
-        if result.accesses is not None:
-            pd.DataFrame(result.accesses).to_parquet(tmp / "accesses.parquet", index=False)
-        if result.policy_log is not None:
-            pd.DataFrame(result.policy_log).to_parquet(tmp / "policy_log.parquet", index=False)
-        (tmp / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-        if spec.output.plot:
-            from fmoesim.plots.run import plot_run
-
-            m = result.metrics
-            caption = (
-                f"trace: {row['trace']} ({row['trace_source']}"
-                + (", synthetic: not real routing" if row["trace_source"] == "synthetic" else "")
-                + ")"
-            )
-            plot_run(
-                m.accesses,
-                m.stall_per_layer_s,
-                f"{row['policy']} · {row['model']} · {row['hardware']} · "
-                f"{row['budget_gb']:g} GB · hit rate {row['hit_rate'] * 100:.1f}%",
-                tmp / "hit_rate.png",
-                caption,
-            )
+    check_run_dir(final, cfg_hash)
+    save_results(final, None, spec, row, resolved, result)
     return final
 
 

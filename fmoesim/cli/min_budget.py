@@ -61,7 +61,7 @@ def _floats(s: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point."""
+    """Console entry point (exit contract: :mod:`fmoesim.errors`)."""
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument(
         "--target-tpot-ms",
@@ -70,8 +70,12 @@ def main(argv: list[str] | None = None) -> None:
         help="one or more target TPOTs in ms, comma-separated",
     )
     ap.add_argument("overrides", nargs="*", help="fmoesim config overrides, e.g. policy=lcp")
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    run_or_exit(PROG, _run, args.target_tpot_ms, args.overrides)
+
+    def parse_and_run() -> None:
+        args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+        _run(args.target_tpot_ms, args.overrides)
+
+    run_or_exit(PROG, parse_and_run)
 
 
 def _run(targets_ms: list[float], overrides: list[str]) -> None:

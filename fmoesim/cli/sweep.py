@@ -1,6 +1,11 @@
 """Sweep progress: a Hydra callback that numbers each job of a ``--multirun`` sweep
 against the sweep's size and, at the end, says where the results are.
 
+A sweep prints a start line, one line per job (``[sweep k/N] overrides: hit rate ...,
+TPOT ...``) and an end line; every run's full summary table only with ``fmoesim -v``
+(``output.verbose=true``).  Hydra's own log lines (``Launching N jobs``, ``#k : ...``)
+are off at level WARNING (``conf/config.yaml``) unless ``-v`` turns them on.
+
 Registered in ``conf/config.yaml`` (``hydra.callbacks.sweep_progress``).  Job-level
 callbacks run where the job runs (in the worker process under joblib, SLURM or Ray),
 so the count uses Hydra's job number, not a counter of this process.
@@ -12,6 +17,8 @@ from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
+
+from fmoesim.errors import exit_stdout_closed
 
 
 def sweep_size(overrides: list[str]) -> int:
@@ -39,8 +46,18 @@ def _total(hydra_cfg: Any) -> int:
     return sweep_size(task + extra)
 
 
+def _say(line: str) -> None:
+    """Print ``line`` now; a closed stdout ends the sweep quietly (Hydra would only warn
+    about a callback's error and go on)."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        exit_stdout_closed()
+
+
 class SweepProgress(Callback):
-    """Prints ``[sweep k/N] overrides -> hit rate`` per job and where results are."""
+    """Prints ``[sweep k/N] overrides: hit rate ..., TPOT ...`` per job and where the
+    results are."""
 
     def __init__(self) -> None:
         self.total = 0
@@ -48,7 +65,7 @@ class SweepProgress(Callback):
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         """Count the jobs."""
         self.total = _total(config.hydra)
-        print(f"sweep: {self.total} runs -> {config.hydra.sweep.dir}", flush=True)
+        _say(f"sweep: {self.total} runs -> {config.hydra.sweep.dir}")
 
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
         """One line per finished job."""
@@ -56,11 +73,12 @@ class SweepProgress(Callback):
         if hc.mode is None or str(hc.mode) != "RunMode.MULTIRUN":
             return
         total = self.total or _total(hc)
+        from fmoesim.cli.main import format_line
+
         status = "failed"
         try:
             row = job_return.return_value
-            hit, tpot = 100 * row["hit_rate"], 1e3 * row["tpot_mean_s"]
-            status = f"hit rate {hit:.2f}%, TPOT {tpot:.1f} ms"
+            status = format_line(row) + (" (done already)" if row.get("done_already") else "")
         except Exception:  # noqa: BLE001 - a failed job has no row; its error is Hydra's
             pass
         swept = " ".join(
@@ -68,17 +86,16 @@ class SweepProgress(Callback):
             for o in job_return.overrides
             if not o.split("=")[0].startswith(_QUIET) and len(o) <= 60
         )
-        print(f"[sweep {int(hc.job.num) + 1}/{total}] {swept}: {status}", flush=True)
+        _say(f"[sweep {int(hc.job.num) + 1}/{total}] {swept}: {status}")
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         """Where the results are."""
         store = config.store.dir if config.store.enabled else None
         where = f"results store {store} (fmoesim.results.load_results({store!r}))"
-        print(
+        _say(
             f"sweep done: {self.total} runs; "
             + (where if store else "store disabled")
-            + f"; Hydra logs {config.hydra.sweep.dir}",
-            flush=True,
+            + f"; Hydra logs {config.hydra.sweep.dir}"
         )
 
 

@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument(
         "--arrivals",
         default=None,
-        help="Azure-format CSV (TIMESTAMP,ContextTokens,GeneratedTokens)",
+        help="Azure-format CSV (TIMESTAMP,ContextTokens,GeneratedTokens; TIMESTAMP: ISO 8601 "
+        "date-times or numbers of seconds)",
     )
     syn.add_argument("--rate", type=float, default=None, help="Poisson arrival rate (req/s)")
     syn.add_argument(
@@ -99,9 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point of ``fmoesim-trace``."""
-    args = build_parser().parse_args(argv)
-    run_or_exit(PROG, _run, args)
+    """Console entry point of ``fmoesim-trace`` (exit contract: :mod:`fmoesim.errors`)."""
+    run_or_exit(PROG, lambda: _run(build_parser().parse_args(argv)))
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -12,7 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from fmoesim.config.schema import CONF_DIR, EngineConfig, OutputConfig, WorkloadConfig
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import GB, check_budget, check_experts_per_layer, simulate
-from fmoesim.errors import ConfigError
+from fmoesim.errors import ConfigError, FmoesimError
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
 from policies.base import Policy
@@ -79,7 +80,10 @@ def build_run(cfg: DictConfig) -> RunSpec:
         check_experts_per_layer(model, hardware, per_layer)
         budget_bytes = per_layer * model.num_layers * model.expert_size_bytes
     else:
-        budget_bytes = int(cfg.cache.budget_gb * GB)
+        budget_gb = cfg.cache.budget_gb
+        if not math.isfinite(budget_gb):
+            raise ConfigError("cache.budget_gb", budget_gb, "must be a finite number")
+        budget_bytes = int(budget_gb * GB)
         check_budget(model, budget_bytes)
     serving: ServingConfig = OmegaConf.to_object(cfg.serving)  # type: ignore[assignment]
     serving.validate()
@@ -98,10 +102,13 @@ def build_run(cfg: DictConfig) -> RunSpec:
     try:
         policy = instantiate(cfg.policy)
     except Exception as exc:  # noqa: BLE001 - hydra wraps import/TypeError; report one line
+        if isinstance(exc.__cause__, FmoesimError):  # the policy's own check of a value
+            raise exc.__cause__ from None
         raise ConfigError("policy", cfg.policy.get("_target_"), one_line(exc)) from None
     if not isinstance(policy, Policy):
         raise ConfigError("policy._target_", cfg.policy._target_, "is not a policies.base.Policy")
     output: OutputConfig = OmegaConf.to_object(cfg.output)  # type: ignore[assignment]
+    check_output_name(output.name)
     return RunSpec(
         model,
         hardware,
@@ -115,6 +122,21 @@ def build_run(cfg: DictConfig) -> RunSpec:
         bool(cfg.progress),
         per_layer,
     )
+
+
+def check_output_name(name: str | None) -> None:
+    """``output.name`` is one plain directory name: not empty, no ``/``, ``\\`` or
+    ``..``, not starting with ``.`` (the results' temporaries and hidden files do), so a
+    run writes only inside ``output.dir``."""
+    if name is None:
+        return
+    if not name or "/" in name or "\\" in name or ".." in name or name.startswith("."):
+        raise ConfigError(
+            "output.name",
+            name,
+            "must be one directory name inside output.dir (no '/', '\\' or '..', "
+            "not empty, not starting with '.')",
+        )
 
 
 def simulate_spec(

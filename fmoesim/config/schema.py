@@ -67,13 +67,22 @@ class EngineConfig:
 @dataclass
 class OutputConfig:
     """Where a run writes: ``<dir>/<name>/`` (summary.parquet, layers.parquet,
-    transfers.parquet, config.yaml, hit_rate.png; accesses.parquet if ``access_log``)."""
+    transfers.parquet, config.yaml, hit_rate.png; accesses.parquet if ``access_log``).
+
+    ``name`` is one directory name (no ``/``, ``\\`` or ``..``, not starting with
+    ``.``); unset, it is made of the time, policy, model, budget and config hash.  A
+    run never replaces another config's directory (see
+    :func:`fmoesim.cli.main.check_run_dir`).  ``verbose``: print the full summary
+    table of every run (``None``: of a single run, not of a sweep's runs, which print
+    one line each; ``fmoesim -v`` sets it).
+    """
 
     dir: str = "results/runs"
     name: str | None = None
     plot: bool = True
     write: bool = True
     access_log: bool = False
+    verbose: bool | None = None
 
 
 @dataclass

@@ -8,19 +8,59 @@
 - PCIe bytes moved (by reason), bytes wasted (prefetched then evicted unused), unused
   prefetch bytes (prefetched and never used, including still resident at the end).
 - peak expert memory (per GPU, max over GPUs).
+
+A hit-rate-only run (``timing=False``) has no clock: its time metrics
+(:data:`TIME_COLUMNS`, the per-request latencies and the per-layer stall) are missing
+values (NaN), not zeros, so that an average over timed and untimed runs cannot take
+them in.  Hit rates, counts and bytes are measured in both modes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
 from fmoesim.engine.backend import TransferRecord
 from fmoesim.engine.cache import ExpertCache
 from policies.base import Outcome
+
+#: summary columns that measure time (seconds, or a ratio of times): NaN in a
+#: hit-rate-only run
+TIME_COLUMNS: Final = (
+    "stall_s",
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tpot_mean_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+    "e2e_mean_s",
+    "e2e_p50_s",
+    "e2e_p99_s",
+    "simulated_s",
+    "gpu_busy_s",
+    "link_busy_s",
+    "speedup_vs_real",
+)
+#: per-request latency list columns of a results-store row: lists of NaN in a
+#: hit-rate-only run
+REQUEST_TIME_COLUMNS: Final = ("request_ttft_s", "request_tpot_s", "request_e2e_s")
+
+
+def blank_times(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with every time column it holds (:data:`TIME_COLUMNS`,
+    :data:`REQUEST_TIME_COLUMNS`) set to missing values: the row of a hit-rate-only run."""
+    out = dict(row)
+    for key in TIME_COLUMNS:
+        if key in out:
+            out[key] = float("nan")
+    for key in REQUEST_TIME_COLUMNS:
+        if key in out and out[key] is not None:
+            out[key] = [float("nan")] * len(out[key])
+    return out
 
 
 @dataclass
@@ -29,6 +69,9 @@ class Metrics:
 
     perf: the per-access counters are plain Python lists (``acc`` (L, 3),
     ``stall_layer_s`` (L,)) because incrementing numpy scalars costs several times more.
+
+    ``timing=False`` (a hit-rate-only run): the tables and the summary report every
+    time as NaN (see the module docstring).
     """
 
     num_layers: int
@@ -42,6 +85,7 @@ class Metrics:
     request_output_tokens: dict[int, int] = field(default_factory=dict)
     iterations: int = 0
     layer_steps: int = 0
+    timing: bool = True
 
     def __post_init__(self) -> None:
         self.acc = [[0, 0, 0] for _ in range(self.num_layers)]
@@ -73,12 +117,15 @@ class Metrics:
             "late": a[:, 1],
             "misses": a[:, 2],
             "hit_rate": self.hit_rate_per_layer(),
-            "stall_s": self.stall_per_layer_s,
+            "stall_s": self.stall_per_layer_s if self.timing else np.full(self.num_layers, np.nan),
         }
 
     def request_table(self) -> dict[str, np.ndarray]:
-        """Per-request TTFT, TPOT and end-to-end latency (seconds)."""
+        """Per-request TTFT, TPOT and end-to-end latency (seconds; NaN without timing)."""
         ids = np.array(sorted(self.request_end_s), dtype=np.int64)
+        if not self.timing:
+            none = np.full(len(ids), np.nan)
+            return {"request_id": ids, "ttft_s": none, "tpot_s": none.copy(), "e2e_s": none.copy()}
         start = np.array([self.request_start_s[i] for i in ids])
         first = np.array([self.request_first_token_s[i] for i in ids])
         end = np.array([self.request_end_s[i] for i in ids])
@@ -121,7 +168,7 @@ class Metrics:
             "misses": miss,
             "hit_rate": hits / total if total else float("nan"),
             "late_rate": late / total if total else float("nan"),
-            "stall_s": self.stall_s,
+            "stall_s": self.stall_s if self.timing else float("nan"),
             "ttft_mean_s": stat(req["ttft_s"], "mean"),
             "ttft_p50_s": stat(req["ttft_s"], "p50"),
             "ttft_p99_s": stat(req["ttft_s"], "p99"),

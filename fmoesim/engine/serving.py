@@ -24,12 +24,13 @@ class ServingConfig:
     ``mode="online"``: requests arrive at their arrival times (``arrivals``: ``"trace"``
     = the trace's ``arrival_s``; ``"poisson"`` = a Poisson process of ``rate_rps``
     drawn from the run's seed; ``"csv"`` = the timestamps of an Azure-format CSV
-    ``arrivals_csv``, in order) and wait in a FCFS queue.  At each iteration boundary
-    the scheduler admits queued requests that have arrived while fewer than
-    ``max_batch_size`` are running and runs their prefill as one iteration
-    (prefill-first, like vLLM's default); otherwise it runs one decode iteration of all
-    running requests, which needs the union of their experts.  Latencies are measured
-    from arrival, so they include queueing.
+    ``arrivals_csv``, in order: ISO 8601 date-times or numbers of seconds, relative to
+    its first row, :func:`fmoesim.workload.synthetic.read_azure_csv`) and wait in a FCFS
+    queue.  At each iteration boundary the scheduler admits queued requests that have
+    arrived while fewer than ``max_batch_size`` are running and runs their prefill as one
+    iteration (prefill-first, like vLLM's default); otherwise it runs one decode
+    iteration of all running requests, which needs the union of their experts.
+    Latencies are measured from arrival, so they include queueing.
 
     ``held_in_fraction``: that share of the trace's requests (drawn with the run's seed)
     is not served but handed to the policy's ``learn`` before serving starts (the

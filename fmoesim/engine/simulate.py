@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,7 +17,7 @@ from fmoesim.engine.backend import Backend, TransferRecord
 from fmoesim.engine.cache import ExpertCache
 from fmoesim.engine.compute import ComputeModel
 from fmoesim.engine.fast import NotApplicable, lru_hit_only
-from fmoesim.engine.metrics import Metrics
+from fmoesim.engine.metrics import Metrics, blank_times
 from fmoesim.engine.runner import Runner
 from fmoesim.engine.serving import (
     ServingConfig,
@@ -47,13 +48,20 @@ class RunResult:
     policy_log: dict[str, np.ndarray] | None = None  # the policy's own table (Policy.report)
 
     def transfer_table(self) -> dict[str, np.ndarray]:
-        """The transfer log as columns (one row per transfer, in submission order)."""
+        """The transfer log as columns (one row per transfer, in submission order); its
+        times (``*_s``) are NaN in a hit-rate-only run, which has no clock."""
         cols = (
             "key", "gpu", "size_bytes", "reason", "priority", "submit_s", "release_s", "start_s",
             "end_s",
             "used", "escalated", "preemptions", "cancelled",
         )  # fmt: skip
-        return {c: np.array([getattr(t, c) for t in self.transfers]) for c in cols}
+        timed = self.metrics.timing
+        return {
+            c: np.array([getattr(t, c) for t in self.transfers])
+            if timed or not c.endswith("_s")
+            else np.full(len(self.transfers), np.nan)
+            for c in cols
+        }
 
     @property
     def hit_rate_per_layer(self) -> np.ndarray:
@@ -74,10 +82,26 @@ def check_shapes(trace: Trace, model: ModelSpec) -> None:
             )
 
 
+#: the largest budget: byte counts are int64 in the results (about 9.2e9 GB)
+MAX_BUDGET_BYTES = 2**63 - 1
+
+
 def check_budget(model: ModelSpec, budget_bytes: int, key: str = "cache.budget_gb") -> None:
-    """The budget must be positive and hold at least one layer's top-k experts."""
+    """The budget must be a positive whole number of bytes that fits in int64 and hold
+    at least one layer's top-k experts.  A budget above the model's experts is allowed:
+    every expert fits."""
+    if isinstance(budget_bytes, float) and not math.isfinite(budget_bytes):
+        raise ConfigError(key, budget_bytes / GB, "must be a finite number")
     if not budget_bytes > 0:
         raise ConfigError(key, budget_bytes / GB, "must be > 0")
+    if budget_bytes > MAX_BUDGET_BYTES:
+        whole = model.num_layers * model.num_experts * model.expert_size_bytes
+        raise ConfigError(
+            key,
+            budget_bytes / GB,
+            f"must be at most {MAX_BUDGET_BYTES / GB:.3g} GB (bytes are counted in int64); "
+            f"every expert of {model.name} fits in {whole / GB:.4g} GB",
+        )
     if budget_bytes < model.layer_topk_bytes:
         raise ConfigError(
             key,
@@ -238,7 +262,8 @@ def simulate(
     per GPU (``hardware.num_gpus`` GPUs, experts round-robin).
 
     ``timing=False`` is the hit-rate-only mode (:class:`InstantBackend`: no clock, a
-    transfer lands at the next layer step); ``preempt`` lets on-demand loads pause a
+    transfer lands at the next layer step; every time metric of the result is NaN,
+    :data:`fmoesim.engine.metrics.TIME_COLUMNS`); ``preempt`` lets on-demand loads pause a
     prefetch at a chunk boundary; ``access_log`` keeps one row per expert access.
     ``fast`` allows the exact fast paths: :mod:`fmoesim.engine.fast` for hit-rate-only
     runs of plain LRU on one GPU (it keeps no transfer log and no cache objects), and
@@ -340,7 +365,7 @@ def simulate(
         else ExpertCache(int(budget_bytes), policy, gpu=g)
         for g in range(num_gpus)
     ]
-    metrics = Metrics(trace.num_layers)
+    metrics = Metrics(trace.num_layers, timing=timing)
     backend: Backend
     if make_backend is not None:
         backend = make_backend(caches)
@@ -397,6 +422,12 @@ def simulate(
     log = None
     if runner.log is not None:
         log = {k: np.asarray(v) for k, v in runner.log.items()}
+        if not timing:
+            log["time_s"] = np.full(len(log["time_s"]), np.nan)
+    if not timing:
+        s = blank_times(s)
+        if make_backend is not None:  # a replay backend measures its real compute time
+            s["gpu_busy_s"] = backend.busy_compute_s
     return RunResult(
         summary=s,
         metrics=metrics,
@@ -427,7 +458,7 @@ def _lru_hit_only(
         fut.keys, fut.ptr, trace.num_layers, trace.num_experts, int(budget_bytes // size)
     )
     wall = time.perf_counter() - t0
-    metrics = Metrics(trace.num_layers)
+    metrics = Metrics(trace.num_layers, timing=False)
     metrics.acc = acc
     metrics.layer_steps = fut.num_steps
     out = trace.output_tokens
@@ -456,4 +487,4 @@ def _lru_hit_only(
             "speedup_vs_real": 0.0,
         }
     )
-    return RunResult(summary=s, metrics=metrics)
+    return RunResult(summary=blank_times(s), metrics=metrics)

@@ -137,14 +137,13 @@ def read_golden(path: Path) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point."""
+    """Console entry point (exit contract: :mod:`fmoesim.errors`)."""
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--golden", default=str(GOLDEN), help="golden CSV (default: %(default)s)")
     ap.add_argument("--update", action="store_true", help="write the new numbers as golden")
     ap.add_argument("--policies", default="", help="comma-separated presets (default: all)")
     ap.add_argument("--tolerance-points", type=float, default=TOLERANCE_POINTS)
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    code = run_or_exit(PROG, _run, args)
+    code = run_or_exit(PROG, lambda: _run(ap.parse_args(sys.argv[1:] if argv is None else argv)))
     raise SystemExit(code)
 
 

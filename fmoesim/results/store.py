@@ -94,10 +94,11 @@ class ResultsStore:
         return self.path(config_hash).is_file()
 
     def get(self, config_hash: str) -> dict[str, Any]:
-        """The stored row of one run."""
+        """The stored row of one run (its ``timing`` and time columns as
+        :func:`load_results` gives them)."""
         import pandas as pd
 
-        return dict(pd.read_parquet(self.path(config_hash)).iloc[0])
+        return dict(_with_timing(pd.read_parquet(self.path(config_hash))).iloc[0])
 
     def add(self, row: dict[str, Any]) -> Path:
         """Write ``row`` (which must hold ``config_hash``) atomically; a rerun of the same
@@ -110,15 +111,61 @@ class ResultsStore:
         return path
 
 
+def _timing_of(config_json: Any) -> bool:
+    """A stored run's ``engine.timing`` from its ``config_json`` (true, the default,
+    when the json is missing or does not say)."""
+    try:
+        engine = json.loads(config_json).get("engine") or {}
+    except (TypeError, ValueError, AttributeError):
+        return True
+    return bool(engine.get("timing", True))
+
+
+def _with_timing(df: Any) -> Any:
+    """``df`` (store rows) with a boolean ``timing`` column (rows without one take it from
+    their ``config_json``) and the time columns of untimed rows as missing values."""
+    import numpy as np
+    import pandas as pd
+
+    from fmoesim.engine.metrics import REQUEST_TIME_COLUMNS, TIME_COLUMNS
+
+    derived = (
+        df["config_json"].map(_timing_of)
+        if "config_json" in df.columns
+        else pd.Series(True, index=df.index)
+    )
+    if "timing" in df.columns:
+        derived = df["timing"].where(df["timing"].notna(), derived)
+    df["timing"] = derived.astype(bool)
+    if (~df["timing"]).any():
+        for col in TIME_COLUMNS:
+            if col in df.columns:
+                df[col] = df[col].astype("float64").where(df["timing"])
+        for col in REQUEST_TIME_COLUMNS:
+            if col in df.columns:
+                df[col] = [
+                    np.full(len(v), np.nan) if not t and v is not None else v
+                    for v, t in zip(df[col], df["timing"], strict=True)
+                ]
+    return df
+
+
 def load_results(root: str | os.PathLike[str] = "results/store") -> Any:
     """Every run in the store as one pandas DataFrame: a row per run, sorted by
     (experiment, policy, budget, seed); temporary files of unfinished writes are
-    ignored.  An empty store gives an empty DataFrame."""
+    ignored.  An empty store gives an empty DataFrame.
+
+    The boolean column ``timing`` says whether a run simulated time (rows written
+    without it take it from their ``config_json``'s ``engine.timing``).  The time
+    columns of a hit-rate-only run (:data:`fmoesim.engine.metrics.TIME_COLUMNS`, the
+    per-request latency lists) are missing values, also in rows written when they
+    were stored as zeros, so an average over timed and untimed runs takes in only the
+    timed ones."""
     import pandas as pd
 
     files = sorted(p for p in Path(root).glob("*.parquet") if not p.name.startswith("."))
     if not files:
         return pd.DataFrame()
-    df = pd.concat([pd.read_parquet(p) for p in files], ignore_index=True)
+    df = _with_timing(pd.concat([pd.read_parquet(p) for p in files], ignore_index=True))
     keys = [k for k in ("experiment", "policy", "budget_gb", "seed") if k in df.columns]
     return df.sort_values(keys, kind="stable", na_position="first").reset_index(drop=True)

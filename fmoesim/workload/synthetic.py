@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,11 +163,74 @@ class _Lengths:
     arrival_s: np.ndarray | None  # (R,) float
 
 
-def read_azure_csv(path: str | os.PathLike[str], limit: int | None = None) -> _Lengths:
-    """Read an Azure LLM inference trace (``TIMESTAMP,ContextTokens,GeneratedTokens``).
+#: a number of seconds in a TIMESTAMP cell (``nan`` and ``inf`` included, to be refused)
+_NUMBER = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|inf|infinity|nan)", re.IGNORECASE)
+_TIME_RULE = "TIMESTAMP is an ISO 8601 date-time or a number of seconds"
 
-    Arrival times are seconds since the first row.  Raises :class:`FmoesimError` naming
-    the file, the row and the rule on a malformed file.
+
+def _arrival_times_s(p: Path, cells: list[str]) -> np.ndarray:
+    """Seconds since the first row of the TIMESTAMP ``cells`` of the CSV ``p``
+    (the formats and the rules of :func:`read_azure_csv`)."""
+    import pandas as pd
+
+    text = [c.strip() for c in cells]
+    is_num = np.array([_NUMBER.fullmatch(c) is not None for c in text], dtype=bool)
+    stamps = pd.Series([None if n else c for c, n in zip(text, is_num, strict=True)], dtype=object)
+    try:
+        parsed = pd.to_datetime(stamps, errors="coerce", format="ISO8601")
+    except (ValueError, TypeError) as exc:  # e.g. time zones mixed with naive times
+        raise FmoesimError(
+            f"{p}: TIMESTAMP: {str(exc).splitlines()[0]} (rule: {_TIME_RULE})"
+        ) from None
+    not_time = ~is_num & parsed.isna().to_numpy()
+    mixed = is_num != is_num[0]
+    bad = np.flatnonzero(not_time | mixed)
+    if len(bad):
+        row = int(bad[0])
+        if not_time[row]:
+            raise FmoesimError(
+                f"{p} row {row}: TIMESTAMP {cells[row]!r} is not a time (rule: {_TIME_RULE})"
+            )
+        first = "a number" if is_num[0] else "a date-time"
+        raise FmoesimError(
+            f"{p} row {row}: TIMESTAMP {cells[row]!r} mixes numbers and date-times (row 0 is "
+            f"{first}; rule: all date-times or all numbers of seconds)"
+        )
+    if is_num[0]:
+        seconds = np.array([float(c) for c in text])
+        bad = np.flatnonzero(~np.isfinite(seconds) | (seconds < 0))
+        if len(bad):
+            row = int(bad[0])
+            what = "is not a finite number" if not np.isfinite(seconds[row]) else "is negative"
+            raise FmoesimError(
+                f"{p} row {row}: TIMESTAMP {cells[row]!r} {what} "
+                "(rule: a numeric TIMESTAMP is seconds, finite and >= 0)"
+            )
+        arrival = seconds - seconds[0]
+    else:
+        arrival = (parsed - parsed.iloc[0]).dt.total_seconds().to_numpy(dtype=np.float64)
+    back = np.flatnonzero(np.diff(arrival) < 0)
+    if len(back):
+        row = int(back[0]) + 1
+        raise FmoesimError(f"{p} row {row}: TIMESTAMP goes backwards (rule: rows sorted by time)")
+    return arrival
+
+
+def read_azure_csv(path: str | os.PathLike[str], limit: int | None = None) -> _Lengths:
+    """Read an Azure LLM inference trace (``TIMESTAMP,ContextTokens,GeneratedTokens``),
+    its first ``limit`` rows if given.
+
+    ``TIMESTAMP`` takes one of two formats, the same in every row:
+
+    - ISO 8601 date-times, as in the Azure traces (``2023-11-16 18:17:03.9799600``;
+      a ``T`` or a space between date and time, fractional seconds optional);
+    - plain numbers, read as seconds (``0``, ``10.5``, ``2e3``): finite and >= 0.
+
+    Arrival times are seconds since the first row (so a numeric column need not start
+    at 0), and rows must be sorted by time.  The token columns hold positive integers.
+    Raises :class:`FmoesimError` naming the file, the row (0-based, header excluded) and
+    the rule on a malformed file: an unparseable time, a column mixing numbers and
+    date-times, a negative or non-finite number, times going backwards.
     """
     import pandas as pd  # local: keeps pandas out of the generator's import cost
 
@@ -174,7 +238,7 @@ def read_azure_csv(path: str | os.PathLike[str], limit: int | None = None) -> _L
     if not p.is_file():
         raise FmoesimError(f"{p}: arrival CSV not found")
     try:
-        df = pd.read_csv(p, nrows=limit)
+        df = pd.read_csv(p, nrows=limit, dtype={"TIMESTAMP": str})
     except Exception as exc:  # noqa: BLE001 - pandas raises many types; report one line
         raise FmoesimError(f"{p}: not a readable CSV ({str(exc).splitlines()[0]})") from None
     need = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
@@ -185,17 +249,8 @@ def read_azure_csv(path: str | os.PathLike[str], limit: int | None = None) -> _L
         )
     if len(df) == 0:
         raise FmoesimError(f"{p}: no rows (rule: at least one request)")
-    ts = pd.to_datetime(df["TIMESTAMP"], errors="coerce")
-    if ts.isna().any():
-        row = int(np.flatnonzero(ts.isna().to_numpy())[0])
-        value = df["TIMESTAMP"].to_list()[row]
-        raise FmoesimError(
-            f"{p} row {row}: TIMESTAMP {value!r} is not a time (rule: TIMESTAMP is a date-time)"
-        )
-    arrival = (ts - ts.iloc[0]).dt.total_seconds().to_numpy()
-    if (np.diff(arrival) < 0).any():
-        row = int(np.flatnonzero(np.diff(arrival) < 0)[0]) + 1
-        raise FmoesimError(f"{p} row {row}: TIMESTAMP goes backwards (rule: rows sorted by time)")
+    cells = [c if isinstance(c, str) else "" for c in df["TIMESTAMP"].to_list()]  # NA: ""
+    arrival = _arrival_times_s(p, cells)
     out = []
     for col in need[1:]:
         vals = pd.to_numeric(df[col], errors="coerce").to_numpy()

@@ -1,0 +1,420 @@
+"""Bad inputs that used to crash or mislead: each is refused with one line (exit 2) before
+anything is written, or handled quietly (Ctrl-C: 130, a closed stdout: 141), and a
+hit-rate-only run reports its times as missing, not as zeros."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from fmoesim.atomic import HOST, STALE_AGE_S, clean_stale_temps
+from fmoesim.engine.metrics import REQUEST_TIME_COLUMNS, TIME_COLUMNS
+from fmoesim.errors import ConfigError, FmoesimError
+from fmoesim.results.store import ResultsStore, load_results
+from fmoesim.workload.synthetic import read_azure_csv
+from tests.test_cli import ROOT, ROUTES, fmoesim, model_overrides, run, write_sequence_trace
+from tests.tiny import TINY
+
+BUDGET_GB = 2 * TINY.expert_size_bytes / 1e9  # two experts: 5/12 hits on ROUTES
+
+
+def tiny(tmp: Path, *extra: str) -> list[str]:
+    """Overrides of a run of the tiny sequence trace, writing under ``tmp``."""
+    trace = tmp / "seq"
+    if not trace.exists():
+        write_sequence_trace(trace, ROUTES)
+    return [
+        f"workload.path={trace}",
+        f"output.dir={tmp}/runs",
+        f"store.dir={tmp}/store",
+        "progress=false",
+        *model_overrides(TINY),
+        f"cache.budget_gb={BUDGET_GB}",
+        *extra,
+    ]
+
+
+def assert_refused(p: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Exit status 2 and one line on stderr holding every needle."""
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("fmoesim: error: "), lines[0]
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def temps(d: Path) -> list[Path]:
+    """Temporary entries (atomic writes) left in ``d``."""
+    return [p for p in d.iterdir() if ".tmp-" in p.name] if d.exists() else []
+
+
+def assert_nothing_written(tmp: Path) -> None:
+    """No run directory, no store row, no temporary."""
+    for sub in ("runs", "store"):
+        d = tmp / sub
+        assert not d.exists() or not any(d.iterdir()), sorted(d.iterdir())
+
+
+# -- 1. hit-rate-only runs: times are missing values, not zeros ---------------------------
+def test_hit_rate_only_run_has_missing_times_everywhere(tmp_path):
+    p = fmoesim(*tiny(tmp_path, "engine.timing=false", "policy=lfu", "output.name=hr"))
+    assert p.returncode == 0, p.stderr
+    assert "n/a (hit-rate-only)" in p.stdout and " ms" not in p.stdout
+    run_dir = tmp_path / "runs" / "hr"
+    row = pd.read_parquet(run_dir / "summary.parquet").iloc[0]
+    stored = ResultsStore(tmp_path / "store").get(row["config_hash"])
+    for r in (row, stored):
+        assert r["timing"] is False or r["timing"] == np.False_
+        assert r["hit_rate"] == pytest.approx(5 / 12)  # still measured
+        for col in TIME_COLUMNS:
+            assert math.isnan(r[col]), col
+        for col in REQUEST_TIME_COLUMNS:
+            assert len(r[col]) == 1 and np.isnan(np.asarray(r[col], float)).all(), col  # null
+    assert pd.read_parquet(run_dir / "layers.parquet")["stall_s"].isna().all()
+    transfers = pd.read_parquet(run_dir / "transfers.parquet")
+    assert len(transfers) and transfers[["submit_s", "start_s", "end_s"]].isna().all().all()
+    # a timed run of the same point: finite times, timing true
+    p = fmoesim(*tiny(tmp_path, "policy=lfu", "output.name=timed"))
+    assert p.returncode == 0, p.stderr
+    row = pd.read_parquet(tmp_path / "runs" / "timed" / "summary.parquet").iloc[0]
+    assert row["timing"] and row["tpot_mean_s"] > 0 and row["simulated_s"] > 0
+
+
+def test_pivot_over_timed_and_untimed_runs_averages_only_timed(tmp_path):
+    for extra in ("engine.timing=true", "engine.timing=false"):
+        p = fmoesim(*tiny(tmp_path, extra, "output.write=false"))
+        assert p.returncode == 0, p.stderr
+    df = load_results(tmp_path / "store")
+    assert sorted(df["timing"]) == [False, True] and df["timing"].dtype == bool
+    timed = float(df.loc[df.timing, "tpot_mean_s"].iloc[0])
+    assert timed > 0
+    table = df.pivot_table(
+        index="budget_gb", columns="policy", values="tpot_mean_s", aggfunc="mean"
+    )
+    assert float(table.iloc[0, 0]) == pytest.approx(timed)  # not (timed + 0) / 2
+
+
+def test_load_results_derives_timing_of_rows_stored_without_it(tmp_path):
+    store = ResultsStore(tmp_path)
+    old = {"hit_rate": 0.5, "tpot_mean_s": 0.0, "stall_s": 0.0, "request_tpot_s": [0.0, 0.0]}
+    store.add({**old, "config_hash": "a", "config_json": json.dumps({"engine": {"timing": False}})})
+    store.add({**old, "config_hash": "b", "tpot_mean_s": 0.2, "config_json": json.dumps({})})
+    df = load_results(tmp_path).set_index("config_hash")
+    assert df.loc["a", "timing"] == False  # noqa: E712 - numpy bool
+    assert df.loc["b", "timing"] == True  # noqa: E712 - numpy bool
+    assert math.isnan(df.loc["a", "tpot_mean_s"]) and math.isnan(df.loc["a", "stall_s"])
+    assert np.isnan(df.loc["a", "request_tpot_s"]).all()
+    assert df.loc["b", "tpot_mean_s"] == 0.2
+    assert math.isnan(store.get("a")["tpot_mean_s"]) and not store.get("a")["timing"]
+
+
+# -- 2. arrival CSVs: date-times or seconds, refused with file, row and rule -------------
+def csv(tmp: Path, times: list[str], name: str = "a.csv") -> Path:
+    p = tmp / name
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(f"{t},8,4\n" for t in times))
+    return p
+
+
+def test_numeric_timestamps_are_seconds(tmp_path):
+    got = read_azure_csv(csv(tmp_path, ["0", "10.5", "20", "30"])).arrival_s
+    assert got.tolist() == [0.0, 10.5, 20.0, 30.0]
+    got = read_azure_csv(csv(tmp_path, ["100", "110.5", "2e2"], "b.csv")).arrival_s
+    assert got.tolist() == [0.0, 10.5, 100.0]  # relative to the first row
+
+
+def test_datetime_timestamps_give_their_gaps(tmp_path):
+    times = ["2023-11-16 18:17:03.9799600", "2023-11-16 18:17:04", "2023-11-16T18:17:10.5"]
+    got = read_azure_csv(csv(tmp_path, times)).arrival_s
+    np.testing.assert_allclose(got, [0.0, 0.02004, 6.52004], atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("times", "expected"),
+    [
+        (["0", "-1"], "row 1: TIMESTAMP '-1' is negative"),
+        (["-1", "0"], "row 0: TIMESTAMP '-1' is negative"),
+        (["0", "20", "10"], "row 2: TIMESTAMP goes backwards (rule: rows sorted by time)"),
+        (["0", "inf"], "row 1: TIMESTAMP 'inf' is not a finite number"),
+        (["0", "2023-11-16 18:17:03"], "row 1: TIMESTAMP '2023-11-16 18:17:03' mixes numbers"),
+        (["2023-11-16 18:17:03", "5"], "row 1: TIMESTAMP '5' mixes numbers and date-times"),
+        (["2023-11-16 18:17:03", "2023-11-16 18:17:01"], "row 1: TIMESTAMP goes backwards"),
+    ],
+    ids=["negative", "negative_first", "unsorted", "inf", "mixed", "mixed_dt", "unsorted_dt"],
+)
+def test_bad_timestamps_refused_with_file_row_rule(tmp_path, times, expected):
+    p = csv(tmp_path, times)
+    with pytest.raises(FmoesimError) as info:
+        read_azure_csv(p)
+    assert str(info.value).startswith(f"{p} {expected}"), str(info.value)
+
+
+def test_online_arrivals_from_a_numeric_csv(tmp_path):
+    from fmoesim.engine.serving import ServingConfig, arrival_times_s
+
+    p = csv(tmp_path, ["0", "10.5", "20", "30"])
+    cfg = ServingConfig(mode="online", arrivals="csv", arrivals_csv=str(p)).validate()
+    got = arrival_times_s(cfg, np.zeros(3), 3, np.random.default_rng(0))
+    assert got.tolist() == [0.0, 10.5, 20.0]
+    bad = csv(tmp_path, ["0", "-1"], "bad.csv")
+    out = tmp_path / "synth"
+    p = run("fmoesim.cli.trace_cli", "synth", "--requests", "2", "--arrivals", str(bad), str(out))
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"fmoesim-trace: error: {bad} row 1: TIMESTAMP '-1' is negative "
+        "(rule: a numeric TIMESTAMP is seconds, finite and >= 0)"
+    ]
+    assert not out.exists()
+
+
+# -- 3-6. overrides, output names, budgets, policy files: one line before the run ---------
+BAD = [
+    (["+cache.budjet_gb=12"], "config key 'cache.budjet_gb': unknown key 'budjet_gb' under"),
+    (["++cache.budjet_gb=12"], "config key 'cache.budjet_gb': unknown key 'budjet_gb' under"),
+    (["+budjet=1"], "config key 'budjet': unknown key 'budjet' under '<root>'"),
+    (["++serving.mod=online"], "unknown key 'mod' under 'serving'"),
+    (["+policy.foo=1"], "LRU() takes no arguments"),
+    (["output.name=../../x"], "config key 'output.name' = '../../x': must be one directory"),
+    (["output.name=a/b"], "config key 'output.name' = 'a/b'"),
+    (["output.name=.hidden"], "config key 'output.name' = '.hidden'"),
+    (["cache.budget_gb=nan"], "config key 'cache.budget_gb' = nan: must be a finite number"),
+    (["cache.budget_gb=inf"], "config key 'cache.budget_gb' = inf: must be a finite number"),
+    (["cache.budget_gb=1e30"], "must be at most 9.22e+09 GB (bytes are counted in int64)"),
+    (["cache.experts_per_layer=-1"], "'cache.experts_per_layer' = -1: must be in [1, 4]"),
+    (["cache.experts_per_layer=0"], "'cache.experts_per_layer' = 0: must be in [1, 4]"),
+    (["cache.experts_per_layer=99999999999999999999"], "must be in [1, 4]"),
+    (
+        ["policy=moe-infinity", "policy.eamc_path=/no/such.npz"],
+        "config key 'policy.eamc_path' = '/no/such.npz': file not found",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_refused_before_the_run_one_line(tmp_path, args, expected):
+    assert_refused(fmoesim(*tiny(tmp_path, *args)), expected)
+    assert_nothing_written(tmp_path)
+    assert not (tmp_path.parent / "x").exists()
+
+
+def test_plus_typo_reads_like_a_plain_typo(tmp_path):
+    plain = assert_refused(fmoesim(*tiny(tmp_path, "cache.budjet_gb=12")))
+    for prefix in ("+", "++"):
+        assert assert_refused(fmoesim(*tiny(tmp_path, f"{prefix}cache.budjet_gb=12"))) == plain
+
+
+def test_check_added_keys_leaves_policy_groups_and_hydra_alone():
+    from fmoesim.cli.main import _preflight_sweep, check_added_keys
+
+    check_added_keys(
+        ["++policy.prefetch_distance=2", "+experiment=fmoe-fig4", "++cache.budget_gb=3",
+         "+hydra.launcher.n_jobs=2", "++model.num_layers=4", "+workload.synthetic.skew=2"]
+    )  # fmt: skip
+    with pytest.raises(FmoesimError, match="unknown key 'x' under 'model'"):
+        check_added_keys(["+model.x=1"])
+    assert _preflight_sweep(["experiment=fmoe-fig4"]) == 10  # its ++policy.* sweep is fine
+
+
+def test_a_budget_above_every_expert_runs(tmp_path):
+    p = fmoesim(*tiny(tmp_path, "cache.budget_gb=1e9", "engine.timing=false", "output.name=big"))
+    assert p.returncode == 0, p.stderr
+    row = pd.read_parquet(tmp_path / "runs" / "big" / "summary.parquet").iloc[0]
+    assert row["budget_experts"] == int(1e18 // TINY.expert_size_bytes)
+    assert row["hit_rate"] == pytest.approx(8 / 12)  # every expert fits: 4 cold misses
+
+
+def test_budget_checks_in_the_library():
+    from fmoesim.engine.simulate import check_budget
+
+    with pytest.raises(ConfigError, match="finite"):
+        check_budget(TINY, float("nan"))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="int64"):
+        check_budget(TINY, 10**30)
+
+
+# -- 4. output.name of another config is refused, never deleted --------------------------
+def test_output_name_of_another_config_is_refused_not_deleted(tmp_path):
+    first = fmoesim(*tiny(tmp_path, "engine.timing=false", "output.name=r"))
+    assert first.returncode == 0, first.stderr
+    summary = tmp_path / "runs" / "r" / "summary.parquet"
+    before = summary.read_bytes()
+    p = fmoesim(*tiny(tmp_path, "engine.timing=false", "output.name=r", "cache.budget_gb=0.024"))
+    assert_refused(p, "config key 'output.name' = 'r'", "holds a run of another config",
+                   "pick another output.name")  # fmt: skip
+    assert summary.read_bytes() == before
+    assert len(list((tmp_path / "store").glob("*.parquet"))) == 1  # the refused run: no row
+    assert not temps(tmp_path / "runs")
+    # the same config again replaces its own directory
+    p = fmoesim(*tiny(tmp_path, "engine.timing=false", "output.name=r", "output.verbose=false"))
+    assert p.returncode == 0, p.stderr
+    assert summary.read_bytes() != before
+    # a directory that holds no run is not ours either
+    (tmp_path / "runs" / "mine").mkdir()
+    (tmp_path / "runs" / "mine" / "notes.txt").write_text("keep")
+    assert_refused(fmoesim(*tiny(tmp_path, "output.name=mine")), "does not hold a fmoesim run")
+    assert (tmp_path / "runs" / "mine" / "notes.txt").read_text() == "keep"
+
+
+# -- 7. where results go is checked first; a run directory never lacks its store row -------
+def test_store_dir_that_is_a_file_is_refused_before_the_run(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    p = fmoesim(*tiny(tmp_path, f"store.dir={f}"))
+    assert_refused(p, f"config key 'store.dir' = '{f}': is not a directory")
+    p = fmoesim(*tiny(tmp_path, f"output.dir={f}/runs"))
+    assert_refused(p, f"config key 'output.dir' = '{f}/runs': cannot be made: {f} is a file")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "store").exists()
+
+
+def test_run_dir_and_store_row_are_written_together(tmp_path, monkeypatch):
+    from fmoesim.cli.main import compose_config, run_config
+
+    cfg = compose_config(
+        tiny(tmp_path, "engine.timing=false", "output.name=r", "output.plot=false")
+    )
+
+    def broken_add(self, row):  # noqa: ANN001 - a store whose write fails
+        raise OSError(28, "No space left on device", str(self.root / "x.parquet"))
+
+    monkeypatch.setattr(ResultsStore, "add", broken_add)
+    with pytest.raises(FmoesimError, match="cannot write results \\(No space left on device"):
+        run_config(cfg)
+    assert not (tmp_path / "runs" / "r").exists() and not temps(tmp_path / "runs")
+    monkeypatch.undo()
+    run_config(cfg)
+    assert (tmp_path / "runs" / "r" / "summary.parquet").is_file()
+    assert len(list((tmp_path / "store").glob("*.parquet"))) == 1
+
+
+# -- 8. every point of a sweep is checked before its first run ---------------------------
+def test_unknown_policy_in_a_sweep_list_is_refused_before_any_job(tmp_path):
+    p = fmoesim("-m", *tiny(tmp_path, "policy=lru,nosuch", f"hydra.sweep.dir={tmp_path}/sw"))
+    assert_refused(p, "policy=nosuch: unknown policy; valid: ", "(sweep run 2/2: policy=nosuch)")
+    assert p.stdout == ""  # not even the sweep's first line
+    assert_nothing_written(tmp_path)
+    p = fmoesim("-m", *tiny(tmp_path, "cache.budget_gb=0.012,nan", f"hydra.sweep.dir={tmp_path}/s"))
+    assert_refused(p, "'cache.budget_gb' = nan: must be a finite number", "sweep run 2/2")
+    p = fmoesim("-m", *tiny(tmp_path, "policy=lru,lfu", "output.name=same"))
+    assert_refused(p, "'output.name' = 'same': the same for 2 runs of the sweep")
+    assert_nothing_written(tmp_path)
+
+
+# -- 9. Ctrl-C: one line, 130, nothing half-written --------------------------------------
+def test_ctrl_c_in_a_sweep_one_line_exit_130_nothing_half_written(tmp_path):
+    args = tiny(tmp_path, "engine.timing=false", "output.plot=false", "seed=range(0,200)",
+                f"hydra.sweep.dir={tmp_path}/sw")  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, "-m", "fmoesim.cli.main", "-m", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert p.stdout is not None
+        deadline = time.monotonic() + 120
+        for line in p.stdout:
+            if line.startswith("[sweep 1/200]"):
+                p.send_signal(signal.SIGINT)
+                break
+            assert time.monotonic() < deadline
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert err.strip() == "fmoesim: interrupted"
+    assert "[sweep 200/200]" not in out
+    runs, store = tmp_path / "runs", tmp_path / "store"
+    assert not temps(runs) and not temps(store)
+    dirs = {pd.read_parquet(d / "summary.parquet").config_hash[0] for d in runs.iterdir()}
+    rows = {f.stem for f in store.glob("*.parquet")}
+    assert dirs == rows and len(rows) >= 1  # every run directory has its store row
+
+
+# -- 10. a closed stdout ends quietly ----------------------------------------------------
+@pytest.mark.parametrize("cmd", ["trace", "run"])
+def test_closed_stdout_exits_141_quietly(tmp_path, cmd):
+    if cmd == "trace":
+        argv = ["fmoesim.cli.trace_cli", "inspect", "traces/default"]
+    else:
+        argv = ["fmoesim.cli.main", *tiny(tmp_path, "engine.timing=false")]
+    p = subprocess.Popen(
+        [sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT
+    )
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # the reader is gone before anything is written (as `| head -0`)
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert err == ""
+    if cmd == "run":  # the results were saved before anything was printed
+        assert len(list((tmp_path / "store").glob("*.parquet"))) == 1
+
+
+# -- 11. temporaries of killed writers are removed by the next run ------------------------
+KILLED_WRITER = """
+import sys, time
+from fmoesim.atomic import atomic_dir
+writer = atomic_dir(sys.argv[1])  # kept referenced: collecting it would clean up
+tmp = writer.__enter__()
+(tmp / "summary.parquet").write_text("half")
+print(tmp, flush=True)
+time.sleep(300)
+"""
+
+
+def test_stale_temporaries_of_killed_writers_are_removed(tmp_path):
+    runs, store = tmp_path / "runs", tmp_path / "store"
+    runs.mkdir()
+    store.mkdir()
+    p = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, str(runs / "victim")],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert p.stdout is not None
+    killed = Path(p.stdout.readline().strip())
+    p.kill()  # SIGKILL: no cleanup
+    p.wait()
+    assert killed.is_dir() and killed.parent == runs
+    dead_file = store / f".abc.tmp-{HOST}-{p.pid}-xyz.parquet"
+    dead_file.write_text("half")
+    live = runs / f".other.tmp-{HOST}-{os.getpid()}-live"  # this test's own: alive
+    live.mkdir()
+    elsewhere = runs / f".other.tmp-otherhost-{p.pid}-far"  # another host: unknown
+    elsewhere.mkdir()
+    keep = runs / ".keepme"
+    keep.write_text("not ours")
+    r = fmoesim(*tiny(tmp_path, "engine.timing=false", "output.name=next"))
+    assert r.returncode == 0, r.stderr
+    assert not killed.exists() and not dead_file.exists()
+    assert live.exists() and elsewhere.exists() and keep.exists()
+    # one older than a day is abandoned wherever it was made
+    old = time.time() - STALE_AGE_S - 60
+    os.utime(elsewhere, (old, old))
+    assert clean_stale_temps(runs) == [elsewhere]
+    assert live.exists()
+
+
+# -- 12. a sweep prints one line per job; the summaries with -v --------------------------
+def test_sweep_prints_one_line_per_job_and_summaries_with_verbose(tmp_path):
+    args = tiny(tmp_path, "engine.timing=false", "output.write=false", "policy=lru,lfu",
+                "cache.budget_gb=0.012,0.024", f"hydra.sweep.dir={tmp_path}/sw")  # fmt: skip
+    p = fmoesim("-m", *args)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert len(lines) == 6, p.stdout
+    assert lines[0].startswith("sweep: 4 runs") and lines[-1].startswith("sweep done: 4 runs")
+    for k, line in enumerate(lines[1:5], 1):
+        assert line.startswith(f"[sweep {k}/4] cache.budget_gb=") and " policy=" in line
+        assert line.endswith("TPOT n/a (hit-rate-only)")
+    p = fmoesim("-v", "-m", *args, "store.skip_done=false")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("expert hit rate") == 4  # every run's table
+    assert p.stdout.count("[HYDRA] \t#") == 4  # Hydra's own job lines
+    assert p.stdout.count("[sweep ") == 4
