@@ -10,7 +10,11 @@ Prompts: a JSONL or JSON file of objects with a text field (``--field``, default
 of ``prompt``, ``text``, ``question``, ``content``) or with ``input_ids``, or a JSON list of
 strings.  Text goes through the model's tokenizer and its chat template when it has one.
 Needs the extra ``collect`` (torch, transformers).  Rerunning an interrupted command
-resumes it.  Exit status 2 and one line on stderr for bad input.
+with the same arguments resumes it; other arguments or another model are refused
+(``--force`` discards the stopped collection).  Exit status 2 and one line on stderr for
+bad input: options, an existing destination and a stopped collection with other
+arguments are refused before the model loads; prompt files, tokenizers, hub ids and
+model directories that do not load are reported in one line too.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ TEXT_FIELDS = ("prompt", "text", "question", "content")
 
 def read_prompts(path: Path, field: str | None, limit: int | None) -> list[Any]:
     """Prompts as strings or token-id lists; a one-line error names the line and rule."""
+    return [p for _, p in read_prompt_lines(path, field, limit)]
+
+
+def read_prompt_lines(path: Path, field: str | None, limit: int | None) -> list[tuple[int, Any]]:
+    """``(line or item number, prompt)`` pairs of a prompt file (see :func:`read_prompts`)."""
     if not path.is_file():
         raise FmoesimError(f"{path}: prompt file not found")
     raw = path.read_text()
@@ -51,9 +60,9 @@ def read_prompts(path: Path, field: str | None, limit: int | None) -> list[Any]:
                     items.append((n, json.loads(line)))
                 except json.JSONDecodeError as exc:
                     raise FmoesimError(f"{path} line {n}: not a JSON object ({exc})") from None
-    out: list[Any] = []
+    out: list[tuple[int, Any]] = []
     for n, item in items:
-        out.append(_prompt_of(path, n, item, field))
+        out.append((n, _prompt_of(path, n, item, field)))
         if limit is not None and len(out) >= limit:
             break
     if not out:
@@ -94,47 +103,54 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--field", default=None, help="the prompt text field")
     ap.add_argument("--limit", type=int, default=None, help="first N prompts only")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--force", action="store_true", help="replace an existing trace")
+    ap.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing trace; discard a stopped collection that cannot be resumed",
+    )
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     run_or_exit(PROG, _run, args)
 
 
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` of an exception from a library."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def _run(args: argparse.Namespace) -> None:
-    prompts = read_prompts(Path(args.prompts), args.field, args.limit)
+    from fmoesim.collect.collector import (
+        check_arguments,
+        check_destination,
+        collect,
+        parts_dir,
+    )
+
+    embedding_dim = None if args.embedding_dim == 0 else args.embedding_dim
+    check_arguments(args.max_new_tokens, args.batch_size, embedding_dim)
+    if args.limit is not None and args.limit < 1:
+        raise FmoesimError(f"--limit must be >= 1, got {args.limit}")
+    check_destination(args.out, args.force)
+    prompts = read_prompt_lines(Path(args.prompts), args.field, args.limit)
     try:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        import transformers  # noqa: F401 - the collector's dependency, checked here
     except ImportError:
         raise FmoesimError(
             "the collector needs torch and transformers: pip install '.[collect]'"
         ) from None
-    from fmoesim.collect.collector import collect
+    from fmoesim.collect.state import check_resume, collection_arguments, library_versions
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
-    ids: list[list[int]] = []
-    tok = None
-    for p in prompts:
-        if isinstance(p, list):
-            ids.append(p)
-            continue
-        if tok is None:
-            tok = AutoTokenizer.from_pretrained(args.model)
-        if getattr(tok, "chat_template", None):
-            enc = tok.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
-            )
-            # a BatchEncoding (transformers 5) or a plain list of ids (4.x)
-            raw: Any = enc
-            seq: Any = raw["input_ids"] if hasattr(raw, "keys") else raw
-            ids.append([int(t) for t in seq])
-        else:
-            ids.append(tok(p)["input_ids"])
+    ids = _token_ids(prompts, args.model, args.prompts)
+    arguments = collection_arguments(ids, args.max_new_tokens, embedding_dim, args.projection_seed)
+    check_resume(parts_dir(args.out), arguments, library_versions(), None, args.force)
+    model = _load_model(args.model, getattr(torch, args.dtype))
     out = collect(
         model,
         ids,
         args.out,
         max_new_tokens=args.max_new_tokens,
-        embedding_dim=args.embedding_dim or None,
+        embedding_dim=embedding_dim,
         projection_seed=args.projection_seed,
         model_id=str(args.model),
         overwrite=args.force,
@@ -143,6 +159,59 @@ def _run(args: argparse.Namespace) -> None:
         tokens=args.tokens,
     )
     print(f"wrote {out}: {len(ids)} requests")
+
+
+def _load_model(name: str, dtype: Any) -> Any:
+    """``AutoModelForCausalLM.from_pretrained``; any failure (hub, files, config, weights)
+    is one line naming the model."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    except Exception as exc:  # hub, file, config and weight errors come in many types
+        raise FmoesimError(f"{name}: cannot load the model ({_first_line(exc)})") from None
+
+
+def _token_ids(prompts: list[tuple[int, Any]], model: str, path: str) -> list[list[int]]:
+    """Token ids of each prompt: id lists as they are, text through the model's tokenizer
+    and its chat template when it has one."""
+    from transformers import AutoTokenizer
+
+    ids: list[list[int]] = []
+    tok = None
+    for n, p in prompts:
+        if isinstance(p, list):
+            ids.append(p)
+            continue
+        where = f"{path} line {n}"
+        if tok is None:
+            try:
+                tok = AutoTokenizer.from_pretrained(model)
+            except Exception as exc:  # missing files, hub errors, unknown tokenizer classes
+                raise FmoesimError(
+                    f"{where}: a text prompt needs {model}'s tokenizer, which does not load "
+                    f"({_first_line(exc)}); give input_ids instead"
+                ) from None
+        try:
+            if getattr(tok, "chat_template", None):
+                enc = tok.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+                )
+                # a BatchEncoding (transformers 5) or a plain list of ids (4.x)
+                raw: Any = enc
+                seq: Any = raw["input_ids"] if hasattr(raw, "keys") else raw
+            else:
+                seq = tok(p)["input_ids"]
+            row = [int(t) for t in seq]
+        except Exception as exc:  # a broken chat template or tokenizer
+            raise FmoesimError(f"{where}: {model}'s tokenizer fails ({_first_line(exc)})") from None
+        if not row:
+            raise FmoesimError(
+                f"{where}: the text gives no tokens with {model}'s tokenizer (no tokenizer "
+                "saved with the model?); give input_ids instead"
+            )
+        ids.append(row)
+    return ids
 
 
 if __name__ == "__main__":

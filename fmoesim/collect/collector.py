@@ -1,24 +1,29 @@
 """Record the gate distributions of a Hugging Face MoE model into a trace.
 
-Hooks on each MoE layer's router module (``mlp.gate``, ``mlp.router`` or
-``block_sparse_moe.gate``, whichever the installed transformers has): a forward
+Hooks on each MoE layer's router module (:mod:`fmoesim.collect.routing` says which
+module, how its output is read and how its scoring rule is determined): a forward
 *pre*-hook keeps the router's input ``h``, a forward hook keeps the experts the model
-itself picked.  Full probabilities are recomputed from ``h`` and the router's weights
-(``softmax(h W^T + b)``), so it does not matter whether a transformers version returns
-logits, already-softmaxed scores or only the top-k (``../shared/notes-anchors.md``);
-DeepSeek-V3 scores experts with sigmoids, whose normalised values are recorded as its
-"probabilities" (stated in the manifest).  Per (request, iteration, layer): token counts
-of the model's own choices, mean probabilities, and ``spec_probs`` = the router of layer
-``l`` applied to layer ``l-1``'s router input (layer 0: the previous iteration's last
-MoE router input; null in the prefill).  Per iteration: the mean of the embedding
-layer's output over its tokens, optionally reduced by a seeded Gaussian projection.
+itself picked (and their weights where the router returns them).  Full probabilities
+are recomputed from ``h`` and the router's weights under the model's scoring rule
+(``softmax(W h + b)``, or ``sigmoid(W h)`` normalised to sum 1 for routers that score
+with sigmoids), so it does not matter whether a transformers version returns logits,
+already-softmaxed scores or only the top-k.  The manifest's ``source.routing`` names
+the rule, how it was read from the model, and what ``probs``, ``expert_counts`` and
+``topk_weights`` hold under it.  Per (request, iteration, layer): token counts of the
+model's own choices, mean probabilities, and ``spec_probs`` = the router of layer ``l``
+applied to layer ``l-1``'s router input (layer 0: the previous iteration's last MoE
+router input; null in the prefill).  Per iteration: the mean of the embedding layer's
+output over its tokens, optionally reduced by a seeded Gaussian projection.
 
 Generation is greedy (``model.generate``), ``batch_size`` requests at a time
 (left-padded); each forward pass is one iteration of every request still generating
-(the prefill, then one per generated token).  Finished requests are kept
-as ``.npz`` parts beside the destination, so an interrupted run resumes where it
-stopped; the trace is assembled from the parts at the end (streaming row groups) and
-moved into place atomically.
+(the prefill, then one per generated token).  Finished requests are kept as ``.npz``
+parts in ``<out>.parts/`` with a ``state.json`` of the collection's arguments and the
+model's fingerprint (:mod:`fmoesim.collect.state`), so an interrupted run resumes where
+it stopped and a resume with other arguments or another model is refused; the trace is
+assembled from the parts at the end (streaming row groups) and moved into place
+atomically.  Everything that can be refused (arguments, destination, prompts, routers
+and their rule, a stopped collection) is checked before ``<out>.parts/`` is made.
 """
 
 from __future__ import annotations
@@ -33,61 +38,41 @@ from typing import Any
 import numpy as np
 
 from fmoesim.atomic import save_npz_atomic
+from fmoesim.collect.routing import (
+    ROUTER_PATHS,
+    Routing,
+    decoder_layers,
+    find_routers,
+    num_experts_of,
+    read_routing,
+    router_logits,
+    split_router_output,
+    top_k_of,
+)
+from fmoesim.collect.state import (
+    check_resume,
+    collection_arguments,
+    library_versions,
+    model_fingerprint,
+    write_state,
+)
 from fmoesim.errors import FmoesimError
 from fmoesim.trace.schema import TraceManifest, TraceModel
 from fmoesim.trace.writer import TraceWriter
 
-ROUTER_PATHS = (("mlp", "gate"), ("mlp", "router"), ("block_sparse_moe", "gate"))
-SIGMOID_FAMILIES = ("deepseek_v3",)
-
-
-def find_routers(model: Any) -> list[tuple[int, Any]]:
-    """``(decoder layer index, router module)`` of every MoE layer, in order: the first
-    of ``mlp.gate`` / ``mlp.router`` / ``block_sparse_moe.gate`` whose weight has one row
-    per routed expert (dense layers and shared-expert gates do not)."""
-    layers = _decoder_layers(model)
-    E = num_experts_of(model.config)
-    out = []
-    for i, layer in enumerate(layers):
-        for parent, child in ROUTER_PATHS:
-            mod = getattr(getattr(layer, parent, None), child, None)
-            w = getattr(mod, "weight", None)
-            if w is not None and w.ndim == 2 and w.shape[0] == E:
-                out.append((i, mod))
-                break
-    if not out:
-        raise FmoesimError(
-            f"{type(model).__name__}: no MoE router found under "
-            f"{', '.join('.'.join(p) for p in ROUTER_PATHS)} (unsupported family or version)"
-        )
-    return out
-
-
-def _decoder_layers(model: Any) -> Sequence[Any]:
-    for path in (("model", "layers"), ("layers",)):
-        obj = model
-        for name in path:
-            obj = getattr(obj, name, None)
-        if obj is not None:
-            return list(obj)
-    raise FmoesimError(f"{type(model).__name__}: no decoder layers at model.layers")
-
-
-def num_experts_of(config: Any) -> int:
-    """Routed experts per layer from a transformers config."""
-    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        v = getattr(config, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    raise FmoesimError(f"{type(config).__name__}: no expert count in the config")
-
-
-def top_k_of(config: Any) -> int:
-    """Experts per token from a transformers config."""
-    v = getattr(config, "num_experts_per_tok", None)
-    if not isinstance(v, int) or v < 1:
-        raise FmoesimError(f"{type(config).__name__}: no num_experts_per_tok in the config")
-    return v
+__all__ = [
+    "ROUTER_PATHS",
+    "Recorder",
+    "Routing",
+    "check_arguments",
+    "check_destination",
+    "collect",
+    "find_routers",
+    "num_experts_of",
+    "parts_dir",
+    "request_arrays",
+    "top_k_of",
+]
 
 
 @dataclass
@@ -112,7 +97,10 @@ class _Pass:
 
 class Recorder:
     """Hooks on a model's routers and embedding layer; :meth:`take` returns the passes
-    recorded since the last call.  Use as a context manager (hooks removed on exit)."""
+    recorded since the last call.  Use as a context manager (hooks removed on exit).
+
+    Constructing one finds the routers and reads their scoring rule (``routing``), and
+    refuses a model without routers or with a rule it cannot determine."""
 
     def __init__(self, model: Any) -> None:
         import torch
@@ -121,7 +109,7 @@ class Recorder:
         self.model = model
         self.routers = find_routers(model)
         self.E, self.K = num_experts_of(model.config), top_k_of(model.config)
-        self.sigmoid = getattr(model.config, "model_type", "") in SIGMOID_FAMILIES
+        self.routing: Routing = read_routing(model, self.routers, self.K)
         self._passes: list[_Pass] = []
         self._handles: list[Any] = []
 
@@ -150,37 +138,20 @@ class Recorder:
 
     def _post(self, j: int) -> Callable[..., None]:
         def hook(mod: Any, args: Any, out: Any) -> None:
-            if isinstance(out, tuple) and len(out) >= 3:
-                idx = out[2]  # (logits, scores, indices): the model's own choice
-                if out[1].shape == idx.shape:
-                    self._passes[-1].wts[j] = out[1].detach().float().reshape(-1, self.K)
-            elif (
-                isinstance(out, tuple)
-                and len(out) == 2
-                and out[0].dtype
-                in (
-                    self.torch.int64,
-                    self.torch.int32,
-                )
-            ):
-                idx = out[0]  # (indices, weights)
-            else:  # logits only (nn.Linear routers): softmax top-k is the model's rule
-                logits = out[0] if isinstance(out, tuple) else out
+            idx, wts = split_router_output(out, self.E)
+            if idx is None:  # logits only: the model takes their top-k (read_routing)
+                logits = out[0] if isinstance(out, (tuple, list)) else out
                 idx = self.torch.topk(logits.float(), self.K, dim=-1).indices
-            self._passes[-1].idx[j] = idx.detach().reshape(-1, self.K)
+            elif wts is not None:
+                self._passes[-1].wts[j] = wts.detach().float().reshape(-1, self.K)
+            self._passes[-1].idx[j] = idx.detach().long().reshape(-1, self.K)
 
         return hook
 
     def probs(self, j: int, h: Any) -> Any:
-        """Full routing distribution of MoE layer ``j`` for inputs ``h`` (tokens, hidden)."""
-        mod = self.routers[j][1]
-        logits = self.torch.nn.functional.linear(
-            h, mod.weight.float(), None if getattr(mod, "bias", None) is None else mod.bias.float()
-        )
-        if self.sigmoid:
-            s = logits.sigmoid()
-            return s / s.sum(dim=-1, keepdim=True)
-        return self.torch.softmax(logits, dim=-1)
+        """Full routing distribution of MoE layer ``j`` for inputs ``h`` (tokens, hidden),
+        under the model's scoring rule."""
+        return self.routing.probs(router_logits(self.routers[j][1], h))
 
     def take(self) -> list[_Pass]:
         """The passes recorded since the last call."""
@@ -249,6 +220,49 @@ def projection_matrix(hidden: int, dim: int | None, seed: int) -> np.ndarray | N
     return rng.standard_normal((hidden, dim)) / np.sqrt(dim)
 
 
+def check_arguments(max_new_tokens: int, batch_size: int, embedding_dim: int | None) -> None:
+    """Refuse arguments out of range (one line naming the option)."""
+    if max_new_tokens < 1:
+        raise FmoesimError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise FmoesimError(f"--batch-size must be >= 1, got {batch_size}")
+    if embedding_dim is not None and embedding_dim < 1:
+        raise FmoesimError(f"--embedding-dim must be >= 1 (or 0 to keep all), got {embedding_dim}")
+
+
+def check_destination(out: str | os.PathLike[str], overwrite: bool) -> None:
+    """Refuse an existing destination unless ``overwrite``."""
+    if Path(out).exists() and not overwrite:
+        raise FmoesimError(f"{out}: already exists (pass --force to replace it)")
+
+
+def parts_dir(out: str | os.PathLike[str]) -> Path:
+    """Where a collection into ``out`` keeps its finished requests: ``<out>.parts``."""
+    out = Path(out)
+    return out.with_name(out.name + ".parts")
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None) -> None:
+    """Refuse an empty prompt list, an empty prompt or a token id outside the vocabulary."""
+    if not prompts:
+        raise FmoesimError("no prompts to collect")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise FmoesimError(f"prompt {i}: no tokens")
+        bad = next((t for t in p if not 0 <= int(t) < (vocab_size or int(t) + 1)), None)
+        if bad is not None:
+            raise FmoesimError(
+                f"prompt {i}: token id {bad} is outside the model's vocabulary "
+                f"(0..{(vocab_size or 0) - 1})"
+            )
+
+
+def _vocab_size(model: Any) -> int | None:
+    emb = model.get_input_embeddings()
+    n = getattr(emb, "num_embeddings", None)
+    return n if isinstance(n, int) else getattr(model.config, "vocab_size", None)
+
+
 def collect(
     model: Any,
     prompts: Sequence[Sequence[int]],
@@ -268,27 +282,103 @@ def collect(
 
     ``batch_size`` prompts are generated together (left-padded; a request's iterations
     end with the pass that produced its end-of-sequence token).  Finished requests are
-    saved as parts in ``<out>.parts/``; calling again with the same arguments after an
-    interruption skips them (resume).  ``on_request(i)`` is called after request ``i``
-    is saved (progress, tests).  ``tokens`` also writes ``tokens.parquet``: each token's
+    saved as parts in ``<out>.parts/``; calling again with the same prompts,
+    ``max_new_tokens``, ``embedding_dim``, ``projection_seed`` and model after an
+    interruption skips them (resume); other ones are refused, or with ``overwrite`` the
+    stopped collection is discarded.  ``on_request(i)`` is called after request ``i`` is
+    saved (progress, tests).  ``tokens`` also writes ``tokens.parquet``: each token's
     top-k ids and weights (the router's own weights where it returns them, else the chosen
     experts' probabilities renormalised).
     """
-    import torch
-
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise FmoesimError(f"{out}: already exists (pass --force to replace it)")
-    if max_new_tokens < 1:
-        raise FmoesimError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if batch_size < 1:
-        raise FmoesimError(f"--batch-size must be >= 1, got {batch_size}")
-    parts = out.with_name(out.name + ".parts")
-    parts.mkdir(parents=True, exist_ok=True)
+    check_arguments(max_new_tokens, batch_size, embedding_dim)
+    check_destination(out, overwrite)
+    check_prompts(prompts, _vocab_size(model))
+    model.eval()
+    rec = Recorder(model)  # refuses a model without routers or with an unknown rule
+    parts = parts_dir(out)
+    arguments = collection_arguments(prompts, max_new_tokens, embedding_dim, projection_seed)
+    versions = library_versions()
+    fingerprint = model_fingerprint(model, [m for _, m in rec.routers])
+    check_resume(parts, arguments, versions, fingerprint, overwrite)
+    if not parts.exists():
+        parts.mkdir(parents=True)
+        write_state(parts, arguments, versions, fingerprint)
+    proj = projection_matrix(int(model.config.hidden_size), embedding_dim, projection_seed)
+    try:
+        _generate(rec, prompts, parts, max_new_tokens, proj, batch_size, progress, on_request)
+    except BaseException:
+        if not any(parts.glob("*.npz")):  # nothing to resume from
+            shutil.rmtree(parts, ignore_errors=True)
+        raise
     cfg = model.config
     hidden = int(cfg.hidden_size)
-    proj = projection_matrix(hidden, embedding_dim, projection_seed)
-    model.eval()
+    L, E, K = len(rec.routers), rec.E, rec.K
+    D = hidden if proj is None else proj.shape[1]
+    routing = rec.routing.manifest()
+    man = TraceManifest(
+        model=TraceModel(
+            name=model_id or getattr(cfg, "model_type", "model"),
+            num_layers=L,
+            num_experts=E,
+            top_k=K,
+            hidden_size=hidden,
+            dense_layers=len(decoder_layers(model)) - L,
+        ),
+        embedding_dim=D,
+        source={
+            "kind": "collector",
+            "model_id": model_id,
+            "model_type": getattr(cfg, "model_type", ""),
+            "versions": versions,
+            "probs": routing["probs"],
+            "routing": routing,
+            "model_fingerprint": fingerprint,
+            "max_new_tokens": max_new_tokens,
+        },
+        has_probs=True,
+        has_spec_probs=True,
+        embedding_projection=None
+        if proj is None
+        else {"input_dim": hidden, "seed": projection_seed},
+    )
+    with TraceWriter(out, man, overwrite=overwrite) as w:
+        for i in range(len(prompts)):
+            with np.load(parts / f"{i:08d}.npz") as z:
+                T = len(z["num_tokens"])
+                w.add_request(i, prompt_tokens=int(z["prompt_tokens"]), output_tokens=T)
+                ends = np.cumsum(z["num_tokens"])
+                for t in range(T):
+                    sl = slice(int(ends[t] - z["num_tokens"][t]), int(ends[t]))
+                    w.add_iteration(
+                        i,
+                        t,
+                        int(z["num_tokens"][t]),
+                        z["embedding"][t],
+                        z["counts"][t],
+                        z["probs"][t],
+                        z["spec_probs"][t],
+                        (z["topk_ids"][sl], z["topk_weights"][sl]) if tokens else None,
+                    )
+    shutil.rmtree(parts)
+    return out
+
+
+def _generate(
+    rec: Recorder,
+    prompts: Sequence[Sequence[int]],
+    parts: Path,
+    max_new_tokens: int,
+    proj: np.ndarray | None,
+    batch_size: int,
+    progress: bool,
+    on_request: Callable[[int], None] | None,
+) -> None:
+    """Generate the requests that have no part in ``parts`` yet and save their parts."""
+    import torch
+
+    model = rec.model
+    cfg = model.config
     starts: Iterable[int] = range(0, len(prompts), batch_size)
     if progress:
         from tqdm import tqdm
@@ -297,7 +387,7 @@ def collect(
     pad = getattr(cfg, "pad_token_id", None) or 0
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    with Recorder(model) as rec:
+    with rec:
         for start in starts:
             todo = [
                 i
@@ -332,56 +422,3 @@ def collect(
                 save_npz_atomic(parts / f"{i:08d}.npz", arrays)
                 if on_request is not None:
                     on_request(i)
-        L, E, K = len(rec.routers), rec.E, rec.K
-    D = hidden if proj is None else proj.shape[1]
-    versions: dict[str, str] = {"torch": str(torch.__version__)}
-    try:
-        import transformers
-
-        versions["transformers"] = transformers.__version__
-    except ImportError:  # pragma: no cover - the collector needs transformers anyway
-        pass
-    man = TraceManifest(
-        model=TraceModel(
-            name=model_id or getattr(cfg, "model_type", "model"),
-            num_layers=L,
-            num_experts=E,
-            top_k=K,
-            hidden_size=hidden,
-            dense_layers=len(_decoder_layers(model)) - L,
-        ),
-        embedding_dim=D,
-        source={
-            "kind": "collector",
-            "model_id": model_id,
-            "model_type": getattr(cfg, "model_type", ""),
-            "versions": versions,
-            "probs": "normalised sigmoid scores" if rec.sigmoid else "softmax of router logits",
-            "max_new_tokens": max_new_tokens,
-        },
-        has_probs=True,
-        has_spec_probs=True,
-        embedding_projection=None
-        if proj is None
-        else {"input_dim": hidden, "seed": projection_seed},
-    )
-    with TraceWriter(out, man, overwrite=overwrite) as w:
-        for i in range(len(prompts)):
-            with np.load(parts / f"{i:08d}.npz") as z:
-                T = len(z["num_tokens"])
-                w.add_request(i, prompt_tokens=int(z["prompt_tokens"]), output_tokens=T)
-                ends = np.cumsum(z["num_tokens"])
-                for t in range(T):
-                    sl = slice(int(ends[t] - z["num_tokens"][t]), int(ends[t]))
-                    w.add_iteration(
-                        i,
-                        t,
-                        int(z["num_tokens"][t]),
-                        z["embedding"][t],
-                        z["counts"][t],
-                        z["probs"][t],
-                        z["spec_probs"][t],
-                        (z["topk_ids"][sl], z["topk_weights"][sl]) if tokens else None,
-                    )
-    shutil.rmtree(parts)
-    return out

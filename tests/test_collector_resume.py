@@ -1,0 +1,190 @@
+"""Collection runs that must not mislead or crash: resuming with other arguments or
+another model, the destination and stopped collections checked before the model loads,
+load and tokenizer errors in one line, and no empty ``<out>.parts/`` left behind."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the collector needs torch (extra 'collect')")
+T = pytest.importorskip("transformers", reason="the collector needs transformers (extra 'collect')")
+
+from fmoesim.cli.collect_cli import main  # noqa: E402
+from fmoesim.collect.collector import collect  # noqa: E402
+from fmoesim.errors import FmoesimError  # noqa: E402
+from fmoesim.trace import read_trace  # noqa: E402
+from tests.test_collector import COMMON, FAMILIES, PROMPTS, tiny  # noqa: E402
+
+
+def stopped(model, out, **kw) -> None:  # type: ignore[no-untyped-def]
+    """Collect ``PROMPTS`` into ``out`` and stop after request 0 is saved."""
+
+    def stop(i: int) -> None:
+        if i == 0:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        collect(model, PROMPTS, out, on_request=stop, **kw)
+    assert (out.with_name(out.name + ".parts") / "00000000.npz").exists()
+
+
+def parts_of(out) -> list[str]:  # type: ignore[no-untyped-def]
+    return sorted(p.name for p in out.with_name(out.name + ".parts").iterdir())
+
+
+def test_a_resume_with_other_arguments_is_refused(tmp_path):
+    """Red when a stopped collection resumes without comparing its saved arguments:
+    ``max_new_tokens`` 6 after 3 gives a trace whose request 0 has 3 tokens under a
+    manifest that says 6 (and other prompts or projection seeds mix the same way)."""
+    model = tiny("olmoe")
+    out = tmp_path / "t"
+    stopped(model, out, max_new_tokens=3)
+    with pytest.raises(FmoesimError, match=r"other arguments \(max_new_tokens 3 there, 6 now\)"):
+        collect(model, PROMPTS, out, max_new_tokens=6)
+    with pytest.raises(FmoesimError, match="prompts_sha256"):
+        collect(model, PROMPTS[::-1], out, max_new_tokens=3)
+    with pytest.raises(FmoesimError, match="projection_seed 0 there, 1 now"):
+        collect(model, PROMPTS, out, max_new_tokens=3, projection_seed=1)
+    assert parts_of(out) == ["00000000.npz", "state.json"]  # untouched
+    tr = read_trace(collect(model, PROMPTS, out, max_new_tokens=6, overwrite=True))
+    assert tr.manifest.source["max_new_tokens"] == 6
+    assert tr.output_tokens.tolist() == [6, 6]  # request 0 generated again, not resumed
+
+
+def test_a_resume_with_another_model_is_refused(tmp_path):
+    """Red when the model is compared by its expert count only: other router weights,
+    another config with the same experts, or another end-of-sequence token resume into a
+    trace that mixes two models."""
+    out = tmp_path / "t"
+    stopped(tiny("mixtral"), out, max_new_tokens=2)
+    other_weights = tiny("mixtral")
+    with torch.no_grad():
+        other_weights.model.layers[1].mlp.gate.weight.mul_(2)
+    with pytest.raises(FmoesimError, match=r"another model \(router_weights_sha256 differ\)"):
+        collect(other_weights, PROMPTS, out, max_new_tokens=2)
+    cfg_name, model_name, kw = FAMILIES["mixtral"]
+    torch.manual_seed(0)
+    deeper = getattr(T, model_name)(
+        getattr(T, cfg_name)(**{**COMMON, **kw, "num_hidden_layers": 3})
+    )
+    with pytest.raises(FmoesimError, match="another model.*config_sha256.*weight_shapes_sha256"):
+        collect(deeper, PROMPTS, out, max_new_tokens=2)
+    other_eos = tiny("mixtral")
+    other_eos.generation_config.eos_token_id = 7
+    with pytest.raises(FmoesimError, match=r"another model \(eos_token_ids differ\)"):
+        collect(other_eos, PROMPTS, out, max_new_tokens=2)
+    seen: list[int] = []
+    collect(tiny("mixtral"), PROMPTS, out, max_new_tokens=2, batch_size=2, on_request=seen.append)
+    assert seen == [1]  # the same model (a new object) with another batch size resumes
+
+
+def test_a_parts_directory_without_state_is_refused(tmp_path):
+    """Red when parts of unknown arguments (no state.json) are taken as this run's."""
+    parts = tmp_path / "t.parts"
+    parts.mkdir()
+    (parts / "00000000.npz").write_bytes(b"")
+    model = tiny("mixtral")
+    with pytest.raises(FmoesimError, match="holds no state.json.*--force to discard"):
+        collect(model, PROMPTS, tmp_path / "t", max_new_tokens=2)
+    read_trace(collect(model, PROMPTS, tmp_path / "t", max_new_tokens=2, overwrite=True))
+    assert not parts.exists()
+
+
+def test_refusals_and_early_failures_leave_no_parts_directory(tmp_path):
+    """Red when ``<out>.parts`` is made before the model and prompts are checked (a
+    dense model or a bad prompt leaves an empty one), or kept after a failure that saved
+    no request."""
+    dense = T.LlamaForCausalLM(T.LlamaConfig(**COMMON, intermediate_size=16))
+    dense.config.num_local_experts = 4
+    dense.config.num_experts_per_tok = 2
+    with pytest.raises(FmoesimError, match="no MoE router found"):
+        collect(dense, PROMPTS, tmp_path / "dense")
+    model = tiny("mixtral")
+    with pytest.raises(FmoesimError, match="prompt 1: token id 100 is outside"):
+        collect(model, [[5, 6], [7, 100]], tmp_path / "vocab")
+    with pytest.raises(FmoesimError, match="prompt 0: no tokens"):
+        collect(model, [[]], tmp_path / "empty")
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("out of memory")
+
+    model.generate = broken
+    with pytest.raises(RuntimeError):
+        collect(model, PROMPTS, tmp_path / "oom")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def cli(capfd, *args: str) -> list[str]:  # type: ignore[no-untyped-def]
+    """Run ``fmoesim-collect`` in this process; expect exit status 2 and return stderr."""
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert e.value.code == 2, err
+    assert len(err) == 1, err
+    return err
+
+
+@pytest.fixture
+def id_prompts(tmp_path):  # type: ignore[no-untyped-def]
+    p = tmp_path / "ids.jsonl"
+    p.write_text("".join(json.dumps({"input_ids": q}) + "\n" for q in PROMPTS))
+    return p
+
+
+@pytest.fixture
+def offline(monkeypatch):  # type: ignore[no-untyped-def]
+    """No hub: a hub id cannot be reached (as on a machine without network)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def test_cli_checks_the_destination_before_loading_the_model(tmp_path, capfd, id_prompts):
+    """Red when "already exists" comes only after the model loads (then an unloadable
+    model is reported instead, and a loadable one is loaded for nothing)."""
+    (tmp_path / "out").mkdir()
+    (err,) = cli(capfd, tmp_path / "no-such-model", id_prompts, tmp_path / "out")
+    assert "out: already exists" in err
+
+
+def test_cli_refuses_a_resume_with_other_arguments_before_loading(
+    tmp_path, capfd, id_prompts, offline
+):
+    """Red when a stopped collection's arguments are compared only after the model loads
+    (here the model cannot load, so the load error shows instead)."""
+    stopped(tiny("olmoe"), tmp_path / "out", max_new_tokens=3)
+    (err,) = cli(capfd, "fmoesim-test/no-such-model", id_prompts, tmp_path / "out",
+                 "--max-new-tokens", "6")  # fmt: skip
+    assert "max_new_tokens 3 there, 6 now" in err and "--force" in err
+
+
+def test_cli_hub_and_model_load_errors_are_one_line(tmp_path, capfd, id_prompts, offline):
+    """Red when ``from_pretrained`` errors reach the user as a traceback (an unreachable
+    hub id: a 51-line OSError; a model directory with a broken config) or leave
+    ``<out>.parts`` behind."""
+    (err,) = cli(capfd, "fmoesim-test/no-such-model", id_prompts, tmp_path / "o1")
+    assert "fmoesim-test/no-such-model: cannot load the model (OSError:" in err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "no-such-family"}')
+    (err,) = cli(capfd, bad, id_prompts, tmp_path / "o2")
+    assert f"{bad}: cannot load the model (" in err
+    assert not list(tmp_path.glob("o*"))
+
+
+def test_cli_text_prompts_without_a_tokenizer_are_one_line(tmp_path, capfd):
+    """Red when text prompts reach the model through a tokenizer that cannot tokenize
+    them (transformers builds an empty one for a directory without tokenizer files: a
+    29-line traceback from generate) or through one that does not load."""
+    tiny("olmoe").save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input_ids": [5, 6]}\n\n{"prompt": "hello"}\n')
+    capfd.readouterr()  # the progress bar of saving
+    (err,) = cli(capfd, tmp_path / "model", prompts, tmp_path / "out")
+    assert f"{prompts} line 3: the text gives no tokens" in err
+    (tmp_path / "model" / "tokenizer_config.json").write_text("{not json")
+    (err,) = cli(capfd, tmp_path / "model", prompts, tmp_path / "out")
+    assert f"{prompts} line 3: a text prompt needs" in err
+    assert not (tmp_path / "out.parts").exists()
