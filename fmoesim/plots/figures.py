@@ -524,12 +524,11 @@ def figure_caption_trace(df: Any) -> str:
     run's ``serving.held_in_fraction``)."""
     totals = {t: trace_requests(t) for t in set(df.trace)}
     served = list(df["requests"]) if "requests" in df.columns else None
-    held = [
-        held_in_count(float(_cfg_get(r, "serving.held_in_fraction", 0.0) or 0.0), totals[r.trace])
-        if totals[r.trace] is not None
-        else 0
-        for _, r in df.iterrows()
-    ]
+    held = []
+    for _, r in df.iterrows():
+        total = totals[r.trace]
+        fraction = float(_cfg_get(r, "serving.held_in_fraction", 0.0) or 0.0)
+        held.append(held_in_count(fraction, total) if total is not None else 0)
     return trace_caption(
         [_short(t) for t in df.trace],
         list(df.trace_source),
