@@ -444,3 +444,26 @@ def test_pages_stay_on_topic(page: str) -> None:
             if word.lower() not in ALLOWED_WORDS:
                 hits.append(f"line {n}: {line.strip()}")
     assert not hits, f"{page} mentions what belongs in git log:\n" + "\n".join(hits)
+
+
+def test_readme_shows_what_make_run_prints(tmp_path: Path) -> None:
+    """The output README.md shows for ``make run`` is what ``fmoesim`` prints: every line
+    of that block but the elided ``...`` and the run's own paths appears verbatim.  Red
+    when the summary's format or the default run's numbers change without the README."""
+    text = README.read_text()
+    shown = text[text.index("and prints:\n\n```\n") + len("and prints:\n\n```\n") :]
+    shown = shown[: shown.index("```")]
+    lines = [
+        ln
+        for ln in shown.splitlines()
+        if ln.strip() and ln != "..." and not ln.startswith(("results ", "stored "))
+    ]
+    assert len(lines) >= 8
+    p = subprocess.run(
+        [str(BIN / "fmoesim"), f"output.dir={tmp_path / 'runs'}", f"store.dir={tmp_path / 's'}"],
+        cwd=README.parent, capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    printed = set(p.stdout.splitlines())
+    missing = [ln for ln in lines if ln not in printed]
+    assert not missing, f"README.md shows lines fmoesim does not print: {missing}"
