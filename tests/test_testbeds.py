@@ -1,0 +1,131 @@
+"""The paper-testbed hardware presets reproduce the numbers they were calibrated on.
+
+Each expected value is arithmetic from the number the preset's YAML cites (paper and
+section); the roofline presets stay as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fmoesim.cli.main import compose_config
+from fmoesim.config.build import build_run, load_preset, preset_names
+from fmoesim.engine.compute import ComputeModel
+from fmoesim.specs import HardwareSpec, ModelSpec
+
+TESTBEDS = ("fmoe-testbed", "moe-infinity-testbed", "moepic-testbed")
+MIXTRAL_EXPERT_BYTES = 3 * 4096 * 14336 * 2  # 352,321,536
+
+
+def hw(name: str) -> HardwareSpec:
+    return load_preset("hardware", name, HardwareSpec)
+
+
+def model(name: str) -> ModelSpec:
+    return load_preset("model", name, ModelSpec)
+
+
+def decode_step_s(c: ComputeModel, m: ModelSpec) -> float:
+    """One decoding token with every expert resident and an empty KV cache: every MoE
+    layer's attention, router, shared experts and top-k experts, then the LM head."""
+    layer = c.attention_s(1, 0, 0) + c.router_s(1) + c.shared_s(1) + m.top_k * c.expert_s(1)
+    return m.num_layers * layer + c.lm_head_s(1)
+
+
+@pytest.mark.parametrize("name", TESTBEDS)
+def test_testbed_loads_validates_and_composes(name):
+    """Red when a testbed's ``measured`` names a model without a preset or a coefficient
+    ComputeModel does not have (both are silently ignored by ComputeModel.from_specs), or
+    when the preset does not load, validate or compose with the CLI."""
+    h = hw(name).validate()
+    assert h.name == name
+    fields = {f.name for f in dataclasses.fields(ComputeModel)}
+    for model_name, coeffs in h.measured.items():
+        assert model_name in preset_names("model"), model_name
+        assert set(coeffs) <= fields, set(coeffs) - fields
+    run = build_run(compose_config([f"hardware={name}"]))
+    assert run.hardware == h
+
+
+def test_fmoe_testbed_expert_times():
+    """Red when an fMoE-testbed expert does not cost MoE-Infinity §7.2's 10 ms for a Mixtral
+    expert (plus the roofline's per-token slope), scaled by expert bytes for Qwen1.5-MoE and
+    Phi-3.5-MoE, or when the testbed is not six GPUs."""
+    h = hw("fmoe-testbed")
+    assert h.num_gpus == 6  # fMoE §6.1
+    assert h.pcie_gbps == 32.0  # fMoE §6.1
+    roof = hw("rtx3090-pcie4")
+    for name in ("mixtral-8x7b", "qwen1.5-moe-a2.7b", "phi-3.5-moe"):
+        m = model(name)
+        c, r = ComputeModel.from_specs(m, h), ComputeModel.from_specs(m, roof)
+        want_a = 0.010 * m.expert_size_bytes / MIXTRAL_EXPERT_BYTES
+        assert c.expert_a_s == pytest.approx(want_a, rel=1e-4), name
+        assert c.expert_s(1) == pytest.approx(want_a + r.expert_b_s, rel=1e-4), name
+        assert c.attention_s(1, 0, 0) == r.attention_s(1, 0, 0)  # no paper number: roofline
+    mixtral = ComputeModel.from_specs(model("mixtral-8x7b"), h)
+    assert mixtral.expert_s(1) == pytest.approx(0.010, rel=1e-3)  # "10ms", MoE-Infinity §7.2
+
+
+def test_moe_infinity_testbed_expert_time():
+    """Red when a Mixtral expert on MoE-Infinity's testbed does not cost §7.2's 10 ms, or
+    the uncalibrated operators differ from the a5000-pcie4 roofline."""
+    h = hw("moe-infinity-testbed")
+    m = model("mixtral-8x7b")
+    c, r = ComputeModel.from_specs(m, h), ComputeModel.from_specs(m, hw("a5000-pcie4"))
+    assert c.expert_s(1) == pytest.approx(0.010, rel=1e-3)  # §7.2 "10ms ... Mixtral"
+    assert c == dataclasses.replace(r, expert_a_s=0.010)
+    assert h.num_gpus == 1  # §7.4 "a single GPU"
+    # §7.2's 10 ms fetch agrees with the §7.1 link: 352,321,536 B / 32 GB/s = 11.0 ms
+    assert h.transfer_time_s(m.expert_size_bytes) == pytest.approx(0.011, rel=0.01)
+
+
+def test_moepic_testbed_qwen_compute_and_loading():
+    """Red when Qwen1.5-MoE on MoEpic's testbed does not decode a token in 57 ms with every
+    expert resident (MoEpic §1, §2.2, §4.3) or does not load its 24 x 4 activated experts in
+    165 ms (§1, §2.2)."""
+    h = hw("moepic-testbed")
+    m = model("qwen1.5-moe-a2.7b")
+    c = ComputeModel.from_specs(m, h)
+    assert decode_step_s(c, m) == pytest.approx(0.057, rel=1e-4)
+    loads = m.num_layers * m.top_k  # 96
+    assert loads * h.transfer_time_s(m.expert_size_bytes) == pytest.approx(0.165, rel=1e-4)
+    # a growing KV cache adds little: 512 cached tokens add under 1% to the step
+    kv = m.num_layers * (c.attn_kv_s * 512 + c.attn_pair_s * 513)
+    assert kv < 0.01 * 0.057
+
+
+def test_moepic_2bit_mixtral():
+    """Red when the 2-bit Mixtral preset's experts are not a quarter of a byte per weight
+    (MoEpic §4.1) or its routing shape differs from mixtral-8x7b's (its traces must fit)."""
+    q, m = model("mixtral-8x7b-2bit").validate(), model("mixtral-8x7b")
+    assert q.expert_size_bytes == MIXTRAL_EXPERT_BYTES // 8 == 44_040_192
+    for key in ("num_layers", "num_experts", "top_k", "hidden_size"):
+        assert getattr(q, key) == getattr(m, key)
+    # no number of its own: it runs on the testbed's calibrated kernel cost
+    c = ComputeModel.from_specs(q, hw("moepic-testbed"))
+    assert c.expert_a_s == pytest.approx(3 * 9.3022e-5 + q.expert_size_bytes / (768e9 * 0.8))
+
+
+# A Mixtral expert at one token and a one-token decode step (empty KV cache) on the roofline
+# presets, e.g. rtx3090-pcie4's expert: 3 x 5 us + 352,321,536 B / (936e9 x 0.8)
+# + 352,321,536 FLOP / (71e12 x 0.6) = 0.4938 ms.
+ROOFLINE_PINS = {
+    "rtx3090-pcie4": (0.0004937853303864211, 0.03673423837403636),
+    "a5000-pcie4": (0.0005937253515751576, 0.043966802526492654),
+    "a6000-pcie4": (0.0005922332981912145, 0.043858824044099916),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROOFLINE_PINS))
+def test_roofline_presets_unchanged(name):
+    """Red when a roofline preset's compute changes (its YAML gains ``measured`` or its
+    roofline knobs move): they model a tuned engine and must stay as they were."""
+    h = hw(name)
+    assert h.measured == {}
+    m = model("mixtral-8x7b")
+    c = ComputeModel.from_specs(m, h)
+    expert, step = ROOFLINE_PINS[name]
+    assert c.expert_s(1) == pytest.approx(expert, rel=1e-12)
+    assert decode_step_s(c, m) == pytest.approx(step, rel=1e-12)
