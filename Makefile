@@ -13,7 +13,7 @@ BASE := $(VENV)/.fmoesim-base
 PLOT := $(VENV)/.fmoesim-plot
 DEV := $(VENV)/.fmoesim-dev
 
-.PHONY: run test lint bench figures clean compiled pure
+.PHONY: run test lint bench figures reproduce clean compiled pure
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ lint: $(DEV)
 ## Regenerate every paper figure and table (results/figures/) from the bundled traces.
 figures: $(PLOT)
 	$(BIN)/fmoesim-plot all --run --jobs 2
+
+## Score the papers' claims (results/reproduction/) and refresh docs/reproduction.md.
+reproduce: $(PLOT)
+	$(BIN)/fmoesim-reproduce all --run --jobs 2 --docs docs/reproduction.md
 
 bench: $(BASE)
 	$(BIN)/python -m benchmarks.engine

@@ -132,3 +132,46 @@ def test_store_add_is_atomic_and_replaces_its_own_row(tmp_path):
     assert [p.name for p in (tmp_path / "st").iterdir()] == ["abc.parquet"]
     assert s.get("abc")["hit_rate"] == 0.25
     assert load_results(tmp_path / "empty").empty
+
+
+def test_code_version_covers_the_simulator_not_the_reporting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A changed engine or policy source changes :func:`code_version`; a changed figure
+    or scoreboard module does not (their stored runs stay current).  Red when the
+    reporting modules are hashed, or when the exclusion swallows a simulator module."""
+    import fmoesim.config.schema as schema
+    from fmoesim.results import store
+
+    for rel in (
+        "fmoesim/engine/runner.py",
+        "fmoesim/plots/figures.py",
+        "fmoesim/reproduce/score.py",
+        "fmoesim/cli/plot_cli.py",
+        "fmoesim/cli/main.py",
+        "policies/lru.py",
+    ):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("# v1\n")
+    monkeypatch.setattr(schema, "PROJECT_ROOT", tmp_path)
+
+    def version() -> str:
+        store.code_version.cache_clear()
+        return store.code_version()
+
+    try:
+        base = version()
+        for rel, counts in (
+            ("fmoesim/plots/figures.py", False),
+            ("fmoesim/reproduce/score.py", False),
+            ("fmoesim/cli/plot_cli.py", False),
+            ("fmoesim/engine/runner.py", True),
+            ("fmoesim/cli/main.py", True),
+            ("policies/lru.py", True),
+        ):
+            (tmp_path / rel).write_text("# v2\n")
+            now = version()
+            assert (now != base) is counts, rel
+            base = now
+    finally:
+        store.code_version.cache_clear()

@@ -62,13 +62,19 @@ def write_azure_synthetic(path: Path, num_requests: int = 64, seed: int = 0) -> 
     return path
 
 
+def prepare_inputs(experiment: str, root: Path) -> None:
+    """Write the generated input an experiment reads when it is missing: fmoe-fig10's
+    synthetic Azure-format arrivals (:data:`AZURE_CSV`, :func:`write_azure_synthetic`)."""
+    if experiment == "fmoe-fig10" and not (root / AZURE_CSV).is_file():
+        write_azure_synthetic(root / AZURE_CSV)
+
+
 def run_sweep(experiment: str, store: Path, jobs: int, root: Path) -> float:
     """Run one experiment's sweep (done runs skipped); return its wall time."""
     from fmoesim.cli.main import _trace_path, compose_config
     from fmoesim.config.build import build_run
 
-    if experiment == "fmoe-fig10" and not (root / AZURE_CSV).is_file():
-        write_azure_synthetic(root / AZURE_CSV)
+    prepare_inputs(experiment, root)
     # a synthetic trace is generated here, once, not by parallel jobs racing to write it
     _trace_path(build_run(compose_config([f"experiment={experiment}"])))
     cmd = [

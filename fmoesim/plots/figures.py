@@ -538,33 +538,49 @@ def figure_caption_trace(df: Any) -> str:
     )
 
 
+def experiment_rows(
+    results: Any, experiment: str, *, timed: bool, what: str | None = None, verb: str = "reads"
+) -> tuple[Any, int]:
+    """The rows of ``experiment`` in the store's DataFrame ``results`` that a figure or a
+    claim reads: from the running code version, one per sweep point, timed ones only when
+    ``timed`` (a reader of latencies), sorted in the preset's policy order.  Returns them
+    and how many hit-rate-only rows were left out.  ``what`` names the reader in errors
+    (default ``experiment <name>``), ``verb`` what it does with latencies."""
+    what = what or f"experiment {experiment}"
+    df = results[results["experiment"] == experiment] if len(results) else results
+    if len(df) == 0:
+        raise FmoesimError(
+            f"{what}: no runs of experiment {experiment} in the store "
+            f"(run: fmoesim -m experiment={experiment})"
+        )
+    untimed = 0
+    if timed:
+        timed_rows = [is_timed(r) for _, r in df.iterrows()]
+        untimed = len(df) - sum(timed_rows)
+        df = df[timed_rows]
+        if len(df) == 0:
+            raise FmoesimError(
+                f"{what}: {verb} latencies, but the store's runs of experiment "
+                f"{experiment} are hit-rate-only (engine.timing=false); "
+                f"run: fmoesim -m experiment={experiment} engine.timing=true"
+            )
+    df = _points(df, experiment)
+    order = {p: i for i, p in enumerate(sweep_params(experiment).get("policy", []))}
+    df = df.assign(_o=[order.get(p, len(order)) for p in df.policy])
+    df = df.sort_values(["_o", "policy"], kind="stable").drop(columns="_o").reset_index(drop=True)
+    return df, untimed
+
+
 def draw_figure(name: str, results: Any) -> Drawing:
     """Draw figure ``name`` from the store's DataFrame ``results`` (the experiment's
-    rows of the running code version, timed ones only for a figure of latencies)."""
+    rows of the running code version, timed ones only for a figure of latencies:
+    :func:`experiment_rows`)."""
     if name not in FIGURES:
         raise FmoesimError(f"figure {name!r}: unknown; valid: {', '.join(FIGURES)}")
     f = FIGURES[name]
-    df = results[results["experiment"] == f.experiment] if len(results) else results
-    if len(df) == 0:
-        raise FmoesimError(
-            f"figure {name}: no runs of experiment {f.experiment} in the store "
-            f"(run: fmoesim -m experiment={f.experiment})"
-        )
-    untimed = 0
-    if f.timed:
-        timed = [is_timed(r) for _, r in df.iterrows()]
-        untimed = len(df) - sum(timed)
-        df = df[timed]
-        if len(df) == 0:
-            raise FmoesimError(
-                f"figure {name}: plots latencies, but the store's runs of experiment "
-                f"{f.experiment} are hit-rate-only (engine.timing=false); "
-                f"run: fmoesim -m experiment={f.experiment} engine.timing=true"
-            )
-    df = _points(df, f.experiment)
-    order = {p: i for i, p in enumerate(sweep_params(f.experiment).get("policy", []))}
-    df = df.assign(_o=[order.get(p, len(order)) for p in df.policy])
-    df = df.sort_values(["_o", "policy"], kind="stable").drop(columns="_o").reset_index(drop=True)
+    df, untimed = experiment_rows(
+        results, f.experiment, timed=f.timed, what=f"figure {name}", verb="plots"
+    )
     plt = setup()
     try:
         fig, table = f.draw(df, plt)

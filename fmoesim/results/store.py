@@ -43,16 +43,30 @@ def config_key(resolved: dict[str, Any], extra: dict[str, Any] | None = None) ->
     return hashlib.sha256(keyed.encode()).hexdigest()[:16], text
 
 
+#: sources that only read, score or draw stored results: a change to them leaves every
+#: run's result as it was, so they stay out of :func:`code_version`
+REPORTING_ONLY = (
+    "fmoesim/plots/",
+    "fmoesim/reproduce/",
+    "fmoesim/cli/plot_cli.py",
+    "fmoesim/cli/reproduce_cli.py",
+)
+
+
 @lru_cache(maxsize=1)
 def code_version() -> str:
     """12 hex digits of SHA-256 over the simulator's and the policies' Python sources
-    (paths and contents), so any change to them changes every run's hash."""
+    (paths and contents), so any change to them changes every run's hash; the modules
+    that only report on stored runs (:data:`REPORTING_ONLY`) are left out."""
     from fmoesim.config.schema import PROJECT_ROOT
 
     h = hashlib.sha256()
     for pkg in ("fmoesim", "policies"):
         for f in sorted((PROJECT_ROOT / pkg).rglob("*.py")):
-            h.update(str(f.relative_to(PROJECT_ROOT)).encode())
+            rel = f.relative_to(PROJECT_ROOT).as_posix()
+            if rel.startswith(REPORTING_ONLY):
+                continue
+            h.update(rel.encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:12]
 

@@ -1,0 +1,83 @@
+"""``fmoesim-reproduce``: the papers' claims against fmoesim's numbers, as a scoreboard.
+
+Examples::
+
+    fmoesim-reproduce fmoe --run --jobs 2    # run the fMoE presets missing from the store
+    fmoesim-reproduce fmoe                   # score from what the store holds
+    fmoesim-reproduce fmoe --docs docs/reproduction.md   # also refresh the docs' table
+
+For each claim of the paper's catalog (``fmoesim/reproduce/claims/<paper>.yaml``) it
+computes fmoesim's number from the rows of the claim's experiment preset and writes
+``<out>/<paper>.csv`` and ``<paper>.md`` (one row per claim: the paper's number,
+fmoesim's, whether the direction holds, the magnitude ratio, the preset) and
+``<out>/README.md``.  ``--run`` first runs ``fmoesim -m experiment=<name>`` for each
+preset the claims read (runs already in the store are skipped).  ``--docs PAGE``
+writes each paper's table into PAGE between ``<!-- scoreboard:<paper> -->`` and
+``<!-- /scoreboard:<paper> -->``.  Exit status 2 and one line on stderr for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fmoesim.errors import FmoesimError, run_or_exit
+
+PROG = "fmoesim-reproduce"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    from fmoesim.reproduce.claims import PAPERS
+
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap.add_argument("paper", help=f"one of: all, {', '.join(PAPERS)}")
+    ap.add_argument("--run", action="store_true", help="run the presets missing from the store")
+    ap.add_argument("--jobs", type=int, default=2, help="local cores for --run (%(default)s)")
+    ap.add_argument("--out", default="results/reproduction", help="output dir (%(default)s)")
+    ap.add_argument("--store", default="results/store", help="results store (%(default)s)")
+    ap.add_argument("--docs", default=None, help="docs page to write the tables into")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    run_or_exit(PROG, _run, args)
+
+
+def _run(args: argparse.Namespace) -> None:
+    from fmoesim.reproduce.claims import PAPERS, load_catalog
+    from fmoesim.reproduce.report import summary_line, update_docs, write_scoreboard
+    from fmoesim.reproduce.score import ensure_runs, scoreboard
+    from fmoesim.results.store import load_results
+
+    if args.paper != "all" and args.paper not in PAPERS:
+        raise FmoesimError(f"paper {args.paper!r}: unknown; valid: all, {', '.join(PAPERS)}")
+    if args.jobs < 1:
+        raise FmoesimError(f"--jobs {args.jobs}: must be >= 1")
+    names = list(PAPERS) if args.paper == "all" else [args.paper]
+    catalogs = {}
+    for name in names:
+        try:
+            catalogs[name] = load_catalog(name)
+        except FmoesimError:
+            if args.paper != "all":
+                raise
+            print(f"{name}: its claims catalog does not exist yet; left out", flush=True)
+    if not catalogs:
+        raise FmoesimError("no paper has a claims catalog")
+    docs = Path(args.docs) if args.docs else None
+    if docs is not None and not docs.is_file():
+        raise FmoesimError(f"--docs {docs}: no such page")
+    store = Path(args.store).resolve()
+    if args.run:
+        for claims in catalogs.values():
+            ensure_runs(claims, store, args.jobs)
+    results = load_results(store)
+    for name, claims in catalogs.items():
+        scores = scoreboard(claims, results)
+        paths = write_scoreboard(name, scores, Path(args.out))
+        print(f"{name}: {summary_line(scores)} -> {paths[0]} (+ .md)")
+        if docs is not None:
+            print(f"{name}: table written into {update_docs(docs, name, scores)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The catalogs of the papers' claims: one YAML file per paper in ``claims/``.
+
+A claim compares two sides, A and B, on one metric of one experiment preset's rows
+(``conf/experiment/<experiment>.yaml``), and says which way the comparison goes
+(``direction``: A lower or higher than B) and, where the paper gives one, by how much
+(``paper_value``: the signed percentage change of A against B).  A claim that no preset
+computes has no ``experiment`` and says why in ``reason``.  The kinds of comparison are
+defined in :mod:`fmoesim.reproduce.score`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fmoesim.errors import FmoesimError
+
+CLAIMS_DIR = Path(__file__).resolve().parent / "claims"
+#: the papers of the scoreboard, by command-line name: the catalog's file stem
+PAPERS = {"fmoe": "fmoe", "moe-infinity": "moe-infinity", "moepic": "moepic"}
+KINDS = ("relative", "mean_relative", "every_point", "most_points")
+AGGREGATES = ("one", "min", "max", "mean")
+DIRECTIONS = ("lower", "higher")
+
+#: a row filter: ``policy`` or a dotted config key, to one value or a list of values
+Filter = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One averaged comparison of a ``mean_relative`` claim: A against ``b`` on
+    ``metric``."""
+
+    metric: str
+    b: Filter
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One quantitative claim of a paper, and how fmoesim's number for it is computed."""
+
+    id: str
+    paper: str
+    where: str
+    claim: str
+    quote: str
+    direction: str
+    paper_value: float | None = None
+    unit: str = "% change"
+    setting: str = ""
+    experiment: str | None = None
+    metric: str | None = None
+    kind: str = "relative"
+    a: Filter = field(default_factory=dict)
+    b: Filter = field(default_factory=dict)
+    a_agg: str = "one"
+    b_agg: str = "one"
+    over: str | None = None
+    among: tuple[str, ...] = ()
+    pairs: tuple[Pair, ...] = ()
+    reason: str = ""
+    note: str = ""
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """The store columns the claim reads."""
+        if self.kind == "mean_relative":
+            return tuple(dict.fromkeys(p.metric for p in self.pairs))
+        return (self.metric,) if self.metric else ()
+
+    def check(self) -> None:
+        """Raise :class:`FmoesimError` naming the claim and the field when a field breaks
+        the catalog's rules (the module docstring and :mod:`fmoesim.reproduce.score`)."""
+        bad = f"claim {self.id}"
+        if self.direction not in DIRECTIONS:
+            raise FmoesimError(f"{bad}: direction {self.direction!r}; valid: {DIRECTIONS}")
+        for name in ("where", "claim", "quote"):
+            if not getattr(self, name):
+                raise FmoesimError(f"{bad}: {name} is empty")
+        if self.experiment is None:
+            if not self.reason:
+                raise FmoesimError(f"{bad}: no experiment and no reason why")
+            return
+        if self.kind not in KINDS:
+            raise FmoesimError(f"{bad}: kind {self.kind!r}; valid: {', '.join(KINDS)}")
+        if self.a_agg not in AGGREGATES or self.b_agg not in AGGREGATES:
+            raise FmoesimError(f"{bad}: a_agg/b_agg must be one of {', '.join(AGGREGATES)}")
+        if not self.a.get("policy"):
+            raise FmoesimError(f"{bad}: side a names no policy")
+        if self.kind == "mean_relative":
+            if not self.pairs:
+                raise FmoesimError(f"{bad}: mean_relative needs pairs")
+        elif not self.metric:
+            raise FmoesimError(f"{bad}: no metric")
+        if self.kind in ("relative", "every_point") and not self.b.get("policy"):
+            raise FmoesimError(f"{bad}: side b names no policy")
+        if self.kind in ("every_point", "most_points") and not self.over:
+            raise FmoesimError(f"{bad}: {self.kind} needs over (the swept key)")
+        if self.kind == "most_points" and len(self.among) < 2:
+            raise FmoesimError(f"{bad}: most_points needs among (two policies or more)")
+
+
+def _claim(paper: str, raw: dict[str, Any]) -> Claim:
+    raw = dict(raw)
+    pairs = tuple(Pair(p["metric"], dict(p["b"])) for p in raw.pop("pairs", None) or ())
+    among = tuple(raw.pop("among", None) or ())
+    value = raw.pop("paper_value", None)
+    try:
+        claim = Claim(
+            paper=paper,
+            pairs=pairs,
+            among=among,
+            paper_value=None if value is None else float(value),
+            **raw,
+        )
+    except TypeError as exc:
+        raise FmoesimError(f"claim {raw.get('id', '?')}: {exc}") from None
+    claim.check()
+    return claim
+
+
+def catalog_path(paper: str) -> Path:
+    """The catalog file of ``paper`` (a key of :data:`PAPERS`)."""
+    if paper not in PAPERS:
+        raise FmoesimError(f"paper {paper!r}: unknown; valid: all, {', '.join(PAPERS)}")
+    return CLAIMS_DIR / f"{PAPERS[paper]}.yaml"
+
+
+def load_catalog(paper: str) -> list[Claim]:
+    """The claims of ``paper``, in catalog order, each checked (:meth:`Claim.check`);
+    ids are unique.  A paper without a catalog is one :class:`FmoesimError` line."""
+    import yaml
+
+    path = catalog_path(paper)
+    if not path.is_file():
+        raise FmoesimError(f"paper {paper}: its claims catalog does not exist yet ({path.name})")
+    data = yaml.safe_load(path.read_text()) or {}
+    name = str(data.get("paper") or paper)
+    claims = [_claim(name, c) for c in data.get("claims") or []]
+    seen: set[str] = set()
+    for c in claims:
+        if c.id in seen:
+            raise FmoesimError(f"{path.name}: claim id {c.id} appears twice")
+        seen.add(c.id)
+    return claims

@@ -1,0 +1,184 @@
+"""The scoreboard as files: ``<paper>.csv`` and ``<paper>.md`` (one row per claim), the
+directory's ``README.md`` index, and the table inside ``docs/reproduction.md`` between
+the markers ``<!-- scoreboard:<paper> -->`` and ``<!-- /scoreboard:<paper> -->``.
+Every file is written atomically."""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from fmoesim.atomic import atomic_file
+from fmoesim.errors import FmoesimError
+from fmoesim.reproduce.score import YES, Score
+
+#: the CSV's columns, in order
+COLUMNS = (
+    "paper", "id", "where", "claim", "quote", "setting", "paper_value", "paper_unit",
+    "fmoesim_value", "fmoesim_unit", "holds", "ratio", "preset", "metric", "detail", "note",
+)  # fmt: skip
+
+
+def _num(v: float | None, digits: int) -> str:
+    return "" if v is None else f"{v:.{digits}f}"
+
+
+def csv_rows(scores: Sequence[Score]) -> list[dict[str, str]]:
+    """The scoreboard's rows as strings, keyed by :data:`COLUMNS`."""
+    out = []
+    for s in scores:
+        c = s.claim
+        out.append(
+            {
+                "paper": c.paper,
+                "id": c.id,
+                "where": c.where,
+                "claim": c.claim,
+                "quote": c.quote,
+                "setting": c.setting,
+                "paper_value": _num(c.paper_value, 1),
+                "paper_unit": c.unit if c.paper_value is not None else "",
+                "fmoesim_value": _num(s.fmoesim_value, 2),
+                "fmoesim_unit": s.unit if s.fmoesim_value is not None else "",
+                "holds": s.holds,
+                "ratio": _num(s.ratio, 2),
+                "preset": c.experiment or "",
+                "metric": ",".join(c.metrics),
+                "detail": s.detail,
+                "note": c.note,
+            }
+        )
+    return out
+
+
+def to_csv(scores: Sequence[Score]) -> str:
+    """The scoreboard as CSV text (a header of :data:`COLUMNS`, a row per claim)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    w.writeheader()
+    w.writerows(csv_rows(scores))
+    return buf.getvalue()
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    """A scoreboard CSV's rows (:func:`to_csv`)."""
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _paper_cell(s: Score) -> str:
+    v = s.claim.paper_value
+    if v is None:
+        return "direction only"
+    return f"{v:+g}%" if s.claim.unit == "% change" else f"{v:g} {s.claim.unit}"
+
+
+def _fmoesim_cell(s: Score) -> str:
+    if s.fmoesim_value is None:
+        return f"— ({s.detail})" if s.detail else "—"
+    if s.unit == "% of points":
+        return f"{s.fmoesim_value:.0f}% of points"
+    return f"{s.fmoesim_value:+.1f}%"
+
+
+def summary_line(scores: Sequence[Score]) -> str:
+    """How many claims hold, do not, and have no fmoesim number."""
+    n = len(scores)
+    yes = sum(s.holds == YES for s in scores)
+    na = sum(s.fmoesim_value is None for s in scores)
+    return f"{n} claims: the direction holds for {yes}, not for {n - yes - na}; {na} not computed"
+
+
+def to_markdown(scores: Sequence[Score]) -> str:
+    """The scoreboard as a Markdown table: where, claim, the paper's number, fmoesim's,
+    whether the direction holds, the magnitude ratio and the preset."""
+    lines = [
+        "| where | claim | paper | fmoesim | holds | ratio | preset |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in scores:
+        cells = [
+            s.claim.where,
+            s.claim.claim,
+            _paper_cell(s),
+            _fmoesim_cell(s),
+            s.holds,
+            _num(s.ratio, 2) or "—",
+            f"`{s.claim.experiment}`" if s.claim.experiment else "—",
+        ]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def page(paper: str, scores: Sequence[Score]) -> str:
+    """``<paper>.md``: a title, the summary line, how the numbers are formed, the table."""
+    name = scores[0].claim.paper if scores else paper
+    return "\n".join(
+        [
+            f"# {name}: reproduction scoreboard",
+            "",
+            summary_line(scores) + ".",
+            "",
+            "fmoesim's number is the relative change of A against B in percent (the",
+            "paper's unit); 'holds' says whether it has the paper's sign; 'ratio' is",
+            f"fmoesim's change over the paper's. Regenerate: `fmoesim-reproduce {paper} --run`.",
+            "",
+            to_markdown(scores),
+            "",
+        ]
+    )
+
+
+def write_scoreboard(paper: str, scores: Sequence[Score], out_dir: Path) -> list[Path]:
+    """Write ``<out_dir>/<paper>.csv`` and ``<paper>.md``, and refresh
+    ``<out_dir>/README.md`` (a line per paper's page there); return the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, text in ((f"{paper}.csv", to_csv(scores)), (f"{paper}.md", page(paper, scores))):
+        path = out_dir / name
+        with atomic_file(path) as tmp:
+            tmp.write_text(text)
+        paths.append(path)
+    index = ["# Reproduction scoreboards", ""]
+    for md in sorted(out_dir.glob("*.md")):
+        if md.name == "README.md":
+            continue
+        lines = md.read_text().splitlines()
+        title = lines[0].lstrip("# ") if lines else md.stem
+        count = lines[2] if len(lines) > 2 else ""
+        index.append(f"- [{title}]({md.name}) ([CSV]({md.stem}.csv)): {count}")
+    readme = out_dir / "README.md"
+    with atomic_file(readme) as tmp:
+        tmp.write_text("\n".join([*index, ""]))
+    paths.append(readme)
+    return paths
+
+
+def markers(paper: str) -> tuple[str, str]:
+    """The docs page's opening and closing markers of ``paper``'s table."""
+    return f"<!-- scoreboard:{paper} -->", f"<!-- /scoreboard:{paper} -->"
+
+
+def insert_table(text: str, paper: str, table: str) -> str:
+    """``text`` with whatever stands between ``paper``'s markers replaced by ``table``;
+    the rest of the text is unchanged.  Missing or repeated markers are refused."""
+    start, end = markers(paper)
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        raise FmoesimError(f"the page needs one '{start}' and, after it, one '{end}'")
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    return pattern.sub(lambda _: f"{start}\n{table}\n{end}", text, count=1)
+
+
+def update_docs(page_path: Path, paper: str, scores: Sequence[Score]) -> Path:
+    """Write ``paper``'s summary line and table into ``page_path`` between its markers
+    (:func:`insert_table`); return the path."""
+    if not page_path.is_file():
+        raise FmoesimError(f"{page_path}: no such page")
+    block = summary_line(scores) + ".\n\n" + to_markdown(scores)
+    new = insert_table(page_path.read_text(), paper, block)
+    with atomic_file(page_path) as tmp:
+        tmp.write_text(new)
+    return page_path
