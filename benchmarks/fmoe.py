@@ -1,6 +1,6 @@
-"""fMoE: map-search cost, store memory, and the §6.5 ablation ladder (Fig. 12).
+"""fMoE: map-search cost, store memory, the §6.5 ablation ladder (Fig. 12), simulation speed.
 
-Run ``python -m benchmarks.fmoe`` (``--part search|memory|ladder`` for one table).
+Run ``python -m benchmarks.fmoe`` (``--part search|memory|ladder|speed`` for one table).
 
 - search: one core, Mixtral shape (32 layers x 8 experts), batch 1, embeddings of 64
   values (the synthetic traces' size; the collector's random projection is meant to
@@ -20,15 +20,25 @@ Run ``python -m benchmarks.fmoe`` (``--part search|memory|ladder`` for one table
   the bundled synthetic trace, offline mode (7:3 split, ``serving.held_in_fraction``),
   hit-rate-only engine, at three budgets, plus Fig. 8's Pearson correlations of the
   best semantic / trajectory scores with the iteration hit rate.
+- speed: how much faster than real time the default fMoE simulates (modelled seconds /
+  wall seconds of ``simulate``, timed), best of ``--repeat`` runs: Mixtral-8x7B on the
+  bundled trace, RTX 3090 PCIe 4, 24 GB (target: >= 1000x), and Qwen3-30B-A3B (128
+  experts, top-8) on 8 synthetic requests (``workload=synthetic
+  workload.synthetic.num_requests=8``) with a budget of a quarter of its experts
+  (target: >= 50x).  ``python -m benchmarks.fmoe_digests`` checks that a change keeps
+  every decision.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
+from benchmarks.fmoe_digests import qwen3_setting
 from fmoesim.config.build import load_preset
 from fmoesim.config.schema import PROJECT_ROOT
 from fmoesim.engine.serving import ServingConfig
@@ -146,10 +156,33 @@ def ladder(calibrated: bool = False) -> None:
         print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in r) + " |")
 
 
+def speed(repeat: int) -> None:
+    """x real time of the default fMoE (timed) on Mixtral and Qwen3, best of ``repeat``."""
+    hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
+    mixtral = load_preset("model", "mixtral-8x7b", ModelSpec)
+    print("| setting | modelled s | wall s (best) | wall s (median) | x real time | target |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        qt, qm, qb = qwen3_setting(Path(tmp))
+        cases = [
+            ("Mixtral-8x7B, bundled trace, 24 GB", read_trace(PROJECT_ROOT / "traces" / "default"),
+             mixtral, int(24e9), 1000),
+            ("Qwen3-30B-A3B, 8 synthetic requests, 1/4 of the experts", qt, qm, qb, 50),
+        ]  # fmt: skip
+        for name, trace, model, budget, target in cases:
+            runs = [simulate(trace, model, hw, FMoE(), budget).summary for _ in range(repeat)]
+            walls = sorted(r["wall_s"] for r in runs)
+            sim_s = runs[0]["simulated_s"]
+            print(
+                f"| {name} | {sim_s:.1f} | {walls[0]:.2f} | {walls[len(walls) // 2]:.2f} "
+                f"| {sim_s / walls[0]:,.0f} | {target:,} |"
+            )
+
+
 def main() -> None:
     """Print the README's tables."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("search", "memory", "ladder", "all"), default="all")
+    ap.add_argument("--part", choices=("search", "memory", "ladder", "speed", "all"), default="all")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument(
         "--calibrated",
@@ -164,6 +197,9 @@ def main() -> None:
         memory()
     if args.part in ("ladder", "all"):
         ladder(args.calibrated)
+    if args.part in ("speed", "all"):
+        print()
+        speed(args.repeat)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ Implements ``000`` (fMoE) §3-§5 on the policy protocol:
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -49,9 +50,13 @@ def select_experts(probs: np.ndarray, top_k: int, score: float | None = None) ->
     score (``None``: the ablations without δ) exactly the ``top_k`` most probable.  Ties
     go to the smaller expert id.
     """
+    return _select(np.asarray(probs, dtype=np.float64).tolist(), top_k, score)
+
+
+def _select(p: list[float], top_k: int, score: float | None) -> list[int]:
+    """:func:`select_experts` on a row given as a list."""
     # perf: a Python sort of the row (J <= a few hundred) beats numpy's per-call
     # overhead on rows this small; sorted() is stable, so ties keep the smaller id
-    p = np.asarray(probs, dtype=np.float64).tolist()
     order = sorted(range(len(p)), key=p.__getitem__, reverse=True)
     k = min(int(top_k), len(p))
     if score is None:
@@ -457,13 +462,24 @@ class FMoE(Policy):
             )
         self._L, self._J, self._K, self._d = L, J, m.top_k, self.prefetch_distance
         self.store: ExpertMapStore | None = None  # built at the first map (needs D)
-        self._freq = np.zeros(L * J, dtype=np.float64)  # in-cache visits (load = 1)
-        self._last = np.zeros(L * J, dtype=np.int64)  # recency stamp (cache="lru")
-        self._admitted = np.zeros(L * J, dtype=np.int64)  # admission stamp (ties)
-        self._held = np.zeros(L * J, dtype=bool)  # mirror of _pending's keys (victim)
+        # per key (L*J,), Python lists: read and written one key at a time
+        self._freq = [0.0] * (L * J)  # in-cache visits (load = 1)
+        self._last = [0] * (L * J)  # recency stamp (cache="lru")
+        self._admitted = [0] * (L * J)  # admission stamp (ties)
+        self._held = [False] * (L * J)  # mirror of _pending's keys (victim)
         self._clock = 0
-        self._guide = np.zeros(L * J, dtype=np.float64)  # (L*J,) p of the latest search
+        self._guide = [0.0] * (L * J)  # p of the latest search
         self._in: set[int] = set()  # keys admitted and not evicted
+        self._in_layer: list[set[int]] = [set() for _ in range(L)]  # _in by layer
+        # victim order (see victim): a heap of ranks (score, or inf while held; admission;
+        # key) holding, for every key in _in, its entry _top[key], a lower bound of its
+        # rank (entries of a key other than _top[key] are stale); keys whose rank may
+        # have dropped wait in _dirty until the next victim call
+        self._heap: list[tuple[float, int, int]] = []
+        self._top: dict[int, tuple[float, int, int]] = {}
+        self._dirty: set[int] = set()
+        self._guided = self.cache == "fmoe"  # the rank reads _guide
+        self._rank = self._ranker()
         self._pending: dict[int, float] = {}  # prefetched key -> its map probability p
         self._req_counts: dict[int, np.ndarray] = {}  # hit_count: request -> (L, J)
         self._spec_first: np.ndarray | None = None  # speculate: next iteration's layer 0
@@ -531,12 +547,11 @@ class FMoE(Policy):
         self._sem_scores = []
         self._sem_all = None  # (B, n) semantic cosines, reused by RDY
         self._query = store.query(B) if self.guide != "speculate" and self.trajectory else None
-        guide = self._guide.reshape(self._L, self._J)
         if self.guide == "speculate":
             first, self._spec_first = self._spec_first, None
             if first is None:
                 return None
-            guide[0] = first
+            self._set_guide(0, np.asarray(first, dtype=np.float64).tolist())
             return self._actions(self._pick(first, 0, None), -1, [])
         if not store.size:
             return None
@@ -547,22 +562,38 @@ class FMoE(Policy):
             self._sem_slots = scores.argmax(axis=1).tolist()
             self._sem_scores = [float(scores[i, s]) for i, s in enumerate(self._sem_slots)]
             rows = store._maps[:d, self._sem_slots].transpose(1, 0, 2)  # (B, d, J)
-            guide[:d] = rows.max(axis=0)
+            self._set_guide(0, rows.max(axis=0).ravel().tolist())
             for i in range(B):
                 sc = self._sem_scores[i] if self.dynamic_threshold else None
                 for layer in range(d):
                     picks += self._pick(rows[i, layer], layer, sc)
         else:  # no semantic search: historical popularity for the first d layers
             pop = store.mean_map()
-            guide[:d] = pop[:d]
+            self._set_guide(0, pop[:d].ravel().tolist())
             for layer in range(d):
                 picks += self._pick(pop[layer], layer, None)
         return self._actions(picks, -1, [])
 
+    def _set_guide(self, layer: int, p: list[float]) -> None:
+        """Set ``p`` of layers ``layer, layer + 1, ...`` to ``p`` (``J`` floats a layer);
+        the keys whose ``p`` dropped may rank lower (:meth:`victim`)."""
+        J, guide = self._J, self._guide
+        a = layer * J
+        if self._guided:  # perf: only the keys in the cache are ranked
+            for lay in range(layer, layer + len(p) // J):
+                self._dirty.update([k for k in self._in_layer[lay] if p[k - a] < guide[k]])
+        guide[a : a + len(p)] = p
+
     def _pick(self, row: np.ndarray, layer: int, score: float | None) -> list[tuple[int, float]]:
         """``(key, p)`` of the experts :func:`select_experts` picks from ``row``."""
-        base, p = layer * self._J, row.tolist()
-        return [(base + e, p[e]) for e in select_experts(row, self._K, score)]
+        return self._pick_list(row.tolist(), layer, score)
+
+    def _pick_list(
+        self, p: list[float], layer: int, score: float | None
+    ) -> list[tuple[int, float]]:
+        """:meth:`_pick` on a row given as a list."""
+        base = layer * self._J
+        return [(base + e, p[e]) for e in _select(p, self._K, score)]
 
     def _actions(
         self, picks: list[tuple[int, float]], now: int, cancel: list[int]
@@ -577,11 +608,12 @@ class FMoE(Policy):
                     pending[key] = p
             elif key not in inbuf:  # resident or arriving for another reason: nothing to do
                 pending[key] = p
-                held[key] = True
+                held[key] = True  # not in the cache: not ranked
         if not pending and not cancel:
             return None
         J = self._J
-        out = sorted((1.0 - prefetch_priority(p, key // J, now), key) for key, p in pending.items())
+        # perf: prefetch_priority inlined (every pending key's layer is ahead of now)
+        out = sorted([(1.0 - p / (key // J - now), key) for key, p in pending.items()])
         return Actions(
             prefetch=[Prefetch(key, v) for v, key in out],
             cancel=cancel,
@@ -610,9 +642,11 @@ class FMoE(Policy):
         base, cancel = layer * J, []
         if self._pending:
             counts = gate.counts
+            dirty = self._dirty
             for key in [k for k in self._pending if k < base + J]:
                 del self._pending[key]
                 self._held[key] = False
+                dirty.add(key)  # its rank drops from inf
                 if key < base or not counts[key - base]:
                     cancel.append(key)
         picks: list[tuple[int, float]] = []
@@ -622,8 +656,9 @@ class FMoE(Policy):
             spec = gate.spec_next
             if spec is not None:
                 if layer + 1 < L:
-                    self._guide[base + J : base + 2 * J] = spec
-                    picks = self._pick(spec, layer + 1, None)
+                    p = np.asarray(spec, dtype=np.float64).tolist()
+                    self._set_guide(layer + 1, p)
+                    picks = self._pick_list(p, layer + 1, None)
                 else:
                     self._spec_first = np.array(spec)
         elif self._query is not None:
@@ -634,20 +669,27 @@ class FMoE(Policy):
                 self._traj.append(sum(scores) / len(scores))
                 if target < L:
                     assert store is not None
-                    mapped = store._maps[target, slots]  # (B, J)
-                    g = self._guide[target * J : (target + 1) * J]
-                    g[:] = mapped.max(axis=0)
+                    if len(slots) == 1:  # perf: one row, no fancy indexing
+                        mapped = store._maps[target, slots[0] : slots[0] + 1]  # (1, J)
+                        rows_p = mapped.tolist()
+                        self._set_guide(target, rows_p[0])
+                    else:
+                        mapped = store._maps[target, slots]  # (B, J)
+                        rows_p = mapped.tolist()
+                        self._set_guide(target, mapped.max(axis=0).tolist())
                     for i, sc in enumerate(scores):
-                        row = mapped[i]
                         if self.guide == "hit_count":  # counts -> shares, top-k
+                            row = mapped[i]
                             tot = float(row.sum())
                             picks += self._pick(row / tot if tot > 0 else row, target, None)
                         else:
-                            picks += self._pick(row, target, sc if self.dynamic_threshold else None)
+                            picks += self._pick_list(
+                                rows_p[i], target, sc if self.dynamic_threshold else None
+                            )
         elif target < L and self._sem_slots and store is not None:
             # trajectory search off: the semantic match guides every layer
             mapped = store._maps[target, self._sem_slots]  # (B, J)
-            self._guide[target * J : (target + 1) * J] = mapped.max(axis=0)
+            self._set_guide(target, mapped.max(axis=0).tolist())
             for i, sc in enumerate(self._sem_scores):
                 picks += self._pick(mapped[i], target, sc if self.dynamic_threshold else None)
         acts = self._actions(picks, layer, cancel)
@@ -692,7 +734,7 @@ class FMoE(Policy):
         """Count the visit (eviction priority, LFU) and the iteration's hit rate."""
         self._freq[key] += 1.0
         self._clock += 1
-        self._last[key] = self._clock
+        self._last[key] = self._clock  # the rank only rises (p >= 0): _top stays a bound
         self._accesses += 1
         if outcome is Outcome.HIT:
             self._hits += 1
@@ -700,13 +742,17 @@ class FMoE(Policy):
     def on_insert(self, key: int) -> None:
         """Track what the cache holds; the load is the first in-cache visit."""
         self._in.add(key)
+        self._in_layer[key // self._J].add(key)
         self._freq[key] = 1.0
         self._clock += 1
         self._last[key] = self._admitted[key] = self._clock
+        self._dirty.add(key)
 
     def on_evict(self, key: int) -> None:
         """Forget an evicted or cancelled expert (its in-cache visits and ``p``)."""
         self._in.discard(key)
+        self._in_layer[key // self._J].discard(key)
+        self._top.pop(key, None)  # its heap entries are stale now
         if self._pending.pop(key, None) is not None:
             self._held[key] = False
         self._freq[key] = 0.0
@@ -717,26 +763,93 @@ class FMoE(Policy):
         ``lru``: least recently used; ``lfu``: fewest in-cache visits.  Experts picked
         by the current searches and not used yet go last; ties: the oldest admission.
 
-        perf: scored with numpy over the candidates (a few hundred at most)."""
-        # perf: the engine's candidates are a dict of the evictable keys; reading its
-        # keys directly skips the admission-order walk (ties are broken by the
-        # admission stamp instead)
-        src = dict.keys(candidates) if isinstance(candidates, dict) else candidates
-        keys = np.fromiter(src, dtype=np.int64, count=len(candidates))
-        if not len(keys):
+        perf: the keys in the cache are ranked by ``(score, or inf while held;
+        admission)`` in a heap whose entry per key is a lower bound of its rank: a
+        visit only raises a rank and pushes nothing; a rank that may have dropped (a
+        new key, a new ``p``, a released hold) is pushed at the next call.  The top
+        entry is exact, or re-pushed at its current rank; the first exact top that is a
+        candidate is the victim (pinned and in-flight keys are set aside and put back).
+        When that key is held (every candidate is: they then rank by score alone), or
+        no candidate is found, every candidate is scored."""
+        if not candidates:
             raise ValueError("FMoE.victim called with no candidates")
+        heap, top, rank = self._heap, self._top, self._rank
+        push = heapq.heappush
+        if self._dirty:
+            for key in self._dirty & self._in:
+                r = rank(key)
+                old = top.get(key)
+                if old is None or r < old:
+                    top[key] = r
+                    push(heap, r)
+            self._dirty.clear()
+            if len(heap) > 2 * len(top) + 64:  # drop the stale entries
+                heap[:] = top.values()
+                heapq.heapify(heap)
+        pop, replace = heapq.heappop, heapq.heapreplace
+        aside = []
+        found = -1
+        while heap:
+            e = heap[0]
+            key = e[2]
+            if top.get(key) is not e:
+                pop(heap)
+                continue
+            r = rank(key)
+            if r != e:  # risen since it was pushed
+                top[key] = r
+                replace(heap, r)
+            elif key in candidates:
+                if not self._held[key]:
+                    found = key
+                break
+            else:
+                aside.append(pop(heap))
+        for e in aside:
+            push(heap, e)
+        return found if found >= 0 else self._victim_scan(candidates)
+
+    def _ranker(self) -> Callable[[int], tuple[float, int, int]]:
+        """The victim order of a key (lowest first): ``(inf, admission, key)`` while
+        held, else ``(score, admission, key)``."""
+        held, adm, inf = self._held, self._admitted, math.inf
         if self.cache == "lru":
-            score = self._last[keys].astype(np.float64)
+            last = self._last
+
+            def rank(key: int) -> tuple[float, int, int]:
+                return (inf, adm[key], key) if held[key] else (last[key], adm[key], key)
+
         elif self.cache == "lfu":
-            score = self._freq[keys]
+            freq = self._freq
+
+            def rank(key: int) -> tuple[float, int, int]:
+                return (inf, adm[key], key) if held[key] else (freq[key], adm[key], key)
+
         else:
-            score = self._guide[keys] * self._freq[keys]
-        if self._pending:
-            held = self._held[keys]
-            if not held.all():
-                score = np.where(held, np.inf, score)
-        order = np.lexsort((self._admitted[keys], score))  # lowest score, then oldest
-        return int(keys[order[0]])
+            guide, freq = self._guide, self._freq
+
+            def rank(key: int) -> tuple[float, int, int]:
+                if held[key]:
+                    return (inf, adm[key], key)
+                return (guide[key] * freq[key], adm[key], key)
+
+        return rank
+
+    def _score(self, key: int) -> float:
+        """The eviction score of ``key`` (lower goes first)."""
+        if self.cache == "lru":
+            return self._last[key]
+        if self.cache == "lfu":
+            return self._freq[key]
+        return self._guide[key] * self._freq[key]
+
+    def _victim_scan(self, candidates: Collection[int]) -> int:
+        """:meth:`victim` by scoring every candidate."""
+        held, adm, score = self._held, self._admitted, self._score
+        keys = list(candidates)
+        if not all(held[k] for k in keys):
+            return min(keys, key=self._rank)
+        return min(keys, key=lambda k: (score(k), adm[k]))  # all held: by score alone
 
     def report(self) -> dict[str, np.ndarray]:
         """Per iteration: ``iteration``, ``prefill``, ``semantic_score`` and

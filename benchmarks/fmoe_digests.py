@@ -1,0 +1,149 @@
+"""Digests of fMoE runs, to check that a change to ``policies/fmoe.py`` keeps every
+decision: the summary (less its wall-clock fields), the transfer table, the access log
+and the policy's own table, hashed per setting.
+
+Run ``python -m benchmarks.fmoe_digests --write FILE`` on a reference tree and
+``python -m benchmarks.fmoe_digests --check FILE`` on the changed one (exit 1 on a
+difference).  Settings: Mixtral (bundled trace, RTX 3090) timed at 6 and 24 GB, offline
+(``held_in_fraction=0.7``) and online (empty store); online serving (arrivals, continuous
+batching); every ``conf/policy/fmoe*.yaml`` preset at 24 GB;
+Qwen3-30B-A3B timed (8 synthetic requests, a quarter of the experts); a hit-rate-only
+run; batch size 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from fmoesim.config.build import load_preset
+from fmoesim.config.schema import CONF_DIR, PROJECT_ROOT
+from fmoesim.engine.serving import ServingConfig
+from fmoesim.engine.simulate import simulate
+from fmoesim.specs import HardwareSpec, ModelSpec
+from fmoesim.trace import read_trace
+from fmoesim.workload.synthetic import SyntheticConfig, generate
+
+GB = 1e9
+_WALL = ("wall_s", "speedup_vs_real")
+
+
+def _h(obj: Any) -> str:
+    h = hashlib.sha256()
+
+    def feed(x: Any) -> None:
+        if isinstance(x, dict):
+            for k in sorted(x):
+                h.update(repr(k).encode())
+                feed(x[k])
+        elif isinstance(x, np.ndarray):
+            h.update(str(x.dtype).encode() + str(x.shape).encode())
+            h.update(np.ascontiguousarray(x).tobytes() if x.dtype != object else repr(x).encode())
+        elif isinstance(x, float):
+            h.update(x.hex().encode())
+        else:
+            h.update(repr(x).encode())
+
+    feed(obj)
+    return h.hexdigest()[:16]
+
+
+def _policy(name: str) -> Any:
+    return instantiate(OmegaConf.load(CONF_DIR / "policy" / f"{name}.yaml"))
+
+
+def qwen3_setting(workdir: Path) -> tuple[Any, ModelSpec, int]:
+    """Trace, model and budget (a quarter of the experts) of the Qwen3 setting."""
+    model = load_preset("model", "qwen3-30b-a3b", ModelSpec)
+    path = workdir / "qwen3-8"
+    if not path.exists():
+        generate(model, SyntheticConfig(num_requests=8), path)
+    budget = int(0.25 * model.num_layers * model.num_experts) * model.expert_size_bytes
+    return read_trace(path), model, budget
+
+
+def runs(workdir: Path) -> Iterator[tuple[str, dict[str, Any], float]]:
+    """(name, digests, wall s) per setting."""
+    trace = read_trace(PROJECT_ROOT / "traces" / "default")
+    mixtral = load_preset("model", "mixtral-8x7b", ModelSpec)
+    hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
+    offline = ServingConfig(held_in_fraction=0.7)
+    cases: list[tuple[str, Any, Any, str, float, dict[str, Any]]] = []
+    for gb in (6, 24):
+        cases.append((f"mixtral-{gb}gb-online", trace, mixtral, "fmoe", gb * GB, {}))
+        cases.append(
+            (f"mixtral-{gb}gb-offline", trace, mixtral, "fmoe", gb * GB, {"serving": offline})
+        )
+    for p in sorted(CONF_DIR.glob("policy/fmoe-*.yaml")):
+        cases.append((f"mixtral-24gb-{p.stem}", trace, mixtral, p.stem, 24 * GB, {}))
+    arriving = ServingConfig(mode="online", arrivals="poisson", rate_rps=2.0, max_batch_size=4)
+    cases.append(
+        ("mixtral-24gb-serving-online", trace, mixtral, "fmoe", 24 * GB, {"serving": arriving})
+    )
+    cases.append(("mixtral-12gb-hit-only", trace, mixtral, "fmoe", 12 * GB, {"timing": False}))
+    cases.append(
+        ("mixtral-12gb-hit-only-offline", trace, mixtral, "fmoe", 12 * GB,
+         {"timing": False, "serving": offline})
+    )  # fmt: skip
+    cases.append(
+        ("mixtral-12gb-batch3", trace, mixtral, "fmoe", 12 * GB,
+         {"serving": ServingConfig(batch_size=3)})
+    )  # fmt: skip
+    qt, qm, qb = qwen3_setting(workdir)
+    cases.append(("qwen3-quarter", qt, qm, "fmoe", qb, {}))
+    for name, tr, model, pol, budget, kw in cases:
+        policy = _policy(pol)
+        r = simulate(tr, model, hw, policy, int(budget), access_log=True, **kw)
+        summary = {k: v for k, v in r.summary.items() if k not in _WALL}
+        d = {
+            "summary": _h(summary),
+            "transfers": _h(r.transfer_table()),
+            "accesses": _h(r.accesses),
+            "policy_log": _h(r.policy_log),
+        }
+        yield name, d, r.summary["wall_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--write", type=Path)
+    g.add_argument("--check", type=Path)
+    ap.add_argument("--workdir", type=Path, default=None, help="where the Qwen3 trace is kept")
+    args = ap.parse_args()
+    ref = json.loads(args.check.read_text()) if args.check else None
+    out: dict[str, dict[str, str]] = {}
+    bad = 0
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        for name, d, wall in runs(workdir):
+            out[name] = d
+            status = ""
+            if ref is not None:
+                same = ref.get(name) == d
+                bad += not same
+                status = "same" if same else f"DIFFERENT (reference {ref.get(name)})"
+            print(f"{name:40s} {wall:7.2f} s  {d}  {status}", flush=True)
+    if args.write:
+        args.write.write_text(json.dumps(out, indent=1, sort_keys=True))
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    if ref is not None:
+        print("all identical" if not bad else f"{bad} settings differ")
+        sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
