@@ -84,6 +84,8 @@ DOCS_RUN = {
         "fmoesim -m policy=lru,lfu cache.budget_gb=6,12 engine.timing=false hydra/launcher=joblib"
         " hydra.launcher.n_jobs=2",
         "fmoesim-plot --list",
+        "fmoesim-plot crossover --models olmoe-1b-7b --policies fmoe --compute 1,32 --bandwidth 1"
+        " --requests 1 --jobs 1 --out out/figures",
         "fmoesim-regress --policies lru,lfu",
     ],
     "performance.md": ["python -m benchmarks.engine --policies lru --repeat 1 --skip-scaling"],

@@ -5,12 +5,14 @@ Examples::
     fmoesim-plot --list                      # the figures and the sweeps they read
     fmoesim-plot all --run --jobs 2          # run every sweep missing from the store, then plot
     fmoesim-plot fmoe-fig11 moepic-tab1      # plot from what the store holds
+    fmoesim-plot crossover --models olmoe-1b-7b   # the crossover study (its own runs)
 
 ``--run`` runs ``fmoesim -m experiment=<name>`` for each figure's sweep (runs already
 in the store are skipped, so an interrupted ``--run`` resumes), with the joblib
 launcher on ``--jobs`` local cores when more than one.  Figures go to
 ``results/figures/<name>.png``, ``.pdf`` and ``.md`` (caption and numbers).  Exit status
-2 and one line on stderr for bad input.
+2 and one line on stderr for bad input.  ``crossover`` is not a store figure: it runs
+its own grid, alone (:mod:`fmoesim.plots.crossover`; ``fmoesim-plot crossover --help``).
 """
 
 from __future__ import annotations
@@ -104,6 +106,12 @@ def run_sweep(experiment: str, store: Path, jobs: int, root: Path) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["crossover"]:
+        from fmoesim.plots.crossover import main as crossover_main
+
+        crossover_main(argv[1:], PROG)
+        return
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", default=["all"], help="figure names, or all")
     ap.add_argument("--store", default="results/store", help="results store (%(default)s)")
@@ -111,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run", action="store_true", help="run the sweeps missing from the store")
     ap.add_argument("--jobs", type=int, default=2, help="local cores for --run (%(default)s)")
     ap.add_argument("--list", action="store_true", help="list the figures and exit")
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(argv)
     run_or_exit(PROG, _run, args)
 
 
@@ -123,8 +131,11 @@ def _run(args: argparse.Namespace) -> None:
     if args.list:
         for name, f in FIGURES.items():
             print(f"{name:<22} experiment={f.experiment:<22} {f.title}")
+        print(f"{'crossover':<22} {'(its own runs, alone)':<33} Where prefetching beats LRU")
         return
     names = list(FIGURES) if args.names in (["all"], []) else args.names
+    if "crossover" in names:
+        raise FmoesimError("figure 'crossover': give it alone: fmoesim-plot crossover [options]")
     unknown = [n for n in names if n not in FIGURES]
     if unknown:
         raise FmoesimError(f"figure {unknown[0]!r}: unknown; valid: all, {', '.join(FIGURES)}")
