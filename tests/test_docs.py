@@ -22,7 +22,6 @@ interpreter's environment.  A command whose comment says ``exits N`` must exit w
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import shutil
@@ -283,20 +282,13 @@ def overrides_of(cmd: str) -> list[str]:
 
 
 def sweep_points(overrides: list[str]) -> list[list[str]]:
-    """Every combination of a sweep's comma lists (Hydra's basic sweeper); the keys of
-    Hydra itself (launchers, ``hydra.*``) are left out."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    """Every job of the sweep over ``overrides``, as ``fmoesim`` expands it
+    (:func:`fmoesim.cli.main.sweep_points`), with Hydra's own keys (launchers,
+    ``hydra.*``) left out."""
+    from fmoesim.cli.main import sweep_points as expand
 
-    choices = []
-    for o in OverridesParser.create().parse_overrides(overrides):
-        if o.key_or_group.startswith("hydra"):
-            continue
-        if o.is_sweep_override():
-            key = o.get_key_element()
-            choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
-        else:
-            choices.append([o.input_line])
-    return [list(p) for p in itertools.product(*choices)]
+    kept = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    return expand(kept, {})
 
 
 def compose_check(cmd: str) -> None:
