@@ -430,20 +430,9 @@ def _physical(table: Any) -> str:
 def render(table: Any, out_dir: Path, name: str = NAME) -> list[Path]:
     """Write ``<name>.png``, ``.pdf``, ``.md`` (caption, boundaries, ratio tables) and
     ``.csv`` (the tidy table) under ``out_dir``, each atomically; return their paths."""
-    import matplotlib.pyplot as plt
+    from fmoesim.plots.style import save_figure
 
-    fig = draw(table)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    try:
-        for ext in ("png", "pdf"):
-            path = out_dir / f"{name}.{ext}"
-            with atomic_file(path) as tmp:
-                meta = {"CreationDate": None} if ext == "pdf" else None
-                fig.savefig(tmp, format=ext, metadata=meta, bbox_inches="tight")
-            paths.append(path)
-    finally:
-        plt.close(fig)
+    paths = save_figure(draw(table), out_dir, name, bbox_inches="tight")
     hw = ", ".join(dict.fromkeys(table["hardware"]))
     budgets = ", ".join(
         f"{m} {b}"

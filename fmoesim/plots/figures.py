@@ -29,6 +29,7 @@ from fmoesim.plots.style import (
     held_in_count,
     legend_outside,
     policy_color,
+    save_figure,
     series_style,
     setup,
     trace_caption,
@@ -605,21 +606,8 @@ def render(name: str, results: Any, out_dir: Path) -> list[Path]:
     """Draw figure ``name`` from the store's DataFrame ``results`` (:func:`draw_figure`);
     write PNG, PDF and the caption file atomically; return their paths."""
     drawing = draw_figure(name, results)
-    f, fig = FIGURES[name], drawing.fig
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    try:
-        for ext in ("png", "pdf"):
-            path = out_dir / f"{name}.{ext}"
-            with atomic_file(path) as tmp:
-                # no creation date in the PDF: the same numbers give the same file
-                meta = {"CreationDate": None} if ext == "pdf" else None
-                fig.savefig(tmp, format=ext, metadata=meta)
-            paths.append(path)
-    finally:
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
+    f = FIGURES[name]
+    paths = save_figure(drawing.fig, out_dir, name)
     md = "\n".join(
         [f"# {f.title}", "", f"- setting: {drawing.setting}", f"- {drawing.trace}",
          *(f"- note: {n}" for n in drawing.notes),

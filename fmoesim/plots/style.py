@@ -213,3 +213,25 @@ def trace_caption(
             note += "; " + _requests_note(counts, total, [u[2] for u in uses])
         parts.append(f"{t} ({note})")
     return "trace: " + "; ".join(parts)
+
+
+def save_figure(fig: Any, out_dir: Path, name: str, bbox_inches: str | None = None) -> list[Path]:
+    """Write ``fig`` as ``<name>.png`` and ``<name>.pdf`` under ``out_dir``, each
+    atomically (the PDF without a creation date: the same numbers give the same file),
+    close it and return the two paths."""
+    import matplotlib.pyplot as plt
+
+    from fmoesim.atomic import atomic_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    try:
+        for ext in ("png", "pdf"):
+            path = out_dir / f"{name}.{ext}"
+            with atomic_file(path) as tmp:
+                meta = {"CreationDate": None} if ext == "pdf" else None
+                fig.savefig(tmp, format=ext, metadata=meta, bbox_inches=bbox_inches)
+            paths.append(path)
+    finally:
+        plt.close(fig)
+    return paths
