@@ -632,27 +632,5 @@ def plotting_available() -> bool:
 _PLOT_NOTED = False
 
 
-def write_results(
-    spec: RunSpec, row: dict[str, Any], resolved: dict[str, Any], result: Any
-) -> Path:
-    """Write the run directory ``<output.dir>/<output.name>`` (named from the row when
-    ``output.name`` is unset) atomically, without a store row; it must not hold another
-    config's run (:func:`check_run_dir`).  :func:`run_config` writes both together."""
-    cfg_hash = row["config_hash"]
-    name = spec.output.name or (
-        f"{time.strftime('%Y%m%d-%H%M%S')}-{row['policy']}-{row['model']}-"
-        f"{row['budget_gb']:g}gb-{cfg_hash[:6]}"
-    )
-    final = resolve_out(spec.output.dir) / name
-    check_run_dir(final, cfg_hash)
-    save_results(final, None, spec, row, resolved, result)
-    return final
-
-
-def resolve_out(d: str) -> Path:
-    """Output directory: absolute as given, else relative to the working directory."""
-    return Path(d).expanduser()
-
-
 if __name__ == "__main__":
     main()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 
 from fmoesim.errors import exit_stdout_closed
@@ -23,13 +22,11 @@ from fmoesim.errors import exit_stdout_closed
 
 def sweep_size(overrides: list[str]) -> int:
     """Number of jobs a basic sweep over ``overrides`` makes (the product of the
-    lengths of its comma lists and ranges; 1 without any)."""
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    n = 1
-    for o in parsed:
-        if o.is_sweep_override():
-            n *= sum(1 for _ in o.sweep_string_iterator())
-    return n
+    lengths of its comma lists and ranges; 1 without any), as
+    :func:`fmoesim.cli.main.sweep_points` expands them."""
+    from fmoesim.cli.main import sweep_points
+
+    return len(sweep_points(overrides, {}))
 
 
 #: overrides not worth repeating on every job's line
@@ -39,11 +36,10 @@ _QUIET = ("output.", "store.", "progress", "workload.path", "hydra", "model.")
 def _total(hydra_cfg: Any) -> int:
     """Jobs of the sweep: command-line sweeps plus ``hydra.sweeper.params`` (an
     experiment preset's), a command-line value replacing a preset's for the same key."""
-    task = list(hydra_cfg.overrides.task)
-    given = {o.split("=")[0].lstrip("+~") for o in task}
+    from fmoesim.cli.main import sweep_points
+
     params = hydra_cfg.sweeper.get("params") or {}
-    extra = [f"{k}={v}" for k, v in params.items() if k.lstrip("+~") not in given]
-    return sweep_size(task + extra)
+    return len(sweep_points(list(hydra_cfg.overrides.task), dict(params)))
 
 
 def _say(line: str) -> None:
