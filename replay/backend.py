@@ -21,10 +21,10 @@ measured instead of modelled time.  Two backends:
   zero when the copy landed first.  With ``device="cpu"`` the copy stream is a worker
   thread and compute is synchronous, so the same scheduling code runs in CI; its
   times describe a CPU and mean nothing for a GPU server.
-- :class:`InstantReplayBackend` — the CPU path with the hit-rate-only simulator's
-  semantics (a copy lands at the next layer step or when the Runner waits for it) and
-  real copies and FFNs: the decisions, and so the hit rates, equal the hit-rate-only
-  simulator's exactly for every policy (tested).
+- :class:`InstantReplayBackend` — the CPU path with the semantics of the hit-rate-only
+  simulator with ``engine.landing=next_step`` (a copy lands at the next layer step or
+  when the Runner waits for it) and real copies and FFNs: the decisions, and so the hit
+  rates, equal that simulator's exactly for every policy (tested).
 
 Multi-GPU expert parallelism is not replayed: the backends take one cache (one GPU).
 """

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from fmoesim.config.schema import CONF_DIR
 from fmoesim.engine.cache import Evictable
 from fmoesim.engine.simulate import RunResult, simulate
+from fmoesim.specs import ModelSpec
 from fmoesim.trace import read_trace
 from fmoesim.trace.reader import Trace
 from fmoesim.workload.synthetic import SyntheticConfig, generate
@@ -488,7 +489,10 @@ def test_mixtral_engine_run_with_perfect_speculation(tmp_path):
     req = [Iteration([r], one_hot_spec(M34K2, [r], first=i == 0)) for i, r in enumerate(routes)]
     tr = read_trace(write_trace(tmp_path / "t", M34K2, [req], with_spec=True))
     policy = recording(MixtralOffloading)()
-    r = simulate(tr, M34K2, TINY_HW, policy, 6 * M34K2.expert_size_bytes, timing=False)
+    # the figure's prefetches land by the next layer: the infinitely fast link
+    r = simulate(
+        tr, M34K2, TINY_HW, policy, 6 * M34K2.expert_size_bytes, timing=False, landing="next_step"
+    )
     s = r.summary
     assert (s["hits"], s["late"], s["misses"]) == (14, 0, 4)
     assert policy.evicted == [4, 5, 10, 11, 0, 1, 6, 7, 8, 9]
@@ -656,10 +660,21 @@ def transfers(r: RunResult) -> list[tuple[int, str, float]]:
     return [(t.key, t.reason, t.priority) for t in r.transfers]
 
 
+def figure_run(
+    trace: Trace, model: ModelSpec, policy: Policy, budget: int, timing: bool
+) -> RunResult:
+    """A paper figure's run without preemption: timed on SLOW, or untimed with every
+    prefetch landing by the next layer (the infinitely fast link the figures draw)."""
+    hw = SLOW if timing else TINY_HW
+    return simulate(
+        trace, model, hw, policy, budget, timing=timing, landing="next_step",
+        access_log=True, preempt=False,
+    )  # fmt: skip
+
+
 def fig6_run(trace: Trace, policy: Policy, timing: bool) -> RunResult:
     budget = 8 * M42.expert_size_bytes  # everything fits: Fig. 6 is about order
-    hw = SLOW if timing else TINY_HW
-    return simulate(trace, M42, hw, policy, budget, timing=timing, access_log=True, preempt=False)
+    return figure_run(trace, M42, policy, budget, timing)
 
 
 def test_fig6_dependency_and_model_level_prefetch_order(fig6_trace: Trace):
@@ -737,9 +752,8 @@ def fig8_trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:
 
 
 def fig8_run(trace: Trace, policy: Policy, timing: bool = False) -> RunResult:
-    hw = SLOW if timing else TINY_HW
     budget = 3 * M32.expert_size_bytes
-    return simulate(trace, M32, hw, policy, budget, timing=timing, access_log=True, preempt=False)
+    return figure_run(trace, M32, policy, budget, timing)
 
 
 def test_fig8a_dependency_prefetching_with_lru(fig8_trace: Trace):
@@ -873,9 +887,9 @@ def preset(name: str) -> Policy:
 @pytest.fixture(scope="module")
 def smoke_runs(synthetic: Trace) -> dict[str, dict]:
     budget = 20 * SMOKE.expert_size_bytes  # 20 of 64 experts
-    return {
-        n: simulate(synthetic, SMOKE, TINY_HW, preset(n), budget, timing=False).summary for n in ALL
-    }
+    # the decisions alone: prefetches land by the next layer (an infinitely fast link)
+    kw = dict(timing=False, landing="next_step")
+    return {n: simulate(synthetic, SMOKE, TINY_HW, preset(n), budget, **kw).summary for n in ALL}
 
 
 @pytest.mark.parametrize("name", SPECULATIVE + ["dependency", "brainstorm"])

@@ -311,12 +311,12 @@ def test_oracle_store_hits_every_access_and_beats_belady(one_token_trace):
     assert routed_top == tr.counts.sum()  # precondition: top-k of each map = the routing
     size = MODEL.expert_size_bytes
     half = 16 * size  # half of the 32 experts
-    r = simulate(tr, MODEL, TINY_HW, oracle(tr), half, timing=False)
+    r = simulate(tr, MODEL, TINY_HW, oracle(tr), half, timing=False, landing="next_step")
     assert r.summary["hit_rate"] == 1.0 and r.summary["misses"] == 0
     bound = simulate(tr, MODEL, TINY_HW, Belady(), half, timing=False).summary["hit_rate"]
     assert bound < 1.0  # demand caching must miss (at least the cold misses)
     for n in (8, 12):  # tighter budgets: still at or above the demand upper bound
-        o = simulate(tr, MODEL, TINY_HW, oracle(tr), n * size, timing=False)
+        o = simulate(tr, MODEL, TINY_HW, oracle(tr), n * size, timing=False, landing="next_step")
         b = simulate(tr, MODEL, TINY_HW, Belady(), n * size, timing=False)
         assert o.summary["hit_rate"] >= b.summary["hit_rate"]
 

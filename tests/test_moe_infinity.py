@@ -270,7 +270,10 @@ def test_fig8c_request_level_eam_keeps_e22(fig8_trace: Trace, fig8_eamc: str):
     """
     p = Recording(eamc_path=fig8_eamc)
     budget = 3 * M32.expert_size_bytes
-    r = simulate(fig8_trace, M32, TINY_HW, p, budget, timing=False, access_log=True)
+    # the figure's prefetches land by the next layer: the infinitely fast link
+    r = simulate(
+        fig8_trace, M32, TINY_HW, p, budget, timing=False, landing="next_step", access_log=True
+    )
     E11, E12, E22, E32 = e(1, 1), e(1, 2), e(2, 2), e(3, 2)
     assert outcomes(r, M32) == [
         (0, E11, "M"),

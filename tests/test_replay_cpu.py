@@ -47,15 +47,16 @@ def test_cpu_replay_hit_rates_equal_the_simulators(trace, name):
     make = POLICIES[name]
     budget = 12 * MODEL.expert_size_bytes
     serving = ServingConfig(held_in_fraction=0.5) if name in ("fmoe", "moe-infinity") else None
-    sim = simulate(trace, MODEL, TINY_HW, make(), budget, timing=False, serving=serving)
+    # the untimed CPU path lands every copy at the next layer step
+    kw = dict(timing=False, landing="next_step", serving=serving)
+    sim = simulate(trace, MODEL, TINY_HW, make(), budget, **kw)
     rep = simulate(
         trace,
         MODEL,
         TINY_HW,
         make(),
         budget,
-        timing=False,
-        serving=serving,
+        **kw,
         make_backend=replay_backend(MODEL, TINY_HW, "cpu", timed=False),
     )
     np.testing.assert_array_equal(rep.metrics.acc, sim.metrics.acc)

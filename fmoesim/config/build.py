@@ -12,7 +12,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fmoesim.config.schema import CONF_DIR, EngineConfig, OutputConfig, WorkloadConfig
 from fmoesim.engine.serving import ServingConfig
-from fmoesim.engine.simulate import GB, check_budget, check_experts_per_layer, simulate
+from fmoesim.engine.simulate import (
+    GB,
+    LANDINGS,
+    check_budget,
+    check_experts_per_layer,
+    simulate,
+)
 from fmoesim.errors import ConfigError, FmoesimError
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
@@ -90,6 +96,8 @@ def build_run(cfg: DictConfig) -> RunSpec:
     engine: EngineConfig = OmegaConf.to_object(cfg.engine)  # type: ignore[assignment]
     if serving.mode == "online" and not engine.timing:
         raise ConfigError("engine.timing", False, "hit-rate-only mode needs serving.mode=static")
+    if engine.landing not in LANDINGS:
+        raise ConfigError("engine.landing", engine.landing, f"must be one of {', '.join(LANDINGS)}")
     workload: WorkloadConfig = OmegaConf.to_object(cfg.workload)  # type: ignore[assignment]
     if workload.kind not in ("trace", "synthetic"):
         raise ConfigError("workload.kind", workload.kind, "must be 'trace' or 'synthetic'")
@@ -155,6 +163,7 @@ def simulate_spec(
         "seed": spec.seed,
         "timing": spec.engine.timing,
         "preempt": spec.engine.preempt,
+        "landing": spec.engine.landing,
         "access_log": spec.output.access_log,
         "progress": spec.progress,
         "experts_per_layer": spec.experts_per_layer,

@@ -57,11 +57,17 @@ class WorkloadConfig:
 
 @dataclass
 class EngineConfig:
-    """The simulator backend: ``timing=False`` is the hit-rate-only mode (no clock, much
-    faster); ``preempt`` lets on-demand loads pause a prefetch at a chunk boundary."""
+    """The simulator backend: ``timing=False`` is the hit-rate-only mode (no time is
+    reported, much faster); ``preempt`` lets on-demand loads pause a prefetch at a chunk
+    boundary.  ``landing`` says when a prefetch becomes resident in hit-rate-only mode:
+    ``link`` once its bytes have crossed the link during the modelled compute since it
+    was issued (:class:`fmoesim.engine.sim.LinkStepBackend`), ``next_step`` at the next
+    layer step whatever its size (an infinitely fast link: an upper bound for
+    prefetching, :class:`fmoesim.engine.sim.InstantBackend`)."""
 
     timing: bool = True
     preempt: bool = True
+    landing: str = "link"
 
 
 @dataclass

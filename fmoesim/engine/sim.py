@@ -12,8 +12,10 @@ per transfer; ``tests/test_engine_timing.py`` checks it against closed forms.
 - :class:`SimLink` — one host-to-device link: bandwidth, fixed cost per transfer,
   chunked transfers, priority queue, on-demand preemption, cancellation.
 - :class:`SimBackend` — the timed backend.
-- :class:`InstantBackend` — the hit-rate-only backend: no clock; a transfer issued
-  during a layer step is resident from the next step.
+- :class:`InstantBackend` — hit-rate-only with ``engine.landing=next_step``: no clock;
+  a transfer issued during a layer step is resident from the next step.
+- :class:`LinkStepBackend` — hit-rate-only with ``engine.landing=link`` (the default):
+  a prefetch is resident once its bytes have crossed the link during modelled compute.
 """
 
 from __future__ import annotations
@@ -637,4 +639,180 @@ class InstantBackend(Backend):
 
     def end_experts(self) -> float:
         """No stall without a clock."""
+        return 0.0
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class LinkStepBackend(InstantBackend):
+    """The hit-rate-only backend whose prefetches take their time on the link.
+
+    It keeps a clock of modelled compute only (attention, router, shared and routed
+    experts, LM head; :class:`ComputeModel`), never of stalls: an access that waits for
+    an expert costs nothing, as in :class:`InstantBackend`, and no time metric is
+    reported.  A prefetch (any transfer but an on-demand load) queues on its GPU's link
+    in submission order and needs ``transfer_overhead_s + size_bytes / pcie`` of that
+    clock; the link moves the head of its queue while the GPU computes, and a prefetch is
+    resident once its time is done.  So a prefetch issued ``d`` layers ahead is a hit
+    only if its bytes cross the link in the compute of those ``d`` layers, behind the
+    prefetches queued before it.
+
+    The stall model is one of preemption (``engine.preempt``): an on-demand load, and
+    the rest of a late prefetch an access waits for, move while the GPU computes
+    nothing and the other prefetches are paused, so neither takes any of this clock;
+    they are resident when the access asks, and a late prefetch leaves its link queue.
+    Queued prefetches keep their submission order (the timed link orders them by
+    priority); a cancelled prefetch that has not started leaves its queue.
+    """
+
+    def __init__(
+        self, hw: HardwareSpec, compute: ComputeModel, caches: Sequence[ExpertCache]
+    ) -> None:
+        super().__init__(caches)
+        self.compute = compute
+        self._bytes_per_s = hw.pcie_bytes_per_s
+        self._overhead_s = hw.transfer_overhead_s
+        self._t_s = 0.0  # modelled compute so far (seconds)
+        self._gpu_s = [0.0] * self.num_gpus  # each GPU's time in the expert phase
+        self._link_s = [0.0] * self.num_gpus  # the time each link has been advanced to
+        self._queues: list[list[TransferRecord]] = [[] for _ in range(self.num_gpus)]
+        self._left_s: dict[int, float] = {}  # seq of a queued prefetch -> its time left
+        self._seq = 0
+        self._in_experts = False
+
+    def _advance(self, gpu: int, t_s: float) -> None:
+        """Let ``gpu``'s link work until ``t_s``; land each prefetch it finishes."""
+        queue, left = self._queues[gpu], self._left_s
+        now_s = self._link_s[gpu]
+        while queue and now_s < t_s:
+            head = queue[0]
+            now_s = max(now_s, head.release_s)
+            if now_s >= t_s:
+                break
+            run_s = min(left[head.seq], t_s - now_s)
+            left[head.seq] -= run_s
+            now_s += run_s
+            if left[head.seq] <= 0.0:
+                del left[head.seq]
+                queue.pop(0)
+                self._land(head)
+        self._link_s[gpu] = max(now_s, t_s)
+
+    def sync(self) -> float:
+        """Land the on-demand loads, and every prefetch finished by now."""
+        if self._pending:
+            super().sync()
+        for g in range(self.num_gpus):
+            self._advance(g, self._t_s)
+        return 0.0
+
+    def pre_gate(self, layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
+        """Attention and router, then :meth:`sync`."""
+        c = self.compute
+        self._t_s += c.attention_s(tokens, kv_tokens, pairs) + c.router_s(tokens)
+        self.sync()
+
+    def dense_layer(self, index: int, tokens: int, kv_tokens: int, pairs: int) -> None:
+        """Attention and the dense MLP."""
+        c = self.compute
+        self._t_s += c.attention_s(tokens, kv_tokens, pairs) + c.dense_mlp_s(tokens)
+
+    def lm_head(self, sequences: int) -> None:
+        """The LM head."""
+        self._t_s += self.compute.lm_head_s(sequences)
+
+    def submit(
+        self,
+        gpu: int,
+        key: int,
+        size_bytes: int,
+        priority: float,
+        reason: str,
+        delay_s: float = 0.0,
+    ) -> TransferRecord:
+        """An on-demand load lands at the next sync or wait; a prefetch joins its link's
+        queue, startable ``delay_s`` after the GPU's current time."""
+        if reason == "on_demand":
+            return super().submit(gpu, key, size_bytes, priority, reason, delay_s)
+        now_s = self._gpu_s[gpu] if self._in_experts else self._t_s
+        self._advance(gpu, now_s)
+        rec = TransferRecord(key, gpu, size_bytes, reason, priority, 0.0)
+        rec.start_s = rec.end_s = 0.0
+        rec.release_s = now_s + delay_s
+        rec.seq = self._seq
+        self._seq += 1
+        self.transfers.append(rec)
+        self._left_s[rec.seq] = self._overhead_s + size_bytes / self._bytes_per_s
+        self._queues[gpu].append(rec)
+        return rec
+
+    def _queued(self, gpu: int, key: int) -> TransferRecord | None:
+        """``key``'s prefetch still in ``gpu``'s link queue (None if there is none)."""
+        ent = self.caches[gpu].entries.get(key)
+        rec = None if ent is None else ent.record
+        if rec is None or rec.reason == "on_demand" or rec.seq not in self._left_s:
+            return None
+        return rec
+
+    def cancel(self, gpu: int, key: int) -> bool:
+        """Drop ``key``'s prefetch if it has not started (or its on-demand load issued
+        in this step)."""
+        if super().cancel(gpu, key):
+            return True
+        rec = self._queued(gpu, key)
+        if rec is None:
+            return False
+        full_s = self._overhead_s + rec.size_bytes / self._bytes_per_s
+        if self._left_s[rec.seq] < full_s:  # started
+            return False
+        del self._left_s[rec.seq]
+        self._queues[gpu].remove(rec)
+        rec.cancelled = True
+        return True
+
+    def begin_experts(self, layer: int, tokens: int) -> None:
+        """Shared experts, then every GPU starts its experts."""
+        if self.compute.shared_a_s > 0:
+            self._t_s += self.compute.shared_s(tokens)
+        self._gpu_s = [self._t_s] * self.num_gpus
+        self._in_experts = True
+
+    def expert(self, gpu: int, key: int, tokens: int, fraction: float = 1.0) -> None:
+        """One expert FFN (or ``fraction`` of it) on ``gpu``."""
+        c = self.compute
+        self._gpu_s[gpu] += fraction * (c.expert_a_s + c.expert_b_s * tokens)
+
+    def wait_any(self, gpu: int, keys: list[int]) -> int:
+        """Land this step's on-demand loads and what the link has finished by the GPU's
+        time; if none of ``keys`` is resident then, land the first of ``keys`` still in
+        the link's queue (it moves during the wait, which takes no clock)."""
+        super().sync()
+        self._advance(gpu, self._gpu_s[gpu] if self._in_experts else self._t_s)
+        cache = self.caches[gpu]
+        for k in keys:
+            if cache.is_resident(k):
+                return k
+        for k in keys:
+            rec = self._queued(gpu, k)
+            if rec is not None:
+                del self._left_s[rec.seq]
+                self._queues[gpu].remove(rec)
+                self._land(rec)
+                return k
+        raise RuntimeError(f"GPU {gpu} waits for experts {list(keys)} that are not in flight")
+
+    def drain(self) -> None:
+        """The run is over: every prefetch still queued lands."""
+        super().sync()
+        for g, queue in enumerate(self._queues):
+            for rec in queue:
+                del self._left_s[rec.seq]
+                self._land(rec)
+            self._queues[g] = []
+
+    def end_experts(self) -> float:
+        """The layer ends when the slowest GPU is done; no stall is reported."""
+        for g in range(self.num_gpus):
+            self._advance(g, self._gpu_s[g])
+        self._t_s = max(self._gpu_s)
+        self._in_experts = False
         return 0.0

@@ -25,7 +25,7 @@ from fmoesim.engine.serving import (
     split_requests,
     static_batches,
 )
-from fmoesim.engine.sim import InstantBackend, SimBackend
+from fmoesim.engine.sim import InstantBackend, LinkStepBackend, SimBackend
 from fmoesim.errors import ConfigError
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
@@ -34,6 +34,8 @@ from policies.base import FutureAccesses, LayerTimes, Policy, PolicyContext, Req
 from policies.lru import LRU
 
 GB = 1e9
+#: ``engine.landing``: when a prefetch becomes resident in hit-rate-only mode
+LANDINGS = ("link", "next_step")
 
 
 @dataclass
@@ -252,6 +254,7 @@ def simulate(
     seed: int = 0,
     timing: bool = True,
     preempt: bool = True,
+    landing: str = "link",
     access_log: bool = False,
     progress: bool = False,
     fast: bool = True,
@@ -261,10 +264,13 @@ def simulate(
     """Simulate serving ``trace`` with ``policy`` under an expert budget of ``budget_bytes``
     per GPU (``hardware.num_gpus`` GPUs, experts round-robin).
 
-    ``timing=False`` is the hit-rate-only mode (:class:`InstantBackend`: no clock, a
-    transfer lands at the next layer step; every time metric of the result is NaN,
-    :data:`fmoesim.engine.metrics.TIME_COLUMNS`); ``preempt`` lets on-demand loads pause a
-    prefetch at a chunk boundary; ``access_log`` keeps one row per expert access.
+    ``timing=False`` is the hit-rate-only mode: every time metric of the result is NaN
+    (:data:`fmoesim.engine.metrics.TIME_COLUMNS`), and ``landing`` says when a prefetch
+    becomes resident: ``"link"`` once its bytes have crossed the link during the modelled
+    compute since it was issued (:class:`LinkStepBackend`), ``"next_step"`` at the next
+    layer step (:class:`InstantBackend`, an infinitely fast link).  ``preempt`` lets
+    on-demand loads pause a prefetch at a chunk boundary; ``access_log`` keeps one row
+    per expert access.
     ``fast`` allows the exact fast paths: :mod:`fmoesim.engine.fast` for hit-rate-only
     runs of plain LRU on one GPU (it keeps no transfer log and no cache objects), and
     the closed-form timing of layer steps without prefetches on one GPU
@@ -291,6 +297,8 @@ def simulate(
     serving = (serving or ServingConfig()).validate()
     if serving.mode == "online" and not timing:
         raise ConfigError("engine.timing", False, "hit-rate-only mode needs serving.mode=static")
+    if landing not in LANDINGS:
+        raise ConfigError("engine.landing", landing, f"must be one of {', '.join(LANDINGS)}")
     if serving.mode == "online" and policy.uses_future:
         raise ConfigError(
             "policy",
@@ -371,8 +379,10 @@ def simulate(
         backend = make_backend(caches)
     elif timing:
         backend = SimBackend(hardware, compute, caches, preempt)
-    else:
+    elif landing == "next_step":
         backend = InstantBackend(caches)
+    else:
+        backend = LinkStepBackend(hardware, compute, caches)
     runner = Runner(
         trace,
         model,
