@@ -108,7 +108,7 @@ def memory() -> None:
 
 def ladder(calibrated: bool = False) -> None:
     """Fig. 12 hit rates on the bundled trace (or on the synthetic workload calibrated on
-    real Mixtral routing, ``workload=synthetic-mixtral-calibrated``)."""
+    real Mixtral routing, ``workload=routing-mixtral-8x7b``)."""
     model = load_preset("model", "mixtral-8x7b", ModelSpec)
     if calibrated:
         import tempfile
@@ -120,7 +120,7 @@ def ladder(calibrated: bool = False) -> None:
         from fmoesim.workload.synthetic import SyntheticConfig, generate
 
         knobs = OmegaConf.to_container(
-            OmegaConf.load(CONF_DIR / "workload" / "synthetic-mixtral-calibrated.yaml").synthetic
+            OmegaConf.load(CONF_DIR / "workload" / "routing-mixtral-8x7b.yaml").synthetic
         )
         tmp = tempfile.mkdtemp()
         generate(model, SyntheticConfig(**knobs), Path(tmp) / "t")  # type: ignore[arg-type]
@@ -187,7 +187,7 @@ def main() -> None:
     ap.add_argument(
         "--calibrated",
         action="store_true",
-        help="ladder on workload=synthetic-mixtral-calibrated instead of the bundled trace",
+        help="ladder on workload=routing-mixtral-8x7b instead of the bundled trace",
     )
     args = ap.parse_args()
     if args.part in ("search", "all"):

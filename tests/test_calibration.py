@@ -29,7 +29,7 @@ from tests.tiny import small_model, write_sequence_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT.parent / "shared" / "data" / "routing" / "mixtral-8x7b-vllm-top2"
-PRESET = Path(CONF_DIR) / "workload" / "synthetic-mixtral-calibrated.yaml"
+PRESET = Path(CONF_DIR) / "workload" / "routing-mixtral-8x7b.yaml"
 
 
 def routing_knobs() -> dict:
@@ -110,6 +110,6 @@ def test_qwen3_preset_matches_the_real_heat_skew(tmp_path):
 
     real = qwen3_stats(QWEN3 / "coactivation_qwen3-30b-a3b.json")
     model = load_preset("model", "qwen3-30b-a3b", ModelSpec)
-    skew = OmegaConf.load(Path(CONF_DIR) / "workload" / "synthetic-qwen3-calibrated.yaml")
+    skew = OmegaConf.load(Path(CONF_DIR) / "workload" / "routing-qwen3-30b-a3b.yaml")
     tr = synthetic_like(model, {"skew": float(skew.synthetic.skew)}, tmp_path / "t", 32, 128, 0)
     assert abs(frequency_skew(tr)[0] - real["heat_gini"]) < 0.02

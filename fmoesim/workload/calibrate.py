@@ -10,8 +10,11 @@ searches a grid of the workload model's routing knobs (``skew``, ``locality``,
 ``noise``, ``request_jitter``) for the one whose per-layer LRU and LFU hit-rate curves
 (a cache of C experts in every layer, C = 1..E-1) are closest to the real trace's in the
 worst point; it also reports next-token reuse and per-layer frequency skew.  The fitted
-knobs go into ``conf/workload/synthetic-mixtral-calibrated.yaml``; the report with its
-plot is written atomically (temp file, then rename).
+knobs go into ``conf/workload/routing-mixtral-8x7b.yaml``.  Qwen3-30B-A3B's heat
+Gini fits ``skew`` (``routing-qwen3-30b-a3b.yaml``); Qwen1.5-MoE-A2.7B's transition
+matrix fits ``skew`` and ``locality`` to its top-1 frequency Gini and top-1 stickiness
+(``routing-qwen1.5-moe-a2.7b.yaml``).  The report with its plot is written atomically
+(temp file, then rename).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,7 +80,13 @@ def reuse_probability(trace: Trace) -> float:
 def frequency_skew(trace: Trace) -> tuple[float, float]:
     """Mean over layers of the Gini coefficient and the max/mean ratio of expert
     selection frequency."""
-    freq = trace.counts.sum(axis=0).astype(np.float64)  # (L, E)
+    return skew_of(trace.counts.sum(axis=0))
+
+
+def skew_of(freq: np.ndarray) -> tuple[float, float]:
+    """Mean over layers of the Gini coefficient and the max/mean ratio of the per-layer
+    expert frequencies ``freq`` ``(L, E)``."""
+    freq = np.asarray(freq, dtype=np.float64)
     return float(np.mean([gini(f) for f in freq])), float(
         np.mean(freq.max(axis=1) / np.maximum(freq.mean(axis=1), 1e-12))
     )
@@ -102,12 +111,20 @@ def layer_dependence(trace: Trace) -> float:
     return float(np.mean(out)) if out else math.nan
 
 
+def _top1(trace: Trace) -> np.ndarray | None:
+    """The most probable expert of every iteration and layer, ``(rows, L)`` (None without
+    probabilities)."""
+    if trace.probs is None:
+        return None
+    return trace.probs.astype(np.float32).argmax(axis=2)
+
+
 def top1_stickiness(trace: Trace) -> float:
     """Share of consecutive decode tokens of a request whose most probable expert is the
     same, per layer, averaged (needs probabilities; NaN without them)."""
-    if trace.probs is None:
+    top = _top1(trace)  # (rows, L)
+    if top is None:
         return math.nan
-    top = trace.probs.astype(np.float32).argmax(axis=2)  # (rows, L)
     same, n = 0, 0
     for r in range(trace.num_requests):
         a = int(trace.iter_start[r])
@@ -118,15 +135,43 @@ def top1_stickiness(trace: Trace) -> float:
     return same / n if n else math.nan
 
 
+def top1_frequency_skew(trace: Trace) -> tuple[float, float]:
+    """:func:`skew_of` the top-1 expert frequency: how often each expert is the most
+    probable one, over one-token iterations (NaN without probabilities)."""
+    top = _top1(trace)  # (rows, L)
+    if top is None:
+        return math.nan, math.nan
+    top = top[trace.num_tokens == 1]
+    E = trace.num_experts
+    return skew_of(np.stack([np.bincount(t, minlength=E) for t in top.T]))
+
+
+def top1_frequency_gini(trace: Trace) -> float:
+    """Mean over layers of the Gini coefficient of top-1 expert frequency
+    (:func:`top1_frequency_skew`)."""
+    return top1_frequency_skew(trace)[0]
+
+
+def transition_matrix(path: Path) -> np.ndarray:
+    """A transition-matrix file as float64 counts ``(L, E, E)``: per layer, the top-1
+    expert at token t (row) -> at token t + 1 (column); the files are torch tensors."""
+    import torch
+
+    return torch.load(path, weights_only=True).double().numpy()
+
+
+def transition_stickiness_by_layer(m: np.ndarray) -> np.ndarray:
+    """Per layer, the share of a transition matrix's mass on its diagonal (top-1 expert at
+    token t equal to the one at t + 1), ``(L,)``."""
+    return np.trace(m, axis1=1, axis2=2) / np.maximum(m.sum(axis=(1, 2)), 1e-12)
+
+
 def transition_stickiness(path: Path) -> tuple[float, int]:
     """Mean share of a transition matrix's mass on its diagonal (top-1 expert at token t
     equal to the one at t + 1), over layers, and the number of experts; the files are
     torch tensors ``(L, E, E)`` of counts."""
-    import torch
-
-    m = torch.load(path, weights_only=True).double()
-    diag = torch.diagonal(m, dim1=1, dim2=2).sum(-1) / m.sum((1, 2)).clamp(min=1e-12)
-    return float(diag.mean()), int(m.shape[-1])
+    m = transition_matrix(path)
+    return float(transition_stickiness_by_layer(m).mean()), int(m.shape[-1])
 
 
 def pair_lift(trace: Trace, top: int = 20) -> float:
@@ -151,23 +196,72 @@ def pair_lift(trace: Trace, top: int = 20) -> float:
     return float(np.mean(lifts)) if lifts else math.nan
 
 
+def fit_knob(
+    model: ModelSpec,
+    knob: str,
+    target: float,
+    statistic: Callable[[Trace], float],
+    bounds: tuple[float, float],
+    fixed: dict[str, float] | None = None,
+    num_requests: int = 32,
+    tokens: int = 128,
+    steps: int = 12,
+) -> tuple[float, float]:
+    """The value of the synthetic ``knob`` (the others at ``fixed``, or their defaults)
+    whose ``statistic`` of a synthetic trace (seed 0) matches ``target``, by ``steps``
+    bisection steps on ``bounds``; ``statistic`` must grow with the knob.  Returns (knob
+    value, statistic at the last trace generated)."""
+    lo, hi = bounds
+    got = math.nan
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(steps):
+            mid = (lo + hi) / 2
+            knobs = {**(fixed or {}), knob: mid}
+            tr = synthetic_like(model, knobs, Path(tmp) / "t", num_requests, tokens, 0)
+            got = statistic(tr)
+            if got < target:
+                lo = mid
+            else:
+                hi = mid
+    return (lo + hi) / 2, got
+
+
 def fit_heat_skew(
     model: ModelSpec, target_gini: float, num_requests: int = 32, tokens: int = 128
 ) -> tuple[float, float]:
     """The synthetic ``skew`` whose per-layer frequency Gini (one-token iterations)
     matches ``target_gini``, by bisection on [0, 4]; returns (skew, Gini reached)."""
-    lo, hi = 0.0, 4.0
-    got = math.nan
-    with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(12):
-            mid = (lo + hi) / 2
-            tr = synthetic_like(model, {"skew": mid}, Path(tmp) / "t", num_requests, tokens, 0)
-            got = frequency_skew(tr)[0]
-            if got < target_gini:
-                lo = mid
-            else:
-                hi = mid
-    return (lo + hi) / 2, got
+    return fit_knob(
+        model, "skew", target_gini, lambda tr: frequency_skew(tr)[0], (0.0, 4.0),
+        num_requests=num_requests, tokens=tokens,
+    )  # fmt: skip
+
+
+def fit_top1(
+    model: ModelSpec,
+    target_gini: float,
+    target_stickiness: float,
+    rounds: int = 2,
+    steps: int = 8,
+    num_requests: int = 32,
+    tokens: int = 128,
+) -> dict[str, float]:
+    """The synthetic ``skew`` and ``locality`` whose top-1 frequency Gini
+    (:func:`top1_frequency_gini`) and top-1 stickiness (:func:`top1_stickiness`) match
+    the targets: ``rounds`` of alternating bisections, ``skew`` on [0, 2] at the current
+    ``locality`` (first 0.5), then ``locality`` on [0, 0.95] at that ``skew``; the other
+    knobs keep their defaults.  Returns the two knobs, rounded to 2 decimals."""
+    skew, locality = 1.0, 0.5
+    for _ in range(rounds):
+        skew, _ = fit_knob(
+            model, "skew", target_gini, top1_frequency_gini, (0.0, 2.0),
+            {"locality": locality}, num_requests, tokens, steps,
+        )  # fmt: skip
+        locality, _ = fit_knob(
+            model, "locality", target_stickiness, top1_stickiness, (0.0, 0.95),
+            {"skew": skew}, num_requests, tokens, steps,
+        )  # fmt: skip
+    return {"skew": round(skew, 2), "locality": round(locality, 2)}
 
 
 def gini(x: np.ndarray) -> float:
@@ -263,6 +357,26 @@ def qwen3_stats(path: Path) -> dict[str, float]:
     }
 
 
+def qwen15_stats(path: Path) -> dict[str, float]:
+    """Top-1 routing statistics of Qwen1.5-MoE-A2.7B from its transition matrix (see
+    :func:`transition_matrix`): the per-layer Gini and max/mean of top-1 expert frequency
+    (row sums: the top-1 expert at token t) and the per-layer top-1 stickiness
+    (:func:`transition_stickiness_by_layer`), each averaged over layers, with the
+    stickiness of the least and the most sticky layer and the tokens per layer."""
+    m = transition_matrix(path)  # (L, E, E)
+    freq = m.sum(axis=2)  # (L, E)
+    sticky = transition_stickiness_by_layer(m)  # (L,)
+    g, mm = skew_of(freq)
+    return {
+        "top1_gini": g,
+        "top1_max_over_mean": mm,
+        "top1_stickiness": float(sticky.mean()),
+        "top1_stickiness_min": float(sticky.min()),
+        "top1_stickiness_max": float(sticky.max()),
+        "tokens_per_layer": float(freq.sum(axis=1).mean()),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     """Fit, then write the report and its plot."""
     from fmoesim.config.build import load_preset
@@ -303,7 +417,10 @@ def main(argv: list[str] | None = None) -> None:
             q["fitted_gini"], q["fitted_max_over_mean"] = frequency_skew(tr)
             q["fitted_pair_lift"] = pair_lift(tr)
     trans = _transitions(Path(args.transitions))
-    text = _report(args.real, real, dropped, target, stats, ranked, plot.name, q, trans, sticky)
+    q15 = _qwen15(Path(args.transitions) / "qwen_markov_transition_matrix.pt")
+    text = _report(
+        args.real, real, dropped, target, stats, ranked, plot.name, q, trans, sticky, q15
+    )
     fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)
@@ -319,6 +436,31 @@ def _transitions(folder: Path) -> dict[str, tuple[float, int]] | None:
         return None
     files = sorted(folder.glob("*_markov_transition_matrix.pt")) if folder.is_dir() else []
     return {f.name.split("_")[0]: transition_stickiness(f) for f in files} or None
+
+
+def _qwen15(path: Path) -> dict[str, Any] | None:
+    """Qwen1.5-MoE-A2.7B's real top-1 statistics (:func:`qwen15_stats`), the knobs that
+    :func:`fit_top1` fits to them, and the synthetic statistics at those knobs, on the
+    fit's trace (32 requests of 128 one-token iterations) and on one of about the real
+    token count (80 requests); None without torch or the file."""
+    from fmoesim.config.build import load_preset
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None
+    if not path.is_file():
+        return None
+    q: dict[str, Any] = dict(qwen15_stats(path))
+    model = load_preset("model", "qwen1.5-moe-a2.7b", ModelSpec)
+    q["knobs"] = fit_top1(model, q["top1_gini"], q["top1_stickiness"])
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, num_requests in (("fitted", 32), ("fitted_80", 80)):
+            tr = synthetic_like(model, q["knobs"], Path(tmp) / "t", num_requests, 128, 0)
+            q[f"{key}_gini"], q[f"{key}_max_over_mean"] = top1_frequency_skew(tr)
+            q[f"{key}_stickiness"] = top1_stickiness(tr)
+            q[f"{key}_tokens_per_layer"] = int((tr.num_tokens == 1).sum())
+    return q
 
 
 def _plot(target: dict[str, list[float]], best: Candidate, path: Path) -> None:
@@ -348,6 +490,44 @@ def _plot(target: dict[str, list[float]], best: Candidate, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _qwen15_section(q: dict[str, Any] | None) -> list[str]:
+    """The Qwen1.5-MoE-A2.7B section of the report (a note when ``q`` is None)."""
+    head = ["## Qwen1.5-MoE-A2.7B (top-1 transition matrix)", ""]
+    if q is None:
+        return [
+            *head,
+            "Needs torch and `transition-matrices/qwen_markov_transition_matrix.pt`; skipped.",
+        ]
+    return [
+        *head,
+        f"24 layers x 60 experts, top-4; {q['tokens_per_layer']:.0f} token-to-token "
+        "transitions of the top-1 expert per layer (wikitext prefill). The synthetic "
+        f"trace: 32 requests, {q['fitted_tokens_per_layer']} one-token iterations.",
+        "",
+        "| statistic | real | fitted synthetic |",
+        "|---|---|---|",
+        f"| per-layer top-1 frequency Gini (mean) | {q['top1_gini']:.3f} "
+        f"| {q['fitted_gini']:.3f} |",
+        f"| per-layer top-1 frequency max/mean (mean) | {q['top1_max_over_mean']:.2f} "
+        f"| {q['fitted_max_over_mean']:.2f} |",
+        f"| top-1 stickiness (mean over layers) | {q['top1_stickiness']:.3f} "
+        f"| {q['fitted_stickiness']:.3f} |",
+        "",
+        f"`{q['knobs']}` (the other knobs at their defaults) matches the Gini and the "
+        "stickiness (`conf/workload/routing-qwen1.5-moe-a2.7b.yaml`, with "
+        "`model=qwen1.5-moe-a2.7b`). On a synthetic trace of about the real size "
+        f"(80 requests, {q['fitted_80_tokens_per_layer']} tokens) the Gini is "
+        f"{q['fitted_80_gini']:.3f} and the stickiness {q['fitted_80_stickiness']:.3f}: "
+        "a Gini measured on fewer tokens is larger. Only the top-1 expert is "
+        "calibrated: the other three of the top-4, within-layer co-activation, "
+        "layer-to-layer dependence and decode-time routing (the matrix is prefill) are "
+        "not. The real stickiness ranges from "
+        f"{q['top1_stickiness_min']:.3f} to {q['top1_stickiness_max']:.3f} across "
+        "layers; the workload model has one `locality` for all layers, so only the "
+        "mean is matched.",
+    ]
+
+
 def _report(
     src: str,
     real: Trace,
@@ -359,6 +539,7 @@ def _report(
     qwen3: dict[str, float] | None,
     trans: dict[str, tuple[float, int]] | None,
     sticky: float,
+    qwen15: dict[str, Any] | None = None,
 ) -> str:
     best = ranked[0]
     reuse, (g, mm), dep = stats
@@ -399,7 +580,7 @@ def _report(
         "",
         f"Fitted knobs: `{best.knobs}` (worst point {best.max_error_points:.1f} points; the "
         "acceptance bound is 5). They are the routing knobs of "
-        "`conf/workload/synthetic-mixtral-calibrated.yaml`.",
+        "`conf/workload/routing-mixtral-8x7b.yaml`.",
         "",
         "Grid (worst-point error in points, best first):",
         "",
@@ -423,7 +604,7 @@ def _report(
             "",
             f"Far more skewed than Mixtral (128 experts, top-8). `skew = "
             f"{qwen3['fitted_skew']}` matches the heat Gini "
-            "(`conf/workload/synthetic-qwen3-calibrated.yaml`, with `model=qwen3-30b-a3b`); "
+            "(`conf/workload/routing-qwen3-30b-a3b.yaml`, with `model=qwen3-30b-a3b`); "
             "the co-activation lift is not reproduced: the workload model couples experts "
             "within a layer only through topics, so its pairs are nearly independent.",
         ]
@@ -446,6 +627,7 @@ def _report(
             "(26 x 6 x 6) does not match DeepSeek's 64 or 256 routed experts; it is listed "
             "as found.",
         ]
+    lines += ["", *_qwen15_section(qwen15)]
     lines.append("")
     return "\n".join(lines)
 
