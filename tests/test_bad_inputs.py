@@ -222,7 +222,7 @@ def test_check_added_keys_leaves_policy_groups_and_hydra_alone():
     )  # fmt: skip
     with pytest.raises(FmoesimError, match="unknown key 'x' under 'model'"):
         check_added_keys(["+model.x=1"])
-    assert _preflight_sweep(["experiment=fmoe-fig4"]) == 10  # its ++policy.* sweep is fine
+    assert _preflight_sweep(["experiment=fmoe-fig4"]) == 30  # its ++policy.* sweep is fine
 
 
 def test_a_budget_above_every_expert_runs(tmp_path):

@@ -40,6 +40,10 @@ def fake_rows(experiment: str) -> list[dict]:
             if key == "policy":
                 row["policy"] = val
                 continue
+            if key == "model":  # a config group: rows name it, configs hold its preset
+                row["model"] = val
+                conf["model"] = {"name": val}
+                continue
             node = conf
             *parents, leaf = key.split(".")
             for p in parents:
@@ -101,7 +105,9 @@ def test_ambiguous_stale_or_incomplete_rows_are_refused(tmp_path, store_df):
 
     fig11 = store_df[store_df.experiment == "fmoe-fig11"]
     twice = pd.concat([store_df, fig11.iloc[[3]]], ignore_index=True)
-    with pytest.raises(FmoesimError, match=r"2 runs for the point policy=\S+ cache.budget_gb="):
+    with pytest.raises(
+        FmoesimError, match=r"2 runs for the point policy=\S+ model=mixtral-8x7b cache.budget_gb="
+    ):
         render("fmoe-fig11", twice, tmp_path)
     stale = store_df.assign(code_version="0123456789ab")
     with pytest.raises(FmoesimError, match="runs are from other code versions"):
@@ -193,7 +199,9 @@ def _close_figures():
 
 
 def _fig11_rows(**extra: object) -> pd.DataFrame:
-    return pd.DataFrame(fake_rows("fmoe-fig11")).assign(**extra)
+    """Fig. 11's rows of one model (the preset sweeps three; the figure draws one)."""
+    df = pd.DataFrame(fake_rows("fmoe-fig11"))
+    return df[df.model == "mixtral-8x7b"].reset_index(drop=True).assign(**extra)
 
 
 def test_identical_series_stay_distinct_and_are_named(tmp_path):

@@ -33,7 +33,7 @@ from fmoesim.reproduce.smallscale import holding, points, recheck
 
 SCOREBOARD_DIR = PROJECT_ROOT / "results" / "reproduction"
 #: requests per run of the regression check, and its time limit
-REGRESS_REQUESTS = 4
+REGRESS_REQUESTS = 3
 REGRESS_LIMIT_S = 60.0
 
 
@@ -154,9 +154,27 @@ def claim(**kw) -> Claim:
 FIG9 = store_rows(
     "fmoe-fig9",
     [
-        {"policy": "fmoe", "tpot_mean_s": 0.92, "ttft_mean_s": 1.1, "hit_rate": 0.5},
-        {"policy": "deepspeed", "tpot_mean_s": 1.00, "ttft_mean_s": 1.0, "hit_rate": 0.4},
-        {"policy": "promoe", "tpot_mean_s": 0.80, "ttft_mean_s": 2.0, "hit_rate": 0.25},
+        {
+            "policy": "fmoe",
+            "model.name": "m",
+            "tpot_mean_s": 0.92,
+            "ttft_mean_s": 1.1,
+            "hit_rate": 0.5,
+        },
+        {
+            "policy": "deepspeed",
+            "model.name": "m",
+            "tpot_mean_s": 1.00,
+            "ttft_mean_s": 1.0,
+            "hit_rate": 0.4,
+        },
+        {
+            "policy": "promoe",
+            "model.name": "m",
+            "tpot_mean_s": 0.80,
+            "ttft_mean_s": 2.0,
+            "hit_rate": 0.25,
+        },
     ],
 )
 
@@ -205,8 +223,9 @@ def test_points_by_hand() -> None:
     most_points counts the points where A is best wrongly."""
     rows = []
     for budget, (f, d) in {6: (1.0, 2.0), 12: (1.0, 0.9), 24: (0.5, 1.0)}.items():
-        rows += [{"policy": "fmoe", "cache.budget_gb": budget, "tpot_mean_s": f},
-                 {"policy": "deepspeed", "cache.budget_gb": budget, "tpot_mean_s": d}]  # fmt: skip
+        rows += [{"policy": "fmoe", "cache.budget_gb": budget, "model.name": "m", "tpot_mean_s": f},
+                 {"policy": "deepspeed", "cache.budget_gb": budget, "model.name": "m",
+                  "tpot_mean_s": d}]  # fmt: skip
     df = store_rows("fmoe-fig11", rows)
     every = claim(experiment="fmoe-fig11", kind="every_point", over="cache.budget_gb")
     s = score_claim(every, df)
@@ -216,6 +235,27 @@ def test_points_by_hand() -> None:
                  b={}, among=("fmoe", "deepspeed"))  # fmt: skip
     s = score_claim(most, df)
     assert s.fmoesim_value == pytest.approx(100 * 2 / 3) and s.holds == YES
+
+
+def test_per_model_by_hand() -> None:
+    """Red when a ``per`` claim is scored on the pooled rows instead of each model's (the
+    pooled means give (0.9 + 0.1) / (1.0 + 0.4) - 1 = -29%, not the -25% mean of -10% and
+    -40%), when a model's rows leak into another's, or when every_point takes other than
+    the least favourable point over all models; and when a config group is matched by
+    anything but its preset's name."""
+    rows = []
+    for model, (f, d) in {"m1": (0.9, 1.0), "m2": (0.12, 0.2)}.items():
+        rows += [{"policy": "fmoe", "model.name": model, "tpot_mean_s": f},
+                 {"policy": "deepspeed", "model.name": model, "tpot_mean_s": d}]  # fmt: skip
+    df = store_rows("fmoe-fig9", rows)
+    s = score_claim(claim(per="model", paper_value=-50.0), df)
+    assert s.fmoesim_value == pytest.approx((-10.0 + -40.0) / 2) and s.holds == YES
+    assert s.ratio == pytest.approx(0.5)
+    assert "m1: -10.0%" in s.detail and "m2: -40.0%" in s.detail
+    every = claim(per="model", kind="every_point", over="model")
+    assert score_claim(every, df).fmoesim_value == pytest.approx(-10.0)
+    one = claim(a={"policy": "fmoe", "model": "m2"}, b={"policy": "fmoe", "model": "m1"})
+    assert score_claim(one, df).fmoesim_value == pytest.approx(100 * (0.12 / 0.9 - 1))
 
 
 def test_missing_runs_leave_the_row_in() -> None:
@@ -298,29 +338,25 @@ def test_recheck_mechanism_on_a_fixture(tmp_path: Path) -> None:
     catalog = load_catalog("fmoe")
     fixture = tmp_path / "fmoe.csv"
     ids = {
-        "fig12a-hit-count-worst": "yes",
+        "fig12b-lfu-over-lru": "yes",
         "fig9-tpot-deepspeed": "no",
         "fig15-sync-overhead": "n.a.",
     }
     fixture.write_text("id,holds\n" + "".join(f"{k},{v}\n" for k, v in ids.items()))
     held = holding(catalog, fixture)
-    assert [c.id for c in held] == ["fig12a-hit-count-worst"]
+    assert [c.id for c in held] == ["fig12b-lfu-over-lru"]
     assert holding(catalog, tmp_path / "absent.csv") == []
     (s,) = recheck(held, requests=2)
     assert s.fmoesim_value is not None and not math.isnan(s.fmoesim_value), s.detail
     assert s.holds == YES, s.detail
 
 
-#: claims that hold on the full presets but whose effect is within what 4-request runs
+#: claims that hold on the full presets but whose effect is within what 3-request runs
 #: change, so the small check cannot see them (``paper:id``), each with the reason.
 #: Stale entries fail test_small_scale_exceptions_are_current.
 NOT_AT_SMALL_SCALE = {
-    "fmoe:fig10-e2e-moe-infinity": "fMoE leads MoE-Infinity by 10% online over 16 "
-    "requests, trails it by 1% over 4",
-    "fmoe:fig12a-full-over-map-ts": "dynamic expert selection adds 0.3 points of hit rate "
-    "over 16 requests, loses 0.4 over 4",
-    "fmoe:fig14b-tpot-lowest": "fMoE's TPOT beats MoE-Infinity's at batch 2 by 1.4%; over "
-    "4 requests it does not",
+    "fmoe:fig4-hit-falls-with-distance": "fMoE's hit rate at distance 6 is 3.7% under "
+    "distance 1's over 10 requests per model, 0.25% above it over 3",
 }
 
 

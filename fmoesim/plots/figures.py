@@ -47,6 +47,15 @@ def cfg_value(row: Any, dotted: str) -> Any:
     return node
 
 
+def sweep_value(row: Any, key: str) -> Any:
+    """A stored row's value of a swept ``key`` (:func:`cfg_value`): a config group
+    (``model``, ``hardware``...) by its preset's ``name``, as a sweep names it."""
+    value = cfg_value(row, key)
+    if isinstance(value, dict) and "name" in value:
+        return value["name"]
+    return value
+
+
 def _cfg_get(row: Any, dotted: str, default: Any) -> Any:
     """:func:`cfg_value`, or ``default`` when the row's config lacks the key."""
     try:
@@ -107,7 +116,9 @@ def _points(df: Any, experiment: str) -> Any:
                 f"(rerun: fmoesim -m experiment={experiment})"
             )
     keys = [k for k in sweep_params(experiment) if k != "policy"]
-    point = [tuple([r["policy"], *(str(cfg_value(r, k)) for k in keys)]) for _, r in df.iterrows()]
+    point = [
+        tuple([r["policy"], *(str(sweep_value(r, k)) for k in keys)]) for _, r in df.iterrows()
+    ]
     seen: dict[tuple[str, ...], int] = {}
     for p in point:
         seen[p] = seen.get(p, 0) + 1
@@ -181,8 +192,9 @@ def fig4(df: Any, plt: Any) -> tuple[Any, str]:
 
 
 def fig9(df: Any, plt: Any) -> tuple[Any, str]:
-    """TTFT, TPOT and hit rate per policy.  MoEpic keeps its paper τ of 5,000 tokens:
-    in these 32 requests (7,487 tokens) its configurator runs once."""
+    """TTFT, TPOT and hit rate per policy.  MoEpic keeps its paper τ of 5,000 tokens,
+    more than Mixtral-8x7B's 10 served requests process (2,310 tokens): its configurator
+    does not run here."""
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     _bars(axes[0], df, "ttft_mean_s", 1e3, "mean TTFT (ms)")
     _bars(axes[1], df, "tpot_mean_s", 1e3, "mean TPOT (ms)")
@@ -197,8 +209,8 @@ def fig9(df: Any, plt: Any) -> tuple[Any, str]:
 
 def fig10(df: Any, plt: Any) -> tuple[Any, str]:
     """CDF of end-to-end request latency (online serving).  MoEpic keeps its paper τ of
-    5,000 tokens, more than these 16 requests process (3,254 tokens): its configurator
-    does not run here."""
+    5,000 tokens, more than Mixtral-8x7B's 16 requests process (3,270 tokens): its
+    configurator does not run here."""
     fig, ax = plt.subplots(figsize=(7, 3.8))
     for i, p in enumerate(_policies(df)):
         e2e = np.sort(np.asarray(df[df.policy == p]["request_e2e_s"].iloc[0], dtype=float))
@@ -214,7 +226,7 @@ def fig10(df: Any, plt: Any) -> tuple[Any, str]:
 def fig11(df: Any, plt: Any) -> tuple[Any, str]:
     """TPOT vs expert budget."""
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    _lines(ax, df, "budget_gb", "tpot_mean_s", 1e3, "expert cache budget (GB)", "mean TPOT (ms)")
+    _lines(ax, df, "budget_gb", "tpot_mean_s", 1e3, "expert budget per GPU (GB)", "mean TPOT (ms)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(set(df.budget_gb)), [f"{b:g}" for b in sorted(set(df.budget_gb))])
     cols = {"TPOT ms": ("tpot_mean_s", 1e3, ".1f"), "hit rate %": ("hit_rate", 100, ".2f")}
@@ -582,13 +594,19 @@ def draw_figure(name: str, results: Any) -> Drawing:
     df, untimed = experiment_rows(
         results, f.experiment, timed=f.timed, what=f"figure {name}", verb="plots"
     )
+    models = list(dict.fromkeys(df["model"])) if "model" in df.columns else []
+    shown = ""
+    if len(models) > 1:  # a preset sweeping models: the figure draws its first one
+        first = sweep_params(f.experiment).get("model", models)[0]
+        df = df[df["model"] == first]
+        shown = f", {first} of the {len(models)} models it sweeps (fmoesim-reproduce averages them)"
     plt = setup()
     try:
         fig, table = f.draw(df, plt)
     except KeyError as exc:
         raise FmoesimError(f"figure {name}: the store's rows lack {exc}") from None
     row0 = df.iloc[0]
-    setting = f"{row0.model} on {row0.hardware}, {len(df)} runs (experiment={f.experiment})"
+    setting = f"{row0.model} on {row0.hardware}, {len(df)} runs (experiment={f.experiment}{shown})"
     if untimed:
         setting += f", timed runs only ({untimed} hit-rate-only runs left out)"
     if arrivals := arrivals_note(df):

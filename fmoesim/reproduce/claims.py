@@ -57,6 +57,7 @@ class Claim:
     a_agg: str = "one"
     b_agg: str = "one"
     over: str | None = None
+    per: str | None = None
     among: tuple[str, ...] = ()
     pairs: tuple[Pair, ...] = ()
     reason: str = ""

@@ -15,6 +15,11 @@ same unit as the paper's number.  The kinds:
 - ``most_points``: the share (percent) of the values of ``over`` at which A is the best
   (lowest, or highest) of the ``among`` policies; the direction holds above 50%.
 
+A claim with ``per`` (a swept key, such as ``model`` for a paper's number "across three
+models") is scored for each value of that key on its own rows, then combined:
+the mean of the effects (``relative``, ``mean_relative``), the least favourable
+(``every_point``) or the mean share (``most_points``).
+
 The direction holds ("yes") when the effect has the claimed sign (strictly below 0 for
 ``lower``, above 0 for ``higher``; above 50% for ``most_points``), "no" otherwise, and
 "n.a." when fmoesim has no number.  The magnitude ratio is fmoesim's effect divided by
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +70,11 @@ def _same(have: Any, want: Any) -> bool:
 
 def row_value(row: Any, key: str) -> Any:
     """A stored row's value of ``key``: its column ``policy``, else its config's dotted
-    key (:func:`fmoesim.plots.figures.cfg_value`)."""
-    from fmoesim.plots.figures import cfg_value
+    key (:func:`fmoesim.plots.figures.cfg_value`); a config group (``model``,
+    ``hardware``...) by its preset's ``name``, as a sweep names it."""
+    from fmoesim.plots.figures import sweep_value
 
-    return row["policy"] if key == "policy" else cfg_value(row, key)
+    return row["policy"] if key == "policy" else sweep_value(row, key)
 
 
 def select(df: Any, flt: Filter) -> Any:
@@ -150,7 +156,30 @@ def _over_values(df: Any, key: str) -> list[Any]:
 
 def effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
     """``(fmoesim's number, whether the direction holds, detail)`` of ``claim`` on the
-    experiment's rows ``df`` (the module docstring defines each kind)."""
+    experiment's rows ``df`` (the module docstring defines each kind and ``per``)."""
+    if claim.per is None:
+        return _effect(claim, df)
+    per = claim.per
+    one = replace(claim, per=None)
+    parts = [(v, _effect(one, select(df, {per: v}))) for v in _over_values(df, per)]
+    if not parts:
+        raise FmoesimError(f"claim {claim.id}: no runs to compare per {per}")
+    values = [e[0] for _, e in parts]
+    if claim.kind == "every_point":
+        value = max(values) if claim.direction == "lower" else min(values)
+    else:
+        value = sum(values) / len(values)
+    holds = value > 50.0 if claim.kind == "most_points" else favourable(value, claim.direction)
+    share = claim.kind == "most_points"
+    detail = "; ".join(
+        f"{_num(v)}: " + (f"{e[0]:.0f}%" if share else _fmt(e[0])) + (f" ({e[2]})" if e[2] else "")
+        for v, e in parts
+    )
+    return value, holds, detail
+
+
+def _effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
+    """:func:`effect` of a claim without ``per``."""
     what = f"claim {claim.id}"
     if claim.kind == "mean_relative":
         parts = [

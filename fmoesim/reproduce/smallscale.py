@@ -21,6 +21,8 @@ from fmoesim.reproduce.score import YES, Score, score_claim
 
 #: requests served per run of the small check
 SMALL_REQUESTS = 4
+#: a synthetic trace of the small check holds this many times the requests it serves
+TRACE_FACTOR = 3
 #: overrides of every small run: nothing written, no progress bars
 QUIET = ("store.enabled=false", "output.write=false", "progress=false")
 
@@ -64,9 +66,10 @@ def points(claim: Claim) -> list[dict[str, Any]]:
         sides = [{"policy": list(claim.among)}]
     else:
         sides.append(claim.b)
-    if claim.over:
-        overs = sweep_params(claim.experiment).get(claim.over, [])
-        sides = [{**s, claim.over: list(overs)} for s in sides]
+    for key in (claim.over, claim.per):
+        if key:
+            values = sweep_params(claim.experiment).get(key, [])
+            sides = [s if key in s else {**s, key: list(values)} for s in sides]
     out: list[dict[str, Any]] = []
     for s in sides:
         for p in _expand(s):
@@ -76,11 +79,18 @@ def points(claim: Claim) -> list[dict[str, Any]]:
 
 
 def overrides(experiment: str, point: dict[str, Any], requests: int) -> list[str]:
-    """The ``fmoesim`` overrides of one small run of ``point``."""
+    """The ``fmoesim`` overrides of one small run of ``point``: ``requests`` served and,
+    on a synthetic workload, a trace of :data:`TRACE_FACTOR` times as many requests (the
+    rest are what an offline preset holds in for the policy to learn from)."""
     raw = _raw_keys(experiment)
     out = [f"experiment={experiment}"]
     out += [f"{raw.get(k, k)}={v}" for k, v in point.items()]
-    return [*out, f"serving.max_requests={requests}", *QUIET]
+    out += [f"serving.max_requests={requests}", *QUIET]
+    from fmoesim.cli.main import compose_config
+
+    if compose_config(out).workload.kind == "synthetic":
+        out.append(f"workload.synthetic.num_requests={TRACE_FACTOR * requests}")
+    return out
 
 
 def run_points(experiment: str, pts: Sequence[dict[str, Any]], requests: int) -> Any:
