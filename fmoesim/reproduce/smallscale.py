@@ -2,8 +2,9 @@
 smaller size, must still hold.
 
 :func:`points` lists the sweep points a claim reads (its policies and filter values, the
-preset's values of its swept key); :func:`run_points` runs them in this process with
-fewer requests (``serving.max_requests``), writing nothing; :func:`recheck` scores the
+preset's values of its swept keys); :func:`run_points` runs them in this process with
+fewer requests (``serving.max_requests``, and a synthetic trace of fewer requests),
+writing nothing; :func:`recheck` scores the
 claims on those rows with the scoreboard's own rules (:func:`fmoesim.reproduce.score.
 score_claim`).  A direction that holds on the full preset can differ at a smaller size;
 the size is :data:`SMALL_REQUESTS` unless a caller asks for another.
@@ -79,18 +80,23 @@ def points(claim: Claim) -> list[dict[str, Any]]:
 
 
 def overrides(experiment: str, point: dict[str, Any], requests: int) -> list[str]:
-    """The ``fmoesim`` overrides of one small run of ``point``: ``requests`` served and,
-    on a synthetic workload, a trace of :data:`TRACE_FACTOR` times as many requests (the
-    rest are what an offline preset holds in for the policy to learn from)."""
+    """The ``fmoesim`` overrides of one small run of ``point``."""
     raw = _raw_keys(experiment)
     out = [f"experiment={experiment}"]
     out += [f"{raw.get(k, k)}={v}" for k, v in point.items()]
-    out += [f"serving.max_requests={requests}", *QUIET]
+    return [*out, f"serving.max_requests={requests}", *QUIET]
+
+
+def small_config(experiment: str, point: dict[str, Any], requests: int) -> Any:
+    """The config of one small run of ``point``: :func:`overrides`, and on a synthetic
+    workload a trace of :data:`TRACE_FACTOR` times ``requests`` requests (the rest are
+    what an offline preset holds in for the policy to learn from)."""
     from fmoesim.cli.main import compose_config
 
-    if compose_config(out).workload.kind == "synthetic":
-        out.append(f"workload.synthetic.num_requests={TRACE_FACTOR * requests}")
-    return out
+    cfg = compose_config(overrides(experiment, point, requests))
+    if cfg.workload.kind == "synthetic":
+        cfg.workload.synthetic.num_requests = TRACE_FACTOR * requests
+    return cfg
 
 
 def run_points(experiment: str, pts: Sequence[dict[str, Any]], requests: int) -> Any:
@@ -98,13 +104,12 @@ def run_points(experiment: str, pts: Sequence[dict[str, Any]], requests: int) ->
     (nothing written); return the rows as a DataFrame like the store's."""
     import pandas as pd
 
-    from fmoesim.cli.main import compose_config, run_config
+    from fmoesim.cli.main import run_config
     from fmoesim.cli.plot_cli import prepare_inputs
     from fmoesim.config.schema import PROJECT_ROOT
 
     prepare_inputs(experiment, PROJECT_ROOT)
-    rows = [run_config(compose_config(overrides(experiment, p, requests)), multirun=True)
-            for p in pts]  # fmt: skip
+    rows = [run_config(small_config(experiment, p, requests), multirun=True) for p in pts]
     return pd.DataFrame(rows)
 
 
