@@ -854,10 +854,14 @@ class FMoE(Policy):
     def report(self) -> dict[str, np.ndarray]:
         """Per iteration: ``iteration``, ``prefill``, ``semantic_score`` and
         ``trajectory_score`` (mean best cosine of the matches used; NaN where none),
-        ``hits``, ``accesses`` and ``hit_rate`` (Fig. 8)."""
+        ``hits``, ``accesses`` and ``hit_rate`` (Fig. 8), and ``store_mb``: the Expert Map
+        Store's memory in MB (1e6 bytes), allocated for its whole capacity when its first
+        map arrives (Fig. 16; NaN before)."""
         out = {k: np.asarray(v) for k, v in self._log.items()}
         acc = out["accesses"].astype(np.float64)
         out["hit_rate"] = np.divide(out["hits"], acc, out=np.full(len(acc), np.nan), where=acc > 0)
+        store_mb = math.nan if self.store is None else self.store.nbytes() / 1e6
+        out["store_mb"] = np.full(len(acc), store_mb)
         return out
 
     def correlations(self, decode_only: bool = False) -> dict[str, float]:

@@ -64,6 +64,7 @@ def fake_rows(experiment: str) -> list[dict]:
             policy_mean_trajectory_score=rng.uniform(0.5, 1),
             policy_mean_configurations=float(rng.integers(0, 4)),
             policy_mean_split_ratio=rng.uniform(0.3, 0.7),
+            policy_mean_store_mb=rng.uniform(1, 200),
         )  # fmt: skip
         rows.append(row)
     return rows
@@ -241,7 +242,8 @@ def _legend_clear_of_data(fig) -> list:
 
 #: the figures with a legend (the others name their series on the x axis)
 WITH_LEGEND = {"fmoe-fig4", "fmoe-fig10", "fmoe-fig11", "fmoe-fig13", "fmoe-fig14a",
-               "fmoe-fig14b", "moe-infinity-tab5", "moepic-tab1", "moepic-fig8"}  # fmt: skip
+               "fmoe-fig14b", "fmoe-fig16", "moe-infinity-tab5", "moepic-tab1",
+               "moepic-fig8"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(FIGURES))

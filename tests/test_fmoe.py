@@ -287,6 +287,19 @@ def one_token_trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:
     return write_one_token_trace(path, MODEL, 6, 12, embedding_dim=8, seed=5)
 
 
+def test_store_memory_by_hand(one_token_trace):
+    """Fig. 16's number: the store's arrays for its whole capacity, (L, C, J) float32 maps,
+    (L, C) float32 norms, (C, D) float32 embeddings and the (L, J) float64 sum: red when a
+    part is left out or the capacity's allocation is counted by its fill."""
+    pol = FMoE(prefetch_distance=1, store_capacity=500)
+    simulate(one_token_trace, MODEL, TINY_HW, pol, 8 * MODEL.expert_size_bytes, timing=False)
+    L, J, C, D = MODEL.num_layers, MODEL.num_experts, 500, 8
+    want_mb = (L * C * J * 4 + L * C * 4 + C * D * 4 + L * J * 8) / 1e6
+    mb = pol.report()["store_mb"]
+    assert pol.store is not None and pol.store.size < C  # far from full
+    assert mb[-1] == pytest.approx(want_mb, rel=1e-12)
+
+
 class Oracle(FMoE):
     """fMoE whose store holds the exact maps of every iteration it will serve."""
 
@@ -443,7 +456,7 @@ def test_cli_writes_the_policy_log(tmp_path):
     assert summary["policy"] == "fmoe"
     assert list(log.columns) == [
         "iteration", "prefill", "semantic_score", "trajectory_score", "hits", "accesses",
-        "hit_rate",
+        "hit_rate", "store_mb",
     ]  # fmt: skip
     assert log["hits"].sum() == summary["hits"]
 

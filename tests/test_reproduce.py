@@ -258,6 +258,22 @@ def test_per_model_by_hand() -> None:
     assert score_claim(one, df).fmoesim_value == pytest.approx(100 * (0.12 / 0.9 - 1))
 
 
+def test_bound_by_hand() -> None:
+    """Red when an at_most claim compares other than A's metric with the paper's bound, or
+    its ratio is not the one over the other: 150 MB under a 200 MB bound holds (0.75),
+    the largest of 150 and 250 does not."""
+    rows = [{"policy": "fmoe", "model.name": m, "policy_mean_store_mb": v}
+            for m, v in (("m1", 150.0), ("m2", 250.0))]  # fmt: skip
+    df = store_rows("fmoe-fig9", rows)
+    bound = dict(kind="at_most", metric="policy_mean_store_mb", paper_value=200.0, unit="MB",
+                 b={})  # fmt: skip
+    s = score_claim(claim(a={"policy": "fmoe", "model": "m1"}, **bound), df)
+    assert (s.fmoesim_value, s.holds, s.ratio) == (150.0, YES, pytest.approx(0.75))
+    s = score_claim(claim(a={"policy": "fmoe"}, a_agg="max", **bound), df)
+    assert (s.fmoesim_value, s.holds) == (250.0, NO)
+    assert s.unit == "MB" and "250.0 MB" in to_markdown([s])
+
+
 def test_missing_runs_leave_the_row_in() -> None:
     """Red when a claim whose preset has no runs, or no preset, drops out of the
     scoreboard instead of standing with no number and the reason."""

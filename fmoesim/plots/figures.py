@@ -286,6 +286,22 @@ def fig14b(df: Any, plt: Any) -> tuple[Any, str]:
     return fig, _table(df.sort_values(["policy", "batch"]), cols, ["policy", "batch"])
 
 
+def fig16(df: Any, plt: Any) -> tuple[Any, str]:
+    """The Expert Map Store's memory vs its capacity, per model: the arrays allocated for
+    the whole capacity (maps and their norms per layer, the trace's embeddings)."""
+    df = _with(df, "policy.store_capacity", "capacity").sort_values(["model", "capacity"])
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for i, m in enumerate(dict.fromkeys(df.model)):
+        d = df[df.model == m]
+        ax.plot(d.capacity, d.policy_mean_store_mb, label=m, **series_style(m, i))
+    ax.set_xscale("log")
+    ax.set_xlabel("Expert Map Store capacity (maps)")
+    ax.set_ylabel("store memory (MB)")
+    legend_outside(ax)
+    cols = {"store MB": ("policy_mean_store_mb", 1, ".1f")}
+    return fig, _table(df, cols, ["model", "capacity"])
+
+
 def _normalised(
     df: Any, plt: Any, base: str, figure: str, ratios: dict[str, tuple[str, str]]
 ) -> tuple[Any, Any]:
@@ -427,13 +443,15 @@ def moepic_fig8(df: Any, plt: Any) -> tuple[Any, str]:
 
 @dataclass(frozen=True)
 class Figure:
-    """One paper figure: the experiment (sweep) it reads, its title, its drawer, and
-    whether it plots latencies (then it reads the experiment's timed runs only)."""
+    """One paper figure: the experiment (sweep) it reads, its title, its drawer, whether
+    it plots latencies (then it reads the experiment's timed runs only), and whether it
+    draws every model its preset sweeps (else the first one)."""
 
     experiment: str
     title: str
     draw: Callable[[Any, Any], tuple[Any, str]]
     timed: bool = True
+    all_models: bool = False
 
 
 FIGURES: dict[str, Figure] = {
@@ -447,6 +465,9 @@ FIGURES: dict[str, Figure] = {
         "fmoe-fig14a", "fMoE Fig. 14a: similarity vs store capacity", fig14a, False
     ),
     "fmoe-fig14b": Figure("fmoe-fig14b", "fMoE Fig. 14b: latency vs batch size", fig14b),
+    "fmoe-fig16": Figure(
+        "fmoe-fig16", "fMoE Fig. 16: Expert Map Store memory", fig16, False, all_models=True
+    ),
     "moe-infinity-tab2-3": Figure(
         "moe-infinity-tab2-3", "MoE-Infinity Tables 2-3: blocking time and bandwidth", mi_tab23
     ),
@@ -596,7 +617,7 @@ def draw_figure(name: str, results: Any) -> Drawing:
     )
     models = list(dict.fromkeys(df["model"])) if "model" in df.columns else []
     shown = ""
-    if len(models) > 1:  # a preset sweeping models: the figure draws its first one
+    if len(models) > 1 and not f.all_models:  # a preset sweeping models: draw its first
         first = sweep_params(f.experiment).get("model", models)[0]
         df = df[df["model"] == first]
         shown = f", {first} of the {len(models)} models it sweeps (fmoesim-reproduce averages them)"
@@ -606,7 +627,8 @@ def draw_figure(name: str, results: Any) -> Drawing:
     except KeyError as exc:
         raise FmoesimError(f"figure {name}: the store's rows lack {exc}") from None
     row0 = df.iloc[0]
-    setting = f"{row0.model} on {row0.hardware}, {len(df)} runs (experiment={f.experiment}{shown})"
+    names = ", ".join(dict.fromkeys(df["model"])) if "model" in df.columns else row0.model
+    setting = f"{names} on {row0.hardware}, {len(df)} runs (experiment={f.experiment}{shown})"
     if untimed:
         setting += f", timed runs only ({untimed} hit-rate-only runs left out)"
     if arrivals := arrivals_note(df):

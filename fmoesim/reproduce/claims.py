@@ -3,7 +3,9 @@
 A claim compares two sides, A and B, on one metric of one experiment preset's rows
 (``conf/experiment/<experiment>.yaml``), and says which way the comparison goes
 (``direction``: A lower or higher than B) and, where the paper gives one, by how much
-(``paper_value``: the signed percentage change of A against B).  A claim that no preset
+(``paper_value``: the signed percentage change of A against B), or, for a bound
+(``at_most``), that A's metric stays under the paper's number in the claim's ``unit``.
+A claim that no preset
 computes has no ``experiment`` and says why in ``reason``.  The kinds of comparison are
 defined in :mod:`fmoesim.reproduce.score`.
 """
@@ -19,7 +21,7 @@ from fmoesim.errors import FmoesimError
 CLAIMS_DIR = Path(__file__).resolve().parent / "claims"
 #: the papers of the scoreboard, by command-line name: the catalog's file stem
 PAPERS = {"fmoe": "fmoe", "moe-infinity": "moe-infinity", "moepic": "moepic"}
-KINDS = ("relative", "mean_relative", "every_point", "most_points")
+KINDS = ("relative", "mean_relative", "every_point", "most_points", "at_most")
 AGGREGATES = ("one", "min", "max", "mean")
 DIRECTIONS = ("lower", "higher")
 
@@ -94,6 +96,8 @@ class Claim:
                 raise FmoesimError(f"{bad}: mean_relative needs pairs")
         elif not self.metric:
             raise FmoesimError(f"{bad}: no metric")
+        if self.kind == "at_most" and (self.paper_value is None or self.direction != "lower"):
+            raise FmoesimError(f"{bad}: at_most needs paper_value (the bound) and lower")
         if self.kind in ("relative", "every_point") and not self.b.get("policy"):
             raise FmoesimError(f"{bad}: side b names no policy")
         if self.kind in ("every_point", "most_points") and not self.over:

@@ -14,6 +14,9 @@ same unit as the paper's number.  The kinds:
   point.
 - ``most_points``: the share (percent) of the values of ``over`` at which A is the best
   (lowest, or highest) of the ``among`` policies; the direction holds above 50%.
+- ``at_most``: a bound, not a change: fmoesim's number is A's metric (aggregated by
+  ``a_agg``) in the claim's ``unit``; the direction holds when it is below the paper's
+  number, and the ratio is the one over the other.
 
 A claim with ``per`` (a swept key, such as ``model`` for a paper's number "across three
 models") is scored for each value of that key on its own rows, then combined:
@@ -24,8 +27,8 @@ The direction holds ("yes") when the effect has the claimed sign (strictly below
 ``lower``, above 0 for ``higher``; above 50% for ``most_points``), "no" otherwise, and
 "n.a." when fmoesim has no number.  The magnitude ratio is fmoesim's effect divided by
 the paper's (both in percent): 1 is the paper's size, 0.17 a sixth of it, a negative
-ratio the opposite direction; it exists for ``relative`` and ``mean_relative`` claims
-with a paper number.
+ratio the opposite direction; it exists for ``relative``, ``mean_relative`` and
+``at_most`` claims with a paper number.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ class Score:
     @property
     def unit(self) -> str:
         """The unit of :attr:`fmoesim_value`."""
+        if self.claim.kind == "at_most":
+            return self.claim.unit
         return "% of points" if self.claim.kind == "most_points" else "% change"
 
 
@@ -143,6 +148,8 @@ def _num(v: Any) -> str:
 
 
 def _over_values(df: Any, key: str) -> list[Any]:
+    """The distinct values of ``key`` in ``df``, in numeric order, else in text order (a
+    store's row order depends on which sweep job finished first)."""
     values: list[Any] = []
     for _, r in df.iterrows():
         v = row_value(r, key)
@@ -151,7 +158,7 @@ def _over_values(df: Any, key: str) -> list[Any]:
     try:
         return sorted(values, key=float)
     except (TypeError, ValueError):
-        return values
+        return sorted(values, key=str)
 
 
 def effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
@@ -194,6 +201,10 @@ def _effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
         return value, favourable(value, claim.direction), "mean of " + ", ".join(map(_fmt, parts))
     assert claim.metric is not None
     metric = claim.metric
+    if claim.kind == "at_most":
+        assert claim.paper_value is not None  # Claim.check
+        value = side_value(df, claim.a, metric, claim.a_agg, what)
+        return value, value < claim.paper_value, ""
     if claim.kind == "relative":
         value = relative_pct(
             side_value(df, claim.a, metric, claim.a_agg, what),
@@ -262,7 +273,7 @@ def score_claim(claim: Claim, results: Any) -> Score:
     return Score(claim, value, YES if holds else NO, ratio, detail)
 
 
-_RATIO_KINDS = ("relative", "mean_relative")
+_RATIO_KINDS = ("relative", "mean_relative", "at_most")
 
 
 def experiments_of(claims: Sequence[Claim]) -> list[str]:

@@ -55,7 +55,8 @@ def _expand(flt: Filter) -> list[dict[str, Any]]:
 
 
 def points(claim: Claim) -> list[dict[str, Any]]:
-    """The sweep points (``{policy or dotted key: value}``) that ``claim`` reads."""
+    """The sweep points (``{policy or dotted key: value}``) that ``claim`` reads: its
+    sides' filters, each swept key a side leaves open at every value the preset sweeps."""
     from fmoesim.plots.figures import sweep_params
 
     if claim.experiment is None:
@@ -65,18 +66,23 @@ def points(claim: Claim) -> list[dict[str, Any]]:
         sides += [p.b for p in claim.pairs]
     elif claim.kind == "most_points":
         sides = [{"policy": list(claim.among)}]
-    else:
+    elif claim.kind != "at_most":  # a bound reads side A only
         sides.append(claim.b)
-    for key in (claim.over, claim.per):
-        if key:
-            values = sweep_params(claim.experiment).get(key, [])
+    # a side that leaves a swept key open reads every value of it (``over``, ``per``, or
+    # aggregated by a_agg/b_agg), as on the full preset
+    for key, values in sweep_params(claim.experiment).items():
+        if key != "policy":
             sides = [s if key in s else {**s, key: list(values)} for s in sides]
-    out: list[dict[str, Any]] = []
+    out: dict[tuple[tuple[str, str], ...], dict[str, Any]] = {}
     for s in sides:
-        for p in _expand(s):
-            if p not in out:
-                out.append(p)
-    return out
+        for p in _expand(s):  # 32000 from a claim and "32000" from a sweep are one point
+            out.setdefault(_point_key(p), p)
+    return list(out.values())
+
+
+def _point_key(point: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """A point's identity: its keys and values as text, in key order."""
+    return tuple(sorted((k, str(v)) for k, v in point.items()))
 
 
 def overrides(experiment: str, point: dict[str, Any], requests: int) -> list[str]:
@@ -129,10 +135,11 @@ def recheck(claims: Sequence[Claim], requests: int = SMALL_REQUESTS) -> list[Sco
 
     frames = []
     for exp in dict.fromkeys(c.experiment for c in claims if c.experiment):
-        pts: list[dict[str, Any]] = []
+        pts: dict[tuple[tuple[str, str], ...], dict[str, Any]] = {}
         for c in claims:
             if c.experiment == exp:
-                pts += [p for p in points(c) if p not in pts]
-        frames.append(run_points(exp, pts, requests))
+                for p in points(c):
+                    pts.setdefault(_point_key(p), p)
+        frames.append(run_points(exp, list(pts.values()), requests))
     results = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     return [score_claim(c, results) for c in claims]
