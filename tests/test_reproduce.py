@@ -120,6 +120,11 @@ def test_catalog_refuses_a_claim_without_preset_or_reason(tmp_path: Path) -> Non
         bad.check()
     with pytest.raises(FmoesimError, match="does not exist yet"):
         load_catalog("moepic")
+    # a bound: a number to stay under, never a per-model mean (its sign says nothing)
+    for kw, msg in ((dict(paper_value=None), "at_most needs paper_value"),
+                    (dict(paper_value=200.0, per="model"), "not per")):  # fmt: skip
+        with pytest.raises(FmoesimError, match=msg):
+            claim(kind="at_most", metric="policy_mean_store_mb", b={}, **kw).check()
 
 
 # -- fmoesim's number, the direction and the ratio, by hand --------------------------------

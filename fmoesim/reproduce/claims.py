@@ -98,6 +98,8 @@ class Claim:
             raise FmoesimError(f"{bad}: no metric")
         if self.kind == "at_most" and (self.paper_value is None or self.direction != "lower"):
             raise FmoesimError(f"{bad}: at_most needs paper_value (the bound) and lower")
+        if self.kind == "at_most" and self.per:
+            raise FmoesimError(f"{bad}: at_most takes a_agg over the swept values, not per")
         if self.kind in ("relative", "every_point") and not self.b.get("policy"):
             raise FmoesimError(f"{bad}: side b names no policy")
         if self.kind in ("every_point", "most_points") and not self.over:
