@@ -679,6 +679,19 @@ class LinkStepBackend(InstantBackend):
         self._seq = 0
         self._in_experts = False
 
+    def _now_s(self, gpu: int) -> float:
+        """``gpu``'s time: its own in the expert phase, else the forward pass's."""
+        return self._gpu_s[gpu] if self._in_experts else self._t_s
+
+    def _duration_s(self, size_bytes: int) -> float:
+        """Link time of a whole transfer of ``size_bytes``."""
+        return self._overhead_s + size_bytes / self._bytes_per_s
+
+    def _dequeue(self, gpu: int, rec: TransferRecord) -> None:
+        """Take queued ``rec`` off ``gpu``'s link (it lands or is cancelled elsewhere)."""
+        del self._left_s[rec.seq]
+        self._queues[gpu].remove(rec)
+
     def _advance(self, gpu: int, t_s: float) -> None:
         """Let ``gpu``'s link work until ``t_s``; land each prefetch it finishes."""
         queue, left = self._queues[gpu], self._left_s
@@ -733,7 +746,7 @@ class LinkStepBackend(InstantBackend):
         queue, startable ``delay_s`` after the GPU's current time."""
         if reason == "on_demand":
             return super().submit(gpu, key, size_bytes, priority, reason, delay_s)
-        now_s = self._gpu_s[gpu] if self._in_experts else self._t_s
+        now_s = self._now_s(gpu)
         self._advance(gpu, now_s)
         rec = TransferRecord(key, gpu, size_bytes, reason, priority, 0.0)
         rec.start_s = rec.end_s = 0.0
@@ -741,7 +754,7 @@ class LinkStepBackend(InstantBackend):
         rec.seq = self._seq
         self._seq += 1
         self.transfers.append(rec)
-        self._left_s[rec.seq] = self._overhead_s + size_bytes / self._bytes_per_s
+        self._left_s[rec.seq] = self._duration_s(size_bytes)
         self._queues[gpu].append(rec)
         return rec
 
@@ -761,11 +774,9 @@ class LinkStepBackend(InstantBackend):
         rec = self._queued(gpu, key)
         if rec is None:
             return False
-        full_s = self._overhead_s + rec.size_bytes / self._bytes_per_s
-        if self._left_s[rec.seq] < full_s:  # started
+        if self._left_s[rec.seq] < self._duration_s(rec.size_bytes):  # started
             return False
-        del self._left_s[rec.seq]
-        self._queues[gpu].remove(rec)
+        self._dequeue(gpu, rec)
         rec.cancelled = True
         return True
 
@@ -786,7 +797,7 @@ class LinkStepBackend(InstantBackend):
         time; if none of ``keys`` is resident then, land the first of ``keys`` still in
         the link's queue (it moves during the wait, which takes no clock)."""
         super().sync()
-        self._advance(gpu, self._gpu_s[gpu] if self._in_experts else self._t_s)
+        self._advance(gpu, self._now_s(gpu))
         cache = self.caches[gpu]
         for k in keys:
             if cache.is_resident(k):
@@ -794,8 +805,7 @@ class LinkStepBackend(InstantBackend):
         for k in keys:
             rec = self._queued(gpu, k)
             if rec is not None:
-                del self._left_s[rec.seq]
-                self._queues[gpu].remove(rec)
+                self._dequeue(gpu, rec)
                 self._land(rec)
                 return k
         raise RuntimeError(f"GPU {gpu} waits for experts {list(keys)} that are not in flight")
