@@ -4,6 +4,7 @@ LRU and LFU hit rates at every per-layer capacity 1..7 within 5 points."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +16,9 @@ from fmoesim.specs import HardwareSpec, ModelSpec
 from fmoesim.trace import read_trace
 from fmoesim.trace.importers import import_vllm_routes
 from fmoesim.workload.calibrate import (
+    dependence_at,
+    depth_dependence,
+    depth_profile,
     frequency_skew,
     gini,
     hit_curves,
@@ -36,7 +40,7 @@ def routing_knobs() -> dict:
     """The preset's routing knobs (what the calibration fitted)."""
     syn = OmegaConf.to_container(OmegaConf.load(PRESET).synthetic)
     assert isinstance(syn, dict)
-    return {k: syn[k] for k in ("skew", "locality", "noise", "request_jitter")}
+    return {k: syn[k] for k in ("skew", "locality", "noise", "request_jitter", "depth_share")}
 
 
 @pytest.mark.skipif(not REAL.is_dir(), reason="../shared/data (real Mixtral routing) is absent")
@@ -70,6 +74,52 @@ def test_statistics_by_hand(tmp_path):
     # layer 0 -> 1: e0 -> {1, 2, 1}, e1 -> {2}: P(next) = (0, .5, .5, 0);
     # TV(e0) = .5 * (|2/3 - .5| + |1/3 - .5|) = 1/6, TV(e1) = .5 * (.5 + .5) = .5
     assert layer_dependence(tr) == pytest.approx(0.75 * (1 / 6) + 0.25 * 0.5)
+
+
+def _routed(routes: list[list[int]], requests: list[int], experts: int = 2) -> SimpleNamespace:
+    """A stand-in trace: one-token rows routed top-1 to ``routes[row][layer]``."""
+    c = np.zeros((len(routes), len(routes[0]), experts), np.int32)
+    for r, route in enumerate(routes):
+        for layer, e in enumerate(route):
+            c[r, layer, e] = 1
+    return SimpleNamespace(counts=c, iter_request=np.asarray(requests))
+
+
+def test_depth_statistics_by_hand():
+    """Red if dependence_at reads the wrong layer pair, or if depth_profile counts the
+    dependence a request's own mix explains (no shuffle floor, or a shuffle across
+    requests)."""
+    # layers 0 and 2 agree, layer 1 is independent of both
+    tr = _routed([[0, 0, 0], [0, 1, 0], [1, 0, 1], [1, 1, 1]], [0, 1, 2, 3])
+    # d = 2: P(e2 | e0) is one-hot, P(e2) = (.5, .5): TV .5 from either expert
+    assert dependence_at(tr.counts, 2) == pytest.approx(0.5)
+    # d = 1: layer 0 -> 1 and layer 1 -> 2 are independent: TV 0
+    assert dependence_at(tr.counts, 1) == pytest.approx(0.0)
+    # every row its own request: a within-request shuffle moves nothing, the floor is the
+    # statistic itself
+    assert depth_profile(tr, [1, 2]) == pytest.approx([0.0, 0.0])
+    # two requests, each routing one expert everywhere: the dependence (.5 at d = 2) is
+    # the requests' mix, which the shuffle keeps
+    tr = _routed([[0, 0, 0], [0, 0, 0], [1, 1, 1], [1, 1, 1]], [0, 0, 1, 1])
+    assert dependence_at(tr.counts, 2) == pytest.approx(0.5)
+    assert depth_profile(tr, [2]) == pytest.approx([0.0])
+
+
+@pytest.mark.skipif(not REAL.is_dir(), reason="../shared/data (real Mixtral routing) is absent")
+def test_calibrated_preset_keeps_real_mixtral_dependence_across_layers(tmp_path):
+    """Red if the preset's depth_share drifts from the fit (or the knob stops linking
+    distant layers): real Mixtral routing's dependence over 2-6 layers is reproduced
+    within 0.01, and without depth_share it is not."""
+    model = load_preset("model", "mixtral-8x7b", ModelSpec)
+    real = read_trace(import_vllm_routes(REAL, tmp_path / "real", model)[0])
+    want = depth_dependence(real)
+    knobs = routing_knobs()
+    got = depth_dependence(synthetic_like(model, knobs, tmp_path / "syn", 32, 128, seed=0))
+    flat = depth_dependence(
+        synthetic_like(model, {**knobs, "depth_share": 0.0}, tmp_path / "flat", 32, 128, seed=0)
+    )
+    assert abs(got - want) < 0.01, (got, want)
+    assert want - flat > 0.04, (flat, want)
 
 
 def test_stickiness_by_hand(tmp_path):

@@ -212,6 +212,42 @@ def test_more_locality_raises_next_token_reuse(tmp_path: Path, seed: int) -> Non
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_depth_share_links_distant_layers_and_keeps_each_layer(tmp_path: Path, seed: int) -> None:
+    """Red if the shared token state is not shared across layers (no dependence at
+    distance 3), or if mixing it in changes a layer's own law (the sqrt weights lost:
+    next-token reuse and activation entropy move)."""
+    from fmoesim.workload.calibrate import depth_dependence
+
+    model = dataclasses.replace(MODEL, num_layers=8, num_experts=8)
+    knobs = dict(skew=0.3, locality=0.25, noise=2.0, request_jitter=0.0, seed=seed)
+    knobs.update(prompt_tokens_median=1, prompt_tokens_max=1, output_tokens_median=128)
+    flat = _gen(tmp_path, "flat", model, **knobs)
+    deep = _gen(tmp_path, "deep", model, depth_share=0.8, **knobs)
+    assert depth_dependence(flat) < 0.015
+    assert depth_dependence(deep) > 0.06
+    assert abs(next_token_reuse(deep) - next_token_reuse(flat)) < 0.03
+    assert abs(activation_entropy(deep) - activation_entropy(flat)) < 0.02
+
+
+def test_depth_share_zero_draws_nothing_more(tmp_path: Path) -> None:
+    """Red if the depth_share stream shifts the other draws (every earlier trace would
+    change) or if a positive share leaves the routing as it was."""
+    a = _gen(tmp_path, "a", depth_share=0.0)
+    assert _files(a.path) == _files(_gen(tmp_path, "a0").path)  # the default: 0
+    wl = SyntheticWorkload(MODEL, dataclasses.replace(BASE, depth_share=0.5))
+    assert wl.rotation is not None
+    eye = np.eye(MODEL.num_experts)
+    for q in wl.rotation:  # orthogonal: the token state keeps unit variance per expert
+        np.testing.assert_allclose(q @ q.T, eye, atol=1e-12)
+    flat = SyntheticWorkload(MODEL, BASE)
+    assert flat.rotation is None
+    np.testing.assert_array_equal(wl.base, flat.base)
+    np.testing.assert_array_equal(wl.centroids, flat.centroids)
+    b = _gen(tmp_path, "b", depth_share=0.5)
+    assert not np.array_equal(a.counts, b.counts)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_same_topic_prefill_embeddings_are_closer(seed: int) -> None:
     cfg = dataclasses.replace(BASE, num_topics=3, embedding_dim=32, seed=seed)
     wl = SyntheticWorkload(MODEL, cfg)
@@ -338,6 +374,8 @@ def test_generate_from_azure_csv(tmp_path: Path) -> None:
         ({"noise": math.inf}, "noise"),
         ({"spec_noise": math.nan}, "spec_noise"),
         ({"topic_share": 1.5}, "topic_share"),
+        ({"depth_share": 1.5}, "depth_share"),
+        ({"depth_share": -0.1}, "depth_share"),
         ({"locality": 1.0}, "locality"),
         ({"locality": -0.1}, "locality"),
         ({"locality": math.nan}, "locality"),

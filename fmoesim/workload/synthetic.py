@@ -5,7 +5,8 @@ Not i.i.d. noise: the model has the structure the offloading papers exploit.
 For request ``r`` of semantic topic ``t``, token position ``n`` and MoE layer ``l`` the
 router logits over the ``E`` experts are::
 
-    x[n, l] = base[t, l] + jitter[r, l] + noise * u[n, l]
+    x[n, l] = base[t, l] + jitter[r, l]
+              + noise * (sqrt(1 - depth_share) * u[n, l] + sqrt(depth_share) * Q[l] @ z[n])
               + cross_layer * C[l] @ sel[n, l-1] / sqrt(k)
 
 - ``base[t, l] = skew * (sqrt(1 - topic_share) * G[l] + sqrt(topic_share) * T[t, l])`` with
@@ -16,6 +17,14 @@ router logits over the ``E`` experts are::
 - ``u[., l]`` is an AR(1) process along the token axis with coefficient ``locality``
   (stationary variance 1): consecutive tokens see correlated noise, so they tend to
   reuse experts (temporal locality).  ``locality = 0`` makes tokens independent.
+- ``z[n]`` is one more such AR(1) process, drawn once per token and shared by every
+  layer through a fixed random rotation ``Q[l]`` per layer: the part of a token's state
+  that persists through the residual stream, so a layer's choice tells about the
+  choices several layers later, not only the next one (real Mixtral-8x7B routing
+  depends on layer ``l`` nearly as much at ``l + 6`` as at ``l + 1``:
+  ``traces/calibration.md``).
+  ``depth_share`` is its share of the noise variance; as ``Q[l] @ z[n]`` has the law of
+  ``u[n, l]``, each layer's routing alone has the same law whatever ``depth_share``.
 - ``C[l]`` is a fixed random ``E x E`` matrix and ``sel[n, l-1]`` the 0/1 vector of the
   experts chosen at the previous layer: the expert chosen at layer ``l-1`` shifts the
   odds at layer ``l`` (cross-layer correlation, the "trajectory" fMoE searches on).
@@ -72,6 +81,7 @@ class SyntheticConfig:
     locality: float = 0.6
     noise: float = 1.0
     cross_layer: float = 1.0
+    depth_share: float = 0.0
     temperature: float = 1.0
     spec_noise: float = 0.6
     spec_noise_first_layer: float = 1.2
@@ -121,6 +131,8 @@ class SyntheticConfig:
                 raise ConfigError(f"{prefix}.{key}", v, "must be a finite number >= 0")
         if not (isinstance(self.topic_share, (int, float)) and 0 <= self.topic_share <= 1):
             raise ConfigError(f"{prefix}.topic_share", self.topic_share, "must be in [0, 1]")
+        if not (isinstance(self.depth_share, (int, float)) and 0 <= self.depth_share <= 1):
+            raise ConfigError(f"{prefix}.depth_share", self.depth_share, "must be in [0, 1]")
         if not (isinstance(self.locality, (int, float)) and 0 <= self.locality < 1):
             raise ConfigError(f"{prefix}.locality", self.locality, "must be in [0, 1)")
         if not (isinstance(self.temperature, (int, float)) and 0 < self.temperature < math.inf):
@@ -280,6 +292,8 @@ class SyntheticWorkload:
         self.base = cfg.skew * (math.sqrt(1 - ts) * shared + math.sqrt(ts) * topical)  # (T, L, E)
         self.cross = rng.standard_normal((L, E, E)) / math.sqrt(model.top_k)  # (L, E_prev, E)
         self.centroids = rng.standard_normal((cfg.num_topics, D)) / math.sqrt(max(D, 1))  # (T, D)
+        # drawn last, so the draws above do not depend on depth_share
+        self.rotation = _rotations(rng, L, E) if cfg.depth_share else None  # (L, E, E)
 
     # -- lengths and arrivals ----------------------------------------------------------
     def lengths(self) -> _Lengths:
@@ -339,11 +353,20 @@ class SyntheticWorkload:
         probs = np.zeros((output, L, E), np.float64)
         spec = np.full((output, L, E), np.nan)
         prev_sel: np.ndarray | None = None  # (T, E) 0/1 experts chosen at layer l-1
+        h = cfg.depth_share
+        z = None  # (T, E) the token state shared by all layers; its own stream
+        if self.rotation is not None:
+            eps_z = np.random.default_rng(_child(seed, 0)).standard_normal((T, E))
+            eps_z[0] /= math.sqrt(1 - rho * rho)
+            z = _ar1(eps_z, rho)
         ntok = np.bincount(it_of_pos, minlength=output).astype(np.float64)  # (O,)
         for layer in range(L):
             eps = rng.standard_normal((T, E))
             eps[0] /= math.sqrt(1 - rho * rho)  # start the AR(1) in its stationary law
             u = _ar1(eps, rho)  # (T, E)
+            if z is not None:
+                assert self.rotation is not None
+                u = math.sqrt(1 - h) * u + math.sqrt(h) * (z @ self.rotation[layer].T)
             x = self.base[topic, layer] + jitter[layer] + cfg.noise * u
             if prev_sel is not None and cfg.cross_layer:
                 x += cfg.cross_layer * (prev_sel @ self.cross[layer])
@@ -435,6 +458,13 @@ class SyntheticWorkload:
                         g["spec_probs"][i],
                     )
         return Path(path)
+
+
+def _rotations(rng: np.random.Generator, L: int, E: int) -> np.ndarray:
+    """``L`` random orthogonal ``E x E`` matrices ``(L, E, E)``, Haar-distributed (QR of
+    a Gaussian matrix with the signs of R's diagonal folded in)."""
+    q, r = np.linalg.qr(rng.standard_normal((L, E, E)))
+    return q * np.sign(np.diagonal(r, axis1=1, axis2=2))[:, None, :]
 
 
 def _child(seq: np.random.SeedSequence, i: int) -> np.random.SeedSequence:
