@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -279,6 +280,37 @@ def test_bound_by_hand() -> None:
     assert s.unit == "MB" and "250.0 MB" in to_markdown([s])
 
 
+def test_diminishing_by_hand() -> None:
+    """Red when a diminishing claim reads the wrong pair as "beyond B", or holds when the
+    gain beyond B is as large as the gain up to it: similarity 0.5 -> 0.8 -> 0.84 gains
+    +60% up to 1,000 maps and +5% beyond (holds); 0.5 -> 0.6 -> 0.9 gains +20% then +50%
+    (does not)."""
+
+    def rows(v10: float, v1k: float, v4k: float) -> pd.DataFrame:
+        return store_rows("fmoe-fig14a", [
+            {"policy": "fmoe", "policy.store_capacity": c, "policy_mean_trajectory_score": v}
+            for c, v in ((10, v10), (1000, v1k), (4000, v4k))
+        ])  # fmt: skip
+
+    dim = claim(kind="diminishing", experiment="fmoe-fig14a",
+                metric="policy_mean_trajectory_score", direction="higher",
+                a={"policy": "fmoe", "policy.store_capacity": 4000},
+                b={"policy": "fmoe", "policy.store_capacity": 1000},
+                c={"policy": "fmoe", "policy.store_capacity": 10})  # fmt: skip
+    dim.check()
+    s = score_claim(dim, rows(0.5, 0.8, 0.84))
+    assert (s.fmoesim_value, s.holds) == (pytest.approx(5.0), YES)
+    assert "up to B: +60.0%" in s.detail and "beyond B: +5.0%" in s.detail
+    s = score_claim(dim, rows(0.5, 0.6, 0.9))
+    assert (s.fmoesim_value, s.holds) == (pytest.approx(50.0), NO)
+    # a drop beyond B adds nothing: it holds
+    assert score_claim(dim, rows(0.5, 0.8, 0.7)).holds == YES
+    with pytest.raises(FmoesimError, match="diminishing needs sides b and c"):
+        replace(dim, c={}).check()
+    with pytest.raises(FmoesimError, match="not per"):
+        replace(dim, per="model").check()
+
+
 def test_missing_runs_leave_the_row_in() -> None:
     """Red when a claim whose preset has no runs, or no preset, drops out of the
     scoreboard instead of standing with no number and the reason."""
@@ -376,8 +408,11 @@ def test_recheck_mechanism_on_a_fixture(tmp_path: Path) -> None:
 #: change, so the small check cannot see them (``paper:id``), each with the reason.
 #: Stale entries fail test_small_scale_exceptions_are_current.
 NOT_AT_SMALL_SCALE = {
-    "fmoe:fig4-hit-falls-with-distance": "fMoE's hit rate at distance 6 is 3.7% under "
-    "distance 1's over 10 requests per model, 0.25% above it over 3",
+    "fmoe:fig4-hit-falls-with-distance": "fMoE's hit rate at distance 6 is 0.24% under "
+    "distance 1's over 10 requests per model (the mean of +2.5%, -3.2% and 0.0%), less "
+    "than 3-request runs move it",
+    "fmoe:fig13-ttft-d3-vs-longer": "fMoE's TTFT at distance 3 is 0.08% under distances 4 "
+    "and 6 over 10 requests per model, 0.09% above them over 3",
 }
 
 

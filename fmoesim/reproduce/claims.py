@@ -21,7 +21,7 @@ from fmoesim.errors import FmoesimError
 CLAIMS_DIR = Path(__file__).resolve().parent / "claims"
 #: the papers of the scoreboard, by command-line name: the catalog's file stem
 PAPERS = {"fmoe": "fmoe", "moe-infinity": "moe-infinity", "moepic": "moepic"}
-KINDS = ("relative", "mean_relative", "every_point", "most_points", "at_most")
+KINDS = ("relative", "mean_relative", "every_point", "most_points", "at_most", "diminishing")
 AGGREGATES = ("one", "min", "max", "mean")
 DIRECTIONS = ("lower", "higher")
 
@@ -56,6 +56,7 @@ class Claim:
     kind: str = "relative"
     a: Filter = field(default_factory=dict)
     b: Filter = field(default_factory=dict)
+    c: Filter = field(default_factory=dict)
     a_agg: str = "one"
     b_agg: str = "one"
     over: str | None = None
@@ -100,6 +101,10 @@ class Claim:
             raise FmoesimError(f"{bad}: at_most needs paper_value (the bound) and lower")
         if self.kind == "at_most" and self.per:
             raise FmoesimError(f"{bad}: at_most takes a_agg over the swept values, not per")
+        if self.kind == "diminishing" and not (self.b.get("policy") and self.c.get("policy")):
+            raise FmoesimError(f"{bad}: diminishing needs sides b and c, each naming a policy")
+        if self.kind == "diminishing" and self.per:
+            raise FmoesimError(f"{bad}: diminishing compares three fixed points, not per")
         if self.kind in ("relative", "every_point") and not self.b.get("policy"):
             raise FmoesimError(f"{bad}: side b names no policy")
         if self.kind in ("every_point", "most_points") and not self.over:

@@ -17,6 +17,10 @@ same unit as the paper's number.  The kinds:
 - ``at_most``: a bound, not a change: fmoesim's number is A's metric (aggregated by
   ``a_agg``) in the claim's ``unit``; the direction holds when it is below the paper's
   number, and the ratio is the one over the other.
+- ``diminishing``: "beyond B, more adds little": fmoesim's number is the effect of A
+  against B (the gain beyond B); the direction holds when it has the claimed sign's
+  opposite or is smaller in size than the effect of B against a third side ``c`` (the
+  gain up to B), so a gain that keeps growing as fast fails.  The detail gives both.
 
 A claim with ``per`` (a swept key, such as ``model`` for a paper's number "across three
 models") is scored for each value of that key on its own rows, then combined:
@@ -205,6 +209,13 @@ def _effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
         assert claim.paper_value is not None  # Claim.check
         value = side_value(df, claim.a, metric, claim.a_agg, what)
         return value, value < claim.paper_value, ""
+    if claim.kind == "diminishing":
+        b = side_value(df, claim.b, metric, claim.b_agg, what)
+        beyond = relative_pct(side_value(df, claim.a, metric, claim.a_agg, what), b, what)
+        upto = relative_pct(b, side_value(df, claim.c, metric, "one", what), what)
+        sign = -1.0 if claim.direction == "lower" else 1.0
+        holds = sign * beyond < abs(upto)
+        return beyond, holds, f"up to B: {_fmt(upto)}; beyond B: {_fmt(beyond)}"
     if claim.kind == "relative":
         value = relative_pct(
             side_value(df, claim.a, metric, claim.a_agg, what),

@@ -66,6 +66,8 @@ def points(claim: Claim) -> list[dict[str, Any]]:
         sides += [p.b for p in claim.pairs]
     elif claim.kind == "most_points":
         sides = [{"policy": list(claim.among)}]
+    elif claim.kind == "diminishing":
+        sides += [claim.b, claim.c]
     elif claim.kind != "at_most":  # a bound reads side A only
         sides.append(claim.b)
     # a side that leaves a swept key open reads every value of it (``over``, ``per``, or
