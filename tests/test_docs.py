@@ -75,6 +75,14 @@ DOCS_RUN = {
         "fmoesim-trace import vllm-routes examples/vllm-routes.jsonl out/routes-p4"
         " --model mixtral-8x7b --prompt-tokens 4",
         "fmoesim workload.path=out/routes-p4 policy=lfu engine.timing=false",
+        "fmoesim-trace import table examples/route-table.csv out/table --model mixtral-8x7b",
+        "fmoesim workload.path=out/table engine.timing=false",
+        'python -c "import numpy as np; from fmoesim.config.build import load_preset;'
+        " from fmoesim.specs import ModelSpec; from fmoesim.trace import from_arrays;"
+        " m = load_preset('model', 'mixtral-8x7b', ModelSpec); rng = np.random.default_rng(0);"
+        " ids = np.argsort(rng.random((2, 20, 32, 8)), axis=3)[..., :2];"
+        " from_arrays(list(ids), 'out/arrays', m, prompt_tokens=4, overwrite=True)\"",
+        "fmoesim workload.path=out/arrays engine.timing=false",
         'mkdir -p out && printf \'{"prompt": "What is 12 times 7?"}\\n{"prompt": "Name three'
         " prime numbers.\"}\\n' > out/prompts.jsonl",
     ],

@@ -7,6 +7,8 @@ Examples::
     fmoesim-trace synth --model qwen1.5-moe-a2.7b --requests 64 --seed 1 out/qwen-synth
     fmoesim-trace synth --model mixtral-8x7b --set skew=2.0 --set locality=0.8 out/skewed
     fmoesim-trace synth --model mixtral-8x7b --arrivals azure_code.csv out/azure
+    fmoesim-trace import table route.csv out/real --model qwen3-30b-a3b --top-k 6
+    fmoesim-trace import vllm-routed-experts routed.npz out/vllm --model qwen3-30b-a3b
     fmoesim-trace import vllm-routes routes.jsonl out/real --model mixtral-8x7b
     fmoesim-trace import eamc eamc.npy out/eamc --model mixtral-8x7b
 """
@@ -85,18 +87,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     syn.add_argument("--force", action="store_true", help="replace an existing directory")
     imp = sub.add_parser("import", help="convert a trace of another format (top-k only)")
-    imp.add_argument("format", choices=("vllm-routes", "eamc"))
-    imp.add_argument("src", help="route log (.jsonl, or a directory of them) or EAMC .npy")
+    imp.add_argument("format", choices=("table", "vllm-routed-experts", "vllm-routes", "eamc"))
+    imp.add_argument(
+        "src",
+        help="table: a CSV/TSV/JSONL/Parquet route table; vllm-routed-experts: .npy/.npz/.json "
+        "of (tokens, layers, top_k) expert ids; vllm-routes: a .jsonl route log or a directory "
+        "of them; eamc: an EAMC .npy",
+    )
     imp.add_argument("out", help="destination trace directory")
     imp.add_argument("--model", default="mixtral-8x7b", help="model preset (conf/model/)")
     imp.add_argument(
         "--prompt-tokens",
         type=int,
-        default=1,
-        help="vllm-routes: tokens of each request's prefill (logs do not say; default 1)",
+        default=None,
+        help="tokens of each request's prefill where the input does not say (default 1)",
+    )
+    imp.add_argument(
+        "--map",
+        default="",
+        metavar="KEY=COLUMN,...",
+        help="table: the column of a key (request, position, layer, experts, weights, rank, "
+        "phase) where its name is not one of the usual ones",
+    )
+    imp.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="table: experts per token, for a run made with fewer",
     )
     imp.add_argument("--force", action="store_true", help="replace an existing directory")
     return p
+
+
+def _mapping(text: str) -> dict[str, str]:
+    """``--map request=req,position=tok`` as a dict."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, col = part.partition("=")
+        if not sep or not key or not col:
+            raise ConfigError("--map", part, "KEY=COLUMN pairs separated by commas")
+        out[key.strip()] = col.strip()
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,10 +154,28 @@ def _run(args: argparse.Namespace) -> None:
         from fmoesim.trace.importers import import_eamc, import_vllm_routes
 
         model = load_preset("model", args.model, ModelSpec)
-        if args.format == "vllm-routes":
-            path, dropped = import_vllm_routes(
+        if args.format == "table":
+            from fmoesim.trace.table import import_table
+
+            path, rep = import_table(
+                args.src, args.out, model, mapping=_mapping(args.map),
+                prompt_tokens=args.prompt_tokens, top_k=args.top_k, overwrite=args.force,
+            )  # fmt: skip
+            for line in rep.lines():
+                print(line)
+            note = ""
+        elif args.format == "vllm-routed-experts":
+            from fmoesim.trace.table import import_routed_experts
+
+            path = import_routed_experts(
                 args.src, args.out, model, prompt_tokens=args.prompt_tokens, overwrite=args.force
             )
+            note = ""
+        elif args.format == "vllm-routes":
+            path, dropped = import_vllm_routes(
+                args.src, args.out, model, prompt_tokens=args.prompt_tokens or 1,
+                overwrite=args.force,
+            )  # fmt: skip
             note = f"; dropped {dropped} token rows not present in every layer" if dropped else ""
         else:
             path, note = import_eamc(args.src, args.out, model, overwrite=args.force), ""

@@ -130,6 +130,10 @@ class TraceManifest:
     pure function of their parameters and seed, so the same seed gives the same bytes.
     ``embedding_projection`` is null, or ``{"input_dim": D_in, "seed": s}`` when the
     embeddings were reduced by a seeded Gaussian random projection.
+    ``layer_gaps`` (written only when true) says that some tokens have no routing at some
+    layers (a logger that missed rows): an iteration's counts at a layer then sum to
+    ``top_k`` times the tokens routed there, which may be fewer than its tokens, and
+    those tokens access no expert at that layer.
     """
 
     model: TraceModel
@@ -144,10 +148,15 @@ class TraceManifest:
     embedding_projection: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
     notes: str = ""
+    layer_gaps: bool = False
 
     def to_json(self) -> str:
-        """Serialise deterministically (sorted keys, fixed indentation)."""
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        """Serialise deterministically (sorted keys, fixed indentation); ``layer_gaps``
+        only when true, so traces without gaps keep their bytes."""
+        raw = asdict(self)
+        if not raw["layer_gaps"]:
+            del raw["layer_gaps"]
+        return json.dumps(raw, indent=2, sort_keys=True) + "\n"
 
     @classmethod
     def load(cls, path: Path) -> TraceManifest:
@@ -199,7 +208,7 @@ class TraceManifest:
                 "embedding_dim is a non-negative integer",
                 detail=f"got {raw['embedding_dim']!r}",
             )
-        for key in ("has_probs", "has_spec_probs", "has_tokens"):
+        for key in ("has_probs", "has_spec_probs", "has_tokens", "layer_gaps"):
             if key in raw and not isinstance(raw[key], bool):
                 raise TraceError(path, f"{key} is true or false", detail=f"got {raw[key]!r}")
         if not isinstance(raw["source"], dict):

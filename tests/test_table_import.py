@@ -1,0 +1,156 @@
+"""Route tables from any logger (``fmoesim-trace import table``), vLLM's routed experts
+(``import vllm-routed-experts``) and :func:`fmoesim.trace.table.from_arrays`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from fmoesim.engine.simulate import simulate
+from fmoesim.errors import FmoesimError
+from fmoesim.trace import read_trace
+from fmoesim.trace.table import from_arrays, import_routed_experts, import_table
+from policies.lru import LRU
+from tests.tiny import TINY_HW, small_model
+
+ROOT = Path(__file__).resolve().parents[1]
+EDGE = ROOT.parent / "shared" / "data" / "routing" / "bigmoeonedge-qwen3-30b-a3b"
+M = small_model(2, 4, 2)  # 2 layers x 4 experts, top-2
+
+
+def test_wide_csv_with_other_column_names_and_comments(tmp_path: Path) -> None:
+    """Red if token_pos / topk_ids / req_id are not recognised, comment lines are read,
+    or the tokens' counts land in the wrong iteration: two requests, the prompt 1 token,
+    hand-computed counts."""
+    src = tmp_path / "r.csv"
+    src.write_text(
+        "# logger v2\n"
+        "req_id,token_pos,layer,topk_ids\n"
+        'a,0,0,"[0, 1]"\na,0,1,"[2, 3]"\na,1,0,"[0, 2]"\na,1,1,"[2, 3]"\n'
+        'b,0,0,"[3, 2]"\nb,0,1,"[1, 0]"\n'
+    )
+    path, rep = import_table(src, tmp_path / "t", M)
+    tr = read_trace(path)
+    assert rep.columns == {"request": "req_id", "position": "token_pos", "layer": "layer",
+                           "experts": "topk_ids"}  # fmt: skip
+    assert (rep.requests, rep.tokens, rep.missing_pairs) == (2, 3, 0)
+    assert tr.prompt_tokens.tolist() == [1, 1] and tr.output_tokens.tolist() == [2, 1]
+    np.testing.assert_array_equal(tr.counts[0], [[1, 1, 0, 0], [0, 0, 1, 1]])
+    np.testing.assert_array_equal(tr.counts[1], [[1, 0, 1, 0], [0, 0, 1, 1]])
+    np.testing.assert_array_equal(tr.counts[2], [[0, 0, 1, 1], [1, 1, 0, 0]])
+    assert tr.manifest.source["format"] == "table" and not tr.manifest.layer_gaps
+
+
+def test_long_rows_phase_restarted_positions_and_a_missing_layer(tmp_path: Path) -> None:
+    """Red if the restart rule does not split decode steps whose position is 0 every
+    step, if phase does not set the prompt, or if a token missing a layer is dropped
+    (instead of kept, routing nothing there): prompt of 2 tokens, 2 decode steps at
+    position 0, the last one lacking layer 1."""
+    rows = []
+
+    def add(pos, layer, experts, phase):  # noqa: E306
+        for rank, e in enumerate(experts):
+            rows.append({"position": pos, "layer": layer, "slot": rank, "expert": e,
+                         "weight": 0.5, "phase": phase})  # fmt: skip
+
+    for pos, ex in ((0, [0, 1]), (1, [1, 2])):  # prefill: two tokens, both layers
+        add(pos, 0, ex, "prefill")
+        add(pos, 1, ex, "prefill")
+    add(0, 0, [3, 2], "decode")
+    add(0, 1, [3, 2], "decode")
+    add(0, 0, [0, 3], "decode")  # layer 1 of this step is not logged
+    src = tmp_path / "r.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path, rep = import_table(src, tmp_path / "t", M)
+    tr = read_trace(path)
+    assert rep.steps_restarted == 2 and rep.missing_pairs == 1 and rep.tokens == 4
+    assert tr.prompt_tokens.tolist() == [2] and tr.output_tokens.tolist() == [3]
+    np.testing.assert_array_equal(tr.counts[0], [[1, 2, 1, 0], [1, 2, 1, 0]])
+    np.testing.assert_array_equal(tr.counts[1], [[0, 0, 1, 1], [0, 0, 1, 1]])
+    np.testing.assert_array_equal(tr.counts[2], [[1, 0, 0, 1], [0, 0, 0, 0]])
+    assert tr.manifest.layer_gaps and tr.manifest.source["missing_token_layers"] == 1
+    # the engine serves it: the missing layer accesses nothing (2 + 2 + 2 + 2 + 2 + 0)
+    res = simulate(tr, M, TINY_HW, LRU(), 8 * M.expert_size_bytes)
+    assert res.summary["accesses"] == 3 + 3 + 2 + 2 + 2
+
+
+def test_map_and_top_k_override(tmp_path: Path) -> None:
+    """Red if --map does not name a column the usual names miss, or a run made with
+    fewer experts per token cannot be imported with top_k."""
+    df = pd.DataFrame({"tok": [0, 0, 1, 1], "lyr": [0, 1, 0, 1], "e": [2, 3, 3, 1]})
+    src = tmp_path / "r.parquet"
+    df.to_parquet(src)
+    with pytest.raises(FmoesimError, match="has a layer column"):
+        import_table(src, tmp_path / "x", M)
+    path, _ = import_table(src, tmp_path / "t", M, top_k=1,
+                           mapping={"position": "tok", "layer": "lyr", "experts": "e"})  # fmt: skip
+    tr = read_trace(path)
+    assert tr.top_k == 1
+    np.testing.assert_array_equal(tr.counts[1], [[0, 0, 0, 1], [0, 1, 0, 0]])
+
+
+@pytest.mark.parametrize(
+    ("text", "rule"),
+    [
+        ('layer,experts\n0,"[0, 1]"\n5,"[0, 1]"\n', "row 2: layer in [0, 2)"),
+        ('layer,experts\n0,"[0, 9]"\n', "row 1: expert ids in [0, 4)"),
+        ('layer,experts\nx,"[0, 1]"\n', "row 1: layer is an integer"),
+        ('layer,experts\n0,"[0, 1, 2]"\n', "every token has 2 distinct experts"),
+        ('layer,experts,weight\n0,"[0, 1]","[0.5]"\n', "row 1: weights holds one number"),
+        ("position,expert\n0,1\n", "has a layer column"),
+    ],
+)
+def test_bad_tables_are_refused_with_row_and_rule(tmp_path: Path, text: str, rule: str) -> None:
+    """Red if a broken row is accepted, or refused without its file, row and rule, or
+    leaves a half-written trace."""
+    src = tmp_path / "bad.csv"
+    src.write_text(text)
+    with pytest.raises(FmoesimError, match=rule.replace("[", r"\[").replace(")", r"\)")) as info:
+        import_table(src, tmp_path / "t", M)
+    assert str(src) in str(info.value)
+    assert not (tmp_path / "t").exists()
+
+
+def test_from_arrays_and_routed_experts_files(tmp_path: Path) -> None:
+    """Red if arrays of (tokens, layers, top_k) do not give the same trace as the table
+    with the same routing, or an .npz's stored prompt lengths are ignored."""
+    a = np.array([[[0, 1], [2, 3]], [[0, 2], [2, 3]], [[3, 1], [0, 1]]])  # (3, 2, 2)
+    b = np.array([[[3, 2], [1, 0]]])
+    tr = read_trace(from_arrays([a, b], tmp_path / "t", M, prompt_tokens=[2, 1]))
+    assert tr.prompt_tokens.tolist() == [2, 1] and tr.output_tokens.tolist() == [2, 1]
+    np.testing.assert_array_equal(tr.counts[0], [[2, 1, 1, 0], [0, 0, 2, 2]])
+    np.savez(tmp_path / "r.npz", r0=a, r1=b, prompt_tokens=np.array([2, 1]))
+    tr2 = read_trace(import_routed_experts(tmp_path / "r.npz", tmp_path / "t2", M))
+    np.testing.assert_array_equal(tr2.counts, tr.counts)
+    assert tr2.manifest.source["format"] == "vllm-routed-experts"
+    (tmp_path / "r.json").write_text(json.dumps({"routed_experts": b.tolist()}))
+    tr3 = read_trace(import_routed_experts(tmp_path / "r.json", tmp_path / "t3", M))
+    np.testing.assert_array_equal(tr3.counts[0], [[0, 0, 1, 1], [1, 1, 0, 0]])
+    with pytest.raises(FmoesimError, match="distinct"):
+        from_arrays(np.array([[[1, 1], [2, 3]]]), tmp_path / "t4", M)
+    with pytest.raises(FmoesimError, match=r"-1 for a whole layer"):
+        from_arrays(np.array([[[1, -1], [2, 3]]]), tmp_path / "t5", M)
+
+
+@pytest.mark.skipif(not EDGE.is_dir(), reason="../shared/data (BigMoeOnEdge route log) is absent")
+def test_real_engine_log_imports_through_the_cli(tmp_path: Path) -> None:
+    """Red if the real on-device engine's log (turn, phase, step, slot, expert, weight,
+    '#' header lines, 6 experts per token, prefill steps lacking a layer) needs any hand
+    conversion, or loses a row: 28 prefill tokens, 128 decode steps, 27 gaps."""
+    out = subprocess.run(
+        [sys.executable, "-m", "fmoesim.cli.trace_cli", "import", "table",
+         str(EDGE / "qwen.route.csv"), str(tmp_path / "t"), "--model", "qwen3-30b-a3b",
+         "--top-k", "6"],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "27 (token, layer) pairs without rows" in out.stdout
+    tr = read_trace(tmp_path / "t")
+    assert tr.prompt_tokens.tolist() == [28] and tr.output_tokens.tolist() == [129]
+    assert int(tr.counts.sum()) == 44766  # every routed row
