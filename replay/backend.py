@@ -424,7 +424,13 @@ def replay_backend(
 ) -> Callable[[list[ExpertCache]], Backend]:
     """A ``make_backend`` for :func:`fmoesim.engine.simulate.simulate`: the timed
     :class:`GpuBackend`, or, on the CPU with ``timed=False``, the
-    :class:`InstantReplayBackend`."""
+    :class:`InstantReplayBackend`.  The replay builds every expert at the model's one
+    size, so a model whose expert size differs by layer is refused."""
+    if not model.uniform_experts:
+        raise FmoesimError(
+            f"model {model.name}: expert_size_bytes_by_layer (rule: the replay builds experts "
+            "of one size; simulate such a model instead)"
+        )
     if not timed:
         if device != "cpu":
             raise FmoesimError(f"device {device!r}: the untimed replay is the CPU path only")

@@ -84,7 +84,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
     per_layer = cfg.cache.get("experts_per_layer")
     if per_layer is not None:
         check_experts_per_layer(model, hardware, per_layer)
-        budget_bytes = per_layer * model.num_layers * model.expert_size_bytes
+        budget_bytes = per_layer * sum(model.layer_expert_bytes)
     else:
         budget_gb = cfg.cache.budget_gb
         if not math.isfinite(budget_gb):
@@ -157,7 +157,14 @@ def simulate_spec(
 ) -> Any:
     """:func:`fmoesim.engine.simulate.simulate` with a checked run's settings (serving,
     seed, engine, output, progress, per-layer caches); ``policy``, ``budget_bytes`` and
-    keyword ``overrides`` (``timing``, ``make_backend``...) replace the spec's."""
+    keyword ``overrides`` (``timing``, ``make_backend``...) replace the spec's.  A trace
+    that records its experts' sizes per layer gives them to a model preset without them
+    (:func:`fmoesim.engine.simulate.model_for_trace`)."""
+    from fmoesim.engine.simulate import model_for_trace
+
+    model = model_for_trace(spec.model, trace)
+    if budget_bytes is None and spec.experts_per_layer is not None:
+        budget_bytes = spec.experts_per_layer * sum(model.layer_expert_bytes)
     kwargs: dict[str, Any] = {
         "serving": spec.serving,
         "seed": spec.seed,
@@ -171,7 +178,7 @@ def simulate_spec(
     }
     return simulate(
         trace,
-        spec.model,
+        model,
         spec.hardware,
         spec.policy if policy is None else policy,
         spec.budget_bytes if budget_bytes is None else budget_bytes,

@@ -76,6 +76,8 @@ class Runner:
         self.arrival_s = arrival_s
         self.on_iteration = on_iteration
         self.expert_bytes = model.expert_size_bytes
+        # bytes of one expert of each layer (L,): differ where quantization does
+        self.layer_bytes = model.layer_expert_bytes
         self.L, self.E, self.N = trace.num_layers, trace.num_experts, len(caches)
         self.step = 0  # global layer step (GateView.step)
         self.iteration = 0  # forward passes so far
@@ -110,9 +112,11 @@ class Runner:
         # instructions, 1% of ProMoE's; callgrind)
         self._routing: dict[int, tuple[list[int], list[int], list[int]]] = {}
         # perf: a layer with no actions that starts with an idle link is a demand-only
-        # layer, timed in closed form (see _layers_closed_form); one GPU, whole experts.
+        # layer, timed in closed form (see _layers_closed_form); one GPU, whole experts of
+        # one size (the closed form counts free room in experts).
         self._demand_ok = (
             closed_form
+            and model.uniform_experts
             and self.N == 1
             and not self.segments
             and caches[0].group_of is None
@@ -356,7 +360,7 @@ class Runner:
         prefetches, in order (held back by ``actions.delay_s``)."""
         be, caches, m, N = self.backend, self.caches, self.metrics, self.N
         delay = actions.delay_s
-        E, n_keys, size = self.E, self.n_keys, self.expert_bytes
+        E, n_keys, sizes = self.E, self.n_keys, self.layer_bytes
         if actions.budgets:
             if not self.segments:
                 raise ValueError(f"policy {self.policy.name!r} set budgets without groups")
@@ -389,7 +393,7 @@ class Runner:
                     continue  # an empty segment (θ = 0 top, θ = 1 bottom)
             # perf: a full cache with nothing evictable refuses without a call (a saturated
             # link leaves every entry in flight; dependency prefetch meets this ~5x a layer)
-            elif not cache.evictable and cache.used_bytes + size > cache.budget_bytes:
+            elif not cache.evictable and cache.used_bytes + sizes[key // E] > cache.budget_bytes:
                 m.prefetch_dropped += 1
                 continue
             if not self._load(g, key, p.priority, p.reason, delay_s=delay):
@@ -423,10 +427,11 @@ class Runner:
     def _size_of(self, g: int, key: int) -> int:
         """Bytes of ``key``: a whole expert, or a segment at the policy's split ratio (a
         bottom complements the top that is cached, if one is)."""
-        n, S = self.n_keys, self.expert_bytes
+        n = self.n_keys
         if key < n:
-            return S
+            return self.layer_bytes[key // self.E]
         full = key % n
+        S = self.layer_bytes[full // self.E]
         if key < 2 * n:
             return round(self.policy.split_ratio(full // self.E) * S)
         top = self.caches[g].entries.get(n + full)
@@ -446,7 +451,7 @@ class Runner:
         """Admit ``key`` into GPU ``g``'s cache and start its transfer (pinned if ``pin``;
         not before ``delay_s``); False when the cache cannot make room."""
         cache = self.caches[g]
-        size = self.expert_bytes if key < self.n_keys else self._size_of(g, key)
+        size = self.layer_bytes[key // self.E] if key < self.n_keys else self._size_of(g, key)
         if not cache.admit(key, size, reason):
             return False
         cache.entries[key].record = self.backend.submit(g, key, size, priority, reason, delay_s)
@@ -746,7 +751,7 @@ class Runner:
         """A split-expert access to ``key``, not held whole: its top and bottom segments
         (or, with no top and no room for one, the whole expert) sorted into ready /
         pending / missing; HIT only if every part is resident."""
-        n, S = self.n_keys, self.expert_bytes
+        n, S = self.n_keys, self.layer_bytes[layer]
         cache = self.caches[g]
         top = cache.entries.get(n + key)
         parts: list[tuple[int, float]]

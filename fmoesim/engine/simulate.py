@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
@@ -84,6 +85,21 @@ def check_shapes(trace: Trace, model: ModelSpec) -> None:
             )
 
 
+def model_for_trace(model: ModelSpec, trace: Trace) -> ModelSpec:
+    """``model`` with the trace's per-layer expert sizes (``source.expert_bytes_by_layer``,
+    which an import of a log that records them writes) when the model gives none."""
+    sizes = trace.manifest.source.get("expert_bytes_by_layer")
+    if model.expert_size_bytes_by_layer is not None or not sizes:
+        return model
+    out = dataclasses.replace(model, expert_size_bytes_by_layer=[int(b) for b in sizes])
+    try:
+        return out.validate()
+    except ConfigError as exc:
+        raise ConfigError(
+            "model.expert_size_bytes_by_layer", sizes, f"from trace {trace.path}: {exc.rule}"
+        ) from None
+
+
 #: the largest budget: byte counts are int64 in the results (about 9.2e9 GB)
 MAX_BUDGET_BYTES = 2**63 - 1
 
@@ -97,7 +113,7 @@ def check_budget(model: ModelSpec, budget_bytes: int, key: str = "cache.budget_g
     if not budget_bytes > 0:
         raise ConfigError(key, budget_bytes / GB, "must be > 0")
     if budget_bytes > MAX_BUDGET_BYTES:
-        whole = model.num_layers * model.num_experts * model.expert_size_bytes
+        whole = model.total_expert_bytes
         raise ConfigError(
             key,
             budget_bytes / GB,
@@ -287,11 +303,11 @@ def simulate(
     if experts_per_layer is not None:
         C = experts_per_layer
         check_experts_per_layer(model, hardware, C)
-        if budget_bytes != C * model.num_layers * model.expert_size_bytes:
+        if budget_bytes != C * sum(model.layer_expert_bytes):
             raise ConfigError(
                 "cache.budget_gb", budget_bytes / GB, "must be experts_per_layer x layers x expert"
             )
-        groups = dict.fromkeys(range(model.num_layers), C * model.expert_size_bytes)
+        groups = {layer: C * b for layer, b in enumerate(model.layer_expert_bytes)}
     else:
         check_budget(model, budget_bytes)
     serving = (serving or ServingConfig()).validate()
@@ -327,6 +343,7 @@ def simulate(
         and num_gpus == 1
         and serving.mode == "static"
         and type(policy) is LRU
+        and model.uniform_experts  # the fast path counts the budget in experts
         and groups is None
         and make_backend is None
     ):

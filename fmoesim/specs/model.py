@@ -6,7 +6,25 @@ from dataclasses import dataclass
 
 from fmoesim.errors import ConfigError
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "int4": 0.5, "int2": 0.25}
+#: bytes per weight of each storage format, block and group scales included
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8": 1,  # FP8 (e4m3 / e5m2) with a per-tensor or per-channel scale: negligible
+    "int4": 0.5,  # bare 4-bit weights, scales not counted
+    "int2": 0.25,  # bare 2-bit weights, scales not counted
+    # GPTQ / AWQ int4 with group size 128: an fp16 scale and a 4-bit zero point per group
+    # (AutoGPTQ / AutoAWQ packing): 4 + 20 / 128 bits
+    "int4-g128": (4 + 20 / 128) / 8,
+    # GGUF block formats (llama.cpp ggml-common.h): block_q8_0 is 34 bytes per 32 weights,
+    # block_q4_K 144 bytes and block_q6_K 210 bytes per 256-weight super-block.  Q4_K_M
+    # files mix Q4_K and Q6_K by tensor, so their expert size differs by layer: give
+    # expert_size_bytes_by_layer (an imported trace that records sizes does).
+    "q8_0": 34 / 32,
+    "q4_k": 144 / 256,
+    "q6_k": 210 / 256,
+}
 
 
 @dataclass
@@ -21,6 +39,11 @@ class ModelSpec:
     matrices, so ``expert_size_bytes = 3 * hidden * intermediate * bytes(dtype)``
     (a Mixtral-8x7B expert in bf16: 3 x 4096 x 14336 x 2 = 352,321,536 bytes).
     Shared (always-on) experts are resident and outside the expert budget.
+
+    ``expert_size_bytes_by_layer`` (one size per MoE layer) replaces that size where a
+    model's quantization differs by layer (GGUF Q4_K_M keeps some layers' down
+    projections in Q6_K); ``expert_size_bytes`` is then their mean, for reporting, and
+    the cache and the link use each layer's own size.
     """
 
     name: str = "unnamed"
@@ -40,6 +63,7 @@ class ModelSpec:
     dtype: str = "bfloat16"
     source: str = ""
     hf_model_id: str = ""
+    expert_size_bytes_by_layer: list[int] | None = None
 
     @property
     def dtype_bytes(self) -> float:
@@ -53,18 +77,34 @@ class ModelSpec:
 
     @property
     def expert_size_bytes(self) -> int:
-        """Bytes of one routed expert's weights."""
+        """Bytes of one routed expert's weights (the mean over layers when they differ)."""
+        if self.expert_size_bytes_by_layer:
+            sizes = self.expert_size_bytes_by_layer
+            return int(round(sum(sizes) / len(sizes)))
         return int(self.expert_params * self.dtype_bytes)
 
     @property
+    def layer_expert_bytes(self) -> list[int]:
+        """Bytes of one routed expert of each MoE layer ``(num_layers,)``."""
+        if self.expert_size_bytes_by_layer:
+            return [int(b) for b in self.expert_size_bytes_by_layer]
+        return [self.expert_size_bytes] * self.num_layers
+
+    @property
+    def uniform_experts(self) -> bool:
+        """Whether every layer's experts have one size."""
+        return len(set(self.layer_expert_bytes)) == 1
+
+    @property
     def layer_topk_bytes(self) -> int:
-        """Bytes of one layer's top-k experts: the smallest budget that can run a token."""
-        return self.top_k * self.expert_size_bytes
+        """Bytes of one layer's top-k experts (the largest layer's): the smallest budget
+        that can run a token."""
+        return self.top_k * max(self.layer_expert_bytes)
 
     @property
     def total_expert_bytes(self) -> int:
         """Bytes of all routed experts of the model."""
-        return self.num_layers * self.num_experts * self.expert_size_bytes
+        return self.num_experts * sum(self.layer_expert_bytes)
 
     def validate(self, prefix: str = "model") -> ModelSpec:
         """Check every field; raise :class:`ConfigError` naming the first bad one."""
@@ -94,6 +134,16 @@ class ModelSpec:
         if self.top_k > self.num_experts:
             raise ConfigError(
                 f"{prefix}.top_k", self.top_k, f"must be <= num_experts ({self.num_experts})"
+            )
+        sizes = self.expert_size_bytes_by_layer
+        if sizes is not None and (
+            len(sizes) != self.num_layers
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in sizes)
+        ):
+            raise ConfigError(
+                f"{prefix}.expert_size_bytes_by_layer",
+                sizes,
+                f"must be null or {self.num_layers} positive integers (one per MoE layer)",
             )
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError(

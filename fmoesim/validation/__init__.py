@@ -1,0 +1,1 @@
+"""The simulator against real systems' own logs (:mod:`fmoesim.validation.engine_log`)."""
