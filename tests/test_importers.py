@@ -131,9 +131,15 @@ def test_real_mixtral_routes_import_through_the_cli(tmp_path):
         cwd=ROOT,
     )
     assert p.returncode == 0, p.stderr
+    # every row is kept: tokens a layer lacks route nothing there (the complete-token
+    # import, import_vllm_routes, drops them)
+    assert "18668 rows -> 4 requests, 585 tokens" in p.stdout
+    assert "52 (token, layer) pairs without rows" in p.stdout
     tr = read_trace(out)
     assert tr.num_requests == 4 and tr.num_layers == 32 and tr.num_experts == 8
-    assert (tr.counts.sum(axis=2) == 2).all()  # one token x top-2 on every row
+    assert tr.manifest.layer_gaps and tr.manifest.source["format"] == "vllm-routes"
+    sums = tr.counts.sum(axis=2)  # one token x top-2, or 0 where the log lacks the layer
+    assert set(np.unique(sums).tolist()) == {0, 2} and int((sums == 0).sum()) == 52
     from fmoesim.config.build import load_preset
     from fmoesim.specs import ModelSpec
 

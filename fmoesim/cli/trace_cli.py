@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--map",
         default="",
         metavar="KEY=COLUMN,...",
-        help="table: the column of a key (request, position, layer, experts, weights, rank, "
-        "phase) where its name is not one of the usual ones",
+        help="table, vllm-routes: the column of a key (request, position, layer, experts, "
+        "weights, rank, phase) where its name is not one of the usual ones",
     )
     imp.add_argument(
         "--top-k",
@@ -151,15 +151,16 @@ def _run(args: argparse.Namespace) -> None:
     elif args.cmd == "import":
         from fmoesim.config.build import load_preset
         from fmoesim.specs.model import ModelSpec
-        from fmoesim.trace.importers import import_eamc, import_vllm_routes
+        from fmoesim.trace.importers import import_eamc
 
         model = load_preset("model", args.model, ModelSpec)
-        if args.format == "table":
+        if args.format in ("table", "vllm-routes"):  # a vLLM route log is a route table
             from fmoesim.trace.table import import_table
 
             path, rep = import_table(
                 args.src, args.out, model, mapping=_mapping(args.map),
                 prompt_tokens=args.prompt_tokens, top_k=args.top_k, overwrite=args.force,
+                fmt=args.format,
             )  # fmt: skip
             for line in rep.lines():
                 print(line)
@@ -171,12 +172,6 @@ def _run(args: argparse.Namespace) -> None:
                 args.src, args.out, model, prompt_tokens=args.prompt_tokens, overwrite=args.force
             )
             note = ""
-        elif args.format == "vllm-routes":
-            path, dropped = import_vllm_routes(
-                args.src, args.out, model, prompt_tokens=args.prompt_tokens or 1,
-                overwrite=args.force,
-            )  # fmt: skip
-            note = f"; dropped {dropped} token rows not present in every layer" if dropped else ""
         else:
             path, note = import_eamc(args.src, args.out, model, overwrite=args.force), ""
         t = read_trace(path)

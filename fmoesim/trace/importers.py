@@ -2,8 +2,10 @@
 
 - :func:`import_vllm_routes` — vLLM-style route logs: JSON lines with ``layer``,
   ``token_idx``, top-k ``experts`` and their ``gating_probs`` (optionally ``dataset`` and
-  ``problem_id`` naming the request), as in ``../shared/data/routing/
-  mixtral-8x7b-vllm-top2/``.
+  ``problem_id`` naming the request), keeping only the tokens logged at every layer: the
+  complete-token view :mod:`fmoesim.workload.calibrate` measures statistics on.  The
+  command line's ``import vllm-routes`` reads such logs with the route-table importer
+  instead (:func:`fmoesim.trace.table.import_table`), which keeps every row.
 - :func:`import_eamc` — MoE-Infinity's EAMC array (``.npy``, ``(capacity, layers,
   experts)`` request-level token counts).
 

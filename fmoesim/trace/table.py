@@ -17,7 +17,8 @@ to a run's model.  Which
 rows are one token, in order:
 
 - a request is the value of the request column (``request_id``, ``req_id``,
-  ``problem_id``, ``turn``; one request without it), in order of first appearance;
+  ``problem_id``, ``turn``; one request without it) within its ``dataset`` (a column, or
+  the file's name when ``src`` is a directory of tables), in order of first appearance;
 - inside a request, rows are read in file order, and a token is a (step, position) pair.
   **The restart rule:** a row whose (position, layer) pair, or (position, layer, rank)
   in the long shape, was already seen in the current step starts a new step, because the
@@ -67,6 +68,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "rank": ("slot", "rank"),
     "phase": ("phase",),
     "size": ("size_bytes", "expert_size_bytes"),
+    "dataset": ("dataset",),
 }
 PREFILL = {"0", "prefill", "p", "prompt"}
 SUFFIXES = {
@@ -122,11 +124,24 @@ class TableError(FmoesimError):
 
 
 def _read(path: Path) -> Any:
-    """The file as a pandas DataFrame."""
+    """The table as a pandas DataFrame; a directory's tables (every file with a known
+    suffix, in name order) one after the other, with their file names as a ``dataset``
+    column where they have none."""
     import pandas as pd
 
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in SUFFIXES)
+        if not files:
+            raise FmoesimError(f"{path}: no route tables ({', '.join(SUFFIXES)}) in this directory")
+        parts = []
+        for f in files:
+            df = _read(f)
+            if "dataset" not in df.columns:
+                df["dataset"] = f.stem
+            parts.append(df)
+        return pd.concat(parts, ignore_index=True)
     if not path.is_file():
-        raise FmoesimError(f"{path}: no such file")
+        raise FmoesimError(f"{path}: no such file or directory")
     kind = SUFFIXES.get(path.suffix.lower())
     if kind is None:
         raise TableError(path, None, f"a route table ends in one of {sorted(SUFFIXES)}")
@@ -221,6 +236,8 @@ def read_table(
     get = {k: df[c].tolist() for k, c in cols.items()}
     n = len(df)
     reqs = get.get("request", [0] * n)
+    if "dataset" in get:
+        reqs = [f"{d}/{r}" for d, r in zip(get["dataset"], reqs, strict=True)]
     pos = get.get("position")
     ranks = get.get("rank")
     phase = get.get("phase")
