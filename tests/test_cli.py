@@ -67,7 +67,7 @@ def test_run_writes_summary_with_hand_computed_hit_rate(tmp_path):
 
 BAD = [
     (["policy=nope"], "policy=nope: unknown policy; valid: "),
-    (["model=nope"], "valid: deepseek-v2-lite, mixtral-8x7b"),
+    (["model=nope"], "valid: deepseek-v2-lite, deepseek-v3, gpt-oss-120b"),
     (["hardware=nope"], "valid: a5000-pcie4, a6000-pcie4"),
     (["cache.budgt_gb=3"], "config key 'cache.budgt_gb': unknown key"),
     (["cache.budget_gb=0"], "config key 'cache.budget_gb' = 0.0: must be > 0"),

@@ -52,6 +52,13 @@ OUTPUT_TOKENS_MAX = 32
 #: a ratio below ``1 - RATIO_TOL`` counts as beating LRU (equal runs differ by rounding)
 RATIO_TOL = 1e-6
 HARDWARE = "rtx3090-pcie4"
+#: the model presets of the default grid: the papers' models and one of each routing
+#: shape up to 128 experts (the larger presets, DeepSeek-V3 and Qwen3-235B among them,
+#: take ``--models``)
+MODELS = (
+    "deepseek-v2-lite", "mixtral-8x7b", "mixtral-8x7b-2bit", "olmoe-1b-7b", "phi-3.5-moe",
+    "qwen1.5-moe-a2.7b", "qwen3-30b-a3b",
+)  # fmt: skip
 #: the model whose panel uses the bundled trace instead of a synthetic one
 BUNDLED_MODEL = "mixtral-8x7b"
 #: the table's columns, one row per (model, policy, compute factor, bandwidth factor)
@@ -501,7 +508,7 @@ def main(argv: list[str], prog: str = "fmoesim-plot") -> None:
         prog=f"{prog} {NAME}",
         description="where each prefetching policy starts to beat on-demand LRU on TPOT",
     )
-    ap.add_argument("--models", type=_names, default=None, help="model presets (all)")
+    ap.add_argument("--models", type=_names, default=list(MODELS), help="%(default)s")
     ap.add_argument("--policies", type=_names, default=list(POLICIES), help="%(default)s")
     ap.add_argument("--compute", type=_factors, default=list(COMPUTE_FACTORS),
                     help="compute-time factors (1/4,1/2,1,2,4,8,16,32)")  # fmt: skip
@@ -517,10 +524,8 @@ def main(argv: list[str], prog: str = "fmoesim-plot") -> None:
 
 
 def _cli(args: argparse.Namespace) -> None:
-    from fmoesim.config.build import preset_names
-
     table = run_grid(
-        args.models or preset_names("model"), args.policies, args.compute, args.bandwidth,
+        args.models, args.policies, args.compute, args.bandwidth,
         args.requests, args.hardware, jobs=args.jobs, log=lambda m: print(m, flush=True),
     )  # fmt: skip
     for k, why in table.attrs.get("skipped", {}).items():

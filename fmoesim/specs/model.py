@@ -21,6 +21,9 @@ DTYPE_BYTES: dict[str, float] = {
     # block_q4_K 144 bytes and block_q6_K 210 bytes per 256-weight super-block.  Q4_K_M
     # files mix Q4_K and Q6_K by tensor, so their expert size differs by layer: give
     # expert_size_bytes_by_layer (an imported trace that records sizes does).
+    # MXFP4 (OCP Microscaling): 4-bit elements sharing one 8-bit scale per 32 (GPT-OSS's
+    # experts): 4 + 8 / 32 bits
+    "mxfp4": (4 + 8 / 32) / 8,
     "q8_0": 34 / 32,
     "q4_k": 144 / 256,
     "q6_k": 210 / 256,

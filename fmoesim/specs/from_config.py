@@ -1,0 +1,219 @@
+"""Model presets from a Hugging Face ``config.json``.
+
+:func:`model_from_config` reads the MoE shape of a ``config.json`` by its ``model_type``
+(:data:`FAMILIES`); :func:`preset_yaml` writes it as a ``conf/model/`` preset whose
+every number names the config key it came from.  ``fmoesim-model from-config
+config.json [--name N] [--dtype D] [--out PATH]`` does both.
+
+What each family's keys mean here:
+
+- ``mixtral``, ``phimoe``, ``granitemoe``, ``gpt_oss``: ``num_local_experts`` routed
+  experts of ``intermediate_size``, ``num_experts_per_tok`` (GPT-OSS: also
+  ``experts_per_token``) per token, every layer MoE.
+- ``qwen2_moe``, ``qwen3_moe``, ``olmoe``: ``num_experts`` of ``moe_intermediate_size``
+  (OLMoE: ``intermediate_size``); Qwen2-MoE's ``shared_expert_intermediate_size`` is one
+  shared expert.  A ``decoder_sparse_step`` above 1 or ``mlp_only_layers`` (dense layers
+  between MoE ones) is refused: fmoesim's dense layers lead the stack.
+- ``deepseek_v2``, ``deepseek_v3``: ``n_routed_experts`` of ``moe_intermediate_size``,
+  ``n_shared_experts`` shared ones of the same size, the first ``first_k_dense_replace``
+  layers dense with ``intermediate_size``; MLA attention is modelled as
+  ``num_attention_heads`` heads of ``v_head_dim``.
+- ``llama4`` (its ``text_config``): ``num_local_experts`` of ``intermediate_size`` plus one
+  shared expert of the same size; ``interleave_moe_layer_step`` above 1 is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from fmoesim.errors import FmoesimError, run_or_exit
+from fmoesim.specs.model import DTYPE_BYTES, ModelSpec
+
+PROG = "fmoesim-model"
+FAMILIES = (
+    "mixtral", "phimoe", "granitemoe", "gpt_oss", "qwen2_moe", "qwen3_moe", "olmoe",
+    "deepseek_v2", "deepseek_v3", "llama4",
+)  # fmt: skip
+
+
+class _Keys:
+    """A config's keys, read with the name of each key used kept for the comments."""
+
+    def __init__(self, path: str, raw: dict[str, Any]) -> None:
+        self.path, self.raw = path, raw
+        self.used: dict[str, str] = {}  # ModelSpec field -> the expression it came from
+
+    def get(self, field: str, *keys: str, default: Any = None, note: str = "") -> Any:
+        """The first of ``keys`` present (recorded as ``field``'s source); ``default``
+        when none is and a default is given, else a one-line refusal."""
+        for k in keys:
+            if k in self.raw and self.raw[k] is not None:
+                self.used[field] = k + (f" {note}" if note else "")
+                return self.raw[k]
+        if default is not None:
+            self.used[field] = f"default ({' / '.join(keys)} absent)"
+            return default
+        raise FmoesimError(f"{self.path}: has key '{keys[0]}' (rule: a {self.family} config)")
+
+    @property
+    def family(self) -> str:
+        return str(self.raw.get("model_type", "?"))
+
+    def refuse(self, key: str, rule: str) -> FmoesimError:
+        return FmoesimError(f"{self.path}: {key} = {self.raw.get(key)!r} (rule: {rule})")
+
+
+def model_from_config(
+    cfg: dict[str, Any], name: str, dtype: str = "bfloat16", path: str = "config.json"
+) -> tuple[ModelSpec, dict[str, str]]:
+    """The :class:`ModelSpec` of a Hugging Face config (module docstring) and, per field,
+    the config key it came from."""
+    mt = cfg.get("model_type")
+    if mt == "llama4" and isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg["text_config"], "model_type": "llama4"}
+    elif mt == "llama4_text":  # the text model's own config
+        mt = "llama4"
+    if mt not in FAMILIES:
+        raise FmoesimError(f"{path}: model_type = {mt!r} (rule: one of {', '.join(FAMILIES)})")
+    k = _Keys(path, cfg)
+    L = int(k.get("num_layers", "num_hidden_layers"))
+    out: dict[str, Any] = {"name": name, "dtype": dtype}
+    dense = 0
+    if mt in ("mixtral", "phimoe", "granitemoe", "gpt_oss", "llama4"):
+        out["num_experts"] = k.get("num_experts", "num_local_experts")
+        out["top_k"] = k.get("top_k", "num_experts_per_tok", "experts_per_token")
+        out["expert_intermediate_size"] = k.get("expert_intermediate_size", "intermediate_size")
+        if mt == "llama4":
+            if int(cfg.get("interleave_moe_layer_step", 1)) != 1:
+                raise k.refuse("interleave_moe_layer_step", "1: every layer MoE")
+            out["num_shared_experts"] = 1
+            out["shared_expert_intermediate_size"] = k.get(
+                "shared_expert_intermediate_size", "intermediate_size", note="(one shared expert)"
+            )
+    elif mt in ("qwen2_moe", "qwen3_moe", "olmoe"):
+        if int(cfg.get("decoder_sparse_step", 1)) != 1:
+            raise k.refuse("decoder_sparse_step", "1: every layer MoE")
+        if cfg.get("mlp_only_layers"):
+            raise k.refuse("mlp_only_layers", "empty: every layer MoE")
+        out["num_experts"] = k.get("num_experts", "num_experts")
+        out["top_k"] = k.get("top_k", "num_experts_per_tok")
+        inter_key = "intermediate_size" if mt == "olmoe" else "moe_intermediate_size"
+        out["expert_intermediate_size"] = k.get("expert_intermediate_size", inter_key)
+        shared = cfg.get("shared_expert_intermediate_size") if mt == "qwen2_moe" else None
+        if shared:
+            out["num_shared_experts"] = 1
+            out["shared_expert_intermediate_size"] = k.get(
+                "shared_expert_intermediate_size", "shared_expert_intermediate_size"
+            )
+    else:  # deepseek_v2, deepseek_v3
+        if int(cfg.get("moe_layer_freq", 1)) != 1:
+            raise k.refuse("moe_layer_freq", "1: every layer after the dense ones MoE")
+        out["num_experts"] = k.get("num_experts", "n_routed_experts")
+        out["top_k"] = k.get("top_k", "num_experts_per_tok")
+        inter = int(k.get("expert_intermediate_size", "moe_intermediate_size"))
+        out["expert_intermediate_size"] = inter
+        n_shared = int(cfg.get("n_shared_experts") or 0)
+        if n_shared:
+            out["num_shared_experts"] = n_shared
+            out["shared_expert_intermediate_size"] = n_shared * inter
+            k.used["num_shared_experts"] = "n_shared_experts"
+            k.used["shared_expert_intermediate_size"] = "n_shared_experts x moe_intermediate_size"
+        dense = int(k.get("dense_layers", "first_k_dense_replace", default=0))
+        if dense:
+            out["dense_layers"] = dense
+            out["dense_intermediate_size"] = k.get("dense_intermediate_size", "intermediate_size")
+    out["num_layers"] = L - dense
+    k.used["num_layers"] = "num_hidden_layers" + (
+        f" {L} - first_k_dense_replace {dense}" if dense else ""
+    )
+    hidden = int(k.get("hidden_size", "hidden_size"))
+    heads = int(k.get("num_attention_heads", "num_attention_heads"))
+    out["hidden_size"] = hidden
+    out["num_attention_heads"] = heads
+    out["num_kv_heads"] = k.get("num_kv_heads", "num_key_value_heads", default=heads)
+    head_keys = ("v_head_dim", "head_dim") if mt.startswith("deepseek") else ("head_dim",)
+    out["head_dim"] = k.get("head_dim", *head_keys, default=hidden // heads)
+    out["vocab_size"] = k.get("vocab_size", "vocab_size")
+    hf_id = cfg.get("_name_or_path") or ""
+    spec = ModelSpec(**out, hf_model_id=str(hf_id), source=f"{path} (model_type {mt})")
+    try:
+        spec.validate()
+    except FmoesimError as exc:
+        raise FmoesimError(f"{path}: {exc}") from None
+    return spec, k.used
+
+
+def preset_yaml(spec: ModelSpec, used: dict[str, str]) -> str:
+    """A ``conf/model/`` preset: every field with the config key it came from."""
+    fields = [
+        "num_layers", "num_experts", "top_k", "num_shared_experts",
+        "shared_expert_intermediate_size", "dense_layers", "dense_intermediate_size",
+        "hidden_size", "expert_intermediate_size", "num_attention_heads", "num_kv_heads",
+        "head_dim", "vocab_size",
+    ]  # fmt: skip
+    lines = [
+        "defaults:",
+        "  - model_schema",
+        "  - _self_",
+        "",
+        f"# From {spec.source}, by `fmoesim-model from-config`:",
+        f"# {spec.num_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}; an "
+        f"expert of {spec.expert_size_bytes:,} bytes in {spec.dtype}.",
+        f"name: {spec.name}",
+    ]
+    if spec.hf_model_id:
+        lines.append(f"hf_model_id: {spec.hf_model_id}")
+    for f in fields:
+        v = getattr(spec, f)
+        if f in used or v:
+            lines.append(f"{f + ':':<34}{v}".rstrip() + (f"  # {used[f]}" if f in used else ""))
+    lines += [f"dtype: {spec.dtype}", f'source: "{spec.source}"', ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point of ``fmoesim-model``."""
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    fc = sub.add_parser("from-config", help="a conf/model/ preset from a config.json")
+    fc.add_argument("config", help="a Hugging Face config.json")
+    fc.add_argument("--name", default=None, help="preset name (default: the file's folder)")
+    fc.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
+    fc.add_argument("--out", default=None, help="write here (default: print the YAML)")
+    fc.add_argument("--force", action="store_true", help="replace an existing file")
+    args = ap.parse_args(argv)
+
+    def run() -> None:
+        path = Path(args.config)
+        if not path.is_file():
+            raise FmoesimError(f"{path}: no such file")
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise FmoesimError(f"{path}: is JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise FmoesimError(f"{path}: is a JSON object")
+        name = args.name or path.resolve().parent.name.lower()
+        spec, used = model_from_config(raw, name, args.dtype, str(path))
+        text = preset_yaml(spec, used)
+        if args.out is None:
+            print(text, end="")
+            return
+        out = Path(args.out)
+        if out.exists() and not args.force:
+            raise FmoesimError(f"{out}: exists (--force to replace it)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
+        print(f"wrote {out}: {spec.num_layers} MoE layers x {spec.num_experts} experts, "
+              f"top-{spec.top_k}")  # fmt: skip
+
+    run_or_exit(PROG, run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""``fmoesim-model from-config``: a model preset from a Hugging Face config.json, one
+family at a time, on configs written here (the numbers of the real models' files)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from fmoesim.errors import FmoesimError
+from fmoesim.specs import ModelSpec
+from fmoesim.specs.from_config import model_from_config, preset_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "vocab_size": 1000, "num_hidden_layers": 6}  # fmt: skip
+
+# model_type -> (its MoE keys, the fields expected: layers, experts, top-k, expert
+# intermediate size, shared experts, shared size, dense layers)
+CASES = {
+    "mixtral": ({"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 3584},
+                (6, 8, 2, 3584, 0, 0, 0)),
+    "phimoe": ({"num_local_experts": 16, "num_experts_per_tok": 2, "intermediate_size": 640},
+               (6, 16, 2, 640, 0, 0, 0)),
+    "granitemoe": ({"num_local_experts": 32, "num_experts_per_tok": 8, "intermediate_size": 512},
+                   (6, 32, 8, 512, 0, 0, 0)),
+    "gpt_oss": ({"num_local_experts": 32, "experts_per_token": 4, "intermediate_size": 2880},
+                (6, 32, 4, 2880, 0, 0, 0)),
+    "qwen2_moe": ({"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                   "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 1,
+                   "mlp_only_layers": []}, (6, 60, 4, 1408, 1, 5632, 0)),
+    "qwen3_moe": ({"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                   "decoder_sparse_step": 1, "mlp_only_layers": []}, (6, 128, 8, 768, 0, 0, 0)),
+    "olmoe": ({"num_experts": 64, "num_experts_per_tok": 8, "intermediate_size": 1024},
+              (6, 64, 8, 1024, 0, 0, 0)),
+    "deepseek_v2": ({"n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2,
+                     "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
+                     "intermediate_size": 10944, "v_head_dim": 128}, (5, 64, 6, 1408, 2, 2816, 1)),
+    "deepseek_v3": ({"n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
+                     "moe_intermediate_size": 2048, "first_k_dense_replace": 3,
+                     "intermediate_size": 18432, "v_head_dim": 128}, (3, 256, 8, 2048, 1, 2048, 3)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_each_family(family: str, tmp_path: Path) -> None:
+    """Red if a family's experts, top-k, sizes, shared experts or leading dense layers
+    come from the wrong key, or the written preset does not load back to the same shape."""
+    keys, want = CASES[family]
+    cfg = {**BASE, **keys, "model_type": family}
+    spec, used = model_from_config(cfg, "m")
+    got = (
+        spec.num_layers, spec.num_experts, spec.top_k, spec.expert_intermediate_size,
+        spec.num_shared_experts, spec.shared_expert_intermediate_size, spec.dense_layers,
+    )  # fmt: skip
+    assert got == want
+    assert spec.num_kv_heads == 4 and spec.head_dim == (128 if "v_head_dim" in keys else 64)
+    text = preset_yaml(spec, used)
+    raw = OmegaConf.load(_write(tmp_path / "m.yaml", text))
+    del raw["defaults"]
+    back = ModelSpec(**OmegaConf.to_container(raw))  # type: ignore[arg-type]
+    assert back == spec
+    assert f"# {used['num_experts']}" in text
+
+
+def test_llama4_reads_its_text_config() -> None:
+    """Red if Llama 4's nested text_config is not read, or its shared expert is lost."""
+    text = {**BASE, "num_local_experts": 16, "num_experts_per_tok": 1,
+            "intermediate_size": 8192, "head_dim": 128, "interleave_moe_layer_step": 1}  # fmt: skip
+    spec, _ = model_from_config({"model_type": "llama4", "text_config": text}, "scout")
+    assert (spec.num_experts, spec.top_k, spec.num_shared_experts) == (16, 1, 1)
+    assert spec.shared_expert_intermediate_size == 8192 and spec.head_dim == 128
+    with pytest.raises(FmoesimError, match="interleave_moe_layer_step = 2"):
+        bad = {**text, "interleave_moe_layer_step": 2}
+        model_from_config({"model_type": "llama4", "text_config": bad}, "m")
+
+
+def test_bad_configs_name_the_file_and_key(tmp_path: Path) -> None:
+    """Red if an unknown family, a missing key, interleaved dense layers or a broken file
+    pass, or fail without one line naming the file and the key, or leave a file."""
+    with pytest.raises(FmoesimError, match="config.json: model_type = 'llama'"):
+        model_from_config({**BASE, "model_type": "llama"}, "m")
+    with pytest.raises(FmoesimError, match="has key 'num_local_experts'"):
+        model_from_config({**BASE, "model_type": "mixtral", "num_experts_per_tok": 2,
+                           "intermediate_size": 8}, "m")  # fmt: skip
+    with pytest.raises(FmoesimError, match="decoder_sparse_step = 2"):
+        model_from_config({**BASE, **CASES["qwen2_moe"][0], "model_type": "qwen2_moe",
+                           "decoder_sparse_step": 2}, "m")  # fmt: skip
+    bad = _write(tmp_path / "config.json", "{not json")
+    out = tmp_path / "m.yaml"
+    p = _command(bad, out)
+    assert p.returncode == 2 and "config.json: is JSON" in p.stderr and not out.exists()
+
+
+def test_command_writes_a_preset_and_keeps_an_existing_one(tmp_path: Path) -> None:
+    """Red if the command does not write the preset where asked, named after the
+    config's folder, or replaces an existing file without --force."""
+    cfg = {**BASE, **CASES["qwen3_moe"][0], "model_type": "qwen3_moe"}
+    src = _write(tmp_path / "Qwen3-Tiny" / "config.json", json.dumps(cfg))
+    out = tmp_path / "conf" / "qwen3-tiny.yaml"
+    p = _command(src, out)
+    assert p.returncode == 0, p.stderr
+    assert "name: qwen3-tiny" in out.read_text()
+    p = _command(src, out)
+    assert p.returncode == 2 and "exists" in p.stderr
+
+
+def _command(src: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "fmoesim.specs.from_config", "from-config", str(src)]
+    return subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
