@@ -88,6 +88,11 @@ def test_map_and_top_k_override(tmp_path: Path) -> None:
     df.to_parquet(src)
     with pytest.raises(FmoesimError, match="has a layer column"):
         import_table(src, tmp_path / "x", M)
+    # without a position column a repeated layer starts the next token
+    no_pos = tmp_path / "np.csv"
+    no_pos.write_text('layer,experts\n0,"[0, 1]"\n1,"[2, 3]"\n0,"[1, 2]"\n1,"[0, 3]"\n')
+    tr0 = read_trace(import_table(no_pos, tmp_path / "np", M)[0])
+    np.testing.assert_array_equal(tr0.counts[1], [[0, 1, 1, 0], [1, 0, 0, 1]])
     path, _ = import_table(src, tmp_path / "t", M, top_k=1,
                            mapping={"position": "tok", "layer": "lyr", "experts": "e"})  # fmt: skip
     tr = read_trace(path)

@@ -265,7 +265,8 @@ def read_table(
                     path, row, "one expert size (> 0) per layer",
                     f"layer {layer}: {b} after {layer_size[layer]}",
                 )  # fmt: skip
-        p = _int(path, row, "position", pos[i]) if pos is not None else len(r.tokens)
+        # without a position column every token is at 0: the restart rule steps per token
+        p = _int(path, row, "position", pos[i]) if pos is not None else 0
         if p < 0:
             raise TableError(path, row, "position >= 0", f"got {p}")
         if wide:
