@@ -153,12 +153,13 @@ def import_vllm_routes(
     routes, files = read_vllm_routes(src, model)
     if not routes:
         raise FmoesimError(f"{src}: no routing rows")
-    L, E = model.num_layers, model.num_experts
-    K = model.top_k
+    from fmoesim.trace.table import write_routed
+
+    L, K = model.num_layers, model.top_k
     dropped = 0
     with_weights = True
-    requests = []
-    for rid, key in enumerate(sorted(routes)):
+    arrays = []
+    for key in sorted(routes):
         layers = routes[key]
         if len(layers) != L:
             missing = sorted(set(range(L)) - set(layers))
@@ -174,41 +175,21 @@ def import_vllm_routes(
                 f"{src}: request {key} has {len(tokens)} complete tokens, fewer than "
                 f"--prompt-tokens {prompt_tokens}"
             )
-        one_hot = np.zeros((len(tokens), L, E), dtype=np.int32)
         ids = np.zeros((len(tokens), L, K), dtype=np.int64)
         wts = np.zeros((len(tokens), L, K), dtype=np.float64)
         for layer, per_token in layers.items():
             for i, t in enumerate(tokens):
                 experts, probs = per_token[t]
-                one_hot[i, layer, experts] = 1
                 ids[i, layer] = experts
                 if probs is None:
                     with_weights = False
                 else:
                     wts[i, layer] = probs
-        requests.append((rid, key, one_hot, ids, wts))
-    man = _manifest(
-        model,
-        "vllm-routes",
-        files,
-        requests=[f"{r[1][0]}/{r[1][1]}" for r in requests],
-        prompt_tokens=prompt_tokens,
-        dropped_token_rows=dropped,
-    )
-    with TraceWriter(dst, man, overwrite=overwrite) as w:
-        for rid, key, one_hot, ids, wts in requests:
-            n = len(one_hot)
-            out = n - prompt_tokens + 1
-            w.add_request(rid, prompt_tokens=prompt_tokens, output_tokens=out, dataset=key[0])
-
-            def tok(a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
-                return (ids[a:b], wts[a:b]) if with_weights else None  # noqa: B023
-
-            p = prompt_tokens
-            w.add_iteration(rid, 0, p, None, one_hot[:p].sum(axis=0), tokens=tok(0, p))
-            for j in range(1, out):
-                t = p + j - 1
-                w.add_iteration(rid, j, 1, None, one_hot[t], tokens=tok(t, t + 1))
+        arrays.append((f"{key[0]}/{key[1]}", ids, wts, prompt_tokens))
+    write_routed(
+        dst, model, arrays, with_weights, "vllm-routes", files, overwrite,
+        datasets=[k[0] for k in sorted(routes)], dropped_token_rows=dropped,
+    )  # fmt: skip
     return Path(dst), dropped
 
 

@@ -384,16 +384,17 @@ def import_table(
                 f"request {r.name} has {len(toks)}",
             )  # fmt: skip
         arrays.append((r.name, ids, wts, p))
-    out = _write(
-        dst, model, arrays, "weights" in rep.columns, fmt, [path.name], overwrite,
-        columns=rep.columns, steps_restarted=rep.steps_restarted,
-        **({} if rep.layer_bytes is None else {"expert_bytes_by_layer": rep.layer_bytes}),
-    )  # fmt: skip
+    extra: dict[str, Any] = {"columns": rep.columns, "steps_restarted": rep.steps_restarted}
+    if rep.layer_bytes is not None:
+        extra["expert_bytes_by_layer"] = rep.layer_bytes
+    out = write_routed(
+        dst, model, arrays, "weights" in rep.columns, fmt, [path.name], overwrite, **extra
+    )
     rep.missing_pairs = out
     return Path(dst), rep
 
 
-def _write(
+def write_routed(
     dst: str | os.PathLike[str],
     model: ModelSpec,
     arrays: list[tuple[str, np.ndarray, np.ndarray, int]],
@@ -401,11 +402,15 @@ def _write(
     fmt: str,
     original: list[str],
     overwrite: bool,
+    datasets: Sequence[str] | None = None,
     **extra: Any,
 ) -> int:
-    """Write requests given as ``(name, ids (T, L, K) with -1 where a layer was not
-    logged, weights (T, L, K), prompt tokens)``; returns the (token, layer) pairs
-    without routing."""
+    """Write an importer's trace from requests given as ``(name, ids (T, L, K) with -1
+    where a layer was not logged, weights (T, L, K), prompt tokens)``: the first prompt
+    tokens one prefill iteration, each later token one decode iteration; per-token top-k
+    with weights when ``with_weights`` and no layer is missing.  ``datasets`` names each
+    request's dataset (default: its name); ``extra`` goes into ``source``.  Returns the
+    (token, layer) pairs without routing."""
     L, E = model.num_layers, model.num_experts
     missing = sum(int((ids[:, :, 0] < 0).sum()) for _, ids, _, _ in arrays)
     man = TraceManifest(
@@ -431,7 +436,8 @@ def _write(
             one_hot = np.zeros((T, L, E), dtype=np.int32)
             t_idx, l_idx, _ = np.nonzero(ids >= 0)
             np.add.at(one_hot, (t_idx, l_idx, ids[ids >= 0]), 1)
-            w.add_request(rid, prompt_tokens=p, output_tokens=T - p + 1, dataset=name)
+            ds = name if datasets is None else datasets[rid]
+            w.add_request(rid, prompt_tokens=p, output_tokens=T - p + 1, dataset=ds)
 
             def tok(a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
                 return (ids[a:b], wts[a:b]) if per_token else None  # noqa: B023
@@ -500,7 +506,7 @@ def from_arrays(
             raise FmoesimError(f"{what}: prompt_tokens in [1, {len(a)}], got {p}")
         name = names[i] if names is not None else str(i)
         arrays.append((name, a.astype(np.int64), w, int(p)))
-    _write(dst, model, arrays, weights is not None, fmt, list(original), overwrite)
+    write_routed(dst, model, arrays, weights is not None, fmt, list(original), overwrite)
     return Path(dst)
 
 
