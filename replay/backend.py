@@ -44,7 +44,7 @@ from fmoesim.errors import FmoesimError
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
 from replay.link import CudaCopier, LinkScheduler, ThreadCopier
-from replay.weights import DEVICE_FRACTION, Executor, HostExperts
+from replay.weights import DEVICE_FRACTION, Executor, shared_host_experts
 
 __all__ = [
     "GpuBackend",
@@ -101,7 +101,7 @@ class InstantReplayBackend(InstantBackend):
         _one_gpu(caches)
         super().__init__(caches)
         self.model, self.device = model, "cpu"
-        self.host = HostExperts(model, "cpu", seed, checkpoint)
+        self.host = shared_host_experts(model, "cpu", seed, checkpoint)
         self.exe = Executor(model, "cpu", self.host.dtype, seed)
         self._dev: dict[int, Any] = {}  # key -> device copy
 
@@ -137,6 +137,9 @@ class GpuBackend(Backend):
     stream; chunks are ``hardware.chunk_bytes`` long (of the model's dtype on a GPU);
     ``preempt`` lets an on-demand load overtake a prefetch at a chunk boundary.
     ``max_tokens`` and ``max_kv`` size the device memory check of the stand-ins.
+    ``compute_repeat`` runs every compute operator that many times (the replay's side of
+    the compute-to-transfer crossover: the simulator's side scales every compute time by
+    the same factor, :func:`fmoesim.plots.crossover.scale_hardware`).
     """
 
     def __init__(
@@ -152,7 +155,11 @@ class GpuBackend(Backend):
         preempt: bool = True,
         max_tokens: int = 4096,
         max_kv: int = 8192,
+        compute_repeat: int = 1,
     ) -> None:
+        if compute_repeat < 1:
+            raise FmoesimError(f"compute_repeat {compute_repeat}: must be >= 1")
+        self.repeat = compute_repeat
         try:
             import torch
         except ImportError:
@@ -165,13 +172,16 @@ class GpuBackend(Backend):
         if not self.cuda and device != "cpu":
             raise FmoesimError(f"device {device!r}: must be 'cpu' or 'cuda[:N]'")
         if self.cuda:
+            dev = torch.device(device)
+            if dev.index is None:  # "cuda": the current device, named by its index
+                device = f"cuda:{torch.cuda.current_device()}"
             torch.cuda.set_device(device)  # events and default streams are per device
         self.model, self.device = model, device
         self.caches = caches
         self.num_gpus = 1
         self.transfers: list[TransferRecord] = []
         self.busy_compute_s = 0.0
-        self.host = HostExperts(model, device, seed, checkpoint)
+        self.host = shared_host_experts(model, device, seed, checkpoint)
         self.exe = Executor(model, device, self.host.dtype, seed)
         if self.cuda:
             self._check_device_memory(caches[0].budget_bytes, max_tokens, max_kv)
@@ -202,7 +212,10 @@ class GpuBackend(Backend):
 
     # -- memory --------------------------------------------------------------------------
     def _check_device_memory(self, budget_bytes: int, max_tokens: int, max_kv: int) -> None:
-        free, total = self.torch.cuda.mem_get_info(self.device)
+        cuda = self.torch.cuda
+        free, total = cuda.mem_get_info(self.device)
+        # memory torch's caching allocator holds but no tensor uses is free for this run
+        free += cuda.memory_reserved(self.device) - cuda.memory_allocated(self.device)
         need = budget_bytes + self.exe.standin_bytes(max_tokens, max_kv)
         if need > DEVICE_FRACTION * free:
             raise FmoesimError(
@@ -245,7 +258,8 @@ class GpuBackend(Backend):
     def _compute(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run one compute operator between two marks."""
         m0 = self._mark()
-        fn(*args)
+        for _ in range(self.repeat):
+            fn(*args)
         self._spans.append((m0, self._mark()))
         self.link.pump(self._host_s())
 
@@ -410,9 +424,15 @@ class GpuBackend(Backend):
         return self.link.busy_s
 
     def close(self) -> None:
-        """Stop the copy thread (CPU path)."""
+        """Stop the copy thread (CPU path) and free the device copies and stand-ins (a
+        sweep's next replay gets the GPU's memory back without waiting for the garbage
+        collector to break the backend's reference cycles)."""
         if isinstance(self.copier, ThreadCopier):
             self.copier.close()
+        self._dev.clear()
+        self._spans.clear()
+        self.link.last_end_mark.clear()
+        self.exe.release()
 
 
 def replay_backend(

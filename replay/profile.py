@@ -3,18 +3,21 @@
 Measures, on ``--device`` (``cuda`` on a GPU; ``cpu`` runs the same code so CI exercises
 it, but its numbers describe the CPU, and the profile says so):
 
-- host-to-device copies (pinned host memory, ``copy_(non_blocking=True)``) over transfer
-  sizes: a least-squares line ``time = overhead + size / bandwidth`` gives
-  ``transfer_overhead_s`` and ``pcie_gbps``;
-- one expert FFN (SwiGLU of the model's shapes) against routed token counts:
-  ``expert_a_s + expert_b_s * tokens``;
-- attention (projections and scaled dot-product attention of the model's shapes) against
-  new tokens and cached context: ``attn_a_s + attn_b_s * tokens + attn_kv_s * kv +
-  attn_pair_s * pairs``.
+- host-to-device copies (pinned host memory, ``copy_(non_blocking=True)``) from 64 KiB
+  to 256 MiB: a least-squares line ``time = overhead + size / bandwidth`` gives
+  ``transfer_overhead_s`` and ``pcie_gbps``; every size's time is kept in
+  ``measured["link"]``;
+- for each ``--model``, the replay's own operators (:class:`replay.weights.Executor`),
+  each timed as one call on an idle stream, as the replay issues them (the host's launch
+  time counts where it dominates): the expert FFN against routed tokens
+  (``expert_a_s + expert_b_s * tokens``), the attention stand-in against new tokens and
+  score pairs (``attn_a_s + attn_b_s * tokens + attn_pair_s * pairs``), the router, the
+  LM head per sequence, and the shared experts and dense MLP where the model has them.
 
 The fitted coefficients go into ``measured[<model name>]`` of a ``conf/hardware/`` YAML
 (:class:`fmoesim.engine.compute.ComputeModel` uses them instead of the roofline), with the
-device name, driver, torch version and date.  Written atomically.
+device name and memory, the CUDA and torch versions and the date; ``--base PRESET`` keeps
+that preset's unmeasured terms.  Written atomically.
 """
 
 from __future__ import annotations
@@ -97,126 +100,241 @@ def measure_h2d(torch: Any, device: str, sizes: Sequence[int], timer: Timer) -> 
     return out
 
 
-def measure_expert(
-    torch: Any, device: str, model: ModelSpec, tokens: Sequence[int], timer: Timer, dtype: Any
+def measure_ops(
+    exe: Any, points: Sequence[Any], op: Callable[..., Any], timer: Timer
 ) -> list[float]:
-    """Seconds of one SwiGLU expert of the model's shapes per token count."""
-    h, f = model.hidden_size, model.expert_intermediate_size
-    w1 = torch.randn(f, h, device=device, dtype=dtype)
-    w3 = torch.randn(f, h, device=device, dtype=dtype)
-    w2 = torch.randn(h, f, device=device, dtype=dtype)
-    F = torch.nn.functional
+    """Seconds of ``op(*point)`` (or ``op(point)``) per point, timed as the replay runs it:
+    one call on an idle stream, so the host's launch time counts where it dominates."""
     out = []
-    for t in tokens:
-        x = torch.randn(t, h, device=device, dtype=dtype)
+    for pt in points:
+        args: tuple[Any, ...] = pt if isinstance(pt, tuple) else (pt,)
 
-        def ffn(x: Any = x) -> Any:
-            return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+        def call(args: tuple[Any, ...] = args) -> Any:
+            return op(*args)
 
-        out.append(timer(ffn))
+        out.append(timer(call))
     return out
 
 
-def measure_attention(
+def measure_link(torch: Any, device: str, sizes: Sequence[int], timer: Timer) -> dict[str, float]:
+    """The link fit ``time = overhead + size / bandwidth`` over host-to-device copies of
+    ``sizes`` bytes, and the seconds of each copy (``h2d_<size>_s``)."""
+    h2d = measure_h2d(torch, device, sizes, timer)
+    overhead, per_byte = fit_linear(np.asarray(sizes), np.asarray(h2d))
+    out = {"transfer_overhead_s": overhead, "per_byte_s": per_byte}
+    out.update({f"h2d_{n}_s": t for n, t in zip(sizes, h2d, strict=True)})
+    return out
+
+
+#: token counts of the expert, router and shared-expert fits
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+#: (new tokens, score pairs) of the attention fit: decode at several contexts, prefill
+ATTENTION_POINTS = (
+    (1, 129), (1, 513), (1, 2049), (4, 2052), (8, 1032), (16, 8208),
+    (64, 2080), (128, 8256), (256, 32896),
+)  # fmt: skip
+#: link transfer sizes in bytes (64 KiB to 256 MiB)
+LINK_SIZES = tuple(1 << k for k in range(16, 29, 2))
+
+
+def model_coefficients(
     torch: Any,
     device: str,
     model: ModelSpec,
-    points: Sequence[tuple[int, int]],
     timer: Timer,
     dtype: Any,
-) -> list[float]:
-    """Seconds of one attention layer (q/k/v/o projections + SDPA against a cache) per
-    ``(new tokens, cached tokens)``."""
-    h, hd = model.hidden_size, model.head_dim
-    nq, nkv = model.num_attention_heads, model.num_kv_heads
-    wq = torch.randn(nq * hd, h, device=device, dtype=dtype)
-    wkv = torch.randn(2 * nkv * hd, h, device=device, dtype=dtype)
-    wo = torch.randn(h, nq * hd, device=device, dtype=dtype)
-    F = torch.nn.functional
-    out = []
-    for t, kv in points:
-        x = torch.randn(t, h, device=device, dtype=dtype)
-        cache = torch.randn(2, nq, kv, hd, device=device, dtype=dtype)
+    tokens: Sequence[int] = TOKENS,
+    attention_points: Sequence[tuple[int, int]] = ATTENTION_POINTS,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Fitted ``ComputeModel`` coefficients of ``model`` on ``device``, timed on the
+    replay's own operators (:class:`replay.weights.Executor`): the expert FFN on an
+    ``(f, 3, h)`` weight, the attention and router stand-ins, the LM head, and the shared
+    experts and dense MLP where the model has them."""
+    from replay.weights import Executor
 
-        def step(x: Any = x, cache: Any = cache, t: int = t) -> Any:
-            q = F.linear(x, wq).view(t, nq, hd).transpose(0, 1)
-            k_new, v_new = F.linear(x, wkv).view(t, 2, nkv, hd).unbind(1)
-            rep = nq // nkv
-            k = torch.cat([cache[0], k_new.transpose(0, 1).repeat_interleave(rep, 0)], dim=1)
-            v = torch.cat([cache[1], v_new.transpose(0, 1).repeat_interleave(rep, 0)], dim=1)
-            o = F.scaled_dot_product_attention(q, k, v)
-            return F.linear(o.transpose(0, 1).reshape(t, nq * hd), wo)
-
-        out.append(timer(step))
+    exe = Executor(model, device, dtype, seed)
+    h, f = model.hidden_size, model.expert_intermediate_size
+    w = (torch.randn(f, 3, h, device=device) / h**0.5).to(dtype)
+    toks = np.asarray(tokens, dtype=np.float64)
+    out: dict[str, float] = {}
+    exp = measure_ops(exe, tokens, lambda t: exe.ffn(w, t), timer)
+    out["expert_a_s"], out["expert_b_s"] = fit_linear(toks, np.asarray(exp))
+    att = measure_ops(exe, attention_points, exe.attention, timer)
+    # regressors as ComputeModel.attention_s takes them: new tokens and score pairs (the
+    # stand-in reads a cache of pairs / tokens positions, so its KV term is in the pairs)
+    X = np.array(attention_points, dtype=np.float64)
+    out["attn_a_s"], out["attn_b_s"], out["attn_pair_s"] = fit_linear(X, np.asarray(att))
+    out["attn_kv_s"] = 0.0
+    rt = measure_ops(exe, tokens, exe.router, timer)
+    out["router_a_s"], out["router_b_s"] = fit_linear(toks, np.asarray(rt))
+    seqs = (1, 2, 4, 8, 16)
+    head = measure_ops(exe, seqs, exe.lm_head, timer)
+    out["lm_head_a_s"], out["lm_head_b_s"] = fit_linear(np.asarray(seqs, float), np.asarray(head))
+    if exe.w_shared is not None:
+        sh = measure_ops(exe, tokens, exe.shared, timer)
+        out["shared_a_s"], out["shared_b_s"] = fit_linear(toks, np.asarray(sh))
+    if exe.w_dense is not None:
+        dn = measure_ops(exe, tokens, lambda t: exe.ffn(exe.w_dense, t), timer)
+        out["dense_a_s"], out["dense_b_s"] = fit_linear(toks, np.asarray(dn))
     return out
 
 
 def profile(
-    model: ModelSpec,
+    models: ModelSpec | Sequence[ModelSpec],
     device: str = "cuda",
     *,
     repeats: int = 10,
-    sizes_bytes: Sequence[int] = (1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20),
-    tokens: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128),
-    attention_points: Sequence[tuple[int, int]] = (
-        (1, 128),
-        (1, 512),
-        (1, 2048),
-        (4, 512),
-        (16, 512),
-        (64, 0),
-        (256, 0),
-        (128, 256),
-    ),  # fmt: skip
+    sizes_bytes: Sequence[int] = LINK_SIZES,
+    tokens: Sequence[int] = TOKENS,
+    attention_points: Sequence[tuple[int, int]] = ATTENTION_POINTS,
     name: str | None = None,
+    base: HardwareSpec | None = None,
 ) -> HardwareSpec:
-    """Measure and fit; the result is a :class:`HardwareSpec` whose ``measured`` holds the
-    model's coefficients."""
+    """Measure the link and each model's operators and fit them; the result is
+    ``base`` (or the defaults) with the measured link, the device's name and memory,
+    ``measured[<model name>]`` holding each model's coefficients and
+    ``measured["link"]`` the seconds of each timed copy (``h2d_<bytes>_s``)."""
+    import dataclasses
+
     try:
         import torch
     except ImportError:
         raise FmoesimError("the profiler needs torch (pip install torch)") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise FmoesimError(f"--device {device}: CUDA is not available here")
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(model.dtype, torch.float32)
-    if device == "cpu":
-        dtype = torch.float32  # CPU bf16 matmuls are slow emulations
+    models = [models] if isinstance(models, ModelSpec) else list(models)
+    from replay.weights import torch_dtype
+
     timer = Timer(torch, device, repeats)
-    h2d = measure_h2d(torch, device, sizes_bytes, timer)
-    overhead, per_byte = fit_linear(np.asarray(sizes_bytes), np.asarray(h2d))
-    exp = measure_expert(torch, device, model, tokens, timer, dtype)
-    exp_a, exp_b = fit_linear(np.asarray(tokens), np.asarray(exp))
-    att = measure_attention(torch, device, model, attention_points, timer, dtype)
-    # regressors as ComputeModel.attention_s takes them: new tokens, cached tokens read,
-    # (query, key) score pairs (here every new token scores the cache and the new tokens)
-    X = np.array([(t, kv, t * (kv + t)) for t, kv in attention_points], dtype=np.float64)
-    a0, a1, a_kv, a_pair = fit_linear(X, np.asarray(att))
-    gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    driver = ""
-    if device.startswith("cuda"):
-        driver = f"cuda {torch.version.cuda}"
+    link = measure_link(torch, device, sizes_bytes, timer)
+    if any(m.name == "link" for m in models):
+        raise FmoesimError("model name 'link': reserved for the link's table in measured")
+    measured: dict[str, Any] = {
+        m.name: model_coefficients(
+            torch, device, m, timer, torch_dtype(torch, m, device), tokens, attention_points
+        )
+        for m in models
+    }
+    measured["link"] = {k: v for k, v in link.items() if k.startswith("h2d_")}
+    cuda = device.startswith("cuda")
+    gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
+    memory_gb = torch.cuda.get_device_properties(device).total_memory / 1e9 if cuda else 0.0
+    driver = f"cuda {torch.version.cuda}" if cuda else ""
     today = dt.date.today().isoformat()
-    return HardwareSpec(
+    spec = base if base is not None else HardwareSpec()
+    per_byte = link["per_byte_s"]
+    return dataclasses.replace(
+        spec,
         name=name or f"measured-{gpu.lower().replace(' ', '-')}",
         gpu=gpu,
         num_gpus=1,
+        gpu_memory_gb=memory_gb or spec.gpu_memory_gb,
         pcie_gbps=(1.0 / per_byte) / 1e9 if per_byte > 0 else 1e6,
-        transfer_overhead_s=overhead,
+        transfer_overhead_s=link["transfer_overhead_s"],
         source=(
             f"fmoesim-profile on {gpu} ({driver or 'no CUDA'}), torch {torch.__version__}, "
-            f"{today}" + ("; CPU numbers: meaningless for a GPU server" if gpu == "cpu" else "")
+            f"{today}"
+            + (f"; roofline terms not measured from {base.name}" if base else "")
+            + ("; CPU numbers: meaningless for a GPU server" if gpu == "cpu" else "")
         ),
-        measured={
-            model.name: {
-                "expert_a_s": exp_a,
-                "expert_b_s": exp_b,
-                "attn_a_s": a0,
-                "attn_b_s": a1,
-                "attn_kv_s": a_kv,
-                "attn_pair_s": a_pair,
-            }
-        },
+        measured=measured,
     )
+
+
+def diagnostics(model: ModelSpec, device: str = "cuda", repeats: int = 20) -> dict[str, float]:
+    """Host and contention costs the fitted profile does not hold, for explaining a gap
+    between the simulator and the replay: the host's seconds to issue one expert FFN, a
+    timing event and an event query; the round trip of draining an idle stream; the
+    back-to-back (GPU-bound) seconds of one FFN; and a 256 MiB copy's and an FFN's
+    seconds alone and while the other runs on another stream."""
+    import torch
+
+    from replay.weights import Executor, torch_dtype
+
+    cuda = device.startswith("cuda")
+    dtype = torch_dtype(torch, model, device)
+    exe = Executor(model, device, dtype)
+    h, f = model.hidden_size, model.expert_intermediate_size
+    w = (torch.randn(f, 3, h, device=device) / h**0.5).to(dtype)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    out: dict[str, float] = {}
+    n = 50 * repeats
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        exe.ffn(w, 1)
+    out["host_issue_ffn_s"] = (time.perf_counter() - t0) / n
+    sync()
+    out["ffn_back_to_back_s"] = (time.perf_counter() - t0) / n
+    if not cuda:
+        return out
+    t0 = time.perf_counter()
+    evs = []
+    for _ in range(n):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        evs.append(ev)
+    out["host_event_record_s"] = (time.perf_counter() - t0) / n
+    sync()
+    t0 = time.perf_counter()
+    for ev in evs:
+        ev.query()
+    out["host_event_query_s"] = (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        ev = torch.cuda.Event()
+        ev.record()
+        while not ev.query():
+            pass
+    out["host_drain_idle_s"] = (time.perf_counter() - t0) / repeats
+    size = 256 << 20
+    src = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(size, dtype=torch.uint8, device=device)
+    side = torch.cuda.Stream(device=device)
+
+    def timed(fn: Callable[[], Any], stream: Any) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            a.record()
+            fn()
+            b.record()
+        b.synchronize()
+        return float(a.elapsed_time(b)) / 1e3
+
+    def ffns(k: int = 400) -> None:
+        for _ in range(k):
+            exe.ffn(w, 1)
+
+    def copy() -> None:
+        dst.copy_(src, non_blocking=True)
+
+    main = torch.cuda.current_stream(device)
+    copy_alone = float(np.median([timed(copy, side) for _ in range(5)]))
+    ffn_alone = float(np.median([timed(ffns, main) for _ in range(5)])) / 400
+    both_copy, both_ffn = [], []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        c, d = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            a.record()
+            copy()
+            b.record()
+        c.record()
+        ffns()
+        d.record()
+        sync()
+        both_copy.append(float(a.elapsed_time(b)) / 1e3)
+        both_ffn.append(float(c.elapsed_time(d)) / 1e3 / 400)
+    out["copy_256MiB_alone_s"] = copy_alone
+    out["copy_256MiB_under_ffn_s"] = float(np.median(both_copy))
+    out["ffn_alone_s"] = ffn_alone
+    out["ffn_under_copy_s"] = float(np.median(both_ffn))
+    return out
 
 
 def write_profile(spec: HardwareSpec, path: str | os.PathLike[str]) -> Path:
@@ -243,11 +361,16 @@ def write_profile(spec: HardwareSpec, path: str | os.PathLike[str]) -> Path:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="mixtral-8x7b", help="model preset whose shapes to time")
+    ap.add_argument("--model", default="mixtral-8x7b",
+                    help="model presets whose shapes to time, comma-separated")  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", required=True, help="destination YAML (conf/hardware/measured/)")
     ap.add_argument("--name", default=None)
+    ap.add_argument("--diagnostics", default=None, help="also write the host and "
+                    "contention costs (diagnostics()) of each model to this CSV")  # fmt: skip
+    ap.add_argument("--base", default=None, help="hardware preset whose unmeasured "
+                    "terms (peak FLOP/s, HBM bandwidth, chunk size) the profile keeps")  # fmt: skip
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     run_or_exit(PROG, _run, args)
 
@@ -255,9 +378,21 @@ def main(argv: list[str] | None = None) -> None:
 def _run(args: argparse.Namespace) -> None:
     from fmoesim.config.build import load_preset
 
-    model = load_preset("model", args.model, ModelSpec)
-    spec = profile(model, args.device, repeats=args.repeats, name=args.name)
+    if args.repeats < 1:
+        raise FmoesimError(f"--repeats {args.repeats}: must be >= 1")
+    names = [n for n in args.model.split(",") if n]
+    if not names:
+        raise FmoesimError("--model: give at least one model preset")
+    models = [load_preset("model", n, ModelSpec) for n in names]
+    base = load_preset("hardware", args.base, HardwareSpec) if args.base else None
+    spec = profile(models, args.device, repeats=args.repeats, name=args.name, base=base)
     print(f"wrote {write_profile(spec, args.out)}")
+    if args.diagnostics:
+        import pandas as pd
+
+        rows = [{"model": m.name, **diagnostics(m, args.device, args.repeats)} for m in models]
+        pd.DataFrame(rows).to_csv(args.diagnostics, index=False)
+        print(f"wrote {args.diagnostics}")
 
 
 if __name__ == "__main__":

@@ -32,12 +32,15 @@ def test_a_cpu_profile_is_a_loadable_hardware_preset_the_compute_model_uses(tmp_
         repeats=2,
         sizes_bytes=(1 << 16, 1 << 18, 1 << 20),
         tokens=(1, 4, 16),
-        attention_points=((1, 16), (1, 64), (4, 16), (8, 0), (16, 32)),
+        attention_points=((1, 17), (1, 65), (4, 68), (8, 36), (16, 288)),
         name="cpu-test",
     )
     assert spec.gpu == "cpu" and "meaningless" in spec.source
     assert spec.pcie_gbps > 0 and spec.transfer_overhead_s >= 0
+    # every timed copy size is kept beside the fit
+    assert set(spec.measured["link"]) == {f"h2d_{n}_s" for n in (1 << 16, 1 << 18, 1 << 20)}
     coef = spec.measured[TINY.name]
+    # every coefficient the replay's operators give (TINY has no shared or dense layers)
     assert set(coef) == {
         "expert_a_s",
         "expert_b_s",
@@ -45,6 +48,10 @@ def test_a_cpu_profile_is_a_loadable_hardware_preset_the_compute_model_uses(tmp_
         "attn_b_s",
         "attn_kv_s",
         "attn_pair_s",
+        "router_a_s",
+        "router_b_s",
+        "lm_head_a_s",
+        "lm_head_b_s",
     }
     assert all(v >= 0 for v in coef.values()) and coef["expert_a_s"] + coef["expert_b_s"] > 0
     path = write_profile(spec, tmp_path / "measured" / "cpu-test.yaml")

@@ -27,6 +27,14 @@ def _read_table(path: Path, expected: pa.Schema) -> pa.Table:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "Expected all lists to be of size" in msg:
+            # pyarrow before 26 cannot read a null row of a fixed-size list column
+            # (apache/arrow GH-35692), which traces use for absent probabilities
+            raise TraceError(
+                path,
+                "readable by pyarrow >= 26 (null fixed-size lists)",
+                detail=f"pyarrow {pa.__version__} failed: {msg}",
+            ) from None
         raise TraceError(
             path, "a readable Parquet file (truncated or corrupt?)", detail=msg
         ) from None
