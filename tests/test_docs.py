@@ -114,6 +114,11 @@ NOT_RUN = [
     (r"^fmoesim-trace import eamc eamc\.npy ", "needs an EAMC array saved by MoE-Infinity"),
     (r"^fmoesim-profile --device cuda ", "needs a CUDA GPU"),
     (r"^fmoesim-validate --device cuda ", "needs a CUDA GPU and a profile measured on it"),
+    (r"^bash replay/gpu_validation\.sh ", "needs a CUDA GPU (and nine minutes of it)"),
+    (
+        r"^fmoesim-validate-grid (score|host-fit) ",
+        "two minutes of simulation; tests/test_campaign.py scores a CPU replay end to end",
+    ),
     (
         r"^fmoesim-validate --device cpu ",
         "about 40 s of CPU replay; tests/test_validate.py "

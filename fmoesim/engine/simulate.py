@@ -18,6 +18,7 @@ from fmoesim.engine.backend import Backend, TransferRecord
 from fmoesim.engine.cache import ExpertCache
 from fmoesim.engine.compute import ComputeModel
 from fmoesim.engine.fast import NotApplicable, lru_hit_only
+from fmoesim.engine.host import HostBoundSimBackend, HostModel
 from fmoesim.engine.metrics import Metrics, blank_times
 from fmoesim.engine.runner import Runner
 from fmoesim.engine.serving import (
@@ -395,7 +396,11 @@ def simulate(
     if make_backend is not None:
         backend = make_backend(caches)
     elif timing:
-        backend = SimBackend(hardware, compute, caches, preempt)
+        host = HostModel.from_specs(model, hardware, policy.name)
+        if host is None:
+            backend = SimBackend(hardware, compute, caches, preempt)
+        else:  # a measured profile with the host's costs (fmoesim.engine.host)
+            backend = HostBoundSimBackend(hardware, compute, caches, host, preempt)
     elif landing == "next_step":
         backend = InstantBackend(caches)
     else:

@@ -1,0 +1,131 @@
+"""The host's share of a layer step: a timed backend for engines whose Python (or C++)
+host work, not the GPU, sets the pace.
+
+:class:`fmoesim.engine.sim.SimBackend` models a GPU-bound engine: a layer step lasts its
+modelled compute plus its transfer stalls, and the host is free.  A host-bound engine (a
+Python serving loop at batch 1, such as this project's own replay) also spends host time
+at every step, while the GPU idles: reading the gate's output back, the runner's and the
+cache's bookkeeping, the policy's decision, issuing each expert's kernels and each
+transfer.  :class:`HostModel` holds those costs, and :class:`HostBoundSimBackend` adds
+them to the simulated clock, in order with the compute, as a host that issues everything
+itself does: the gate's cost after attention and router, one access cost before each
+expert's FFN, one transfer cost when a transfer is submitted.  The link keeps moving
+while the host works.
+
+The costs come from a measured hardware profile (``hardware.measured[<model name>]``:
+``host_layer_s``, ``host_access_s``, ``host_transfer_s`` and ``host_decision_s``, a map
+from policy name to seconds per MoE layer step); a profile without them keeps the
+GPU-bound :class:`SimBackend`.  ``fmoesim-validate-grid host-fit`` measures them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fmoesim.engine.backend import TransferRecord
+from fmoesim.engine.cache import ExpertCache
+from fmoesim.engine.compute import ComputeModel
+from fmoesim.engine.sim import SimBackend
+from fmoesim.specs.hardware import HardwareSpec
+from fmoesim.specs.model import ModelSpec
+
+#: the keys of ``hardware.measured[<model>]`` the host model reads
+HOST_KEYS = ("host_layer_s", "host_access_s", "host_transfer_s")
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """Host seconds of one engine: per MoE layer step (``layer_s``, plus the policy's
+    ``decision_s``), per routed-expert access and per transfer submitted."""
+
+    layer_s: float = 0.0
+    access_s: float = 0.0
+    transfer_s: float = 0.0
+    decision_s: float = 0.0
+
+    @classmethod
+    def from_specs(cls, model: ModelSpec, hw: HardwareSpec, policy: str) -> HostModel | None:
+        """The host costs the profile measured for ``model`` (and ``policy``'s decision);
+        None where it measured none."""
+        m = (hw.measured or {}).get(model.name) or {}
+        if not any(k in m for k in HOST_KEYS):
+            return None
+        decisions = m.get("host_decision_s") or {}
+        return cls(
+            layer_s=float(m.get("host_layer_s", 0.0)),
+            access_s=float(m.get("host_access_s", 0.0)),
+            transfer_s=float(m.get("host_transfer_s", 0.0)),
+            decision_s=float(decisions.get(policy, 0.0)),
+        )
+
+    @property
+    def gate_s(self) -> float:
+        """Host seconds between a layer's gate and its first expert."""
+        return self.layer_s + self.decision_s
+
+
+class HostBoundSimBackend(SimBackend):
+    """:class:`SimBackend` with the host's costs on the clock (see the module
+    docstring).  The demand-only closed form does not know them: every layer step takes
+    the general path."""
+
+    closed_form_demand = False
+
+    def __init__(
+        self,
+        hw: HardwareSpec,
+        compute: ComputeModel,
+        caches: Sequence[ExpertCache],
+        host: HostModel,
+        preempt: bool = True,
+    ) -> None:
+        super().__init__(hw, compute, caches, preempt)
+        self.host = host
+        self.host_s = 0.0  # host seconds added to the clock
+
+    def pre_gate(self, layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
+        """Attention + router, then the host reads the gate and decides, then sync."""
+        self._run(self._pre_gate_s(tokens, kv_tokens, pairs))
+        g = self.host.gate_s
+        self.clock_s += g
+        self.host_s += g
+        self.sync()
+
+    def expert(self, gpu: int, key: int, tokens: int, fraction: float = 1.0) -> None:
+        """The host issues the expert, then its FFN runs."""
+        self._gpu_s[gpu] += self.host.access_s
+        self.host_s += self.host.access_s
+        super().expert(gpu, key, tokens, fraction)
+
+    def experts(
+        self,
+        gpu: int,
+        tokens: list[int],
+        fractions: list[float] | None = None,
+        keys: list[int] | None = None,
+    ) -> None:
+        """The host issues each expert; their FFNs run."""
+        d = self.host.access_s * len(tokens)
+        self._gpu_s[gpu] += d
+        self.host_s += d
+        super().experts(gpu, tokens, fractions, keys)
+
+    def submit(
+        self,
+        gpu: int,
+        key: int,
+        size_bytes: int,
+        priority: float,
+        reason: str,
+        delay_s: float = 0.0,
+    ) -> TransferRecord:
+        """Queue the transfer, then the host spends its issue cost."""
+        rec = super().submit(gpu, key, size_bytes, priority, reason, delay_s)
+        d = self.host.transfer_s
+        if self._in_experts:
+            self._gpu_s[gpu] += d
+        else:
+            self.clock_s += d
+        self.host_s += d
+        return rec

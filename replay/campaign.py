@@ -1,0 +1,753 @@
+"""``fmoesim-validate-grid``: the simulator against the replay over a grid of models,
+budgets, serving modes and policies, in two steps.
+
+1. ``replay`` (on the GPU): every run of the grid is replayed
+   (:class:`replay.backend.GpuBackend`); each finished run appends one row to
+   ``<out>/replay.csv`` at once, so a run cut short keeps what it measured and
+   ``--skip-done`` resumes it.  Beside the run's summary, a row keeps the host's time
+   inside the policy's hooks (``policy_host_s``, measured around the hooks, never inside
+   the policy) and the compute repeat factor of the crossover runs.
+2. ``score`` (anywhere, no GPU): the simulator runs every row's configuration with a
+   measured hardware profile (``--hardware measured/<name>``; a crossover row's compute
+   times scaled by its factor, :func:`fmoesim.plots.crossover.scale_hardware`) and
+   ``report.md``, ``validation.csv`` and ``validation.png`` / ``.pdf`` compare the two:
+   TTFT, TPOT, stall, PCIe bytes and hit / late / miss per run, relative errors, the mean
+   |error| per policy against the targets, and the crossover's two curves.
+
+Replaying is the scarce step (a GPU); scoring takes minutes on a laptop, so a change of
+the simulator's model is re-scored against the same measured runs.
+
+The grid (:data:`GRID`): two models (OLMoE-1B-7B, 16 layers x 64 experts; Qwen3-30B-A3B,
+48 x 128), two budgets each (a quarter and a half of the experts), batch 1 and online
+serving with batching, nine policies, short synthetic requests (the replay runs in real
+time); the crossover lengthens compute by running every operator n times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime as dt
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from fmoesim.errors import FmoesimError, run_or_exit
+
+PROG = "fmoesim-validate-grid"
+
+#: the policies replayed, one preset each (every policy family of the simulator)
+POLICIES = (
+    "lru", "lfu", "lcp", "mixtral-offloading", "promoe", "brainstorm", "moe-infinity",
+    "fmoe", "moepic",
+)  # fmt: skip
+#: prefetching policies of the crossover, and the on-demand baseline they must beat
+CROSSOVER_POLICIES = ("lru", "promoe", "fmoe", "moe-infinity")
+CROSSOVER_FACTORS = (1, 2, 4, 8)
+
+#: the requests of every run: short prompts and outputs (the replay runs in real time)
+LENGTHS = (
+    "workload.synthetic.prompt_tokens_median=32",
+    "workload.synthetic.prompt_tokens_max=96",
+    "workload.synthetic.output_tokens_median=24",
+    "workload.synthetic.output_tokens_max=48",
+)
+#: serving modes: batch 1, and online arrivals (Poisson) batched up to 4 requests
+MODES = {
+    "batch1": ("serving.mode=static", "serving.batch_size=1"),
+    "online": (
+        "serving.mode=online",
+        "serving.arrivals=poisson",
+        "serving.rate_rps=4",
+        "serving.max_batch_size=4",
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelGrid:
+    """One model's part of the grid: its workload, budgets and request counts."""
+
+    model: str
+    workload: str
+    budgets_gb: tuple[float, ...]
+    requests: dict[str, int]  # mode -> requests
+    crossover_budget_gb: float
+    extra: tuple[str, ...] = ()  # further overrides (a shrunken shape in tests)
+
+
+#: the grid: budgets are about a quarter and a half of the routed experts' bytes
+#: (OLMoE: 16 x 64 x 12.58 MB = 12.9 GB; Qwen3-30B-A3B: 48 x 128 x 9.44 MB = 58.0 GB)
+GRID = (
+    ModelGrid("olmoe-1b-7b", "synthetic", (3.2, 6.4), {"batch1": 6, "online": 8}, 3.2),
+    ModelGrid(
+        "qwen3-30b-a3b", "routing-qwen3-30b-a3b", (14.5, 29.0), {"batch1": 4, "online": 6}, 14.5
+    ),
+)
+
+#: replay.csv's key columns: one run
+KEY = ("model", "budget_gb", "mode", "policy", "compute_repeat")
+#: the compared metrics: (summary key, label, scale, unit, relative error?)
+METRICS = (
+    ("ttft_mean_s", "TTFT", 1e3, "ms", True),
+    ("tpot_mean_s", "TPOT", 1e3, "ms", True),
+    ("stall_s", "stall", 1.0, "s", True),
+    ("pcie_bytes", "PCIe", 1e-9, "GB", True),
+    ("hit_rate", "hit", 100.0, "%", False),
+    ("late_rate", "late", 100.0, "%", False),
+    ("miss_rate", "miss", 100.0, "%", False),
+)
+#: targets per policy: mean |relative error| of TPOT and TTFT, hit-rate gap in points
+TARGETS = {"tpot": 0.05, "ttft": 0.10, "hit_points": 1.0}
+#: the files ``score`` writes (and may replace)
+REPORT_FILES = ("report.md", "validation.csv", "validation.png", "validation.pdf")
+#: the hooks a policy may implement (timed from outside in the replay)
+HOOKS = (
+    "on_request_start", "on_iteration_start", "on_gate", "on_access", "on_insert",
+    "on_evict", "victim", "on_iteration_end", "on_request_end",
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run of the grid."""
+
+    model: str
+    budget_gb: float
+    mode: str
+    policy: str
+    compute_repeat: int
+    overrides: tuple[str, ...]
+
+    def key(self) -> tuple[str, ...]:
+        """The run's identity in replay.csv (as strings, as a CSV reads back)."""
+        return tuple(str(getattr(self, k)) for k in KEY)
+
+
+def grid_runs(
+    grid: Sequence[ModelGrid] = GRID,
+    policies: Sequence[str] = POLICIES,
+    modes: Sequence[str] = tuple(MODES),
+    crossover: bool = True,
+    factors: Sequence[int] = CROSSOVER_FACTORS,
+    hardware: str = "h100-pcie5",
+) -> list[Run]:
+    """Every run, most important first: per model, batch 1 at every budget, then online,
+    then the crossover (batch 1, the smaller budget, each compute factor)."""
+    runs: list[Run] = []
+    for g in grid:
+        base = (f"model={g.model}", f"workload={g.workload}", f"hardware={hardware}", *LENGTHS,
+                *g.extra)  # fmt: skip
+        for mode in modes:
+            for budget in g.budgets_gb:
+                for pol in policies:
+                    o = (*base, f"cache.budget_gb={budget}", *MODES[mode],
+                         f"workload.synthetic.num_requests={g.requests[mode]}")  # fmt: skip
+                    runs.append(Run(g.model, budget, mode, pol, 1, (*o, f"policy={pol}")))
+        if crossover:
+            for n in factors:
+                for pol in CROSSOVER_POLICIES:
+                    o = (*base, f"cache.budget_gb={g.crossover_budget_gb}", *MODES["batch1"],
+                         f"workload.synthetic.num_requests={g.requests['batch1']}")  # fmt: skip
+                    runs.append(
+                        Run(g.model, g.crossover_budget_gb, "batch1", pol, n, (*o, f"policy={pol}"))
+                    )
+    # a crossover run at factor 1 is the grid's own batch-1 run
+    seen: set[tuple[str, ...]] = set()
+    out = []
+    for r in runs:
+        if r.key() not in seen:
+            seen.add(r.key())
+            out.append(r)
+    return out
+
+
+def time_hooks(policy: Any) -> dict[str, float]:
+    """Wrap the policy object's hooks (instance attributes shadowing its methods) so the
+    host seconds spent inside them add up in the returned dict's ``"s"``; the policy
+    itself reads no clock."""
+    acc = {"s": 0.0, "calls": 0.0}
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc["s"] += time.perf_counter() - t0
+                acc["calls"] += 1
+
+        return timed
+
+    for name in HOOKS:
+        fn = getattr(policy, name, None)
+        if callable(fn):
+            setattr(policy, name, wrap(fn))
+    return acc
+
+
+def _summary_row(s: dict[str, Any], prefix: str) -> dict[str, Any]:
+    row = {f"{prefix}{k}": s.get(k, float("nan")) for k, *_ in METRICS if k != "miss_rate"}
+    acc = s.get("accesses") or 0
+    row[f"{prefix}miss_rate"] = s["misses"] / acc if acc else float("nan")
+    for k in ("accesses", "hits", "late", "misses", "transfers", "tpot_p50_s", "tpot_p99_s",
+              "e2e_mean_s", "gpu_busy_s", "link_busy_s", "wall_s", "requests", "iterations",
+              "layer_steps", "prefetch_bytes", "on_demand_bytes", "simulated_s"):  # fmt: skip
+        row[f"{prefix}{k}"] = s.get(k, float("nan"))
+    return row
+
+
+def replay_one(run: Run, device: str, depth: int = 2) -> dict[str, Any]:
+    """Replay one run; its replay.csv row."""
+    from hydra.utils import instantiate
+
+    from fmoesim.cli.main import _trace_path, compose_config
+    from fmoesim.config.build import build_run, simulate_spec
+    from fmoesim.trace.reader import read_trace
+    from replay.backend import replay_backend
+
+    cfg = compose_config([*run.overrides, "progress=false"])
+    spec = build_run(cfg)
+    trace = read_trace(_trace_path(spec))
+    policy = instantiate(cfg.policy)
+    hooks = time_hooks(policy)
+    t0 = time.perf_counter()
+    res = simulate_spec(
+        spec,
+        trace,
+        policy=policy,
+        timing=True,
+        access_log=False,
+        progress=False,
+        make_backend=replay_backend(
+            spec.model,
+            spec.hardware,
+            device,
+            seed=spec.seed,
+            depth=depth,
+            compute_repeat=run.compute_repeat,
+        ),  # fmt: skip
+    )
+    row: dict[str, Any] = {k: getattr(run, k) for k in KEY}
+    row.update(_summary_row(res.summary, "replay_"))
+    row["replay_policy_host_s"] = hooks["s"]
+    row["replay_policy_calls"] = int(hooks["calls"])
+    row["replay_run_s"] = time.perf_counter() - t0
+    row["overrides"] = " ".join(run.overrides)
+    return row
+
+
+def _free_device(device: str) -> None:
+    """Collect the last run's objects: their device memory returns to torch's caching
+    allocator, which the next run reuses (as a serving engine keeps its expert slab; an
+    emptied cache would make the next run pay a cudaMalloc per new block)."""
+    import gc
+
+    gc.collect()
+
+
+def _done_keys(path: Path) -> set[tuple[str, ...]]:
+    if not path.exists():
+        return set()
+    with path.open(newline="") as f:
+        return {tuple(r[k] for k in KEY) for r in csv.DictReader(f)}
+
+
+def _append(path: Path, row: dict[str, Any]) -> None:
+    """Append one row (a header first when the file is new), flushed to disk."""
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(row))
+        if new:
+            w.writeheader()
+        w.writerow(row)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def run_replays(
+    runs: Sequence[Run],
+    device: str,
+    out: Path,
+    deadline_s: float = math.inf,
+    skip_done: bool = True,
+    log: Callable[[str], None] = print,
+) -> int:
+    """Replay ``runs`` in order, appending to ``out/replay.csv``; stop starting new runs
+    once ``deadline_s`` seconds have passed (a run's measured length, the longest so far,
+    must fit before it).  Returns the number of runs replayed."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "replay.csv"
+    done = _done_keys(path) if skip_done else set()
+    t_start = time.perf_counter()
+    longest = 0.0
+    n = 0
+    warm: set[str] = set()
+    for run in runs:
+        if run.key() in done:
+            continue
+        if run.model not in warm:
+            # a first run pays CUDA's and cuBLAS's lazy start, the allocator's growth and
+            # the host weights: replayed once and not recorded
+            warm.add(run.model)
+            try:
+                replay_one(run, device)
+            except Exception as exc:  # noqa: BLE001 - reported by the run itself below
+                log(f"warm-up {run.model}: {type(exc).__name__}: {exc}")
+            _free_device(device)
+        elapsed = time.perf_counter() - t_start
+        if elapsed + longest > deadline_s:
+            log(f"deadline: {len([r for r in runs if r.key() not in done]) - n} runs left")
+            break
+        try:
+            row = replay_one(run, device)
+        except Exception as exc:  # noqa: BLE001 - one failed run must not end the grid
+            log(f"{' '.join(run.key())}: failed: {type(exc).__name__}: {exc}")
+            continue
+        finally:
+            _free_device(device)
+        longest = max(longest, row["replay_run_s"])
+        _append(path, row)
+        n += 1
+        log(
+            f"{run.model} {run.budget_gb:g} GB {run.mode} x{run.compute_repeat} {run.policy}: "
+            f"TPOT {1e3 * row['replay_tpot_mean_s']:.2f} ms, hit "
+            f"{100 * row['replay_hit_rate']:.1f}% ({row['replay_run_s']:.1f} s)"
+        )
+    return n
+
+
+# -- scoring -------------------------------------------------------------------------------
+def read_replays(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    """The rows of one or more replay.csv files (numbers parsed; later files win)."""
+    import pandas as pd
+
+    frames = []
+    for p in paths:
+        f = p / "replay.csv" if p.is_dir() else p
+        if not f.is_file():
+            raise FmoesimError(f"{f}: no replay.csv (run '{PROG} replay' on a GPU first)")
+        frames.append(pd.read_csv(f))
+    df = pd.concat(frames, ignore_index=True)
+    missing = [k for k in (*KEY, "overrides") if k not in df.columns]
+    if missing:
+        raise FmoesimError(f"{paths[0]}: column {missing[0]!r} is missing (rule: {KEY})")
+    df = df.drop_duplicates(subset=list(KEY), keep="last")
+    return df.to_dict("records")  # type: ignore[no-any-return]
+
+
+def simulate_row(row: dict[str, Any], hardware: str) -> dict[str, Any]:
+    """The simulator's summary of one replayed run's configuration on ``hardware``."""
+    from fmoesim.cli.main import _trace_path, compose_config
+    from fmoesim.config.build import build_run, simulate_spec
+    from fmoesim.plots.crossover import scale_hardware
+    from fmoesim.trace.reader import read_trace
+
+    overrides = [o for o in str(row["overrides"]).split() if not o.startswith("hardware=")]
+    cfg = compose_config([*overrides, f"hardware={hardware}", "progress=false"])
+    spec = build_run(cfg)
+    n = int(row["compute_repeat"])
+    if n != 1:
+        spec = dataclasses.replace(spec, hardware=scale_hardware(spec.hardware, n, 1.0))
+    trace = read_trace(_trace_path(spec))
+    res = simulate_spec(spec, trace, timing=True, access_log=False, progress=False)
+    return _summary_row(res.summary, "sim_")
+
+
+def score_rows(rows: Sequence[dict[str, Any]], hardware: str) -> list[dict[str, Any]]:
+    """Each replay row with the simulator's numbers and the relative errors added."""
+    out = []
+    for r in rows:
+        row = dict(r)
+        row.update(simulate_row(r, hardware))
+        for key, _, _, _, rel in METRICS:
+            s, g = row[f"sim_{key}"], row[f"replay_{key}"]
+            row[f"err_{key}"] = (s - g) / g if rel and g else (s - g)
+        out.append(row)
+    return out
+
+
+def per_policy(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean |TPOT| and |TTFT| relative error and the largest hit-rate gap (points) per
+    policy over the grid's runs (compute factor 1), and whether the targets are met."""
+    import numpy as np
+
+    out = []
+    for pol in dict.fromkeys(r["policy"] for r in rows):
+        rs = [r for r in rows if r["policy"] == pol and int(r["compute_repeat"]) == 1]
+        tpot = float(np.nanmean([abs(r["err_tpot_mean_s"]) for r in rs]))
+        ttft = float(np.nanmean([abs(r["err_ttft_mean_s"]) for r in rs]))
+        hit = float(np.nanmax([100 * abs(r["err_hit_rate"]) for r in rs]))
+        out.append({
+            "policy": pol, "runs": len(rs), "tpot_err": tpot, "ttft_err": ttft,
+            "hit_gap_points": hit,
+            "met": tpot <= TARGETS["tpot"] and ttft <= TARGETS["ttft"]
+            and hit <= TARGETS["hit_points"],
+        })  # fmt: skip
+    return out
+
+
+def _fmt(key: str, v: float, scale: float, unit: str) -> str:
+    return "n/a" if v != v else f"{scale * v:.2f}{' ' if unit != '%' else ''}{unit}"
+
+
+def _targets_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    lines = ["| policy | runs | mean abs TPOT error | mean abs TTFT error | "
+             "largest hit-rate gap | met |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for p in per_policy(rows):
+        lines.append(
+            f"| {p['policy']} | {p['runs']} | {100 * p['tpot_err']:.1f}% | "
+            f"{100 * p['ttft_err']:.1f}% | {p['hit_gap_points']:.2f} pt | "
+            f"{'yes' if p['met'] else 'no'} |"
+        )
+    return lines
+
+
+def report_markdown(
+    rows: Sequence[dict[str, Any]],
+    meta: dict[str, str],
+    by_profile: dict[str, list[dict[str, Any]]] | None = None,
+) -> str:
+    """The report: meta, targets per policy (under each profile of ``by_profile``, in
+    order, when given), every run under ``rows``' profile, TPOT per run under each
+    profile, where the replay's time goes, the crossover."""
+    lines = [f"# Simulator vs replay on {meta['device']}", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items() if k != "device"]
+    target = (f"Mean |relative error| over the grid's runs: TPOT <= {TARGETS['tpot']:.0%}, "
+              f"TTFT <= {TARGETS['ttft']:.0%}; hit rate within {TARGETS['hit_points']:g} "
+              "point.")  # fmt: skip
+    lines += ["", "## Targets per policy", "", target, ""]
+    if by_profile is None:
+        lines += _targets_table(rows)
+    else:
+        for i, (hw, rs) in enumerate(by_profile.items()):
+            when = "before" if i == 0 else "after" if i == len(by_profile) - 1 else "then"
+            lines += [f"### {when}: `{hw}`", "", *_targets_table(rs), ""]
+        lines += ["## TPOT per run under each profile", "",
+                  "Replayed TPOT, then each profile's simulated TPOT (relative error) and "
+                  "hit-rate gap in points.", "",
+                  "| model | budget | mode | policy | replay | "
+                  + " | ".join(f"`{hw}`" for hw in by_profile) + " |",
+                  "|---|---|---|---|---|" + "---|" * len(by_profile)]  # fmt: skip
+        for i, r in enumerate(rows):
+            if int(r["compute_repeat"]) != 1:
+                continue
+            cells = [r["model"], f"{r['budget_gb']:g} GB", r["mode"], r["policy"],
+                     f"{1e3 * r['replay_tpot_mean_s']:.2f} ms"]  # fmt: skip
+            for rs in by_profile.values():
+                x = rs[i]
+                cells.append(
+                    f"{1e3 * x['sim_tpot_mean_s']:.2f} ms ({100 * x['err_tpot_mean_s']:+.1f}%, "
+                    f"hit {100 * x['err_hit_rate']:+.2f} pt)"
+                )
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Every run", "",
+              "Simulator / replay; relative error in brackets (hit, late and miss: the "
+              "difference in points).", ""]  # fmt: skip
+    head = "| model | budget | mode | policy | " + " | ".join(m[1] for m in METRICS) + " |"
+    lines += [head, "|---|---|---|---|" + "---|" * len(METRICS)]
+    for r in rows:
+        if int(r["compute_repeat"]) != 1:
+            continue
+        cells = [r["model"], f"{r['budget_gb']:g} GB", r["mode"], r["policy"]]
+        for key, _, scale, unit, rel in METRICS:
+            s, g, e = r[f"sim_{key}"], r[f"replay_{key}"], r[f"err_{key}"]
+            err = f"{100 * e:+.1f}%" if rel else f"{100 * e:+.2f} pt"
+            cells.append(f"{_fmt(key, s, scale, unit)} / {_fmt(key, g, scale, unit)} ({err})")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Where the replay's time goes", "",
+              "Per MoE layer step (microseconds): the replay's wall time, its compute "
+              "operators' event spans (launch gaps included), the host's time inside the "
+              "policy's hooks, and the rest (the runner, the cache, the link scheduler, the "
+              "gate's synchronisation); the simulator's modelled compute beside them.", "",
+              "| model | budget | mode | policy | replay wall | replay compute | policy hooks "
+              "| rest | simulated compute |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if int(r["compute_repeat"]) != 1:
+            continue
+        n = r["replay_layer_steps"]
+        wall, comp = r["replay_wall_s"] / n * 1e6, r["replay_gpu_busy_s"] / n * 1e6
+        hooks = r["replay_policy_host_s"] / n * 1e6
+        lines.append(
+            f"| {r['model']} | {r['budget_gb']:g} GB | {r['mode']} | {r['policy']} | "
+            f"{wall:.0f} | {comp:.0f} | {hooks:.0f} | {wall - comp - hooks:.0f} | "
+            f"{r['sim_gpu_busy_s'] / n * 1e6:.0f} |"
+        )
+    cross = [r for r in rows if r["mode"] == "batch1" and r["policy"] in CROSSOVER_POLICIES]
+    factors = sorted({int(r["compute_repeat"]) for r in rows})
+    if len(factors) > 1:
+        lines += ["", "## Crossover", "",
+                  "TPOT of each prefetching policy over on-demand LRU's, as every compute "
+                  "operator runs n times (replay: really n times; simulator: every compute "
+                  "time times n).  Below 1: the policy beats LRU.", ""]  # fmt: skip
+        lines += ["| model | policy | " + " | ".join(f"n={n}" for n in factors) + " |",
+                  "|---|---|" + "---|" * len(factors)]  # fmt: skip
+        for model, pol, ratios in crossover_ratios(cross):
+            cells = [model, pol]
+            for n in factors:
+                s, g = ratios.get(n, (float("nan"), float("nan")))
+                cells.append("n/a" if s != s or g != g else f"{s:.3f} / {g:.3f}")
+            lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def crossover_ratios(
+    rows: Sequence[dict[str, Any]],
+) -> Iterator[tuple[str, str, dict[int, tuple[float, float]]]]:
+    """Per (model, prefetching policy): factor -> (simulated, replayed) TPOT / LRU's TPOT
+    at the crossover budget."""
+    by = {(r["model"], r["policy"], int(r["compute_repeat"]), float(r["budget_gb"])): r
+          for r in rows}  # fmt: skip
+    for model in dict.fromkeys(r["model"] for r in rows):
+        budgets = {k[3] for k in by if k[0] == model and k[2] != 1}
+        if not budgets:
+            continue
+        budget = min(budgets)
+        for pol in CROSSOVER_POLICIES[1:]:
+            ratios: dict[int, tuple[float, float]] = {}
+            for (m, p, n, b), r in by.items():
+                if (m, p, b) != (model, pol, budget):
+                    continue
+                lru = by.get((model, "lru", n, budget))
+                if lru is not None:
+                    ratios[n] = (
+                        r["sim_tpot_mean_s"] / lru["sim_tpot_mean_s"],
+                        r["replay_tpot_mean_s"] / lru["replay_tpot_mean_s"],
+                    )
+            if ratios:
+                yield model, pol, dict(sorted(ratios.items()))
+
+
+def plot(rows: Sequence[dict[str, Any]], title: str, stem: Path) -> None:
+    """Simulated against replayed TPOT, TTFT and hit rate, one point per run (the
+    diagonal is perfect agreement), and the crossover's two curves; PNG and PDF."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    from fmoesim.plots.style import legend_outside, policy_color, policy_marks
+
+    base = [r for r in rows if int(r["compute_repeat"]) == 1]
+    cross = list(crossover_ratios(
+        [r for r in rows if r["mode"] == "batch1" and r["policy"] in CROSSOVER_POLICIES]
+    ))  # fmt: skip
+    panels = [("tpot_mean_s", "TPOT (ms)", 1e3), ("ttft_mean_s", "TTFT (ms)", 1e3),
+              ("hit_rate", "hit rate (%)", 100.0)]  # fmt: skip
+    ncols = len(panels) + (1 if cross else 0)
+    fig, axes = plt.subplots(1, ncols, figsize=(4.2 * ncols, 4.0))
+    for ax, (key, lab, scale) in zip(axes, panels, strict=False):
+        lo, hi = math.inf, 0.0
+        for pol in dict.fromkeys(r["policy"] for r in base):
+            rs = [r for r in base if r["policy"] == pol]
+            pairs = [(scale * r[f"replay_{key}"], scale * r[f"sim_{key}"]) for r in rs]
+            pairs = [(x, y) for x, y in pairs if x > 0 and y > 0]  # NaN and 0 drop out
+            if not pairs:
+                continue
+            xs, ys = [p[0] for p in pairs], [p[1] for p in pairs]
+            ax.scatter(xs, ys, marker=policy_marks(pol)[0], color=policy_color(pol), s=22,
+                       label=pol, alpha=0.85)  # fmt: skip
+            lo, hi = min(lo, *xs, *ys), max(hi, *xs, *ys)
+        if hi > 0:
+            ax.plot([lo, hi], [lo, hi], color="0.5", lw=0.8, ls="--")
+        if key != "hit_rate" and hi > 0:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(f"replay {lab}")
+        ax.set_ylabel(f"simulator {lab}")
+        ax.grid(alpha=0.3)
+    if cross:
+        ax = axes[-1]
+        for model, pol, ratios in cross:
+            ns = list(ratios)
+            mk, col = policy_marks(pol)[0], policy_color(pol)
+            ax.plot(ns, [ratios[n][1] for n in ns], marker=mk, color=col,
+                    label=f"{pol}, replay ({model})")  # fmt: skip
+            ax.plot(ns, [ratios[n][0] for n in ns], marker=mk, color=col, ls=":", mfc="none",
+                    label=f"{pol}, simulator")  # fmt: skip
+        ax.axhline(1.0, color="0.4", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("compute repeat factor n")
+        ax.set_ylabel("TPOT / LRU's TPOT")
+        ax.grid(alpha=0.3)
+        legend_outside(ax, fontsize=6)
+    legend_outside(axes[len(panels) - 1], fontsize=6)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    for ext in ("png", "pdf"):
+        fig.savefig(stem.with_suffix(f".{ext}"), dpi=130, bbox_inches="tight")
+    plt.close(fig)
+
+
+def score(
+    replays: Sequence[Path], hardware: str | Sequence[str], out: Path, meta: dict[str, str]
+) -> Path:
+    """Score stored replays against the simulator on each hardware profile in turn (the
+    first is "before", the last "after" where there are several); write ``out``:
+    report.md (targets per profile, every run under the last one, TPOT and hit rate per
+    run under each), validation.csv (one row per run and profile) and the figure (the
+    last profile)."""
+    import pandas as pd
+
+    from fmoesim.atomic import atomic_dir
+
+    profiles = [hardware] if isinstance(hardware, str) else list(hardware)
+    if out.exists():
+        other = sorted(p.name for p in out.iterdir() if p.name not in REPORT_FILES)
+        if other:
+            raise FmoesimError(f"--out {out}: holds {other[0]}, not a report (pick another)")
+    replayed = read_replays(replays)
+    scored = {hw: score_rows(replayed, hw) for hw in profiles}
+    last = profiles[-1]
+    meta = {"hardware profile": ", ".join(profiles), **meta}
+    text = report_markdown(scored[last], meta, scored if len(profiles) > 1 else None)
+    with atomic_dir(out, replace=True) as tmp:
+        (tmp / "report.md").write_text(text)
+        frames = [pd.DataFrame(rows).assign(hardware=hw) for hw, rows in scored.items()]
+        pd.concat(frames, ignore_index=True).to_csv(tmp / "validation.csv", index=False)
+        plot(scored[last], f"simulator ({last}) vs replay on {meta['device']}", tmp / "validation")
+    return out
+
+
+def fit_host(
+    rows: Sequence[dict[str, Any]], fit_model: str
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """The host model of :mod:`fmoesim.engine.host` from scored replays (scored on a
+    profile without host costs).
+
+    Engine costs: least squares over ``fit_model``'s batch-1 runs of the time no
+    measured component explains, per MoE layer step, ``(replay wall - policy hooks -
+    simulated compute) / layer steps = host_layer_s + host_access_s * accesses / steps +
+    host_transfer_s * transfers / steps``.  Decision costs: each (model, policy)'s hooks'
+    measured seconds per layer step, averaged over its runs.  Returns (engine costs,
+    model -> policy -> decision seconds)."""
+    import numpy as np
+
+    from replay.profile import fit_linear
+
+    base = [r for r in rows if r["model"] == fit_model and r["mode"] == "batch1"
+            and int(r["compute_repeat"]) == 1]  # fmt: skip
+    if len(base) < 3:
+        raise FmoesimError(f"--fit-model {fit_model}: {len(base)} batch-1 runs, need 3 or more")
+    X = np.array([(r["replay_accesses"] / r["replay_layer_steps"],
+                   r["replay_transfers"] / r["replay_layer_steps"]) for r in base])  # fmt: skip
+    y = np.array([
+        (r["replay_wall_s"] - r["replay_policy_host_s"] - r["sim_gpu_busy_s"])
+        / r["replay_layer_steps"]
+        for r in base
+    ])  # fmt: skip
+    layer, access, transfer = fit_linear(X, y)
+    engine = {"host_layer_s": layer, "host_access_s": access, "host_transfer_s": transfer}
+    decisions: dict[str, dict[str, list[float]]] = {}
+    for r in rows:
+        if int(r["compute_repeat"]) != 1:
+            continue
+        per = r["replay_policy_host_s"] / r["replay_layer_steps"]
+        decisions.setdefault(r["model"], {}).setdefault(r["policy"], []).append(per)
+    means = {m: {p: float(np.mean(v)) for p, v in d.items()} for m, d in decisions.items()}
+    return engine, means
+
+
+def write_host_profile(
+    base: str,
+    engine: dict[str, float],
+    decisions: dict[str, dict[str, float]],
+    path: Path,
+    note: str,
+) -> Path:
+    """``base`` (a hardware preset) with the host costs added to every model it
+    measured, written as a new preset at ``path``."""
+    import dataclasses
+
+    from fmoesim.config.build import load_preset
+    from fmoesim.specs import HardwareSpec
+    from replay.profile import write_profile
+
+    spec = load_preset("hardware", base, HardwareSpec)
+    measured = {k: dict(v) for k, v in spec.measured.items()}
+    for model, coeffs in measured.items():
+        if model == "link":
+            continue
+        coeffs.update(engine)
+        coeffs["host_decision_s"] = dict(decisions.get(model, {}))
+    new = dataclasses.replace(
+        spec, name=path.stem, measured=measured, source=f"{spec.source}; {note}"
+    )
+    return write_profile(new, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    rp = sub.add_parser("replay", help="replay the grid's runs (a GPU)")
+    rp.add_argument("--device", default="cuda")
+    rp.add_argument("--out", required=True, help="directory of replay.csv")
+    rp.add_argument("--models", default=",".join(g.model for g in GRID))
+    rp.add_argument("--policies", default=",".join(POLICIES))
+    rp.add_argument("--modes", default=",".join(MODES))
+    rp.add_argument("--no-crossover", action="store_true")
+    rp.add_argument("--hardware", default="h100-pcie5",
+                    help="hardware preset whose chunk size the replay uses")  # fmt: skip
+    rp.add_argument("--deadline-s", type=float, default=math.inf,
+                    help="start no run that would end after this many seconds")  # fmt: skip
+    sp = sub.add_parser("score", help="score stored replays against the simulator")
+    sp.add_argument("replays", nargs="+", help="replay.csv files or their directories")
+    sp.add_argument("--hardware", required=True, help="hardware presets, comma-separated "
+                    "(before, ..., after), e.g. measured/h100")  # fmt: skip
+    sp.add_argument("--out", required=True, help="report directory")
+    sp.add_argument("--device", default=None, help="the GPU the replays ran on (for titles)")
+    hp = sub.add_parser("host-fit", help="measure the host model from stored replays")
+    hp.add_argument("replays", nargs="+", help="replay.csv files or their directories")
+    hp.add_argument("--base", required=True, help="measured profile without host costs")
+    hp.add_argument("--fit-model", required=True, help="model whose batch-1 runs fit the "
+                    "engine's costs (the other models' runs stay out of the fit)")  # fmt: skip
+    hp.add_argument("--out", required=True, help="the new profile's YAML path")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    run_or_exit(PROG, _run, args)
+
+
+def _run(args: argparse.Namespace) -> None:
+    if args.cmd == "replay":
+        models = [m for m in args.models.split(",") if m]
+        grid = [g for g in GRID if g.model in models]
+        unknown = set(models) - {g.model for g in GRID}
+        if unknown:
+            known = ", ".join(g.model for g in GRID)
+            raise FmoesimError(f"--models {sorted(unknown)[0]}: not in the grid ({known})")
+        modes = [m for m in args.modes.split(",") if m]
+        for m in modes:
+            if m not in MODES:
+                raise FmoesimError(f"--modes {m}: unknown (valid: {', '.join(MODES)})")
+        runs = grid_runs(grid, [p for p in args.policies.split(",") if p], modes,
+                         not args.no_crossover, hardware=args.hardware)  # fmt: skip
+        n = run_replays(runs, args.device, Path(args.out), args.deadline_s)
+        print(f"replayed {n} runs -> {Path(args.out) / 'replay.csv'}")
+        return
+    if args.cmd == "host-fit":
+        rows = score_rows(read_replays([Path(p) for p in args.replays]), args.base)
+        engine, decisions = fit_host(rows, args.fit_model)
+        note = (f"host costs fitted by {PROG} host-fit on {args.fit_model}'s batch-1 replays "
+                f"(engine) and every run's policy-hook timers (decisions)")  # fmt: skip
+        path = write_host_profile(args.base, engine, decisions, Path(args.out), note)
+        print(", ".join(f"{k} {1e6 * v:.1f} us" for k, v in engine.items()))
+        print(f"wrote {path}")
+        return
+    device = args.device or "the replay's GPU"
+    meta = {"device": device, "scored": dt.date.today().isoformat()}
+    hardware = [h for h in args.hardware.split(",") if h]
+    path = score([Path(p) for p in args.replays], hardware, Path(args.out), meta)
+    print(f"report     {path / 'report.md'}")
+
+
+if __name__ == "__main__":
+    main()

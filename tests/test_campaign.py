@@ -1,0 +1,292 @@
+"""The simulator-vs-replay grid (``fmoesim-validate-grid``): its runs, the hooks' timer,
+the scoring arithmetic by hand, a CPU replay scored end to end, and the pieces of the
+replay it relies on (compute repeats, shared host weights, the multi-model profile)."""
+
+from __future__ import annotations
+
+import csv
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fmoesim.errors import FmoesimError
+from replay import campaign as C
+
+
+def test_the_default_grid_has_every_run_once_most_important_first():
+    """Red if a crossover run at factor 1 duplicates the grid's batch-1 run, if a run
+    loses its policy, budget or mode override, or if the order changes (batch 1 first:
+    a replay cut short by its deadline keeps the batch-1 runs)."""
+    runs = C.grid_runs()
+    keys = [r.key() for r in runs]
+    assert len(keys) == len(set(keys))
+    per_model = 2 * 2 * len(C.POLICIES) + (len(C.CROSSOVER_FACTORS) - 1) * 4
+    assert len(runs) == 2 * per_model == 96
+    first = runs[: 2 * len(C.POLICIES)]
+    assert {r.mode for r in first} == {"batch1"} and {r.model for r in first} == {"olmoe-1b-7b"}
+    for r in runs:
+        o = set(r.overrides)
+        assert {f"policy={r.policy}", f"cache.budget_gb={r.budget_gb}", f"model={r.model}"} <= o
+        assert set(C.MODES[r.mode]) <= o
+    assert {r.compute_repeat for r in runs if r.compute_repeat > 1} == {2, 4, 8}
+    assert all(r.mode == "batch1" for r in runs if r.compute_repeat > 1)
+
+
+def test_time_hooks_adds_up_the_hooks_host_time_and_keeps_their_results():
+    """Red if a wrapped hook drops its return value, or its time or calls go uncounted."""
+
+    class Slow:
+        def on_gate(self, layer, gate):
+            time.sleep(0.01)
+            return ("actions", layer)
+
+        def victim(self, candidates, incoming):
+            return min(candidates)
+
+    p = Slow()
+    acc = C.time_hooks(p)
+    assert p.on_gate(3, None) == ("actions", 3)
+    assert p.victim([5, 2], 9) == 2
+    assert acc["calls"] == 2 and acc["s"] >= 0.01
+
+
+def _row(policy, sim_tpot, rep_tpot, sim_hit, rep_hit, n=1, model="m", budget=1.0):
+    r = {"model": model, "budget_gb": budget, "mode": "batch1", "policy": policy,
+         "compute_repeat": n, "sim_tpot_mean_s": sim_tpot, "replay_tpot_mean_s": rep_tpot,
+         "sim_ttft_mean_s": 1.0, "replay_ttft_mean_s": 2.0}  # fmt: skip
+    r["err_tpot_mean_s"] = (sim_tpot - rep_tpot) / rep_tpot
+    r["err_ttft_mean_s"] = -0.5
+    r["err_hit_rate"] = sim_hit - rep_hit
+    return r
+
+
+def test_per_policy_errors_and_the_crossover_ratios_by_hand():
+    """Mean |TPOT error| of +10% and -30% is 20%; the hit gap is the largest one; a
+    factor-2 run is left out of the means.  The crossover divides each policy's TPOT by
+    LRU's at the same factor, separately for simulator and replay.  Red on a signed mean,
+    on a mean over the crossover runs, or on a ratio against the wrong LRU run."""
+    rows = [
+        _row("lru", 1.1, 1.0, 0.50, 0.50),
+        _row("lru", 0.7, 1.0, 0.40, 0.42),
+        _row("lru", 9.0, 1.0, 0.0, 0.5, n=2),
+        _row("promoe", 0.9, 1.2, 0.6, 0.6),
+        _row("promoe", 8.0, 0.5, 0.0, 0.0, n=2),
+    ]
+    got = {p["policy"]: p for p in C.per_policy(rows)}
+    assert got["lru"]["runs"] == 2
+    assert got["lru"]["tpot_err"] == pytest.approx(0.2)
+    assert got["lru"]["ttft_err"] == pytest.approx(0.5)
+    assert got["lru"]["hit_gap_points"] == pytest.approx(2.0)
+    assert not got["lru"]["met"]
+    (model, pol, ratios), *_ = list(C.crossover_ratios(rows))
+    assert (model, pol) == ("m", "promoe")
+    # factor 1: the last LRU row of the key wins (0.7 / 1.0), as in read_replays
+    assert ratios[1] == pytest.approx((0.9 / 0.7, 1.2 / 1.0))
+    assert ratios[2] == pytest.approx((8.0 / 9.0, 0.5 / 1.0))
+
+
+def test_read_replays_names_a_missing_column_and_later_files_win(tmp_path):
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    header = [*C.KEY, "overrides", "replay_tpot_mean_s"]
+    for path, tpot in ((a, 1.0), (b, 2.0)):
+        with path.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(header)
+            w.writerow(["m", 1.0, "batch1", "lru", 1, "x", tpot])
+    rows = C.read_replays([a, b])
+    assert len(rows) == 1 and rows[0]["replay_tpot_mean_s"] == 2.0
+    bad = tmp_path / "bad.csv"
+    bad.write_text("model,policy\nm,lru\n")
+    with pytest.raises(FmoesimError, match="budget_gb"):
+        C.read_replays([bad])
+    with pytest.raises(FmoesimError, match="no replay.csv"):
+        C.read_replays([tmp_path / "nowhere"])
+
+
+def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
+    """Two tiny runs replayed on the CPU (a copy thread stands in for the copy stream),
+    then scored: LRU's hits, misses and PCIe bytes are the simulator's exactly (a
+    demand-only policy decides alike whatever the timing), and the report and CSV hold
+    every run.  Red if scoring simulates another configuration than the replay ran (other
+    budget, trace or model shape), or if a run's row loses its metrics."""
+    pytest.importorskip("torch", reason="the replay needs torch")
+    pytest.importorskip("matplotlib", reason="the report draws a figure")
+    grid = C.ModelGrid(
+        "olmoe-1b-7b", "synthetic", (0.05,), {"batch1": 1}, 0.05,
+        extra=("model.num_layers=3", "model.num_experts=8", "model.top_k=2",
+               "model.hidden_size=256", "model.expert_intermediate_size=128",
+               "workload.synthetic.output_tokens_max=6",
+               "workload.synthetic.prompt_tokens_max=8"),
+    )  # fmt: skip
+    runs = C.grid_runs([grid], ["lru"], ["batch1"], crossover=True, factors=(1, 2))
+    # the crossover adds its prefetching policies at factor 1 too, then factor 2
+    assert [(r.policy, r.compute_repeat) for r in runs] == [
+        ("lru", 1), ("promoe", 1), ("fmoe", 1), ("moe-infinity", 1),
+        ("lru", 2), ("promoe", 2), ("fmoe", 2), ("moe-infinity", 2),
+    ]  # fmt: skip
+    two = [runs[0], runs[4]]
+    logs: list[str] = []
+    assert C.run_replays(two, "cpu", tmp_path / "rep", log=logs.append) == 2
+    # a second call resumes: both runs are done
+    assert C.run_replays(two, "cpu", tmp_path / "rep", log=logs.append) == 0
+    out = C.score([tmp_path / "rep"], "h100-pcie5", tmp_path / "report", {"device": "cpu"})
+    rows = list(csv.DictReader((out / "validation.csv").open()))
+    assert len(rows) == 2
+    lru = next(r for r in rows if r["compute_repeat"] == "1")
+    for k in ("hits", "misses", "accesses", "pcie_bytes"):
+        assert float(lru[f"sim_{k}"]) == float(lru[f"replay_{k}"]) > 0, k
+    assert float(lru["err_hit_rate"]) == 0.0
+    text = (out / "report.md").read_text()
+    assert "## Targets per policy" in text and "## Where the replay's time goes" in text
+    assert (out / "validation.png").is_file() and (out / "validation.pdf").is_file()
+
+
+def test_compute_repeat_runs_every_compute_operator_n_times(monkeypatch):
+    """Red if the replay's crossover factor is ignored for expert FFNs or stand-ins."""
+    pytest.importorskip("torch", reason="the replay needs torch")
+    from fmoesim.engine.cache import ExpertCache
+    from replay.backend import GpuBackend
+    from replay.weights import Executor
+    from tests.test_policy_contract import MODEL
+    from tests.tiny import TINY_HW
+
+    calls = {"ffn": 0, "attention": 0}
+    ffn, attention = Executor.ffn, Executor.attention
+
+    def count_ffn(self, w, tokens):
+        calls["ffn"] += 1
+        return ffn(self, w, tokens)
+
+    def count_attention(self, tokens, pairs):
+        calls["attention"] += 1
+        return attention(self, tokens, pairs)
+
+    monkeypatch.setattr(Executor, "ffn", count_ffn)
+    monkeypatch.setattr(Executor, "attention", count_attention)
+    cache = ExpertCache(4 * MODEL.expert_size_bytes, MODEL.num_layers * MODEL.num_experts)
+    be = GpuBackend(MODEL, TINY_HW, [cache], "cpu", compute_repeat=3)
+    try:
+        be.pre_gate(0, 1, 4, 5)
+        assert calls["attention"] == 3
+        be._dev[0] = be.host.tensor(0).clone()
+        be.expert(0, 0, 1)
+        assert calls["ffn"] == 3
+    finally:
+        be.close()
+    with pytest.raises(FmoesimError, match="compute_repeat"):
+        GpuBackend(MODEL, TINY_HW, [cache], "cpu", compute_repeat=0)
+
+
+def test_host_weights_are_built_once_per_model():
+    """Red if every replay of a sweep rebuilds (and on a GPU re-pins) the host weights,
+    or if a different model gets the previous model's weights."""
+    pytest.importorskip("torch", reason="the replay needs torch")
+    from replay.weights import shared_host_experts
+    from tests.test_policy_contract import MODEL
+
+    a = shared_host_experts(MODEL, "cpu", 0)
+    assert shared_host_experts(MODEL, "cpu", 0) is a
+    other = replace(MODEL, name="other", num_experts=MODEL.num_experts + 1)
+    b = shared_host_experts(other, "cpu", 0)
+    assert b is not a and b.n == other.num_layers * other.num_experts
+    assert shared_host_experts(MODEL, "cpu", 1) is not b
+
+
+def test_a_profile_of_several_models_keeps_the_base_preset_and_each_models_terms():
+    """Red if a second model overwrites the first's coefficients, if --base's unmeasured
+    roofline terms are lost, or if a model may take the link table's name."""
+    pytest.importorskip("torch", reason="the profiler needs torch")
+    from fmoesim.specs import HardwareSpec
+    from replay.profile import profile
+    from tests.tiny import TINY
+
+    other = replace(TINY, name="tiny-wide", expert_intermediate_size=2000)
+    base = HardwareSpec(name="base", peak_tflops=123.0, hbm_gbps=456.0, chunk_bytes=1 << 20)
+    kw = dict(repeats=1, sizes_bytes=(1 << 16, 1 << 18), tokens=(1, 4),
+              attention_points=((1, 9), (2, 20), (4, 40)))  # fmt: skip
+    spec = profile([TINY, other], "cpu", base=base, **kw)
+    assert set(spec.measured) == {"tiny", "tiny-wide", "link"}
+    assert (spec.peak_tflops, spec.hbm_gbps, spec.chunk_bytes) == (123.0, 456.0, 1 << 20)
+    assert spec.name == "measured-cpu" and "base" in spec.source
+    with pytest.raises(FmoesimError, match="reserved"):
+        profile(replace(TINY, name="link"), "cpu", **kw)
+
+
+def test_a_trace_unreadable_by_an_old_pyarrow_says_which_version_reads_it(tmp_path, monkeypatch):
+    """pyarrow < 26 cannot read a null row of a fixed-size list (the traces' absent
+    probabilities).  Red if that failure is reported as a corrupt file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fmoesim.errors import TraceError
+    from fmoesim.trace import reader
+
+    path = tmp_path / "routing.parquet"
+    pq.write_table(pa.table({"x": [1]}), path)
+
+    def old_read(p, *a, **k):
+        raise pa.ArrowInvalid("Expected all lists to be of size=64 but index 1 had size=0")
+
+    monkeypatch.setattr(reader.pq, "read_table", old_read)
+    with pytest.raises(TraceError, match="pyarrow >= 26") as exc:
+        reader._read_table(Path(path), pa.schema([("x", pa.int64())]))
+    assert "corrupt" not in str(exc.value)
+
+
+def test_fit_host_recovers_the_engine_costs_and_averages_the_decisions(tmp_path):
+    """Rows built from known costs (12 us a step, 110 us an access, 266 us a transfer):
+    the fit returns them, uses only the fit model's batch-1 runs (an online row with
+    other costs would bias it), and each policy's decision cost is its hooks' mean time
+    per step.  Red on a fit over the wrong rows, a forgotten hooks' subtraction, or
+    decisions per run instead of per policy."""
+    layer, access, transfer = 12e-6, 110e-6, 266e-6
+
+    def row(policy, acc, xfer, hooks_per_step, mode="batch1", model="m", steps=1000):
+        per = layer + access * acc + transfer * xfer
+        sim = 5e-4 * steps
+        return {"model": model, "mode": mode, "policy": policy, "compute_repeat": 1,
+                "replay_layer_steps": steps, "replay_accesses": acc * steps,
+                "replay_transfers": xfer * steps,
+                "replay_policy_host_s": hooks_per_step * steps, "sim_gpu_busy_s": sim,
+                "replay_wall_s": sim + hooks_per_step * steps + per * steps}  # fmt: skip
+
+    rows = [row("lru", 8, 1, 20e-6), row("lru", 9, 3, 40e-6), row("fmoe", 10, 2, 300e-6),
+            row("fmoe", 12, 5, 100e-6), row("lru", 30, 30, 0.0, mode="online"),
+            row("lru", 8, 1, 1e-3, model="other")]  # fmt: skip
+    rows[4]["replay_wall_s"] *= 3  # the online run is no part of the fit
+    engine, decisions = C.fit_host(rows, "m")
+    assert engine["host_layer_s"] == pytest.approx(layer, rel=1e-6)
+    assert engine["host_access_s"] == pytest.approx(access, rel=1e-6)
+    assert engine["host_transfer_s"] == pytest.approx(transfer, rel=1e-6)
+    assert decisions["m"]["fmoe"] == pytest.approx(200e-6)
+    assert decisions["m"]["lru"] == pytest.approx((20e-6 + 40e-6 + 0.0) / 3)
+    assert decisions["other"] == {"lru": pytest.approx(1e-3)}
+    with pytest.raises(FmoesimError, match="need 3"):
+        C.fit_host(rows, "other")
+
+
+def test_a_host_profile_keeps_the_base_and_adds_every_models_costs(tmp_path, monkeypatch):
+    """Red if the link table gets host keys, a model loses its measured coefficients, or
+    the written preset does not turn the host model on for its models."""
+    from fmoesim.config import build
+    from fmoesim.engine.host import HostModel
+    from fmoesim.specs import HardwareSpec
+    from replay.profile import write_profile
+    from tests.tiny import TINY
+
+    conf = tmp_path / "conf"
+    (conf / "hardware").mkdir(parents=True)
+    base = HardwareSpec(name="b", measured={"tiny": {"expert_a_s": 1e-4}, "link": {"h2d_1_s": 1.0}})
+    write_profile(base, conf / "hardware" / "b.yaml")
+    monkeypatch.setattr(build, "CONF_DIR", conf)
+    engine = {"host_layer_s": 1e-5, "host_access_s": 2e-5, "host_transfer_s": 3e-5}
+    path = C.write_host_profile(
+        "b", engine, {"tiny": {"lru": 4e-5}}, conf / "hardware" / "b-host.yaml", "fitted"
+    )
+    spec = build.load_preset("hardware", "b-host", HardwareSpec)
+    assert path.stem == spec.name == "b-host" and spec.source.endswith("; fitted")
+    assert spec.measured["link"] == {"h2d_1_s": 1.0}
+    assert spec.measured["tiny"]["expert_a_s"] == 1e-4
+    assert HostModel.from_specs(TINY, spec, "lru") == HostModel(1e-5, 2e-5, 3e-5, 4e-5)

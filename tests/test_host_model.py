@@ -1,0 +1,101 @@
+"""The host-bound timing model (:mod:`fmoesim.engine.host`): a measured profile's host
+costs on the clock, by hand, and nowhere else."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from fmoesim.engine import simulate
+from fmoesim.engine.host import HostBoundSimBackend, HostModel
+from fmoesim.engine.serving import ServingConfig
+from policies.lfu import LFU
+from policies.lru import LRU
+from tests._engine_helpers import Req, write_trace
+from tests.test_compute_by_hand import (
+    HAND,
+    HAND_HW,
+    REL,
+    attention_s,
+    dense_s,
+    expert_s,
+    lm_head_s,
+    router_s,
+    shared_s,
+)
+
+LAYER_S, ACCESS_S, TRANSFER_S = 3e-6, 5e-6, 7e-6
+DECISION = {"lru": 11e-6, "lfu": 13e-6}
+HOST = {"host_layer_s": LAYER_S, "host_access_s": ACCESS_S, "host_transfer_s": TRANSFER_S,
+        "host_decision_s": DECISION}  # fmt: skip
+
+
+def _hw(extra: dict[str, object]):
+    return replace(HAND_HW, measured={HAND.name: dict(extra)})
+
+
+def test_the_host_model_reads_the_profile_of_the_model_and_policy():
+    """Red if another model's or another policy's costs are taken, or if a profile with
+    no host costs turns the host-bound backend on."""
+    hm = HostModel.from_specs(HAND, _hw(HOST), "lfu")
+    assert hm == HostModel(LAYER_S, ACCESS_S, TRANSFER_S, 13e-6)
+    assert hm.gate_s == pytest.approx(LAYER_S + 13e-6)
+    assert HostModel.from_specs(HAND, _hw(HOST), "fmoe").decision_s == 0.0
+    assert HostModel.from_specs(replace(HAND, name="other"), _hw(HOST), "lru") is None
+    assert HostModel.from_specs(HAND, _hw({"expert_a_s": 1e-5}), "lru") is None
+    assert HostModel.from_specs(HAND, HAND_HW, "lru") is None
+
+
+def test_decode_steps_pay_the_gate_and_every_access_by_hand(tmp_path):
+    """The tiny trace of test_compute_by_hand (two requests in a batch of 2, every decode
+    a hit in both MoE layers, two experts each): each decode iteration's MoE layer adds
+    the gate's host cost (layer + LRU's decision) and two access costs to the GPU-bound
+    time; the dense layer and the LM head add none; the prefill's four on-demand loads
+    each add a transfer cost.  Red if the decision is skipped or charged per access, if
+    the access cost is charged per layer, or if the dense layer pays a gate."""
+    a = Req(0, 3, [[[0, 1], [2, 3]]] * 3)
+    b = Req(1, 2, [[[0, 1], [2, 3]]] * 2)
+    tr = write_trace(tmp_path / "t", HAND, [a, b])
+    gate = LAYER_S + DECISION["lru"]
+    moe1 = attention_s(2, 5, 7) + router_s(2) + shared_s(2) + 2 * expert_s(2)
+    t1 = attention_s(2, 5, 7) + dense_s(2) + 2 * moe1 + lm_head_s(2)
+    moe2 = attention_s(1, 4, 5) + router_s(1) + shared_s(1) + 2 * expert_s(1)
+    t2 = attention_s(1, 4, 5) + dense_s(1) + 2 * moe2 + lm_head_s(1)
+    host_step = 2 * (gate + 2 * ACCESS_S)  # two MoE layers per iteration
+    serving = ServingConfig(batch_size=2)
+    r = simulate(tr, HAND, _hw(HOST), LRU(), 8 * 49_152, serving=serving)
+    base = simulate(tr, HAND, HAND_HW, LRU(), 8 * 49_152, serving=serving)
+    req = r.metrics.request_table()
+    assert req["tpot_s"].tolist() == pytest.approx(
+        [(t1 + t2) / 2 + host_step, t1 + host_step], rel=REL
+    )
+    # the same decisions; the host's time is not GPU time
+    s, s0 = r.summary, base.summary
+    assert (s["hits"], s["late"], s["misses"]) == (s0["hits"], s0["late"], s0["misses"])
+    assert s["gpu_busy_s"] == pytest.approx(s0["gpu_busy_s"], rel=REL)
+    # every layer step's gate, every access, every transfer: 3 iterations x 2 layers,
+    # 2 accesses each, 4 loads
+    host_total = 6 * gate + 12 * ACCESS_S + 4 * TRANSFER_S
+    assert s["simulated_s"] - s0["simulated_s"] >= 6 * gate + 8 * ACCESS_S
+    assert s["simulated_s"] - s0["simulated_s"] <= host_total + 1e-12
+
+
+def test_a_profile_without_host_costs_keeps_the_gpu_bound_backend(tmp_path, monkeypatch):
+    """Red if the paper testbeds' presets (no host costs) leave the exact closed-form
+    GPU-bound timing, or if a host profile keeps it (its clock would miss the costs)."""
+    seen = []
+    init = HostBoundSimBackend.__init__
+
+    def spy(self, *a, **k):
+        seen.append(True)
+        init(self, *a, **k)
+
+    monkeypatch.setattr(HostBoundSimBackend, "__init__", spy)
+    a = Req(0, 3, [[[0, 1], [2, 3]]] * 2)
+    tr = write_trace(tmp_path / "t", HAND, [a])
+    simulate(tr, HAND, HAND_HW, LFU(), 8 * 49_152)
+    assert seen == []
+    simulate(tr, HAND, _hw(HOST), LFU(), 8 * 49_152)
+    assert seen == [True]
+    assert HostBoundSimBackend.closed_form_demand is False
