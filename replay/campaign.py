@@ -3,8 +3,9 @@ budgets, serving modes and policies, in two steps.
 
 1. ``replay`` (on the GPU): every run of the grid is replayed
    (:class:`replay.backend.GpuBackend`); each finished run appends one row to
-   ``<out>/replay.csv`` at once, so a run cut short keeps what it measured and
-   ``--skip-done`` resumes it.  Beside the run's summary, a row keeps the host's time
+   ``<out>/replay.csv`` at once, so a run cut short keeps what it measured and a second
+   call resumes it (runs already in the file are skipped).  Beside the run's summary, a
+   row keeps the host's time
    inside the policy's hooks (``policy_host_s``, measured around the hooks, never inside
    the policy) and the compute repeat factor of the crossover runs.
 2. ``score`` (anywhere, no GPU): the simulator runs every row's configuration with a
@@ -13,6 +14,9 @@ budgets, serving modes and policies, in two steps.
    ``report.md``, ``validation.csv`` and ``validation.png`` / ``.pdf`` compare the two:
    TTFT, TPOT, stall, PCIe bytes and hit / late / miss per run, relative errors, the mean
    |error| per policy against the targets, and the crossover's two curves.
+
+3. ``host-fit`` (anywhere): the host costs of :mod:`fmoesim.engine.host` from stored
+   replays (:func:`fit_host`), written as a new profile.
 
 Replaying is the scarce step (a GPU); scoring takes minutes on a laptop, so a change of
 the simulator's model is re-scored against the same measured runs.

@@ -103,8 +103,6 @@ class HostExperts:
         self._all = torch.empty(
             self.n, f, 3, h, dtype=self.dtype, pin_memory=pin and not register
         )  # (L E, f, 3, h)
-        if checkpoint is not None:
-            loaded = load_checkpoint(checkpoint, model)
         if checkpoint is None:
             # perf: one seeded random pool of two experts' size (std 1/sqrt(h) keeps outputs
             # finite), each expert a window of it at its own offset: a copy per expert
@@ -117,6 +115,7 @@ class HostExperts:
                 off = (i * 104729) % per
                 flat[i].copy_(pool[off : off + per])
         else:
+            loaded = load_checkpoint(checkpoint, model)
             for i in range(self.n):
                 self._all[i].copy_(loaded(i // E, i % E))
         self.pinned = False
