@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -40,6 +41,12 @@ _RUNNING: Final = 1
 _DONE: Final = 2
 _CANCELLED: Final = 3
 _DELAYED: Final = 4
+
+
+def _queue_key(job: TransferRecord) -> tuple[float, int]:
+    """A queued job's sort key, ascending along :attr:`SimLink._queue` (which holds
+    ``(link_priority, seq)`` descending)."""
+    return (-job.link_priority, -job.seq)
 
 
 class SimLink:
@@ -222,36 +229,34 @@ class SimLink:
 
     def _enqueue(self, job: TransferRecord) -> None:
         """Insert queued ``job`` at its place: after every job that goes later, before
-        every job that goes first (lower ``(link_priority, seq)``; ``seq`` is unique)."""
+        every job that goes first (lower ``(link_priority, seq)``; ``seq`` is unique).
+        perf: a binary search, as a multi-layer prefetcher queues thousands of jobs on a
+        model of 48 x 128 experts (a scan from the end was half of MoE-Infinity's run)."""
         q = self._queue
-        p, seq = job.link_priority, job.seq
-        i = len(q)
-        while i > 0:  # from the end: on-demand loads and early prefetches stop at once
-            o = q[i - 1]
-            if o.link_priority > p or (o.link_priority == p and o.seq > seq):
-                break  # o goes later
-            i -= 1
-        q.insert(i, job)
+        q.insert(bisect_left(q, (-job.link_priority, -job.seq), key=_queue_key), job)
 
     def _dequeue(self, job: TransferRecord) -> None:
-        """Take queued ``job`` out of the queue."""
+        """Take queued ``job`` out of the queue (at the priority it was queued with)."""
         q = self._queue
-        i = len(q) - 1
-        while q[i] is not job:  # from the end; a queued job is always in the queue
-            i -= 1
+        i = bisect_left(q, (-job.link_priority, -job.seq), key=_queue_key)
+        if i == len(q) or q[i] is not job:  # pragma: no cover - a queued job is in place
+            i = len(q) - 1
+            while q[i] is not job:
+                i -= 1
         q.pop(i)
 
     def escalate(self, job: TransferRecord, t_s: float) -> None:
         """Give ``job``, queued, delayed or running, on-demand priority."""
         if job.link_priority == ON_DEMAND or job.state == _DONE or job.state == _CANCELLED:
             return
+        if job.state == _QUEUED:
+            self._dequeue(job)  # found at the priority it was queued with
         job.link_priority = ON_DEMAND
         job.escalated = True
         if job.state == _DELAYED:  # needed before its release: released now
             job.state = _QUEUED
             self._enqueue(job)
         elif job.state == _QUEUED:
-            self._dequeue(job)
             self._enqueue(job)
         if job.state == _QUEUED:
             if self.cur is None:
