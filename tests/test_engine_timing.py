@@ -663,3 +663,38 @@ def test_on_demand_cancels_only_as_many_queued_prefetches_as_it_needs(tmp_path):
     assert not by_key[1].cancelled, "cancelled a queued prefetch that was not in the way"
     assert by_key[1].end_s == pytest.approx(t_0 + 3 * T_X)
     assert s["cancelled_transfers"] == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["submit", "reprioritize", "escalate", "cancel"]),
+            st.integers(0, 40),
+            st.sampled_from([0.1, 0.5, 0.5, 0.9, 2.0]),
+        ),
+        min_size=1,
+        max_size=120,
+    )
+)
+def test_the_link_queue_stays_sorted_under_any_requests(ops):
+    """The queue holds exactly the queued jobs, ``(link_priority, seq)`` descending (the
+    next to start last), whatever mix of submissions, re-rankings, escalations and
+    cancellations reaches a busy link: the order the bisection keeps is the one a sort
+    gives.  Red if the search key orders priorities or submissions the wrong way, or if
+    a re-ranked, escalated or cancelled job is left in the queue or lost from it."""
+    lk = Link()
+    lk.submit(999, 1000 * MB, 0.0)  # runs for a second: everything else queues behind it
+    for op, key, prio in ops:
+        if op == "submit" and (key not in lk.records or lk.records[key] not in lk.live()):
+            lk.submit(key, MB, 0.0, prio)
+        elif op == "reprioritize":
+            lk.reprioritize(key, prio)
+        elif op == "escalate":
+            lk.escalate(key, 0.0)
+        elif op == "cancel":
+            lk.cancel(key)
+        q = lk.link._queue
+        queued = [r for r in lk.live() if r.state == sim_engine._QUEUED]
+        assert sorted(q, key=lambda r: (r.link_priority, r.seq), reverse=True) == q
+        assert {id(r) for r in q} == {id(r) for r in queued} and len(q) == len(queued)
