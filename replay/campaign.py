@@ -364,14 +364,18 @@ def simulate_row(row: dict[str, Any], hardware: str) -> dict[str, Any]:
 
 
 def score_rows(rows: Sequence[dict[str, Any]], hardware: str) -> list[dict[str, Any]]:
-    """Each replay row with the simulator's numbers and the relative errors added."""
+    """Each replay row with the simulator's numbers and the errors added: relative
+    (NaN where the replay measured 0, as a replay's stall often is) or, for rates, the
+    difference."""
+    from replay.validate import rel_err
+
     out = []
     for r in rows:
         row = dict(r)
         row.update(simulate_row(r, hardware))
         for key, _, _, _, rel in METRICS:
             s, g = row[f"sim_{key}"], row[f"replay_{key}"]
-            row[f"err_{key}"] = (s - g) / g if rel and g else (s - g)
+            row[f"err_{key}"] = rel_err(s, g) if rel else s - g
         out.append(row)
     return out
 
@@ -451,8 +455,8 @@ def report_markdown(
                 )
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Every run", "",
-              "Simulator / replay; relative error in brackets (hit, late and miss: the "
-              "difference in points).", ""]  # fmt: skip
+              "Simulator / replay; relative error in brackets, n/a where the replay "
+              "measured 0 (hit, late and miss: the difference in points).", ""]  # fmt: skip
     head = "| model | budget | mode | policy | " + " | ".join(m[1] for m in METRICS) + " |"
     lines += [head, "|---|---|---|---|" + "---|" * len(METRICS)]
     for r in rows:
@@ -461,7 +465,7 @@ def report_markdown(
         cells = [r["model"], f"{r['budget_gb']:g} GB", r["mode"], r["policy"]]
         for key, _, scale, unit, rel in METRICS:
             s, g, e = r[f"sim_{key}"], r[f"replay_{key}"], r[f"err_{key}"]
-            err = f"{100 * e:+.1f}%" if rel else f"{100 * e:+.2f} pt"
+            err = "n/a" if e != e else f"{100 * e:+.1f}%" if rel else f"{100 * e:+.2f} pt"
             cells.append(f"{_fmt(key, s, scale, unit)} / {_fmt(key, g, scale, unit)} ({err})")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Where the replay's time goes", "",

@@ -100,9 +100,7 @@ def measure_h2d(torch: Any, device: str, sizes: Sequence[int], timer: Timer) -> 
     return out
 
 
-def measure_ops(
-    exe: Any, points: Sequence[Any], op: Callable[..., Any], timer: Timer
-) -> list[float]:
+def measure_ops(points: Sequence[Any], op: Callable[..., Any], timer: Timer) -> list[float]:
     """Seconds of ``op(*point)`` (or ``op(point)``) per point, timed as the replay runs it:
     one call on an idle stream, so the host's launch time counts where it dominates."""
     out = []
@@ -158,24 +156,24 @@ def model_coefficients(
     w = (torch.randn(f, 3, h, device=device) / h**0.5).to(dtype)
     toks = np.asarray(tokens, dtype=np.float64)
     out: dict[str, float] = {}
-    exp = measure_ops(exe, tokens, lambda t: exe.ffn(w, t), timer)
+    exp = measure_ops(tokens, lambda t: exe.ffn(w, t), timer)
     out["expert_a_s"], out["expert_b_s"] = fit_linear(toks, np.asarray(exp))
-    att = measure_ops(exe, attention_points, exe.attention, timer)
+    att = measure_ops(attention_points, exe.attention, timer)
     # regressors as ComputeModel.attention_s takes them: new tokens and score pairs (the
     # stand-in reads a cache of pairs / tokens positions, so its KV term is in the pairs)
     X = np.array(attention_points, dtype=np.float64)
     out["attn_a_s"], out["attn_b_s"], out["attn_pair_s"] = fit_linear(X, np.asarray(att))
     out["attn_kv_s"] = 0.0
-    rt = measure_ops(exe, tokens, exe.router, timer)
+    rt = measure_ops(tokens, exe.router, timer)
     out["router_a_s"], out["router_b_s"] = fit_linear(toks, np.asarray(rt))
     seqs = (1, 2, 4, 8, 16)
-    head = measure_ops(exe, seqs, exe.lm_head, timer)
+    head = measure_ops(seqs, exe.lm_head, timer)
     out["lm_head_a_s"], out["lm_head_b_s"] = fit_linear(np.asarray(seqs, float), np.asarray(head))
     if exe.w_shared is not None:
-        sh = measure_ops(exe, tokens, exe.shared, timer)
+        sh = measure_ops(tokens, exe.shared, timer)
         out["shared_a_s"], out["shared_b_s"] = fit_linear(toks, np.asarray(sh))
     if exe.w_dense is not None:
-        dn = measure_ops(exe, tokens, lambda t: exe.ffn(exe.w_dense, t), timer)
+        dn = measure_ops(tokens, lambda t: exe.ffn(exe.w_dense, t), timer)
         out["dense_a_s"], out["dense_b_s"] = fit_linear(toks, np.asarray(dn))
     return out
 
