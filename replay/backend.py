@@ -44,7 +44,7 @@ from fmoesim.errors import FmoesimError
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
 from replay.link import CudaCopier, LinkScheduler, ThreadCopier
-from replay.weights import DEVICE_FRACTION, Executor, shared_host_experts
+from replay.weights import DEVICE_FRACTION, Executor, expert_rows, shared_host_experts
 
 __all__ = [
     "GpuBackend",
@@ -57,10 +57,13 @@ __all__ = [
 
 def segment_rows(model: ModelSpec, entries: dict[int, Entry], key: int) -> tuple[int, int]:
     """The intermediate rows ``[lo, hi)`` cache key ``key`` holds: all of an expert's
-    (``key < L E``), a top's first ``θ f`` rows (``L E <= key < 2 L E``), or a bottom's
-    rest (the rows its top does not hold; the top's size, when cached, fixes ``θ``)."""
-    f, S = model.expert_intermediate_size, model.expert_size_bytes
+    ``f`` rows (``key < L E``; ``f`` its layer's :func:`replay.weights.expert_rows`), a
+    top's first ``θ f`` rows (``L E <= key < 2 L E``), or a bottom's rest (the rows its
+    top does not hold; the top's size against the layer's expert size, when cached, fixes
+    ``θ``)."""
     n = model.num_layers * model.num_experts
+    layer = (key % n) // model.num_experts
+    f, S = expert_rows(model)[layer], model.layer_expert_bytes[layer]
     if key < n:
         return 0, f
     if key < 2 * n:
@@ -444,13 +447,9 @@ def replay_backend(
 ) -> Callable[[list[ExpertCache]], Backend]:
     """A ``make_backend`` for :func:`fmoesim.engine.simulate.simulate`: the timed
     :class:`GpuBackend`, or, on the CPU with ``timed=False``, the
-    :class:`InstantReplayBackend`.  The replay builds every expert at the model's one
-    size, so a model whose expert size differs by layer is refused."""
-    if not model.uniform_experts:
-        raise FmoesimError(
-            f"model {model.name}: expert_size_bytes_by_layer (rule: the replay builds experts "
-            "of one size; simulate such a model instead)"
-        )
+    :class:`InstantReplayBackend`.  A model whose expert size differs by layer, or is
+    quantized, replays each layer's experts as the rows that hold its bytes
+    (:func:`replay.weights.expert_rows`)."""
     if not timed:
         if device != "cpu":
             raise FmoesimError(f"device {device!r}: the untimed replay is the CPU path only")

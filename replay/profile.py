@@ -147,12 +147,14 @@ def model_coefficients(
 ) -> dict[str, float]:
     """Fitted ``ComputeModel`` coefficients of ``model`` on ``device``, timed on the
     replay's own operators (:class:`replay.weights.Executor`): the expert FFN on an
-    ``(f, 3, h)`` weight, the attention and router stand-ins, the LM head, and the shared
-    experts and dense MLP where the model has them."""
-    from replay.weights import Executor
+    ``(f, 3, h)`` weight (``f`` the mean of :func:`replay.weights.expert_rows`: the
+    replay's rows for quantized or per-layer sizes), the attention and router stand-ins,
+    the LM head, and the shared experts and dense MLP where the model has them."""
+    from replay.weights import Executor, expert_rows
 
     exe = Executor(model, device, dtype, seed)
-    h, f = model.hidden_size, model.expert_intermediate_size
+    rows = expert_rows(model)
+    h, f = model.hidden_size, round(sum(rows) / len(rows))
     w = (torch.randn(f, 3, h, device=device) / h**0.5).to(dtype)
     toks = np.asarray(tokens, dtype=np.float64)
     out: dict[str, float] = {}

@@ -8,6 +8,14 @@ projection (``w2``).  A MoEpic segment, a slice of the intermediate dimension (t
 first ``θ f`` rows, bottom = the rest), is then one contiguous block that a single
 ``copy_`` moves, and any chunk of a transfer is too.
 
+An expert's bytes set its rows.  A model in bf16, fp16 or fp32 has ``f`` rows in every
+layer.  A model whose expert size differs by layer (``expert_size_bytes_by_layer``) or
+whose experts are quantized (GGUF, MXFP4, int4) gets, per layer, the rows of the compute
+dtype (bf16 for quantized storage) that hold that layer's expert bytes
+(:func:`expert_rows`; an engine runs quantized kernels that dequantize as they go; here:
+dense rows of the same bytes, because the replay validates what moves over the link and
+what the cache holds, and its expert compute is a stand-in either way).
+
 Weights are random (seeded) by default; :func:`load_checkpoint` reads a local
 safetensors checkpoint instead (the per-expert names the Hugging Face hub uses for
 Mixtral, PhiMoE, Qwen-MoE, OLMoE, DeepSeek, and the fused ``gate_up_proj``/``down_proj``
@@ -38,30 +46,45 @@ def host_memory_bytes() -> int:
         return 0
 
 
+#: bytes per element of the dtypes the replay computes in
+COMPUTE_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def compute_dtype(model: ModelSpec) -> str:
+    """The dtype the replay computes ``model``'s experts in on a GPU: its own where it
+    is bf16, fp16 or fp32, bf16 for quantized storage (see the module docstring)."""
+    return model.dtype if model.dtype in COMPUTE_DTYPES else "bfloat16"
+
+
+def expert_rows(model: ModelSpec) -> list[int]:
+    """``(num_layers,)`` intermediate rows of each layer's replayed experts: the rows of
+    :func:`compute_dtype` that hold the layer's expert bytes, at least 1 (``f`` for a
+    model in its own compute dtype with one expert size)."""
+    if model.dtype in COMPUTE_DTYPES and model.expert_size_bytes_by_layer is None:
+        return [model.expert_intermediate_size] * model.num_layers
+    row = 3 * model.hidden_size * COMPUTE_DTYPES[compute_dtype(model)]
+    return [max(1, round(b / row)) for b in model.layer_expert_bytes]
+
+
 def torch_dtype(torch: Any, model: ModelSpec, device: str) -> Any:
-    """The model's dtype on a GPU; float32 on the CPU (bf16 matmuls are slow emulations
-    there, and CPU timings are meaningless anyway)."""
+    """:func:`compute_dtype` on a GPU; float32 on the CPU (bf16 matmuls are slow
+    emulations there, and CPU timings are meaningless anyway)."""
     if device == "cpu":
         return torch.float32
-    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    if model.dtype not in dtypes:
-        raise FmoesimError(
-            f"model.dtype {model.dtype!r}: the replay computes in {sorted(dtypes)} only "
-            "(quantised experts would move other bytes than the simulator's)"
-        )
-    return dtypes[model.dtype]
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
+        compute_dtype(model)
+    ]
 
 
 def check_host_memory(model: ModelSpec, element_bytes: int, have_bytes: int | None = None) -> int:
     """Bytes the host weights need; raise when they exceed :data:`HOST_FRACTION` of the
     machine's memory, naming the numbers."""
     L, E = model.num_layers, model.num_experts
-    per = 3 * model.hidden_size * model.expert_intermediate_size * element_bytes
-    need = L * E * per
+    need = E * sum(expert_rows(model)) * 3 * model.hidden_size * element_bytes
     have = host_memory_bytes() if have_bytes is None else have_bytes
     if have and need > HOST_FRACTION * have:
         raise FmoesimError(
-            f"model {model.name}: {L} layers x {E} experts x {per / 1e6:.1f} MB = "
+            f"model {model.name}: {L} layers x {E} experts x {need / (L * E) / 1e6:.1f} MB = "
             f"{need / 1e9:.1f} GB of host weights, over {HOST_FRACTION:.0%} of this "
             f"machine's {have / 1e9:.1f} GB; pick a smaller model"
         )
@@ -70,8 +93,8 @@ def check_host_memory(model: ModelSpec, element_bytes: int, have_bytes: int | No
 
 class HostExperts:
     """All routed experts' weights on the host: ``tensor(key)`` is expert ``key % (L E)``
-    (layer-major, as the simulator's keys) as an ``(f, 3, h)`` tensor, pinned when the
-    replay copies to a GPU."""
+    (layer-major, as the simulator's keys) as a ``(rows, 3, h)`` tensor (``rows`` its
+    layer's :func:`expert_rows`), pinned when the replay copies to a GPU."""
 
     def __init__(
         self,
@@ -87,9 +110,20 @@ class HostExperts:
         pin = device.startswith("cuda")
         check_host_memory(model, torch.empty(0, dtype=self.dtype).element_size())
         L, E = model.num_layers, model.num_experts
-        f, h = model.expert_intermediate_size, model.hidden_size
+        h = model.hidden_size
         self.n = L * E
+        self.rows = expert_rows(model)  # (L,)
+        if checkpoint is not None and self.rows != [model.expert_intermediate_size] * L:
+            raise FmoesimError(
+                f"model {model.name}: a checkpoint's experts have "
+                f"{model.expert_intermediate_size} rows, its expert sizes want {self.rows[0]} "
+                "(rule: a checkpoint replays a model in its own dtype, one size per expert)"
+            )
         self.row_bytes = 3 * h * torch.empty(0, dtype=self.dtype).element_size()
+        # element offset of each expert in the one allocation (L E + 1,)
+        self._start = [0] * (self.n + 1)
+        for i in range(self.n):
+            self._start[i + 1] = self._start[i] + self.rows[i // E] * 3 * h
         # one allocation for all experts, page-locked as it is (cudaHostRegister) on a GPU:
         # pin_memory=True per tensor would round each up to a power of two (up to 2x)
         # (where torch.cuda.cudart is missing: one pinned allocation instead)
@@ -101,23 +135,23 @@ class HostExperts:
                 cudart = None
         register = cudart is not None
         self._all = torch.empty(
-            self.n, f, 3, h, dtype=self.dtype, pin_memory=pin and not register
-        )  # (L E, f, 3, h)
+            self._start[-1], dtype=self.dtype, pin_memory=pin and not register
+        )  # (sum over experts of rows x 3 x h,)
         if checkpoint is None:
             # perf: one seeded random pool of two experts' size (std 1/sqrt(h) keeps outputs
             # finite), each expert a window of it at its own offset: a copy per expert
             # instead of a random draw per expert (a draw takes minutes for 58 GB)
-            per = f * 3 * h
+            big = max(self.rows) * 3 * h
             gen = torch.Generator().manual_seed(seed)
-            pool = (torch.randn(2 * per, generator=gen) / h**0.5).to(self.dtype)
-            flat = self._all.view(self.n, per)
+            pool = (torch.randn(2 * big, generator=gen) / h**0.5).to(self.dtype)
             for i in range(self.n):
+                per = self._start[i + 1] - self._start[i]
                 off = (i * 104729) % per
-                flat[i].copy_(pool[off : off + per])
+                self._all[self._start[i] : self._start[i + 1]].copy_(pool[off : off + per])
         else:
             loaded = load_checkpoint(checkpoint, model)
             for i in range(self.n):
-                self._all[i].copy_(loaded(i // E, i % E))
+                self.tensor(i).copy_(loaded(i // E, i % E))
         self.pinned = False
         if register:
             nbytes = self._all.numel() * self._all.element_size()
@@ -130,8 +164,9 @@ class HostExperts:
             self.pinned = True
 
     def tensor(self, key: int) -> Any:
-        """The ``(f, 3, h)`` host tensor of ``key``'s expert."""
-        return self._all[key % self.n]
+        """The ``(rows, 3, h)`` host tensor of ``key``'s expert."""
+        i = key % self.n
+        return self._all[self._start[i] : self._start[i + 1]].view(-1, 3, self.model.hidden_size)
 
     def __del__(self) -> None:
         if getattr(self, "pinned", False):

@@ -113,6 +113,11 @@ NOT_RUN = [
     ),
     (r"^fmoesim-trace import eamc eamc\.npy ", "needs an EAMC array saved by MoE-Infinity"),
     (r"^fmoesim-profile --device cuda ", "needs a CUDA GPU"),
+    (
+        r"^python -m fmoesim\.validation\.engine_log LOG\.csv ",
+        "needs an engine's route log and metrics; tests/test_layer_sizes.py runs both "
+        "comparisons on a hand-built log and on the BigMoeOnEdge one",
+    ),
     (r"^fmoesim-validate --device cuda ", "needs a CUDA GPU and a profile measured on it"),
     (r"^bash replay/gpu_validation\.sh ", "needs a CUDA GPU (and nine minutes of it)"),
     (

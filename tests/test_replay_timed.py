@@ -97,3 +97,50 @@ def test_segment_copies_hold_their_rows(trace):
     for k, (lo, hi, w) in seen.items():
         assert (lo, hi) == ((0, f // 4) if k < 2 * n else (f // 4, f))
         torch.testing.assert_close(w, holder[0].host.tensor(k)[lo:hi])  # chunked copy intact
+
+
+@pytest.mark.parametrize(
+    ("change", "rows"),
+    [
+        (
+            dict(expert_size_bytes_by_layer=[3145728, 1572864, 786432, 2359296]),
+            [1024, 512, 256, 768],
+        ),
+        (dict(dtype="q4_k"), [288] * 4),
+    ],
+    ids=["per-layer-sizes", "q4_k"],
+)
+def test_layer_sizes_and_quantized_experts_replay_their_own_bytes(trace, change, rows):
+    """Hand-computed rows: a row of this model is 3 x 512 bf16 = 3,072 bytes, so experts
+    of 3.1 / 1.6 / 0.8 / 2.4 MB by layer are 1,024 / 512 / 256 / 768 rows, and a Q4_K
+    expert (1,572,864 weights x 144 / 256 bytes = 884,736) is 288 rows computed in bf16.
+    Every landed device copy has its layer's rows; LRU's hits and misses and the link's
+    bytes equal the simulator's.  Red if the replay copies full experts (the rows), the
+    cache counts one size for every layer (the hits), or quantized models are refused."""
+    from replay.weights import expert_rows, torch_dtype
+
+    model = replace(MODEL, **change)
+    assert expert_rows(model) == rows
+    assert torch_dtype(torch, model, "cuda:0") == torch.bfloat16
+    landed: dict[int, int] = {}
+
+    class Spy(GpuBackend):
+        def _landed(self, rec):  # type: ignore[no-untyped-def]
+            super()._landed(rec)
+            landed[rec.key] = self._dev[rec.key].shape[0]
+
+    budget = 12 * max(model.layer_expert_bytes)
+    sim = simulate(trace, model, HW, LRU(), budget, timing=True)
+    holder: list[Spy] = []
+    rep = simulate(
+        trace,
+        model,
+        HW,
+        LRU(),
+        budget,
+        make_backend=lambda c: holder.append(Spy(model, HW, c, "cpu")) or holder[0],
+    )
+    np.testing.assert_array_equal(rep.metrics.acc, sim.metrics.acc)
+    assert rep.summary["pcie_bytes"] == sim.summary["pcie_bytes"]
+    E = model.num_experts
+    assert landed and all(n == rows[k // E] for k, n in landed.items())

@@ -24,6 +24,12 @@ DTYPE_BYTES: dict[str, float] = {
     # MXFP4 (OCP Microscaling): 4-bit elements sharing one 8-bit scale per 32 (GPT-OSS's
     # experts): 4 + 8 / 32 bits
     "mxfp4": (4 + 8 / 32) / 8,
+    # HQQ with quantized meta-data (BaseQuantizeConfig(quant_zero=True, quant_scale=True), as
+    # Mixtral-Offloading runs it: 2-bit experts in groups of 16, 4-bit in groups of 64): an
+    # 8-bit scale and an 8-bit zero per group, and the scales' own fp16 scale and zero per
+    # 128 scales: nbits + 16 / g + 32 / (128 g) bits
+    "hqq-2bit-g16": (2 + 16 / 16 + 32 / (128 * 16)) / 8,
+    "hqq-4bit-g64": (4 + 16 / 64 + 32 / (128 * 64)) / 8,
     "q8_0": 34 / 32,
     "q4_k": 144 / 256,
     "q6_k": 210 / 256,
