@@ -296,7 +296,7 @@ class MoEInfinity(Policy):
     ``num_matched`` (EAMs aggregated), ``eamc_capacity``; ``learn_online`` adds each
     finished request to the collections; ``eamc_path`` pre-fills them from a file saved
     by :meth:`save` ("offline" mode; so does ``serving.held_in_fraction`` through
-    :meth:`learn`).
+    :meth:`learn`).  ``label`` names a variant in results (Table 4's ablation presets).
     """
 
     name = "moe-infinity"
@@ -312,7 +312,10 @@ class MoEInfinity(Policy):
         initial_layer_priority: bool = True,
         learn_online: bool = True,
         eamc_path: str | None = None,
+        label: str | None = None,
     ) -> None:
+        if label is not None:
+            self.name = str(label)  # type: ignore[misc]  # an ablation's name in results
         if int(eamc_capacity) < 1:
             raise ValueError(f"eamc_capacity must be >= 1, got {eamc_capacity}")
         if int(num_matched) < 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -111,3 +113,58 @@ def test_batched_decode_needs_union_of_experts(tmp_path):
     # per iteration: layer 0 needs {0, 2}, layer 1 needs {1}: 3 accesses x 2 iterations
     assert r.summary["accesses"] == 6
     assert r.summary["misses"] == 3
+
+
+@pytest.mark.parametrize("timing", [True, False])
+@pytest.mark.parametrize("fast", [True, False])
+def test_caching_off_releases_every_expert_after_use(seq_trace, timing, fast):
+    """``release_after_use`` (MoE-Infinity §7.2: "experts are released from the buffer
+    immediately after being used"): with room for all four experts, LRU still misses all
+    12 accesses, evicts each expert as soon as it has computed (12 evictions), never holds
+    more than one, and, timed, stalls 12 whole transfers.  Red if the demand closed form
+    or the LRU fast path keeps what it loads, or a pinned miss is not released."""
+    S = TINY.expert_size_bytes
+    r = simulate(
+        seq_trace, TINY, TINY_HW, LRU(), 4 * S, timing=timing, fast=fast, release_after_use=True
+    )
+    s = r.summary
+    assert (s["hits"], s["late"], s["misses"]) == (0, 0, 12)
+    assert s["evictions"] == 12 and s["pcie_bytes"] == 12 * S
+    assert s["peak_expert_bytes"] == S
+    if timing:
+        per_miss = TINY_HW.transfer_overhead_s + S / (TINY_HW.pcie_gbps * 1e9)
+        assert s["stall_s"] == pytest.approx(12 * per_miss, rel=1e-12)
+
+
+@pytest.mark.parametrize(("timing", "landing"), [(False, "next_step"), (True, "link")])
+def test_caching_off_keeps_prefetches_until_used(seq_trace, timing, landing):
+    """Dependency prefetching with caching off and a buffer of five experts: each layer-0
+    gate prefetches layer 1's four experts; layer 1 always routes to expert 3, which is
+    found (a hit with instant landing, late on the timed link, where a 6 MB transfer
+    outlasts the tiny model's compute) and then released, so it is fetched again every
+    iteration, while the three never-used ones stay.  Layer 0 always misses (nothing
+    prefetches it).  Traffic: 6 layer-0 misses + 6 fetches of layer 1's expert 3 + 3 others
+    once = 15 experts.  Red if a prefetch is released before its use, or a used one kept."""
+    from policies.dependency import DependencyPrefetch
+
+    S = TINY.expert_size_bytes
+    s = simulate(
+        seq_trace, TINY, TINY_HW, DependencyPrefetch(), 5 * S, timing=timing, landing=landing,
+        release_after_use=True,
+    ).summary  # fmt: skip
+    found = (6, 0) if not timing else (0, 6)
+    assert (s["hits"], s["late"]) == found and s["misses"] == 6
+    assert s["pcie_bytes"] == 15 * S and s["evictions"] == 12
+
+
+def test_caching_off_is_a_config_key():
+    """``cache.release_after_use`` reaches the run (red if the key is dropped between the
+    config and :func:`simulate`)."""
+    from fmoesim.cli.main import compose_config
+    from fmoesim.config.build import build_run, simulate_spec
+
+    spec = build_run(compose_config(["cache.release_after_use=true", "serving.max_requests=1"]))
+    assert spec.release_after_use
+    trace = read_trace(Path(__file__).resolve().parents[1] / "traces" / "default")
+    s = simulate_spec(spec, trace).summary
+    assert s["hits"] == 0 and s["evictions"] > 0

@@ -71,6 +71,7 @@ class RunSpec:
     seed: int
     progress: bool
     experts_per_layer: int | None = None
+    release_after_use: bool = False
 
 
 def build_run(cfg: DictConfig) -> RunSpec:
@@ -129,6 +130,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
         int(cfg.seed),
         bool(cfg.progress),
         per_layer,
+        bool(cfg.cache.get("release_after_use", False)),
     )
 
 
@@ -174,6 +176,7 @@ def simulate_spec(
         "access_log": spec.output.access_log,
         "progress": spec.progress,
         "experts_per_layer": spec.experts_per_layer,
+        "release_after_use": spec.release_after_use,
         **overrides,
     }
     return simulate(

@@ -39,10 +39,13 @@ def resolve_path(p: str | os.PathLike[str]) -> Path:
 class CacheConfig:
     """The GPU expert cache: its budget in GB (1e9 bytes) for routed experts, or
     ``experts_per_layer`` experts in a cache of their own per layer (MoEpic Table 1's
-    setting; replaces ``budget_gb``)."""
+    setting; replaces ``budget_gb``).  ``release_after_use`` turns caching off: an expert
+    leaves the GPU once used, and the budget only buffers transfers and prefetches
+    (MoE-Infinity Tables 2-4)."""
 
     budget_gb: float = 24.0
     experts_per_layer: int | None = None
+    release_after_use: bool = False
 
 
 @dataclass

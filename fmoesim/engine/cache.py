@@ -77,6 +77,12 @@ class ExpertCache:
     experts per layer"; its cache configurator's per-layer budgets).  The overall
     ``budget_bytes`` still holds.  :meth:`set_group_budget` changes a group's budget
     (shrinking evicts).
+
+    ``release_after_use`` turns caching off: an expert is evicted as soon as its last
+    pin is released after a use, so the budget is only a buffer for transfers in flight
+    and prefetches waiting to be used (MoE-Infinity §7.2: "we disable the caching of the
+    experts in all systems (i.e., experts are released from the buffer immediately after
+    being used)").
     """
 
     def __init__(
@@ -86,8 +92,10 @@ class ExpertCache:
         gpu: int = 0,
         group_of: Callable[[int], int] | None = None,
         group_budgets_bytes: dict[int, int] | None = None,
+        release_after_use: bool = False,
     ) -> None:
         self.budget_bytes = int(budget_bytes)
+        self.release_after_use = release_after_use
         self.policy = policy
         self.gpu = gpu
         self.entries: dict[int, Entry] = {}
@@ -249,10 +257,13 @@ class ExpertCache:
                 e.record.used = True
 
     def unpin(self, key: int) -> None:
-        """Release one pin of ``key``."""
+        """Release one pin of ``key`` (and, with ``release_after_use``, the expert with
+        its last pin)."""
         e = self.entries[key]
         e.pins -= 1
         if e.resident and not e.pins:
             self.evictable[key] = None
             if self.group_of is not None:
                 self.group_evictable[self.group_of(key)][key] = None
+            if self.release_after_use and e.used:
+                self.evict(key)

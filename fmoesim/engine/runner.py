@@ -120,6 +120,7 @@ class Runner:
             and self.N == 1
             and not self.segments
             and caches[0].group_of is None
+            and not caches[0].release_after_use  # the closed form keeps what it loads
             and backend.closed_form_demand
         )
         self.log: dict[str, list[Any]] | None = None

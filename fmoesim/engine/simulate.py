@@ -277,6 +277,7 @@ def simulate(
     fast: bool = True,
     experts_per_layer: int | None = None,
     make_backend: Callable[[list[ExpertCache]], Backend] | None = None,
+    release_after_use: bool = False,
 ) -> RunResult:
     """Simulate serving ``trace`` with ``policy`` under an expert budget of ``budget_bytes``
     per GPU (``hardware.num_gpus`` GPUs, experts round-robin).
@@ -295,7 +296,8 @@ def simulate(
     ``experts_per_layer`` gives every layer a cache of its own for that many experts
     (one GPU; MoEpic Table 1's setting); ``budget_bytes`` must then be their total.
     ``make_backend(caches)`` replaces the simulator's backend (the GPU replay,
-    :mod:`replay.backend`).
+    :mod:`replay.backend`).  ``release_after_use`` turns caching off (every cache evicts
+    an expert once it has been used; :class:`ExpertCache`).
     """
     model.validate()
     hardware.validate()
@@ -347,6 +349,7 @@ def simulate(
         and model.uniform_experts  # the fast path counts the budget in experts
         and groups is None
         and make_backend is None
+        and not release_after_use
     ):
         try:
             return _lru_hit_only(
@@ -386,9 +389,9 @@ def simulate(
     elif groups is not None:
         group_of = partial(_layer_group, E)
     caches = [
-        ExpertCache(int(budget_bytes), policy, g, group_of, groups)
+        ExpertCache(int(budget_bytes), policy, g, group_of, groups, release_after_use)
         if group_of is not None
-        else ExpertCache(int(budget_bytes), policy, gpu=g)
+        else ExpertCache(int(budget_bytes), policy, gpu=g, release_after_use=release_after_use)
         for g in range(num_gpus)
     ]
     metrics = Metrics(trace.num_layers, timing=timing)

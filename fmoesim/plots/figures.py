@@ -334,6 +334,22 @@ def mi_tab23(df: Any, plt: Any) -> tuple[Any, str]:
     return fig, _table(df, cols, ["policy"])
 
 
+def mi_tab4(df: Any, plt: Any) -> tuple[Any, str]:
+    """Table 4's design ladder: blocking time and bandwidth normalised to Vanilla."""
+    fig, df = _normalised(
+        df, plt, "moe-infinity-vanilla", "moe-infinity-tab4",
+        {"blocking_norm": ("stall_s", "GPU blocking time / Vanilla"),
+         "bandwidth_norm": ("pcie_bytes", "PCIe bytes / Vanilla")},
+    )  # fmt: skip
+    cols = {
+        "blocking (norm.)": ("blocking_norm", 1, ".2f"),
+        "bandwidth (norm.)": ("bandwidth_norm", 1, ".2f"),
+        "stall s": ("stall_s", 1, ".1f"),
+        "PCIe GB": ("pcie_bytes", 1e-9, ".0f"),
+    }
+    return fig, _table(df, cols, ["policy"])
+
+
 def mi_tab5(df: Any, plt: Any) -> tuple[Any, str]:
     """Buffer hit rate per policy and budget (belady = ideal demand caching)."""
     budgets = sorted(set(df.budget_gb))
@@ -470,6 +486,9 @@ FIGURES: dict[str, Figure] = {
     ),
     "moe-infinity-tab2-3": Figure(
         "moe-infinity-tab2-3", "MoE-Infinity Tables 2-3: blocking time and bandwidth", mi_tab23
+    ),
+    "moe-infinity-tab4": Figure(
+        "moe-infinity-tab4", "MoE-Infinity Table 4: prefetching design ladder", mi_tab4
     ),
     "moe-infinity-tab5": Figure(
         "moe-infinity-tab5", "MoE-Infinity Table 5: buffer hit rate", mi_tab5, False

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 #: colour per policy preset; families share a hue (fMoE variants are oranges, MoEpic
-#: variants greens, classic caches greys and blues)
+#: variants greens, MoE-Infinity variants blues, classic caches greys)
 POLICY_COLORS: dict[str, str] = {
     "fmoe": "#e6550d",
     "fmoe-map-ts": "#fd8d3c",
@@ -25,6 +25,9 @@ POLICY_COLORS: dict[str, str] = {
     "moepic-no-lcp": "#a1d99b",
     "moepic-no-cca": "#006d2c",
     "moe-infinity": "#3182bd",
+    "moe-infinity-vanilla": "#c6dbef",
+    "moe-infinity-tracing": "#9ecae1",
+    "moe-infinity-multi-layer": "#4292c6",
     "mixtral-offloading": "#756bb1",
     "adapmoe": "#9e9ac8",
     "promoe": "#c51b8a",
@@ -56,6 +59,9 @@ POLICY_MARKS: dict[str, tuple[str, str]] = {
     "moepic-no-lcp": ("<", "--"),
     "moepic-no-cca": ("v", "-."),
     "moe-infinity": ("v", "-"),
+    "moe-infinity-vanilla": ("8", ":"),
+    "moe-infinity-tracing": ("H", "--"),
+    "moe-infinity-multi-layer": ("d", "-."),
     "mixtral-offloading": ("^", "--"),
     "adapmoe": ("<", ":"),
     "promoe": ("D", ":"),
