@@ -1,14 +1,15 @@
-"""Digests of fMoE runs, to check that a change to ``policies/fmoe.py`` keeps every
-decision: the summary (less its wall-clock fields), the transfer table, the access log
-and the policy's own table, hashed per setting.
+"""Digests of a policy's runs (fMoE by default), to check that a change to the policy or
+the engine keeps every decision: the summary (less its wall-clock fields), the transfer
+table, the access log and the policy's own table, hashed per setting.
 
 Run ``python -m benchmarks.fmoe_digests --write FILE`` on a reference tree and
 ``python -m benchmarks.fmoe_digests --check FILE`` on the changed one (exit 1 on a
-difference).  Settings: Mixtral (bundled trace, RTX 3090) timed at 6 and 24 GB, offline
+difference); ``--policy moe-infinity`` (or any preset) digests that policy instead.
+Settings: Mixtral (bundled trace, RTX 3090) timed at 6 and 24 GB, offline
 (``held_in_fraction=0.7``) and online (empty store); online serving (arrivals, continuous
-batching); every ``conf/policy/fmoe*.yaml`` preset at 24 GB;
-Qwen3-30B-A3B timed (8 synthetic requests, a quarter of the experts); a hit-rate-only
-run; batch size 3.
+batching); every ``conf/policy/<policy>-*.yaml`` preset at 24 GB; Qwen3-30B-A3B timed (8
+synthetic requests, a quarter of the experts); a hit-rate-only run; batch size 3; caching
+off (``release_after_use``) at 13.7 GB.
 """
 
 from __future__ import annotations
@@ -73,35 +74,40 @@ def qwen3_setting(workdir: Path) -> tuple[Any, ModelSpec, int]:
     return read_trace(path), model, budget
 
 
-def runs(workdir: Path) -> Iterator[tuple[str, dict[str, Any], float]]:
-    """(name, digests, wall s) per setting."""
+def runs(workdir: Path, policy: str = "fmoe") -> Iterator[tuple[str, dict[str, Any], float]]:
+    """(name, digests, wall s) per setting of ``policy``."""
     trace = read_trace(PROJECT_ROOT / "traces" / "default")
     mixtral = load_preset("model", "mixtral-8x7b", ModelSpec)
     hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
     offline = ServingConfig(held_in_fraction=0.7)
     cases: list[tuple[str, Any, Any, str, float, dict[str, Any]]] = []
+    pol = policy
     for gb in (6, 24):
-        cases.append((f"mixtral-{gb}gb-online", trace, mixtral, "fmoe", gb * GB, {}))
+        cases.append((f"mixtral-{gb}gb-online", trace, mixtral, pol, gb * GB, {}))
         cases.append(
-            (f"mixtral-{gb}gb-offline", trace, mixtral, "fmoe", gb * GB, {"serving": offline})
+            (f"mixtral-{gb}gb-offline", trace, mixtral, pol, gb * GB, {"serving": offline})
         )
-    for p in sorted(CONF_DIR.glob("policy/fmoe-*.yaml")):
+    for p in sorted(CONF_DIR.glob(f"policy/{pol}-*.yaml")):
         cases.append((f"mixtral-24gb-{p.stem}", trace, mixtral, p.stem, 24 * GB, {}))
     arriving = ServingConfig(mode="online", arrivals="poisson", rate_rps=2.0, max_batch_size=4)
     cases.append(
-        ("mixtral-24gb-serving-online", trace, mixtral, "fmoe", 24 * GB, {"serving": arriving})
+        ("mixtral-24gb-serving-online", trace, mixtral, pol, 24 * GB, {"serving": arriving})
     )
-    cases.append(("mixtral-12gb-hit-only", trace, mixtral, "fmoe", 12 * GB, {"timing": False}))
+    cases.append(("mixtral-12gb-hit-only", trace, mixtral, pol, 12 * GB, {"timing": False}))
     cases.append(
-        ("mixtral-12gb-hit-only-offline", trace, mixtral, "fmoe", 12 * GB,
+        ("mixtral-12gb-hit-only-offline", trace, mixtral, pol, 12 * GB,
          {"timing": False, "serving": offline})
     )  # fmt: skip
     cases.append(
-        ("mixtral-12gb-batch3", trace, mixtral, "fmoe", 12 * GB,
+        ("mixtral-12gb-batch3", trace, mixtral, pol, 12 * GB,
          {"serving": ServingConfig(batch_size=3)})
     )  # fmt: skip
+    cases.append(
+        ("mixtral-39-slots-caching-off", trace, mixtral, pol, 39 * mixtral.expert_size_bytes,
+         {"serving": offline, "release_after_use": True})
+    )  # fmt: skip
     qt, qm, qb = qwen3_setting(workdir)
-    cases.append(("qwen3-quarter", qt, qm, "fmoe", qb, {}))
+    cases.append(("qwen3-quarter", qt, qm, pol, qb, {}))
     for name, tr, model, pol, budget, kw in cases:
         policy = _policy(pol)
         r = simulate(tr, model, hw, policy, int(budget), access_log=True, **kw)
@@ -121,6 +127,7 @@ def main() -> None:
     g.add_argument("--write", type=Path)
     g.add_argument("--check", type=Path)
     ap.add_argument("--workdir", type=Path, default=None, help="where the Qwen3 trace is kept")
+    ap.add_argument("--policy", default="fmoe", help="policy preset to digest (fmoe)")
     args = ap.parse_args()
     ref = json.loads(args.check.read_text()) if args.check else None
     out: dict[str, dict[str, str]] = {}
@@ -129,7 +136,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        for name, d, wall in runs(workdir):
+        for name, d, wall in runs(workdir, args.policy):
             out[name] = d
             status = ""
             if ref is not None:

@@ -348,6 +348,12 @@ class MoEInfinity(Policy):
         self._protected: dict[int, float] = {}  # key -> prefetch priority v (max cache prio)
         self._in: set[int] = set()  # keys admitted and not evicted (the policy's mirror)
         self._used = [0] * ctx.num_gpus  # len(_in) per GPU
+        # perf: victim() takes the least (cache priority, admission number) off a heap per
+        # GPU instead of scanning every cached key; entries go stale (the key left, was
+        # re-admitted, got protected) and are dropped when they surface
+        self._admitted = [0] * (L * E)  # key -> admission number
+        self._n_admitted = 0
+        self._heaps: list[list[tuple[float, int, int]]] = [[] for _ in range(ctx.num_gpus)]
         self._batch: BatchInfo | None = None
         self._iter = np.zeros((0, L, E), dtype=np.int64)  # (B, L, E) this iteration
         self._query: EAMCQuery | None = None
@@ -387,6 +393,7 @@ class MoEInfinity(Policy):
         tot = acc.sum(axis=1, keepdims=True)
         freq = np.divide(acc, tot, out=np.zeros_like(acc), where=tot > 0)
         self._cprio = (freq * self._layer_w[:, None]).reshape(-1).tolist()
+        self._rebuild_heaps()
         phase = "prefill" if batch.prefill else "decode"
         self._query = self.eamcs[phase].query() if self.request_level_tracing else None
 
@@ -435,6 +442,7 @@ class MoEInfinity(Policy):
         for key in [k for k in protected if k < base + E and k not in routed]:
             del protected[key]
             cancel.append(key)
+            self._unprotected(key)
         if layer + 1 >= L:
             return Actions(cancel=cancel) if cancel else NO_ACTIONS
         probs = self.predict(layer)  # (L, E)
@@ -465,6 +473,7 @@ class MoEInfinity(Policy):
         for key in [k for k in protected if k not in chosen]:
             del protected[key]
             cancel.append(key)
+            self._unprotected(key)
         inbuf = self._in
         new: list[tuple[int, float]] = []
         for key, p in chosen.items():
@@ -522,12 +531,36 @@ class MoEInfinity(Policy):
     # -- cache ------------------------------------------------------------------------
     def on_access(self, key: int, outcome: Outcome) -> None:
         """Case (i): a used expert's priority goes back to its request-level count."""
-        self._protected.pop(key, None)
+        if self._protected.pop(key, None) is not None:
+            self._unprotected(key)
 
     def on_insert(self, key: int) -> None:
         """Track what the buffer holds."""
         self._in.add(key)
         self._used[(key % self._E) % self._N] += 1
+        self._n_admitted += 1
+        self._admitted[key] = self._n_admitted
+        if key not in self._protected:
+            self._unprotected(key)
+
+    def _unprotected(self, key: int) -> None:
+        """``key`` competes on its cache priority again: a fresh heap entry."""
+        if key in self._in:
+            heapq.heappush(
+                self._heaps[(key % self._E) % self._N],
+                (self._cprio[key], self._admitted[key], key),
+            )
+
+    def _rebuild_heaps(self) -> None:
+        """Every cached, unprotected key at its (new) cache priority."""
+        heaps: list[list[tuple[float, int, int]]] = [[] for _ in range(self._N)]
+        cprio, adm, protected, E, N = self._cprio, self._admitted, self._protected, self._E, self._N
+        for k in self._in:
+            if k not in protected:
+                heaps[(k % E) % N].append((cprio[k], adm[k], k))
+        for h in heaps:
+            heapq.heapify(h)
+        self._heaps = heaps
 
     def on_evict(self, key: int) -> None:
         """Forget an evicted or cancelled expert."""
@@ -537,7 +570,33 @@ class MoEInfinity(Policy):
 
     def victim(self, candidates: Collection[int], incoming: int) -> int:
         """The unprotected candidate with the lowest cache priority (ties: oldest); if
-        all are protected, the least important prediction."""
+        all are protected, the least important prediction.
+
+        perf: the least valid entry of the incoming key's GPU heap that is a candidate
+        (cached keys in flight or in use are set aside and put back); the scan below is
+        the reference, and the fallback where no unprotected candidate is found."""
+        if incoming >= 0:
+            heap = self._heaps[(incoming % self._E) % self._N]
+            inbuf, protected, cprio, adm = self._in, self._protected, self._cprio, self._admitted
+            aside: list[tuple[float, int, int]] = []
+            found = -1
+            while heap:
+                p, n, k = heap[0]
+                if k not in inbuf or k in protected or adm[k] != n or cprio[k] != p:
+                    heapq.heappop(heap)  # stale
+                elif k in candidates:
+                    found = k
+                    break
+                else:
+                    aside.append(heapq.heappop(heap))
+            for item in aside:
+                heapq.heappush(heap, item)
+            if found >= 0:
+                return found
+        return self._victim_scan(candidates)
+
+    def _victim_scan(self, candidates: Collection[int]) -> int:
+        """:meth:`victim` by a scan of every candidate (the reference)."""
         protected, cprio = self._protected, self._cprio
         best, best_p = -1, INF
         spare, spare_p = -1, INF

@@ -698,3 +698,4 @@ def test_the_link_queue_stays_sorted_under_any_requests(ops):
         queued = [r for r in lk.live() if r.state == sim_engine._QUEUED]
         assert sorted(q, key=lambda r: (r.link_priority, r.seq), reverse=True) == q
         assert {id(r) for r in q} == {id(r) for r in queued} and len(q) == len(queued)
+        assert lk.link._qkeys == [(-r.link_priority, -r.seq) for r in q]  # the search keys

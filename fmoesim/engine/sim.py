@@ -43,12 +43,6 @@ _CANCELLED: Final = 3
 _DELAYED: Final = 4
 
 
-def _queue_key(job: TransferRecord) -> tuple[float, int]:
-    """A queued job's sort key, ascending along :attr:`SimLink._queue` (which holds
-    ``(link_priority, seq)`` descending)."""
-    return (-job.link_priority, -job.seq)
-
-
 class SimLink:
     """One host-to-device link (one per GPU).
 
@@ -103,6 +97,9 @@ class SimLink:
         # tuple comparisons, and no stale entries are popped (BrainStorm cancels ~6 of the
         # ~8 prefetches it queues per layer step; the heap was 15% of its run, callgrind)
         self._queue: list[TransferRecord] = []  # queued jobs, (link_priority, seq) descending
+        # perf: each queued job's sort key, ascending, kept beside the queue, so the binary
+        # search compares tuples in C instead of calling a key function per probe
+        self._qkeys: list[tuple[float, int]] = []
         self._delayed: list[tuple[float, int, TransferRecord]] = []  # (release_s, seq, job)
         # perf: no key -> job dict: the callers hold the records (a dict insert and delete
         # per transfer and a lookup per request, ~5% of BrainStorm's run, callgrind)
@@ -167,6 +164,7 @@ class SimLink:
         if self._delayed:
             self._release(t_s)
         if self._queue:
+            self._qkeys.pop()
             self._start(self._queue.pop(), t_s)
             return
         self.cur = None
@@ -232,18 +230,21 @@ class SimLink:
         every job that goes first (lower ``(link_priority, seq)``; ``seq`` is unique).
         perf: a binary search, as a multi-layer prefetcher queues thousands of jobs on a
         model of 48 x 128 experts (a scan from the end was half of MoE-Infinity's run)."""
-        q = self._queue
-        q.insert(bisect_left(q, (-job.link_priority, -job.seq), key=_queue_key), job)
+        k = (-job.link_priority, -job.seq)
+        i = bisect_left(self._qkeys, k)
+        self._qkeys.insert(i, k)
+        self._queue.insert(i, job)
 
     def _dequeue(self, job: TransferRecord) -> None:
         """Take queued ``job`` out of the queue (at the priority it was queued with)."""
         q = self._queue
-        i = bisect_left(q, (-job.link_priority, -job.seq), key=_queue_key)
+        i = bisect_left(self._qkeys, (-job.link_priority, -job.seq))
         if i == len(q) or q[i] is not job:  # pragma: no cover - a queued job is in place
             i = len(q) - 1
             while q[i] is not job:
                 i -= 1
         q.pop(i)
+        self._qkeys.pop(i)
 
     def escalate(self, job: TransferRecord, t_s: float) -> None:
         """Give ``job``, queued, delayed or running, on-demand priority."""
