@@ -368,6 +368,20 @@ def mi_tab5(df: Any, plt: Any) -> tuple[Any, str]:
     return fig, _table(df.sort_values(["budget_gb", "policy"]), cols, ["budget_gb", "policy"])
 
 
+def mi_fig9(df: Any, plt: Any) -> tuple[Any, str]:
+    """Decoding latency (TPOT) and request latency against the request rate."""
+    df = _with(df, "serving.rate_rps", "rps")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    _lines(axes[0], df, "rps", "tpot_mean_s", 1e3, "requests per second", "mean TPOT (ms)",
+           legend=False)  # fmt: skip
+    _lines(axes[1], df, "rps", "e2e_mean_s", 1, "requests per second", "mean request latency (s)")
+    for ax in axes:
+        ax.set_xscale("log")
+    cols = {"TPOT ms": ("tpot_mean_s", 1e3, ".1f"), "latency s": ("e2e_mean_s", 1, ".1f"),
+            "hit rate %": ("hit_rate", 100, ".2f")}  # fmt: skip
+    return fig, _table(df.sort_values(["policy", "rps"]), cols, ["policy", "rps"])
+
+
 def mi_fig13(df: Any, plt: Any) -> tuple[Any, str]:
     """Latency vs EAMC capacity."""
     df = _with(df, "policy.eamc_capacity", "capacity").sort_values("capacity")
@@ -493,6 +507,9 @@ FIGURES: dict[str, Figure] = {
     "moe-infinity-tab5": Figure(
         "moe-infinity-tab5", "MoE-Infinity Table 5: buffer hit rate", mi_tab5, False
     ),
+    "moe-infinity-fig9": Figure(
+        "moe-infinity-fig9", "MoE-Infinity Fig. 9: latency against request rate", mi_fig9
+    ),
     "moe-infinity-fig13": Figure(
         "moe-infinity-fig13", "MoE-Infinity Fig. 13: EAMC capacity", mi_fig13
     ),
@@ -556,6 +573,7 @@ def arrivals_note(df: Any) -> str:
     the trace's arrival times, Poisson arrivals at a rate, or an Azure-format CSV named
     by path; empty for static batches."""
     notes = []
+    rates: list[Any] = []
     for _, r in df.iterrows():
         if _cfg_get(r, "serving.mode", "static") != "online":
             continue
@@ -563,10 +581,14 @@ def arrivals_note(df: Any) -> str:
         if kind == "csv":
             note = f"arrivals from {_short(str(_cfg_get(r, 'serving.arrivals_csv', '?')))}"
         elif kind == "poisson":
-            note = f"Poisson arrivals at {_cfg_get(r, 'serving.rate_rps', '?')} requests/s"
+            rates.append(_cfg_get(r, "serving.rate_rps", "?"))
+            continue
         else:
             note = "arrivals at the trace's times"
         notes.append(note)
+    if rates:  # one note for every swept rate, in ascending order
+        ordered = sorted(set(rates), key=lambda v: (not isinstance(v, int | float), v))
+        notes.append(f"Poisson arrivals at {', '.join(map(str, ordered))} requests/s")
     return "online serving, " + "; ".join(dict.fromkeys(notes)) if notes else ""
 
 
