@@ -317,6 +317,8 @@ class Executor:
         self.w_shared = rnd(fs, 3, h) if fs else None
         fd = model.dense_intermediate_size
         self.w_dense = rnd(fd, 3, h) if model.dense_layers and fd else None
+        fr = model.residual_intermediate_size
+        self.w_residual = rnd(fr, 3, h) if fr else None
         self._head: Any = None
         self._x: Any = rnd(1, h)
         self._kv: Any = rnd(2, nq, 1, hd)
@@ -330,7 +332,7 @@ class Executor:
         weights = (2 * m.num_attention_heads + 2 * m.num_kv_heads) * m.head_dim * h
         weights += m.num_experts * h + m.vocab_size * h
         weights += 3 * h * (m.num_shared_experts * m.shared_expert_intermediate_size)
-        weights += 3 * h * m.dense_intermediate_size
+        weights += 3 * h * (m.dense_intermediate_size + m.residual_intermediate_size)
         acts = 8 * max_tokens * max(h, m.expert_intermediate_size)
         kv = 2 * m.num_attention_heads * max_kv * m.head_dim
         return int((weights + acts + kv) * el)
@@ -338,6 +340,7 @@ class Executor:
     def release(self) -> None:
         """Drop the device tensors of the stand-ins (the executor is unusable after)."""
         self.wq = self.wkv = self.wo = self.w_router = self.w_shared = self.w_dense = None
+        self.w_residual = None
         self._head = self._x = self._kv = None
 
     def _tokens(self, t: int) -> Any:
@@ -368,7 +371,10 @@ class Executor:
         return F.linear(o[0].transpose(0, 1).reshape(t, nq * hd), self.wo)
 
     def router(self, tokens: int) -> Any:
-        """The gate's projection."""
+        """The gate's projection, after the layer's residual dense MLP where the model has
+        one (Arctic)."""
+        if self.w_residual is not None:
+            self.ffn(self.w_residual, tokens)
         return self.F.linear(self._tokens(max(tokens, 1)), self.w_router)
 
     def shared(self, tokens: int) -> None:

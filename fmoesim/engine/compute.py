@@ -29,6 +29,8 @@ class ComputeModel:
     attn_pair_s: float  # per (query, key) pair of the score/value products
     router_a_s: float
     router_b_s: float
+    residual_a_s: float  # a residual dense MLP before the router (Arctic), 0 for none
+    residual_b_s: float
     dense_a_s: float  # a dense (non-MoE) layer's MLP
     dense_b_s: float
     lm_head_a_s: float
@@ -54,6 +56,8 @@ class ComputeModel:
             ffn(model.shared_expert_intermediate_size) if model.num_shared_experts else (0.0, 0.0)
         )
         dn_a, dn_b = ffn(model.dense_intermediate_size) if model.dense_layers else (0.0, 0.0)
+        rs = model.residual_intermediate_size
+        res_a, res_b = ffn(rs) if rs else (0.0, 0.0)
         attn_params = h * (q_dim + 2 * kv_dim) + q_dim * h
         values = dict(
             expert_a_s=exp_a,
@@ -66,6 +70,8 @@ class ComputeModel:
             attn_pair_s=4 * q_dim / flops,
             router_a_s=k0 + h * model.num_experts * bpe / mem,
             router_b_s=2 * h * model.num_experts / flops,
+            residual_a_s=res_a,
+            residual_b_s=res_b,
             dense_a_s=dn_a,
             dense_b_s=dn_b,
             lm_head_a_s=k0 + model.vocab_size * h * bpe / mem,
@@ -94,8 +100,13 @@ class ComputeModel:
         )
 
     def router_s(self, tokens: int) -> float:
-        """The router (gate) of one layer."""
-        return self.router_a_s + self.router_b_s * tokens
+        """The router (gate) of one layer, after the layer's residual dense MLP where the
+        model has one (it computes before the router, so a demand load cannot hide
+        behind it)."""
+        r = self.router_a_s + self.router_b_s * tokens
+        if self.residual_a_s:
+            r += self.residual_a_s + self.residual_b_s * tokens
+        return r
 
     def dense_mlp_s(self, tokens: int) -> float:
         """The MLP of one dense (non-MoE) layer."""

@@ -507,6 +507,12 @@ FIGURES: dict[str, Figure] = {
     "moe-infinity-tab5": Figure(
         "moe-infinity-tab5", "MoE-Infinity Table 5: buffer hit rate", mi_tab5, False
     ),
+    "moe-infinity-tab2-3-arctic": Figure(
+        "moe-infinity-tab2-3-arctic", "MoE-Infinity Tables 2-3, Arctic", mi_tab23
+    ),
+    "moe-infinity-tab5-arctic": Figure(
+        "moe-infinity-tab5-arctic", "MoE-Infinity Table 5, Arctic", mi_tab5, False
+    ),
     "moe-infinity-fig9": Figure(
         "moe-infinity-fig9", "MoE-Infinity Fig. 9: latency against request rate", mi_fig9
     ),

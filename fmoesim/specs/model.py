@@ -48,6 +48,9 @@ class ModelSpec:
     matrices, so ``expert_size_bytes = 3 * hidden * intermediate * bytes(dtype)``
     (a Mixtral-8x7B expert in bf16: 3 x 4096 x 14336 x 2 = 352,321,536 bytes).
     Shared (always-on) experts are resident and outside the expert budget.
+    ``residual_intermediate_size`` is a dense SwiGLU MLP in every MoE layer, computed
+    before the layer's router and resident like a shared expert (Snowflake Arctic's
+    residual MLP beside its MoE: ``parallel_attn_mlp_res``); 0 for none.
 
     ``expert_size_bytes_by_layer`` (one size per MoE layer) replaces that size where a
     model's quantization differs by layer (GGUF Q4_K_M keeps some layers' down
@@ -63,6 +66,7 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0
     dense_layers: int = 0
     dense_intermediate_size: int = 0
+    residual_intermediate_size: int = 0
     hidden_size: int = 4096
     expert_intermediate_size: int = 14336
     num_attention_heads: int = 32
@@ -136,6 +140,7 @@ class ModelSpec:
             "shared_expert_intermediate_size",
             "dense_layers",
             "dense_intermediate_size",
+            "residual_intermediate_size",
         ):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 0:
