@@ -67,7 +67,7 @@ def test_run_writes_summary_with_hand_computed_hit_rate(tmp_path):
 
 BAD = [
     (["policy=nope"], "policy=nope: unknown policy; valid: "),
-    (["model=nope"], "valid: deepseek-v2-lite, deepseek-v3, gpt-oss-120b"),
+    (["model=nope"], "valid: arctic, deepseek-v2-lite, deepseek-v3, gpt-oss-120b"),
     (["hardware=nope"], "valid: a5000-pcie4, a6000-pcie4"),
     (["cache.budgt_gb=3"], "config key 'cache.budgt_gb': unknown key"),
     (["cache.budget_gb=0"], "config key 'cache.budget_gb' = 0.0: must be > 0"),
@@ -155,4 +155,4 @@ def test_synth_cli_writes_valid_trace_and_rejects_unknown_knob(tmp_path):
     assert p.returncode == 2 and "unknown knob" in p.stderr
     assert not (tmp_path / "x").exists()
     p = run("fmoesim.cli.trace_cli", "synth", "--model", "nope", str(tmp_path / "y"))
-    assert p.returncode == 2 and "valid: deepseek-v2-lite" in p.stderr
+    assert p.returncode == 2 and "valid: arctic, deepseek-v2-lite" in p.stderr

@@ -179,13 +179,12 @@ def test_moepic_ablation_run_is_long_enough_for_the_configurator() -> None:
     """Table 3's "w/o CCA" only differs from MoEpic if the configurator runs: the tokens
     the experiment's requests process must exceed its τ (at the paper's 5,000 they did
     not, and the two rows were identical)."""
-    from fmoesim.cli.main import compose_config
-    from fmoesim.config.schema import PROJECT_ROOT
+    from fmoesim.cli.main import _trace_path, compose_config
+    from fmoesim.config.build import build_run
     from fmoesim.trace import read_trace
 
     cfg = compose_config(["experiment=moepic-tab3"])
-    assert cfg.workload.path == "traces/default"
-    tr = read_trace(PROJECT_ROOT / cfg.workload.path)
+    tr = read_trace(_trace_path(build_run(cfg)))
     n = cfg.serving.max_requests
     tokens = int(tr.prompt_tokens[:n].sum() + tr.output_tokens[:n].sum() - n)
     assert cfg.policy.tau_tokens < tokens, (cfg.policy.tau_tokens, tokens)
@@ -243,7 +242,7 @@ def _legend_clear_of_data(fig) -> list:
 #: the figures with a legend (the others name their series on the x axis)
 WITH_LEGEND = {"fmoe-fig4", "fmoe-fig10", "fmoe-fig11", "fmoe-fig13", "fmoe-fig14a",
                "fmoe-fig14b", "fmoe-fig16", "moe-infinity-fig9", "moe-infinity-tab5",
-               "moe-infinity-tab5-arctic", "moepic-tab1",
+               "moe-infinity-tab5-arctic", "moepic-fig7", "moepic-tab1",
                "moepic-fig8"}  # fmt: skip
 
 

@@ -97,10 +97,11 @@ def test_moepic_testbed_qwen_compute_and_loading():
 
 
 def test_moepic_2bit_mixtral():
-    """Red when the 2-bit Mixtral preset's experts are not a quarter of a byte per weight
-    (MoEpic §4.1) or its routing shape differs from mixtral-8x7b's (its traces must fit)."""
+    """Red when the 2-bit Mixtral preset's experts are not 2-bit HQQ with its scales and
+    zeros (MoEpic §4.1; Mixtral-Offloading's group of 16: 3.015625 bits a weight) or its
+    routing shape differs from mixtral-8x7b's (its traces must fit)."""
     q, m = model("mixtral-8x7b-2bit").validate(), model("mixtral-8x7b")
-    assert q.expert_size_bytes == MIXTRAL_EXPERT_BYTES // 8 == 44_040_192
+    assert q.expert_size_bytes == MIXTRAL_EXPERT_BYTES // 16 * 3.015625 == 66_404_352
     for key in ("num_layers", "num_experts", "top_k", "hidden_size"):
         assert getattr(q, key) == getattr(m, key)
     # no number of its own: it runs on the testbed's calibrated kernel cost

@@ -407,6 +407,17 @@ def moepic_tab1(df: Any, plt: Any) -> tuple[Any, str]:
     return fig, "\n".join(lines)
 
 
+def moepic_fig7(df: Any, plt: Any) -> tuple[Any, str]:
+    """TTFT and TPOT against the expert budget."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    _lines(axes[0], df, "budget_gb", "ttft_mean_s", 1, "expert budget (GB)", "mean TTFT (s)",
+           legend=False)  # fmt: skip
+    _lines(axes[1], df, "budget_gb", "tpot_mean_s", 1e3, "expert budget (GB)", "mean TPOT (ms)")
+    cols = {"TTFT s": ("ttft_mean_s", 1, ".2f"), "TPOT ms": ("tpot_mean_s", 1e3, ".1f"),
+            "hit rate %": ("hit_rate", 100, ".2f")}  # fmt: skip
+    return fig, _table(df.sort_values(["policy", "budget_gb"]), cols, ["policy", "budget_gb"])
+
+
 def moepic_tab3(df: Any, plt: Any) -> tuple[Any, str]:
     """Ablations: TTFT and TPOT relative to full MoEpic; the configurator's runs and the
     final mean split ratio θ show what the cache configuration changed (τ = 1,000 tokens
@@ -521,6 +532,9 @@ FIGURES: dict[str, Figure] = {
     ),
     "moepic-tab1": Figure(
         "moepic-tab1", "MoEpic Table 1: hit rate vs cache size", moepic_tab1, False
+    ),
+    "moepic-fig7": Figure(
+        "moepic-fig7", "MoEpic Fig. 7: TTFT and TPOT against the budget", moepic_fig7
     ),
     "moepic-tab3": Figure("moepic-tab3", "MoEpic Table 3: ablations", moepic_tab3),
     "moepic-fig8": Figure(
