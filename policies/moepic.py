@@ -41,7 +41,11 @@ class MoEpic(Policy):
     groups of ``C_i`` tops of ``round(θ_i S)`` bytes.  The buffer (``buffer_experts``)
     defaults to ``2K``: the prefetch of layer ``i + 1`` runs while layer ``i`` computes
     from the buffer, so with ``K`` every prefetch meets a buffer full of in-use parts
-    and is dropped (the paper does not say where those parts sit).  ``θ = 0`` caches
+    and is dropped (the paper does not say where those parts sit).  The paper's buffer
+    sits beside the budget ``V_e`` that MoEpic shares with the baselines (eq. 8,
+    ``V_e = V - U_n - U_b``); here it is inside the run's budget, the one number every
+    policy of a sweep gets, so MoEpic caches ``2K`` experts' worth less than the paper's
+    at the same budget (4 of Mixtral's 96 at §4.1's default).  ``θ = 0`` caches
     nothing (prefetch only), ``θ = 1`` with ``prefetch="none"`` caches whole experts per
     layer (cache only), as §2.3 says.
 
@@ -52,7 +56,12 @@ class MoEpic(Policy):
     trace's ``spec_probs`` (``gate.spec_next``; at the last gate, the next iteration's
     layer 0), prefetched in that order as long as the buffer has room; at the next gate
     the queued ones the router did not pick are cancelled (the ones it picked load on
-    demand).  ``prefetch="random"`` (Table 3 "w/o SP") orders them at random,
+    demand); one already on the link finishes and holds its room in the buffer until it
+    lands, because a started host-to-device copy is not aborted (the paper "terminates
+    the prefetch operation" without saying how; ``tests/test_moepic_fig3.py`` times the
+    difference).  A missing expert loads as its top (which joins its layer's cache),
+    then its bottom, so the top computes while the bottom loads (eq. 6 charges the whole
+    expert's load).  ``prefetch="random"`` (Table 3 "w/o SP") orders them at random,
     ``"none"`` prefetches nothing.
 
     Cache (§3.3, eq. 4).  LCP: ``P = mu * rho ** (nu / omega)`` per expert, ``mu`` the

@@ -194,3 +194,58 @@ def test_a_residual_mlp_runs_before_the_router_and_hides_no_load(seq_trace):
     assert r["simulated_s"] == pytest.approx(plain["simulated_s"] + 12 * mlp, rel=1e-9)
     shared = dataclasses.replace(TINY, num_shared_experts=1, shared_expert_intermediate_size=1000)
     assert simulate(seq_trace, shared, TINY_HW, LRU(), S).summary["stall_s"] < r["stall_s"]
+
+
+@pytest.mark.parametrize("timing", [True, False])
+@pytest.mark.parametrize("fast", [True, False])
+def test_preload_is_gpu_rich(seq_trace, timing, fast):
+    """``preload`` (a GPU-Rich deployment): with room for all eight experts, every one of
+    the 12 accesses hits, nothing crosses the link and the GPU never waits.  Red if the
+    LRU fast path or the demand closed form ignore the preloaded experts, or a preloaded
+    expert is counted as a transfer."""
+    S = TINY.expert_size_bytes
+    s = simulate(seq_trace, TINY, TINY_HW, LRU(), 8 * S, timing=timing, fast=fast, preload=True)
+    s = s.summary
+    assert (s["hits"], s["late"], s["misses"]) == (12, 0, 0)
+    assert s["pcie_bytes"] == 0 and s["evictions"] == 0
+    if timing:
+        assert s["stall_s"] == 0.0
+
+
+def test_preload_spreads_experts_over_gpus_and_refuses_what_does_not_fit(seq_trace):
+    """Two GPUs hold experts round-robin (``e % 2``): two experts of each layer apiece, so
+    four experts of budget per GPU hold the model and three do not (one line naming the
+    budget and what the GPU needs).  Red if every GPU were loaded with every expert, or a
+    budget too small were silently overfilled."""
+    from dataclasses import replace
+
+    from fmoesim.errors import ConfigError
+    from policies.moepic import MoEpic
+
+    S = TINY.expert_size_bytes
+    hw2 = replace(TINY_HW, num_gpus=2)
+    r = simulate(seq_trace, TINY, hw2, LRU(), 4 * S, preload=True)
+    assert r.summary["hits"] == 12 and r.summary["pcie_bytes"] == 0
+    assert [sorted(c.entries) for c in r.caches] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    with pytest.raises(ConfigError, match="cache.budget_gb.*needs 0.024 GB on GPU 0"):
+        simulate(seq_trace, TINY, hw2, LRU(), 3 * S, preload=True)
+    with pytest.raises(ConfigError, match="cache.preload"):
+        simulate(seq_trace, TINY, TINY_HW, LRU(), 8 * S, preload=True, release_after_use=True)
+    with pytest.raises(ConfigError, match="cache.preload.*splits them"):
+        simulate(seq_trace, TINY, TINY_HW, MoEpic(warm_start=False, buffer_experts=1), 8 * S,
+                 preload=True)  # fmt: skip
+
+
+def test_preload_is_a_config_key():
+    """``cache.preload`` reaches the run (red if the key is dropped between the config and
+    :func:`simulate`)."""
+    from fmoesim.cli.main import compose_config
+    from fmoesim.config.build import build_run, simulate_spec
+
+    spec = build_run(
+        compose_config(["cache.preload=true", "cache.budget_gb=100", "serving.max_requests=1"])
+    )
+    assert spec.preload
+    trace = read_trace(Path(__file__).resolve().parents[1] / "traces" / "default")
+    s = simulate_spec(spec, trace).summary
+    assert s["misses"] == 0 and s["late"] == 0 and s["pcie_bytes"] == 0

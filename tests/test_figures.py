@@ -241,7 +241,8 @@ def _legend_clear_of_data(fig) -> list:
 
 #: the figures with a legend (the others name their series on the x axis)
 WITH_LEGEND = {"fmoe-fig4", "fmoe-fig10", "fmoe-fig11", "fmoe-fig13", "fmoe-fig14a",
-               "fmoe-fig14b", "fmoe-fig16", "moe-infinity-fig9", "moe-infinity-tab5",
+               "fmoe-fig14b", "fmoe-fig16", "moe-infinity-fig9", "moe-infinity-fig9-gpu-rich",
+               "moe-infinity-tab5",
                "moe-infinity-tab5-arctic", "moepic-fig7", "moepic-tab1",
                "moepic-fig8"}  # fmt: skip
 

@@ -72,6 +72,7 @@ class RunSpec:
     progress: bool
     experts_per_layer: int | None = None
     release_after_use: bool = False
+    preload: bool = False
 
 
 def build_run(cfg: DictConfig) -> RunSpec:
@@ -131,6 +132,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
         bool(cfg.progress),
         per_layer,
         bool(cfg.cache.get("release_after_use", False)),
+        bool(cfg.cache.get("preload", False)),
     )
 
 
@@ -177,6 +179,7 @@ def simulate_spec(
         "progress": spec.progress,
         "experts_per_layer": spec.experts_per_layer,
         "release_after_use": spec.release_after_use,
+        "preload": spec.preload,
         **overrides,
     }
     return simulate(

@@ -41,11 +41,14 @@ class CacheConfig:
     ``experts_per_layer`` experts in a cache of their own per layer (MoEpic Table 1's
     setting; replaces ``budget_gb``).  ``release_after_use`` turns caching off: an expert
     leaves the GPU once used, and the budget only buffers transfers and prefetches
-    (MoE-Infinity Tables 2-4)."""
+    (MoE-Infinity Tables 2-4).  ``preload`` is a GPU-Rich deployment: every expert is
+    resident on its GPU from the start and nothing crosses the link (the budget per GPU
+    must hold its share; MoE-Infinity Fig. 9's reference)."""
 
     budget_gb: float = 24.0
     experts_per_layer: int | None = None
     release_after_use: bool = False
+    preload: bool = False
 
 
 @dataclass

@@ -260,6 +260,35 @@ def _run_fields(
     }
 
 
+def _preload(
+    caches: list[ExpertCache], model: ModelSpec, policy: Policy, release_after_use: bool
+) -> None:
+    """Make every expert resident on its GPU (experts round-robin, ``e % num_gpus``), as
+    a GPU-Rich deployment holds them: admitted and completed without a transfer."""
+    if policy.uses_segments:
+        raise ConfigError("cache.preload", True, f"holds whole experts; {policy.name} splits them")
+    if release_after_use:
+        raise ConfigError("cache.preload", True, "contradicts cache.release_after_use")
+    E, N = model.num_experts, len(caches)
+    need = [0] * N
+    for size in model.layer_expert_bytes:
+        for e in range(E):
+            need[e % N] += size
+    for g, cache in enumerate(caches):
+        if need[g] > cache.budget_bytes:
+            raise ConfigError(
+                "cache.budget_gb",
+                cache.budget_bytes / GB,
+                f"cache.preload needs {need[g] / GB:.3f} GB on GPU {g} for its experts",
+            )
+    for layer, size in enumerate(model.layer_expert_bytes):
+        for e in range(E):
+            cache = caches[e % N]
+            key = layer * E + e
+            cache.admit(key, size, "preload")
+            cache.complete(key)
+
+
 def simulate(
     trace: Trace,
     model: ModelSpec,
@@ -278,6 +307,7 @@ def simulate(
     experts_per_layer: int | None = None,
     make_backend: Callable[[list[ExpertCache]], Backend] | None = None,
     release_after_use: bool = False,
+    preload: bool = False,
 ) -> RunResult:
     """Simulate serving ``trace`` with ``policy`` under an expert budget of ``budget_bytes``
     per GPU (``hardware.num_gpus`` GPUs, experts round-robin).
@@ -297,7 +327,9 @@ def simulate(
     (one GPU; MoEpic Table 1's setting); ``budget_bytes`` must then be their total.
     ``make_backend(caches)`` replaces the simulator's backend (the GPU replay,
     :mod:`replay.backend`).  ``release_after_use`` turns caching off (every cache evicts
-    an expert once it has been used; :class:`ExpertCache`).
+    an expert once it has been used; :class:`ExpertCache`).  ``preload`` is a GPU-Rich
+    deployment: every expert is resident on its GPU before the first request and nothing
+    crosses the link (each GPU's budget must hold its experts; whole experts only).
     """
     model.validate()
     hardware.validate()
@@ -350,6 +382,7 @@ def simulate(
         and groups is None
         and make_backend is None
         and not release_after_use
+        and not preload
     ):
         try:
             return _lru_hit_only(
@@ -394,6 +427,8 @@ def simulate(
         else ExpertCache(int(budget_bytes), policy, gpu=g, release_after_use=release_after_use)
         for g in range(num_gpus)
     ]
+    if preload:
+        _preload(caches, model, policy, release_after_use)
     metrics = Metrics(trace.num_layers, timing=timing)
     backend: Backend
     if make_backend is not None:

@@ -1,0 +1,213 @@
+"""MoEpic Fig. 3 (``002`` §2): two consecutive layers of one decoding token under a
+cache-based policy, a prefetch-based one and MoEpic, hand-timed, and the engine's split
+expert against the paper's eq. 5-7.
+
+Every time is a round number: a layer's attention (and router) takes ``ATT`` = 1.5 ms, an
+expert's FFN ``T`` = 2 ms (a segment of share ``f`` takes ``f T``), the LM head ``HEAD`` =
+1 ms, and a whole expert crosses the link in ``X`` = 4 ms (no fixed cost per transfer).
+A token's iteration with every expert resident takes ``2 ATT + 2 T + HEAD`` = 8 ms.
+
+Each trace is one request of two iterations: the prefill of its single prompt token
+sets the caches up, the decode step is the token of Fig. 3, and its TPOT is that step's
+time.  As in the figure, the first layer's expert is resident; what differs is how the
+second layer's expert gets there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fmoesim.engine.simulate import simulate
+from fmoesim.trace import TraceManifest, TraceModel, TraceWriter, read_trace
+from fmoesim.trace.reader import Trace
+from policies.lru import LRU
+from policies.moepic import MoEpic
+from policies.pregated import PreGated
+from tests.tiny import TINY_HW, small_model
+
+M = small_model(2, 4, 1)  # two MoE layers of four experts, top-1; a 6 MB expert
+S = M.expert_size_bytes
+ATT, T, HEAD, X = 1.5e-3, 2.0e-3, 1.0e-3, 4.0e-3
+HW = replace(
+    TINY_HW,
+    pcie_gbps=S / X / 1e9,  # a whole expert in X
+    transfer_overhead_s=0.0,
+    measured={
+        M.name: {
+            "expert_a_s": T,
+            "expert_b_s": 0.0,
+            "attn_a_s": ATT,
+            "attn_b_s": 0.0,
+            "attn_kv_s": 0.0,
+            "attn_pair_s": 0.0,
+            "router_a_s": 0.0,
+            "router_b_s": 0.0,
+            "lm_head_a_s": HEAD,
+            "lm_head_b_s": 0.0,
+        }
+    },
+)
+ALL_RESIDENT = 2 * ATT + 2 * T + HEAD
+
+
+def two_steps(path: Path, routes: list[tuple[int, int]], spec: list[tuple[int, int]]) -> Trace:
+    """One request: a one-token prefill routed ``routes[0]`` (layer 0, layer 1) and one
+    decode step routed ``routes[1]``; ``spec[i]`` (layer 0, layer 1) is the expert the
+    speculative router (MoEpic eq. 3) ranks first for each layer of iteration ``i``, every
+    other expert sharing the rest of the probability."""
+    L, E = M.num_layers, M.num_experts
+    man = TraceManifest(
+        model=TraceModel(
+            name=M.name, num_layers=L, num_experts=E, top_k=M.top_k, hidden_size=M.hidden_size
+        ),
+        embedding_dim=0,
+        source={"kind": "synthetic", "generator": "tests/test_moepic_fig3.py"},
+        has_probs=True,
+        has_spec_probs=True,
+    )
+    with TraceWriter(path, man, overwrite=True) as w:
+        w.add_request(0, 1, 2)
+        for i, (route, guess) in enumerate(zip(routes, spec, strict=True)):
+            counts = np.zeros((L, E), np.int32)
+            counts[np.arange(L), route] = 1
+            probs = np.zeros((L, E))
+            probs[np.arange(L), route] = 1.0
+            sp = np.full((L, E), 0.1)
+            sp[np.arange(L), guess] = 0.7
+            w.add_iteration(0, i, 1, None, counts, probs, sp)
+    return read_trace(path)
+
+
+def tpot(result) -> float:  # type: ignore[no-untyped-def]
+    """The decode step's time (the request's one TPOT)."""
+    return float(result.metrics.request_table()["tpot_s"][0])
+
+
+class GivenTops(MoEpic):
+    """MoEpic with its configuration given instead of searched: ``theta`` per layer and
+    the experts whose tops are cached from the start (Fig. 3 draws a configured cache)."""
+
+    def __init__(self, theta: list[float], tops: list[tuple[int, int]], **kw: object) -> None:
+        super().__init__(configurator=False, buffer_experts=1, **kw)  # type: ignore[arg-type]
+        self.given_theta, self.tops = theta, tops
+
+    def reset(self, ctx):  # type: ignore[no-untyped-def]
+        super().reset(ctx)
+        self._theta = np.array(self.given_theta)
+        self._sizes = self._cache_sizes(self._V, self._theta)
+
+    def _initial_tops(self):  # type: ignore[no-untyped-def]
+        from policies.base import Actions, Prefetch
+
+        n, E = self._n, self._E
+        return Actions(prefetch=[Prefetch(n + i * E + e, 10.0, "configure") for i, e in self.tops])
+
+
+def eq5_7(alpha: int, beta: int, gamma: int, theta: float, window_s: float) -> float:
+    """MoEpic eq. 5-6 for one layer, with the prefetch window's work already counted:
+    the expert loading a layer cannot hide behind the compute of what it holds,
+    ``max(0, T_miss - T_hide)``; ``T_miss = (beta (1 - theta) + gamma) X`` less what
+    the window (eq. 7) moved before the router."""
+    hide = (alpha + beta * theta) * T
+    miss = max(0.0, (beta * (1 - theta) + gamma) * X - window_s)
+    return max(0.0, miss - hide)
+
+
+# -- (a) cache-based: a hit computes, a miss loads on demand -----------------------------
+def test_cache_based_hit_and_miss(tmp_path):
+    """LRU with room for three experts.  Prefill: (e0, e3); decode (e0, e1): layer 0 hits,
+    layer 1 misses and waits a whole X; with (e0, e3) again both hit.  Red if a demand
+    load overlapped compute it cannot overlap, or a resident expert were charged a load."""
+    spec = [(0, 0), (0, 0)]
+    miss = two_steps(tmp_path / "m", [(0, 3), (0, 1)], spec)
+    hit = two_steps(tmp_path / "h", [(0, 3), (0, 3)], spec)
+    assert tpot(simulate(miss, M, HW, LRU(), 3 * S)) == pytest.approx(ALL_RESIDENT + X)
+    assert tpot(simulate(hit, M, HW, LRU(), 3 * S)) == pytest.approx(ALL_RESIDENT)
+    assert eq5_7(0, 0, 1, 0.0, 0.0) == pytest.approx(X)  # eq. 6 with one expert offloaded
+
+
+# -- (c) prefetch-based: the next layer's expert loads behind this layer's compute -------
+def test_prefetch_based_hides_what_the_window_covers(tmp_path):
+    """Pre-gated MoE with room for two experts (no cache beyond the two layers).  At layer
+    0's gate it prefetches layer 1's predicted expert; the window is layer 0's expert
+    and layer 1's attention, ``T + ATT`` = 3.5 ms, against X = 4 ms: 0.5 ms show.  A wrong
+    guess leaves the whole load to the router's result: the GPU waits for the wrong
+    expert's transfer already on the link (0.5 ms: the engine, like a copy engine, does
+    not abort a started copy) and then X.  Red if the window left out the next layer's
+    attention or a prefetch started before its gate."""
+    right = two_steps(tmp_path / "r", [(0, 3), (0, 1)], [(0, 3), (0, 1)])
+    wrong = two_steps(tmp_path / "w", [(0, 3), (0, 1)], [(0, 3), (0, 2)])
+    window = T + ATT
+    assert tpot(simulate(right, M, HW, PreGated(), 2 * S)) == pytest.approx(
+        ALL_RESIDENT + eq5_7(0, 0, 1, 0.0, window)
+    )
+    assert tpot(simulate(wrong, M, HW, PreGated(), 2 * S)) == pytest.approx(
+        ALL_RESIDENT + (X - window) + X
+    )
+
+
+# -- (d) MoEpic: cached tops, prefetched bottoms, tops computing while bottoms load -------
+THETA = 0.25  # layer 1's split ratio: a 1 ms top and a 3 ms bottom (X); T / 4 and 3T / 4
+
+
+def moepic(tops: list[tuple[int, int]]) -> GivenTops:
+    """Layer 0 caches whole experts (θ = 1), layer 1 splits at :data:`THETA`; with a
+    budget of three experts: a buffer of one expert (one bottom of layer 1, or one whole
+    expert), one whole expert for layer 0 and four tops for layer 1."""
+    return GivenTops([1.0, THETA], tops)
+
+
+def test_moepic_right_guess_hides_the_bottom(tmp_path):
+    """Layer 1's top is cached and the guess is right: at layer 0's gate only the bottom
+    (3 ms) is prefetched, and the 3.5 ms window covers it: a hit, nothing shows, where
+    the prefetch-based policy showed 0.5 ms (Fig. 3(c) against (d)).  Red if a cached
+    top's expert were prefetched whole (4 ms: 0.5 ms would show)."""
+    tr = two_steps(tmp_path / "t", [(0, 3), (0, 1)], [(0, 3), (0, 1)])
+    r = simulate(tr, M, HW, moepic([(0, 0), (1, 1)]), 3 * S)
+    assert tpot(r) == pytest.approx(ALL_RESIDENT)
+    assert eq5_7(1, 0, 0, THETA, T + ATT) == 0.0
+
+
+def test_moepic_wrong_guess_top_computes_while_the_bottom_loads(tmp_path):
+    """Layer 1's top is cached, the guess names expert 2 (no top: its whole expert is
+    prefetched into the buffer, 4 ms from layer 0's gate).  At layer 1's router (3.5 ms)
+    expert 1's bottom must load: the buffer holds the wrong expert until it lands (4 ms;
+    a started copy is not aborted), then the bottom takes 3 ms while the top computes
+    T/4 from 3.5 ms: the GPU waits 7.0 - 4.0 = 3 ms.  Eq. 5-6 (beta = 1) give
+    ``(1 - θ) X - θ T`` = 2.5 ms: the paper's MoEpic "terminates the prefetch operation"
+    at the router; the difference is the 0.5 ms the wrong copy still had to go.  Red if
+    the top waited for its bottom before computing (3.5 ms)."""
+    tr = two_steps(tmp_path / "t", [(0, 3), (0, 1)], [(0, 3), (0, 2)])
+    r = simulate(tr, M, HW, moepic([(0, 0), (1, 1)]), 3 * S)
+    left_of_wrong_copy = X - (T + ATT)
+    paper = eq5_7(0, 1, 0, THETA, 0.0)
+    assert paper == pytest.approx((1 - THETA) * X - THETA * T)
+    assert tpot(r) == pytest.approx(ALL_RESIDENT + paper + left_of_wrong_copy)
+    assert r.summary["misses"] == 1  # the decode step's layer 1 (its bottom was missing)
+
+
+def test_moepic_top_cached_nothing_prefetched(tmp_path):
+    """As eq. 5-6 with beta = 1 and an empty window: layer 1's top is cached, no prefetch
+    (``prefetch="none"``): its bottom loads on demand (3 ms) while its top computes
+    (0.5 ms): 2.5 ms show, against X = 4 ms for the cache-based miss of (a).  Red if the
+    whole expert were loaded for a cached top (4 ms)."""
+    tr = two_steps(tmp_path / "t", [(0, 3), (0, 1)], [(0, 3), (0, 1)])
+    pol = GivenTops([1.0, THETA], [(0, 0), (1, 1)], prefetch="none")
+    r = simulate(tr, M, HW, pol, 3 * S)
+    assert tpot(r) == pytest.approx(ALL_RESIDENT + eq5_7(0, 1, 0, THETA, 0.0))
+
+
+def test_moepic_nothing_cached_loads_top_then_bottom(tmp_path):
+    """Layer 1's expert has no top and no prefetch: eq. 6 with gamma = 1 charges a whole
+    X.  The engine loads the missing expert as its top (1 ms) and then its bottom (3 ms),
+    and the top computes while the bottom loads ("processes ... top segments that are
+    already residing in VRAM"): 4 - T/4 = 3.5 ms show, eq. 6 less the top's compute.
+    Red if the bottom went over the link before the top (the top could not compute early)."""
+    tr = two_steps(tmp_path / "t", [(0, 3), (0, 1)], [(0, 3), (0, 1)])
+    pol = GivenTops([1.0, THETA], [(0, 0)], prefetch="none")
+    r = simulate(tr, M, HW, pol, 3 * S)
+    assert tpot(r) == pytest.approx(ALL_RESIDENT + eq5_7(0, 0, 1, THETA, 0.0) - THETA * T)
