@@ -318,12 +318,14 @@ def _normalised(
     return fig, df
 
 
-def mi_tab23(df: Any, plt: Any) -> tuple[Any, str]:
-    """Blocking time and bandwidth normalised to on-demand (deepspeed)."""
+def _blocking_bandwidth(
+    df: Any, plt: Any, reference: str, experiment: str, name: str
+) -> tuple[Any, str]:
+    """Blocking time and PCIe bytes normalised to ``reference``'s (called ``name``)."""
     fig, df = _normalised(
-        df, plt, "deepspeed", "moe-infinity-tab2-3",
-        {"blocking_norm": ("stall_s", "GPU blocking time / on-demand"),
-         "bandwidth_norm": ("pcie_bytes", "PCIe bytes / on-demand")},
+        df, plt, reference, experiment,
+        {"blocking_norm": ("stall_s", f"GPU blocking time / {name}"),
+         "bandwidth_norm": ("pcie_bytes", f"PCIe bytes / {name}")},
     )  # fmt: skip
     cols = {
         "blocking (norm.)": ("blocking_norm", 1, ".2f"),
@@ -332,22 +334,16 @@ def mi_tab23(df: Any, plt: Any) -> tuple[Any, str]:
         "PCIe GB": ("pcie_bytes", 1e-9, ".0f"),
     }
     return fig, _table(df, cols, ["policy"])
+
+
+def mi_tab23(df: Any, plt: Any) -> tuple[Any, str]:
+    """Blocking time and bandwidth normalised to on-demand (deepspeed)."""
+    return _blocking_bandwidth(df, plt, "deepspeed", "moe-infinity-tab2-3", "on-demand")
 
 
 def mi_tab4(df: Any, plt: Any) -> tuple[Any, str]:
     """Table 4's design ladder: blocking time and bandwidth normalised to Vanilla."""
-    fig, df = _normalised(
-        df, plt, "moe-infinity-vanilla", "moe-infinity-tab4",
-        {"blocking_norm": ("stall_s", "GPU blocking time / Vanilla"),
-         "bandwidth_norm": ("pcie_bytes", "PCIe bytes / Vanilla")},
-    )  # fmt: skip
-    cols = {
-        "blocking (norm.)": ("blocking_norm", 1, ".2f"),
-        "bandwidth (norm.)": ("bandwidth_norm", 1, ".2f"),
-        "stall s": ("stall_s", 1, ".1f"),
-        "PCIe GB": ("pcie_bytes", 1e-9, ".0f"),
-    }
-    return fig, _table(df, cols, ["policy"])
+    return _blocking_bandwidth(df, plt, "moe-infinity-vanilla", "moe-infinity-tab4", "Vanilla")
 
 
 def mi_tab5(df: Any, plt: Any) -> tuple[Any, str]:
