@@ -270,10 +270,8 @@ def _preload(
     if release_after_use:
         raise ConfigError("cache.preload", True, "contradicts cache.release_after_use")
     E, N = model.num_experts, len(caches)
-    need = [0] * N
-    for size in model.layer_expert_bytes:
-        for e in range(E):
-            need[e % N] += size
+    per_expert_bytes = sum(model.layer_expert_bytes)  # one expert id over every layer
+    need = [per_expert_bytes * len(range(g, E, N)) for g in range(N)]
     for g, cache in enumerate(caches):
         if need[g] > cache.budget_bytes:
             raise ConfigError(
