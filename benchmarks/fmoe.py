@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.fmoe_digests import qwen3_setting
+from benchmarks.fmoe_digests import _policy, qwen3_setting
 from fmoesim.config.build import load_preset
 from fmoesim.config.schema import PROJECT_ROOT
 from fmoesim.engine.serving import ServingConfig
@@ -156,8 +156,9 @@ def ladder(calibrated: bool = False) -> None:
         print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in r) + " |")
 
 
-def speed(repeat: int) -> None:
-    """x real time of the default fMoE (timed) on Mixtral and Qwen3, best of ``repeat``."""
+def speed(repeat: int, policy: str = "fmoe") -> None:
+    """x real time of a policy preset (timed; fMoE by default) on Mixtral and Qwen3, best
+    of ``repeat``."""
     hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
     mixtral = load_preset("model", "mixtral-8x7b", ModelSpec)
     print("| setting | modelled s | wall s (best) | wall s (median) | x real time | target |")
@@ -170,7 +171,9 @@ def speed(repeat: int) -> None:
             ("Qwen3-30B-A3B, 8 synthetic requests, 1/4 of the experts", qt, qm, qb, 50),
         ]  # fmt: skip
         for name, trace, model, budget, target in cases:
-            runs = [simulate(trace, model, hw, FMoE(), budget).summary for _ in range(repeat)]
+            runs = [
+                simulate(trace, model, hw, _policy(policy), budget).summary for _ in range(repeat)
+            ]
             walls = sorted(r["wall_s"] for r in runs)
             sim_s = runs[0]["simulated_s"]
             print(
@@ -184,6 +187,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("search", "memory", "ladder", "speed", "all"), default="all")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--policy", default="fmoe", help="policy preset for --part speed (fmoe)")
     ap.add_argument(
         "--calibrated",
         action="store_true",
@@ -199,7 +203,7 @@ def main() -> None:
         ladder(args.calibrated)
     if args.part in ("speed", "all"):
         print()
-        speed(args.repeat)
+        speed(args.repeat, args.policy)
 
 
 if __name__ == "__main__":

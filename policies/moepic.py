@@ -69,7 +69,11 @@ class MoEpic(Policy):
     LCP`, same ranking and ties, so ``θ = 1`` without prefetch equals LCP with a cache
     per layer); on a miss the loaded expert's top replaces the layer's lowest-priority
     top.  ``cache="rnd"`` (Table 3 "w/o LCP") replaces a random one.  Buffer entries
-    leave oldest first.
+    leave oldest first, except the latest gate's guesses: the prefetcher fills the
+    buffer in score order counting what it already holds there, so a guess already in
+    the buffer is neither loaded again nor pushed out by a lower-scored one.  A
+    prefetched whole expert that is used joins the cache as a missed one does (its top
+    replaces the lowest priority; the engine's ``Runner._split_whole``).
 
     Configurator (§3.4, Algorithm 1).  paper: start uniform (``V_i = V_e / L``,
     ``θ_i = 0.5``, random tops); every ``τ`` tokens, when the device is idle, run
@@ -158,6 +162,7 @@ class MoEpic(Policy):
         self._ticket: dict[int, float] = {}  # cache="rnd": top key -> uniform draw
         self._pending: dict[int, int] = {}  # prefetched key -> target layer
         self._pred: dict[int, np.ndarray] = {}  # layer -> prediction for this pass
+        self._protect: set[int] = set()  # buffer keys of the latest guesses
         self._tokens = 0
         self._next_config = self.tau_tokens
         self._started = False
@@ -291,9 +296,15 @@ class MoEpic(Policy):
         tb = round(float(self._theta[target]) * self._S)
         room, pf = self._buffer, []
         tbase = target * E
+        protect: set[int] = set()
         for r, e in enumerate(order):
             k = tbase + e
-            if k in self._in or 2 * n + k in self._in:
+            if k in self._in or 2 * n + k in self._in:  # in the buffer already: it counts
+                key, size = (k, self._S) if k in self._in else (2 * n + k, self._S - tb)
+                if size > room:
+                    break
+                room -= size
+                protect.add(key)
                 continue
             key, size = (2 * n + k, self._S - tb) if n + k in self._in else (k, self._S)
             if size <= 0:
@@ -301,8 +312,10 @@ class MoEpic(Policy):
             if size > room:
                 break
             room -= size
+            protect.add(key)
             pf.append(Prefetch(key, 1.0 + r / E))
             self._pending[key] = target
+        self._protect = protect
         if not pf and not cancel:
             return NO_ACTIONS
         return Actions(prefetch=pf, cancel=cancel)
@@ -337,8 +350,14 @@ class MoEpic(Policy):
                 if self.cache == "rnd":
                     return min(tops, key=self._ticket.__getitem__)
                 return min(tops, key=lambda k: self._rank(k - n))
-        for k in candidates:  # admission order: the oldest first
-            return k
+        first = -1
+        for k in candidates:  # admission order: the oldest first, not the latest guesses
+            if k not in self._protect:
+                return k
+            if first < 0:
+                first = k
+        if first >= 0:
+            return first
         raise ValueError("MoEpic.victim called with no candidates")
 
     def report(self) -> dict[str, np.ndarray]:

@@ -80,6 +80,17 @@ def drop_evicted(dev: dict[int, Any], entries: dict[int, Entry]) -> None:
         del dev[k]
 
 
+def split_device_copy(
+    dev: dict[int, Any], model: ModelSpec, entries: dict[int, Entry], key: int, parts: list[int]
+) -> None:
+    """Whole expert ``key``'s device copy becomes its segments' (their rows of it, a copy
+    on the device), as the cache split it."""
+    whole = dev.pop(key)
+    for k in parts:
+        lo, hi = segment_rows(model, entries, k)
+        dev[k] = whole[lo:hi].clone()
+
+
 def _one_gpu(caches: Sequence[ExpertCache]) -> None:
     if len(caches) != 1:
         raise FmoesimError(
@@ -118,6 +129,10 @@ class InstantReplayBackend(InstantBackend):
         """The previous step's copies land; evicted experts' device copies are freed."""
         super().pre_gate(layer, tokens, kv_tokens, pairs)
         drop_evicted(self._dev, self.caches[0].entries)
+
+    def split(self, gpu: int, key: int, parts: list[int]) -> None:
+        """The cache split a whole expert: slice its device copy."""
+        split_device_copy(self._dev, self.model, self.caches[0].entries, key, parts)
 
     def expert(self, gpu: int, key: int, tokens: int, fraction: float = 1.0) -> None:
         """The SwiGLU FFN of resident ``key`` (a whole expert or a segment)."""
@@ -381,6 +396,12 @@ class GpuBackend(Backend):
         if self.exe.w_shared is not None:
             self._compute(self.exe.shared, tokens)
         self._layer_stall_s = 0.0
+
+    def split(self, gpu: int, key: int, parts: list[int]) -> None:
+        """The cache split a whole expert (landed: the cache holds it resident): slice
+        its device copy, a copy on the device in the current stream, before the segments
+        compute there."""
+        split_device_copy(self._dev, self.model, self.caches[0].entries, key, parts)
 
     def expert(self, gpu: int, key: int, tokens: int, fraction: float = 1.0) -> None:
         """The SwiGLU FFN of resident ``key`` on its device copy."""

@@ -24,6 +24,16 @@ from fmoesim.plots.run import draw_run, plot_run, run_caption
 from fmoesim.plots.style import POLICY_COLORS, POLICY_MARKS, policy_color, policy_marks
 
 
+def _number_or_text(val: str) -> object:
+    """A swept value as a config holds it: an int, a float, or text (``speculative``)."""
+    for kind in (int, float):
+        try:
+            return kind(val)
+        except ValueError:
+            pass
+    return val
+
+
 def fake_rows(experiment: str) -> list[dict]:
     """One row per job of the experiment's sweep, with made-up but well-formed metrics."""
     cfg = yaml.safe_load((CONF_DIR / "experiment" / f"{experiment}.yaml").read_text())
@@ -48,7 +58,7 @@ def fake_rows(experiment: str) -> list[dict]:
             *parents, leaf = key.split(".")
             for p in parents:
                 node = node.setdefault(p, {})
-            node[leaf] = float(val) if "." in val else int(val)
+            node[leaf] = _number_or_text(val)
             if key == "cache.budget_gb":
                 row["budget_gb"] = float(val)
             if key == "cache.experts_per_layer":
@@ -243,7 +253,7 @@ def _legend_clear_of_data(fig) -> list:
 WITH_LEGEND = {"fmoe-fig4", "fmoe-fig10", "fmoe-fig11", "fmoe-fig13", "fmoe-fig14a",
                "fmoe-fig14b", "fmoe-fig16", "moe-infinity-fig9", "moe-infinity-fig9-gpu-rich",
                "moe-infinity-tab5",
-               "moe-infinity-tab5-arctic", "moepic-fig7", "moepic-tab1",
+               "moe-infinity-tab5-arctic", "moepic-fig4", "moepic-fig7", "moepic-tab1",
                "moepic-fig8"}  # fmt: skip
 
 

@@ -55,10 +55,10 @@ ALL_RESIDENT = 2 * ATT + 2 * T + HEAD
 
 
 def two_steps(path: Path, routes: list[tuple[int, int]], spec: list[tuple[int, int]]) -> Trace:
-    """One request: a one-token prefill routed ``routes[0]`` (layer 0, layer 1) and one
-    decode step routed ``routes[1]``; ``spec[i]`` (layer 0, layer 1) is the expert the
-    speculative router (MoEpic eq. 3) ranks first for each layer of iteration ``i``, every
-    other expert sharing the rest of the probability."""
+    """One request: a one-token prefill routed ``routes[0]`` (layer 0, layer 1) and
+    decode steps routed ``routes[1:]`` (one in Fig. 3); ``spec[i]`` (layer 0, layer 1)
+    is the expert the speculative router (MoEpic eq. 3) ranks first for each layer of
+    iteration ``i``, every other expert sharing the rest of the probability."""
     L, E = M.num_layers, M.num_experts
     man = TraceManifest(
         model=TraceModel(
@@ -70,7 +70,7 @@ def two_steps(path: Path, routes: list[tuple[int, int]], spec: list[tuple[int, i
         has_spec_probs=True,
     )
     with TraceWriter(path, man, overwrite=True) as w:
-        w.add_request(0, 1, 2)
+        w.add_request(0, 1, len(routes))
         for i, (route, guess) in enumerate(zip(routes, spec, strict=True)):
             counts = np.zeros((L, E), np.int32)
             counts[np.arange(L), route] = 1
@@ -211,3 +211,27 @@ def test_moepic_nothing_cached_loads_top_then_bottom(tmp_path):
     pol = GivenTops([1.0, THETA], [(0, 0)], prefetch="none")
     r = simulate(tr, M, HW, pol, 3 * S)
     assert tpot(r) == pytest.approx(ALL_RESIDENT + eq5_7(0, 0, 1, THETA, 0.0) - THETA * T)
+
+
+def test_a_used_prefetched_expert_joins_the_cache(tmp_path):
+    """Two decode steps route layer 1 to expert 1, whose top is not cached; the guess is
+    right both times.  Step 1: the whole expert is prefetched into the buffer (4 ms
+    against a 3.5 ms window: late), computes, and then, as a missed one would (§3.3,
+    "replaces it with the newly loaded expert"), its top joins layer 1's cache and its
+    bottom takes its place in the buffer, with nothing over the link.  Step 2: the
+    guess's top is cached and its bottom already in the buffer, where it counts against
+    the buffer's room, so nothing is prefetched and nothing pushes it out: a hit, with
+    no transfer at all.  Red if a used prefetched expert stayed whole and out of the
+    cache, the split moved bytes over the link, or the prefetcher evicted the guess's
+    own bottom for a lower-scored expert (step 2 then loads it again)."""
+    tr = two_steps(tmp_path / "t", [(0, 3), (0, 1), (0, 1)], [(0, 3), (0, 1), (0, 1)])
+    r = simulate(tr, M, HW, moepic([(0, 0)]), 3 * S)
+    n = M.num_layers * M.num_experts
+    whole, top = 1 * 4 + 1, n + 5
+    moved = [(t.key, t.reason) for t in r.transfers]
+    assert moved == [(n + 0, "configure"), (1 * 4 + 3, "prefetch"), (whole, "prefetch")]
+    assert r.transfers[-1].used
+    assert top in r.caches[0].entries and whole not in r.caches[0].entries
+    s = r.summary  # the prefill finds both its experts in flight
+    assert (s["hits"], s["late"], s["misses"]) == (3, 3, 0)
+    assert tpot(r) == pytest.approx((ALL_RESIDENT + (X - T - ATT) + ALL_RESIDENT) / 2)

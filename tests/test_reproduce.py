@@ -228,6 +228,34 @@ def test_aggregates_and_means_by_hand() -> None:
     assert s.ratio == pytest.approx(26.5 / 20)
 
 
+def test_side_b_as_several_filters_by_hand() -> None:
+    """Side B given as a list of filters is the union of their rows: against "the better"
+    (``min``) of two sweep points that differ in two keys, only those two points count,
+    not the cross product of their values.  Red if the union took the cross product (the
+    0.6 s run, no baseline, would become B) or matched only the first filter."""
+    rows = [
+        {"policy": "moepic", "policy.split_ratio": th, "policy.prefetch": pf,
+         "model.name": "m", "tpot_mean_s": t}
+        for th, pf, t in [(0.4, "speculative", 0.5), (0.0, "speculative", 1.0),
+                          (1.0, "none", 0.8), (1.0, "speculative", 0.6), (0.0, "none", 2.0)]
+    ]  # fmt: skip
+    df = store_rows("moepic-fig4", rows)
+    a = {"policy": "moepic", "policy.split_ratio": 0.4, "policy.prefetch": "speculative"}
+    raw = {"id": "t", "where": "§2.3", "claim": "c", "quote": "q", "direction": "lower",
+           "experiment": "moepic-fig4", "metric": "tpot_mean_s", "a": a, "b_agg": "min",
+           "b": [{**a, "policy.split_ratio": 0.0},
+                 {**a, "policy.split_ratio": 1.0, "policy.prefetch": "none"}]}  # fmt: skip
+    from fmoesim.reproduce.claims import _claim
+
+    better = _claim("P", raw)
+    assert isinstance(better.b, tuple) and len(better.b) == 2
+    assert score_claim(better, df).fmoesim_value == pytest.approx(100 * (0.5 / 0.8 - 1))
+    worse = _claim("P", {**raw, "b_agg": "max"})
+    assert score_claim(worse, df).fmoesim_value == pytest.approx(100 * (0.5 / 1.0 - 1))
+    with pytest.raises(FmoesimError, match="side b as a list of filters is for relative"):
+        _claim("P", {**raw, "kind": "every_point", "over": "policy.split_ratio"})
+
+
 def test_points_by_hand() -> None:
     """Red when every_point reports other than the least favourable point, or
     most_points counts the points where A is best wrongly."""

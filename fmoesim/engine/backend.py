@@ -171,6 +171,11 @@ class Backend(ABC):
         """Move ``key``'s queued, never-started prefetch to ``priority`` (default: no
         ordering to change)."""
 
+    def split(self, gpu: int, key: int, parts: list[int]) -> None:
+        """Resident whole expert ``key`` is now the segments ``parts`` in the cache
+        (:meth:`fmoesim.engine.cache.ExpertCache.split`), its bytes already on ``gpu``
+        (default: nothing to move; the replay slices its device copy)."""
+
     @abstractmethod
     def cancel(self, gpu: int, key: int) -> bool:
         """Drop ``key``'s transfer if it is queued and has not started; True if dropped."""

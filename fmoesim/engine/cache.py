@@ -211,6 +211,15 @@ class ExpertCache:
 
     def evict(self, key: int) -> None:
         """Remove a resident, unpinned entry and free its bytes."""
+        e = self._remove(key)
+        self.evictions += 1
+        self.evicted_bytes += e.size_bytes
+        if not e.used and e.reason == "prefetch":
+            self.wasted_bytes += e.size_bytes
+        self.policy.on_evict(key)
+
+    def _remove(self, key: int) -> Entry:
+        """Take a resident, unpinned entry out of the books (its bytes freed)."""
         e = self.entries[key]
         if not e.resident or e.pins:
             raise RuntimeError(f"cannot evict expert {key} on GPU {self.gpu}: in flight or pinned")
@@ -222,11 +231,29 @@ class ExpertCache:
             del self.group_evictable[g][key]
             del self.group_keys[g][key]
             self.group_used[g] -= e.size_bytes
-        self.evictions += 1
-        self.evicted_bytes += e.size_bytes
-        if not e.used and e.reason == "prefetch":
-            self.wasted_bytes += e.size_bytes
+        return e
+
+    def split(self, key: int, top_key: int, top_bytes: int, bottom_key: int | None) -> bool:
+        """A resident, unpinned whole expert becomes two segments already on the GPU: its
+        top (``top_bytes``, admitted to the top's budget group, evicting there as the
+        policy chooses) and, unless ``bottom_key`` is None (the top is the whole expert),
+        its bottom in the whole's place.  Nothing crosses the link and nothing counts as
+        evicted; the whole counts as used.  False, with nothing changed but the top
+        group's evictions, when that group cannot make room."""
+        e = self.entries[key]
+        if not e.resident or e.pins or not self.admit(top_key, top_bytes, e.reason):
+            return False
+        self.complete(top_key)
+        e.used = True
+        if e.record is not None:
+            e.record.used = True
+        self._remove(key)
         self.policy.on_evict(key)
+        if bottom_key is not None:
+            if not self.admit(bottom_key, e.size_bytes - top_bytes, e.reason):
+                raise RuntimeError(f"expert {key}: its bottom does not fit in its own place")
+            self.complete(bottom_key)
+        return True
 
     def abort(self, key: int) -> None:
         """Drop an in-flight entry whose transfer was cancelled before it started."""

@@ -739,6 +739,23 @@ class Runner:
         be.clock_s, be.busy_compute_s = t, busy_c
         be.closed_form_steps += closed
 
+    def _split_whole(self, g: int, layer: int, key: int) -> bool:
+        """A whole expert prefetched into the buffer has been used: like a missed one,
+        its top joins its layer's cache (evicting the policy's victim there) and its
+        bottom stays in the buffer (MoEpic §3.3: "replaces it with the newly loaded
+        expert"); False when the layer caches no tops, the top is already cached, the
+        expert is still in use, or there is no room."""
+        n, S = self.n_keys, self.layer_bytes[layer]
+        cache = self.caches[g]
+        tb = round(self.policy.split_ratio(layer) * S)
+        if tb <= 0 or tb > cache.group_budget.get(layer, 0) or n + key in cache.entries:
+            return False
+        bottom = 2 * n + key if tb < S else None
+        if not cache.split(key, n + key, tb, bottom):
+            return False
+        self.backend.split(g, key, [n + key] if bottom is None else [n + key, bottom])
+        return True
+
     def _access_parts(
         self,
         g: int,
@@ -823,6 +840,8 @@ class Runner:
             )
             for x in ready:
                 cache.unpin(x[1])
+                if self.segments and x[1] < self.n_keys:
+                    self._split_whole(g, layer, x[1])
         while pending or deferred:
             if deferred:  # room may have been freed by experts computed since
                 still = []
@@ -847,3 +866,5 @@ class Runner:
                 x = pending.pop(keys.index(be.wait_any(g, keys)))
             be.expert(g, x[1], x[2], x[3])
             cache.unpin(x[1])
+            if self.segments and x[1] < self.n_keys:
+                self._split_whole(g, layer, x[1])

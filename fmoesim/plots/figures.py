@@ -407,6 +407,28 @@ def mi_fig13(df: Any, plt: Any) -> tuple[Any, str]:
     return fig, _table(df, cols, ["capacity"])
 
 
+def moepic_fig4(df: Any, plt: Any) -> tuple[Any, str]:
+    """TPOT and hit rate against the split ratio θ, with and without the speculative
+    prefetcher (θ = 0 with it is Prefetch Only, θ = 1 without it Cache Only)."""
+    df = _with(df, "policy.split_ratio", "theta")
+    df = _with(df, "policy.prefetch", "prefetch").sort_values(["prefetch", "theta"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for order, (mode, d) in enumerate(df.groupby("prefetch", sort=False)):
+        style = {**series_style("moepic", order), "color": "black" if order else None}
+        style = {k: v for k, v in style.items() if v is not None}
+        style["linestyle"] = "--" if mode == "none" else "-"
+        label = "prefetch off" if mode == "none" else f"{mode} prefetch"
+        axes[0].plot(d.theta, d.tpot_mean_s * 1e3, label=label, **style)
+        axes[1].plot(d.theta, d.hit_rate * 100, label=label, **style)
+    for ax, ylabel in zip(axes, ("mean TPOT (ms)", "hit rate (%)"), strict=True):
+        ax.set_xlabel("split ratio θ (top segment's share)")
+        ax.set_ylabel(ylabel)
+    legend_outside(axes[1])
+    cols = {"TPOT ms": ("tpot_mean_s", 1e3, ".1f"), "TTFT s": ("ttft_mean_s", 1, ".2f"),
+            "hit rate %": ("hit_rate", 100, ".2f")}  # fmt: skip
+    return fig, _table(df, cols, ["prefetch", "theta"])
+
+
 def moepic_tab1(df: Any, plt: Any) -> tuple[Any, str]:
     """Hit rate vs experts per layer."""
     df = df.copy()
@@ -547,6 +569,9 @@ FIGURES: dict[str, Figure] = {
     ),
     "moe-infinity-fig13": Figure(
         "moe-infinity-fig13", "MoE-Infinity Fig. 13: EAMC capacity", mi_fig13
+    ),
+    "moepic-fig4": Figure(
+        "moepic-fig4", "MoEpic Fig. 4(b): latency against the split ratio", moepic_fig4
     ),
     "moepic-tab1": Figure(
         "moepic-tab1", "MoEpic Table 1: hit rate vs cache size", moepic_tab1, False

@@ -29,6 +29,12 @@ DIRECTIONS = ("lower", "higher")
 Filter = dict[str, Any]
 
 
+def sides_of(flt: Filter | tuple[Filter, ...]) -> tuple[Filter, ...]:
+    """The filters of a side: one, or (side B of a ``relative`` claim given as a list in
+    the catalog) several, whose matching rows together are the side."""
+    return flt if isinstance(flt, tuple) else (flt,)
+
+
 @dataclass(frozen=True)
 class Pair:
     """One averaged comparison of a ``mean_relative`` claim: A against ``b`` on
@@ -55,7 +61,7 @@ class Claim:
     metric: str | None = None
     kind: str = "relative"
     a: Filter = field(default_factory=dict)
-    b: Filter = field(default_factory=dict)
+    b: Filter | tuple[Filter, ...] = field(default_factory=dict)
     c: Filter = field(default_factory=dict)
     a_agg: str = "one"
     b_agg: str = "one"
@@ -101,11 +107,14 @@ class Claim:
             raise FmoesimError(f"{bad}: at_most needs paper_value (the bound) and lower")
         if self.kind == "at_most" and self.per:
             raise FmoesimError(f"{bad}: at_most takes a_agg over the swept values, not per")
-        if self.kind == "diminishing" and not (self.b.get("policy") and self.c.get("policy")):
+        b_named = all(side.get("policy") for side in sides_of(self.b))
+        if isinstance(self.b, tuple) and self.kind != "relative":
+            raise FmoesimError(f"{bad}: side b as a list of filters is for relative claims")
+        if self.kind == "diminishing" and not (b_named and self.c.get("policy")):
             raise FmoesimError(f"{bad}: diminishing needs sides b and c, each naming a policy")
         if self.kind == "diminishing" and self.per:
             raise FmoesimError(f"{bad}: diminishing compares three fixed points, not per")
-        if self.kind in ("relative", "every_point") and not self.b.get("policy"):
+        if self.kind in ("relative", "every_point") and not b_named:
             raise FmoesimError(f"{bad}: side b names no policy")
         if self.kind in ("every_point", "most_points") and not self.over:
             raise FmoesimError(f"{bad}: {self.kind} needs over (the swept key)")
@@ -118,6 +127,8 @@ def _claim(paper: str, raw: dict[str, Any]) -> Claim:
     pairs = tuple(Pair(p["metric"], dict(p["b"])) for p in raw.pop("pairs", None) or ())
     among = tuple(raw.pop("among", None) or ())
     value = raw.pop("paper_value", None)
+    if isinstance(raw.get("b"), list):  # side B: the rows of any of these filters
+        raw["b"] = tuple(dict(f) for f in raw["b"])
     try:
         claim = Claim(
             paper=paper,

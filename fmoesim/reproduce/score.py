@@ -6,7 +6,9 @@ same unit as the paper's number.  The kinds:
 
 - ``relative``: one effect.  A side matching several rows (a list of values in its
   filter) is aggregated by ``a_agg`` / ``b_agg`` (``min``, ``max``, ``mean``; ``one``
-  requires exactly one row).
+  requires exactly one row).  Side B may be a list of filters: the rows of any of them
+  (two baselines that are different points of a sweep, as "the better of Prefetch Only
+  and Cache Only" with ``b_agg: min``).
 - ``mean_relative``: the mean of several effects of A, one per ``pairs`` entry (its own
   metric and side B), as a paper's "on average" or headline number.
 - ``every_point``: the effect at each value of the swept key ``over``; fmoesim's number
@@ -44,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from fmoesim.errors import FmoesimError
-from fmoesim.reproduce.claims import Claim, Filter
+from fmoesim.reproduce.claims import Claim, Filter, sides_of
 
 YES, NO, NA = "yes", "no", "n.a."
 
@@ -86,22 +88,25 @@ def row_value(row: Any, key: str) -> Any:
     return row["policy"] if key == "policy" else sweep_value(row, key)
 
 
-def select(df: Any, flt: Filter) -> Any:
+def select(df: Any, flt: Filter | tuple[Filter, ...]) -> Any:
     """The rows of ``df`` that match every key of ``flt`` (a list value matches any of
-    its items)."""
-    keep = []
-    for _, r in df.iterrows():
-        ok = True
-        for key, want in flt.items():
-            wants = want if isinstance(want, list) else [want]
-            if not any(_same(row_value(r, key), w) for w in wants):
-                ok = False
-                break
-        keep.append(ok)
+    its items), or, for several filters, any one of them."""
+    keep = [any(_matches(r, f) for f in sides_of(flt)) for _, r in df.iterrows()]
     return df[keep]
 
 
-def side_value(df: Any, flt: Filter, metric: str, agg: str, what: str) -> float:
+def _matches(row: Any, flt: Filter) -> bool:
+    """Whether ``row`` matches every key of ``flt``."""
+    for key, want in flt.items():
+        wants = want if isinstance(want, list) else [want]
+        if not any(_same(row_value(row, key), w) for w in wants):
+            return False
+    return True
+
+
+def side_value(
+    df: Any, flt: Filter | tuple[Filter, ...], metric: str, agg: str, what: str
+) -> float:
     """The metric of the rows matching ``flt``, aggregated by ``agg``."""
     rows = select(df, flt)
     if metric not in rows.columns:
@@ -229,6 +234,7 @@ def _effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
     if not points:
         raise FmoesimError(f"{what}: no runs to compare over {over}")
     if claim.kind == "every_point":
+        assert isinstance(claim.b, dict)  # Claim.check: a list of filters is for relative
         effects = [
             relative_pct(
                 side_value(df, {**claim.a, over: v}, metric, claim.a_agg, what),

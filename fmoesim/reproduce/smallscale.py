@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fmoesim.reproduce.claims import Claim, Filter
+from fmoesim.reproduce.claims import Claim, Filter, sides_of
 from fmoesim.reproduce.report import read_csv
 from fmoesim.reproduce.score import YES, Score, score_claim
 
@@ -67,9 +67,9 @@ def points(claim: Claim) -> list[dict[str, Any]]:
     elif claim.kind == "most_points":
         sides = [{"policy": list(claim.among)}]
     elif claim.kind == "diminishing":
-        sides += [claim.b, claim.c]
+        sides += [*sides_of(claim.b), claim.c]
     elif claim.kind != "at_most":  # a bound reads side A only
-        sides.append(claim.b)
+        sides += sides_of(claim.b)
     # a side that leaves a swept key open reads every value of it (``over``, ``per``, or
     # aggregated by a_agg/b_agg), as on the full preset
     for key, values in sweep_params(claim.experiment).items():
