@@ -235,3 +235,14 @@ def test_a_used_prefetched_expert_joins_the_cache(tmp_path):
     s = r.summary  # the prefill finds both its experts in flight
     assert (s["hits"], s["late"], s["misses"]) == (3, 3, 0)
     assert tpot(r) == pytest.approx((ALL_RESIDENT + (X - T - ATT) + ALL_RESIDENT) / 2)
+
+
+def test_caching_off_releases_a_used_prefetched_expert_instead_of_splitting_it(tmp_path):
+    """With caching off (``release_after_use``) a used prefetched whole expert leaves the
+    GPU at once, so it has nothing left to split: the run goes on and expert 1's top never
+    enters the cache.  Red if the engine split an expert that caching off already released
+    (a KeyError)."""
+    tr = two_steps(tmp_path / "t", [(0, 3), (0, 1), (0, 1)], [(0, 3), (0, 1), (0, 1)])
+    r = simulate(tr, M, HW, moepic([(0, 0)]), 3 * S, release_after_use=True)
+    n = M.num_layers * M.num_experts
+    assert n + 5 not in r.caches[0].entries and 1 * 4 + 5 not in r.caches[0].entries

@@ -744,11 +744,14 @@ class Runner:
         its top joins its layer's cache (evicting the policy's victim there) and its
         bottom stays in the buffer (MoEpic §3.3: "replaces it with the newly loaded
         expert"); False when the layer caches no tops, the top is already cached, the
-        expert is still in use, or there is no room."""
+        expert is still in use or gone (caching off releases it after use), or there is
+        no room."""
         n, S = self.n_keys, self.layer_bytes[layer]
         cache = self.caches[g]
         tb = round(self.policy.split_ratio(layer) * S)
         if tb <= 0 or tb > cache.group_budget.get(layer, 0) or n + key in cache.entries:
+            return False
+        if key not in cache.entries:
             return False
         bottom = 2 * n + key if tb < S else None
         if not cache.split(key, n + key, tb, bottom):
