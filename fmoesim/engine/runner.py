@@ -390,11 +390,26 @@ class Runner:
                     be.reprioritize(g, key, p.priority)
                 continue
             if key >= n_keys:
-                if self._size_of(g, key) == 0:
+                size = self._size_of(g, key)
+                if size == 0:
                     continue  # an empty segment (θ = 0 top, θ = 1 bottom)
+            else:
+                size = sizes[key // E]
+            if cache.group_of is not None:
+                # perf: a full budget group with nothing evictable refuses, as admit would,
+                # without the call (MoEpic's buffer while its prefetches are in flight)
+                grp = cache.group_of(key)
+                if (
+                    grp in cache.group_budget
+                    and not cache.group_evictable[grp]
+                    and cache.group_used[grp] + size > cache.group_budget[grp]
+                ):
+                    m.prefetch_dropped += 1
+                    continue
             # perf: a full cache with nothing evictable refuses without a call (a saturated
             # link leaves every entry in flight; dependency prefetch meets this ~5x a layer)
-            elif not cache.evictable and cache.used_bytes + sizes[key // E] > cache.budget_bytes:
+            full = cache.used_bytes + size > cache.budget_bytes
+            if key < n_keys and full and not cache.evictable:
                 m.prefetch_dropped += 1
                 continue
             if not self._load(g, key, p.priority, p.reason, delay_s=delay):
