@@ -429,6 +429,18 @@ def moepic_fig4(df: Any, plt: Any) -> tuple[Any, str]:
     return fig, _table(df, cols, ["prefetch", "theta"])
 
 
+def moepic_fig9b(df: Any, plt: Any) -> tuple[Any, str]:
+    """TPOT against the configurator's allocation granularity ζ."""
+    df = _with(df, "policy.zeta", "zeta").sort_values("zeta")
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    ax.plot(df.zeta, df.tpot_mean_s * 1e3, **series_style("moepic"))
+    ax.set_xscale("log")
+    ax.set_xlabel("allocation granularity ζ (share of an expert per step)")
+    ax.set_ylabel("mean TPOT (ms)")
+    cols = {"TPOT ms": ("tpot_mean_s", 1e3, ".1f"), "hit rate %": ("hit_rate", 100, ".2f")}
+    return fig, _table(df, cols, ["zeta"])
+
+
 def moepic_tab1(df: Any, plt: Any) -> tuple[Any, str]:
     """Hit rate vs experts per layer."""
     df = df.copy()
@@ -572,6 +584,9 @@ FIGURES: dict[str, Figure] = {
     ),
     "moepic-fig4": Figure(
         "moepic-fig4", "MoEpic Fig. 4(b): latency against the split ratio", moepic_fig4
+    ),
+    "moepic-fig9b": Figure(
+        "moepic-fig9b", "MoEpic Fig. 9(b): TPOT against the allocation granularity", moepic_fig9b
     ),
     "moepic-tab1": Figure(
         "moepic-tab1", "MoEpic Table 1: hit rate vs cache size", moepic_tab1, False
