@@ -77,6 +77,10 @@ def test_every_layer_misses_one_expert(tmp_path, chunk_bytes):
     assert s["simulated_s"] == pytest.approx(compute + n * L * T_X, rel=1e-12)
     req = r.metrics.request_table()
     assert req["ttft_s"][0] == pytest.approx(prefill_compute_s(C, p) + L * T_X, rel=1e-12)
+    # the prefill's p tokens over its compute and its L stalls (decode iterations excluded)
+    assert s["prefill_tokens_per_s"] == pytest.approx(
+        p / (prefill_compute_s(C, p) + L * T_X), rel=1e-12
+    )
     assert s["preemptions"] == 0
     for t in r.transfers:  # each on-demand load runs alone on an idle link
         assert t.end_s - t.start_s == pytest.approx(T_X, rel=1e-9)
@@ -699,3 +703,60 @@ def test_the_link_queue_stays_sorted_under_any_requests(ops):
         assert sorted(q, key=lambda r: (r.link_priority, r.seq), reverse=True) == q
         assert {id(r) for r in q} == {id(r) for r in queued} and len(q) == len(queued)
         assert lk.link._qkeys == [(-r.link_priority, -r.seq) for r in q]  # the search keys
+
+
+def test_prefill_throughput_sums_every_prefill_and_no_decode(tmp_path):
+    # two static batches of one request: both prefills count, tokens over their seconds;
+    # a metric of the last prefill alone, or one that counted decode iterations, differs
+    tr = write_trace(
+        tmp_path / "t",
+        TINY,
+        [Req(0, 3, [[[0], [3]]] * 4), Req(1, 5, [[[1], [2]]] * 2)],
+    )
+    r = simulate(tr, TINY, TINY_HW, LRU(), 2 * SIZE)
+    # request 0 misses both layers in its prefill; request 1 misses both in its own (its
+    # experts are not cached)
+    first = prefill_compute_s(C, 3) + L * T_X
+    second = prefill_compute_s(C, 5) + L * T_X
+    assert r.summary["prefill_tokens_per_s"] == pytest.approx((3 + 5) / (first + second))
+    hit_only = simulate(tr, TINY, TINY_HW, LRU(), 2 * SIZE, timing=False)
+    assert np.isnan(hit_only.summary["prefill_tokens_per_s"])
+
+
+def test_shift_recovery_by_hand():
+    # 8 requests at 1.0 before the shift; after it 2, 2, 2, then 1: the windows of 8 from
+    # the shift have means 11/8, 10/8, 9/8, then 8/8 <= 1.05 -> 3 requests.  Red on an
+    # off-by-one window, another reference than the 8 before, or a NaN TPOT kept in.
+    from fmoesim.engine.metrics import RECOVERY_WINDOW, shift_recovery
+
+    assert RECOVERY_WINDOW == 8
+    before, after = [1.0] * 8, [2.0, 2.0, 2.0] + [1.0] * 8
+    shifted = [False] * 8 + [True] * 11
+    assert shift_recovery(before + after, shifted) == 3.0
+    # 8.4 / 8 = 1.05 x the reference still counts, 8.5 / 8 does not (and never recovers); a
+    # request without TPOT (one output token) drops out
+    assert shift_recovery(before + [1.4] + [1.0] * 7, [False] * 8 + [True] * 8) == 0.0
+    assert shift_recovery([*before, np.nan, *after], [*shifted[:8], True, *shifted[8:]]) == 3.0
+    assert np.isnan(shift_recovery(before + [1.5] + [1.0] * 7, [False] * 8 + [True] * 8))
+    assert np.isnan(shift_recovery(before + after, [False] * 19))  # no shift
+    assert np.isnan(shift_recovery([1.0] * 7 + after, [False] * 7 + [True] * 11))  # < 8 before
+    assert np.isnan(shift_recovery(before + [2.0] * 7, [False] * 8 + [True] * 7))  # < 8 after
+
+
+def test_shift_recovery_reads_the_runs_dataset_labels(tmp_path):
+    # a synthetic trace of TINY's shape with a shift at request 10 of 20, served one at a
+    # time: the summary's number is shift_recovery of the per-request TPOTs in serving
+    # order, split where the label changes.  Red if the runner does not record the labels
+    # (NaN) or orders the requests otherwise.
+    from fmoesim.engine.metrics import shift_recovery
+    from fmoesim.workload import SyntheticConfig, generate
+
+    cfg = SyntheticConfig(num_requests=20, num_topics=2, shift_at=10, output_tokens_median=4,
+                          prompt_tokens_median=4, embedding_dim=0)  # fmt: skip
+    tr = read_trace(generate(TINY, cfg, tmp_path / "t"))
+    r = simulate(tr, TINY, TINY_HW, LRU(), 2 * SIZE)
+    req = r.metrics.request_table()
+    assert req["request_id"].tolist() == tr.request_id.tolist()  # static: in trace order
+    want = shift_recovery(req["tpot_s"], [d == "synthetic-shifted" for d in tr.dataset])
+    assert not np.isnan(want)
+    assert r.summary["shift_recovery_requests"] == want

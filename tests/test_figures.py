@@ -38,12 +38,15 @@ def fake_rows(experiment: str) -> list[dict]:
     """One row per job of the experiment's sweep, with made-up but well-formed metrics."""
     cfg = yaml.safe_load((CONF_DIR / "experiment" / f"{experiment}.yaml").read_text())
     swept = cfg["hydra"]["sweeper"]["params"]
+    # the preset's model (a figure may read the paper's numbers for it)
+    model = next((d["override /model"] for d in cfg.get("defaults", [])
+                  if isinstance(d, dict) and "override /model" in d), "mixtral-8x7b")  # fmt: skip
     params = {k.lstrip("+"): str(v).split(",") for k, v in swept.items()}
     rng = np.random.default_rng(0)
     rows = []
     for combo in itertools.product(*params.values()):
         conf: dict = {"policy": {}, "serving": {"batch_size": 1}, "cache": {}}
-        row = {"experiment": experiment, "model": "mixtral-8x7b", "hardware": "rtx3090-pcie4",
+        row = {"experiment": experiment, "model": model, "hardware": "rtx3090-pcie4",
                "trace": "traces/default", "trace_source": "synthetic", "budget_gb": 24.0,
                "experts_per_layer": 0, "requests": 16}  # fmt: skip
         for key, val in zip(params, combo, strict=True):
@@ -75,6 +78,10 @@ def fake_rows(experiment: str) -> list[dict]:
             policy_mean_configurations=float(rng.integers(0, 4)),
             policy_mean_split_ratio=rng.uniform(0.3, 0.7),
             policy_mean_store_mb=rng.uniform(1, 200),
+            prefill_tokens_per_s=rng.uniform(50, 2000),
+            request_tpot_s=list(rng.uniform(0.1, 0.4, 24)),
+            shift_recovery_requests=float(rng.integers(0, 10)),
+            vram_footprint_bytes=(row["budget_gb"] + rng.uniform(1, 4)) * 1e9,
         )  # fmt: skip
         rows.append(row)
     return rows
@@ -141,6 +148,10 @@ def test_min_budget_by_hand():
     m = min_budgets(df, [0.3, 0.22])
     assert m["a"] == [4.0, 8.0]
     assert m["b"][0] == 8.0 and np.isnan(m["b"][1])
+    # the footprint of the run at that budget, not its budget (red when it reads the
+    # largest meeting run's, or the budget column)
+    m = min_budgets(df.assign(vram=[10, 11, 12, 20, 21, 22]), [0.3], "vram")
+    assert m == {"a": [11.0], "b": [22.0]}
 
 
 def test_missing_runs_and_bad_names_are_one_line(tmp_path):
@@ -252,9 +263,10 @@ def _legend_clear_of_data(fig) -> list:
 #: the figures with a legend (the others name their series on the x axis)
 WITH_LEGEND = {"fmoe-fig4", "fmoe-fig10", "fmoe-fig11", "fmoe-fig13", "fmoe-fig14a",
                "fmoe-fig14b", "fmoe-fig16", "moe-infinity-fig9", "moe-infinity-fig9-gpu-rich",
+               "moe-infinity-fig12", "moe-infinity-tab7",
                "moe-infinity-tab5",
                "moe-infinity-tab5-arctic", "moepic-fig4", "moepic-fig7", "moepic-tab1",
-               "moepic-fig8"}  # fmt: skip
+               "moepic-fig8", "moepic-fig8-mixtral", "moepic-fig7-qwen"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(FIGURES))

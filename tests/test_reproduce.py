@@ -130,6 +130,12 @@ def test_catalog_refuses_a_claim_without_preset_or_reason(
                     (dict(paper_value=200.0, per="model"), "not per")):  # fmt: skip
         with pytest.raises(FmoesimError, match=msg):
             claim(kind="at_most", metric="policy_mean_store_mb", b={}, **kw).check()
+    for kw, msg in ((dict(paper_value=None), "at_least needs paper_value"),
+                    (dict(paper_value=200.0, direction="lower"), "at_least needs .* higher"),
+                    (dict(paper_value=200.0, per="model"), "not per")):  # fmt: skip
+        with pytest.raises(FmoesimError, match=msg):
+            kw = {"direction": "higher", **kw}
+            claim(kind="at_least", metric="prefill_tokens_per_s", b={}, **kw).check()
 
 
 # -- fmoesim's number, the direction and the ratio, by hand --------------------------------
@@ -252,7 +258,7 @@ def test_side_b_as_several_filters_by_hand() -> None:
     assert score_claim(better, df).fmoesim_value == pytest.approx(100 * (0.5 / 0.8 - 1))
     worse = _claim("P", {**raw, "b_agg": "max"})
     assert score_claim(worse, df).fmoesim_value == pytest.approx(100 * (0.5 / 1.0 - 1))
-    with pytest.raises(FmoesimError, match="side b as a list of filters is for relative"):
+    with pytest.raises(FmoesimError, match="side b as a list of filters: relative"):
         _claim("P", {**raw, "kind": "every_point", "over": "policy.split_ratio"})
 
 
@@ -273,6 +279,12 @@ def test_points_by_hand() -> None:
                  b={}, among=("fmoe", "deepspeed"))  # fmt: skip
     s = score_claim(most, df)
     assert s.fmoesim_value == pytest.approx(100 * 2 / 3) and s.holds == YES
+    # a tie counts for A, and values a rounding apart tie: at 12 GB fMoE's 0.9 plus 1e-15
+    # ties deepspeed's 0.9 (3 of 3); a real gap of 1e-6 does not (2 of 3)
+    for gap, share in ((1e-15, 100.0), (1e-6, 100 * 2 / 3)):
+        rows[2]["tpot_mean_s"] = 0.9 + gap
+        s = score_claim(most, store_rows("fmoe-fig11", rows))
+        assert s.fmoesim_value == pytest.approx(share), gap
 
 
 def test_per_model_by_hand() -> None:
@@ -309,7 +321,86 @@ def test_bound_by_hand() -> None:
     assert (s.fmoesim_value, s.holds, s.ratio) == (150.0, YES, pytest.approx(0.75))
     s = score_claim(claim(a={"policy": "fmoe"}, a_agg="max", **bound), df)
     assert (s.fmoesim_value, s.holds) == (250.0, NO)
-    assert s.unit == "MB" and "250.0 MB" in to_markdown([s])
+    assert s.unit == "MB" and "250 MB" in to_markdown([s])
+    # the spread of the two (range): 100 MB; a bound in seconds keeps its digits
+    s = score_claim(claim(a={"policy": "fmoe"}, a_agg="range", **bound), df)
+    assert (s.fmoesim_value, s.holds) == (100.0, YES)
+    s = replace(s, fmoesim_value=0.00512, claim=replace(s.claim, unit="s"))
+    assert "0.00512 s" in to_markdown([s])  # red when a bound is printed as 0.0 s
+    # at_least: the same bound from below; 150 over a 120 floor holds (1.25), 100 does not
+    floor = dict(kind="at_least", metric="policy_mean_store_mb", paper_value=120.0, unit="MB",
+                 b={}, direction="higher")  # fmt: skip
+    s = score_claim(claim(a={"policy": "fmoe", "model": "m1"}, **floor), df)
+    assert (s.fmoesim_value, s.holds, s.ratio) == (150.0, YES, pytest.approx(1.25))
+    s = score_claim(claim(a={"policy": "fmoe"}, a_agg="min", **{**floor, "paper_value": 160.0}), df)
+    assert (s.fmoesim_value, s.holds) == (150.0, NO)
+
+
+def test_min_budget_by_hand() -> None:
+    """Red when a min_budget claim takes a budget whose TPOT misses the target, reads the
+    swept value instead of ``size``, takes the worst baseline instead of the best, lets
+    an unmet side pass, or averages the targets instead of taking the least favourable.
+    TPOT (ms) per budget (GB) 2/4/8 and footprints 5.7/7.7/11.7 GB:
+    moepic 150/120/80, mixtral-offloading 200/150/90, adapmoe 190/145/70,
+    moe-infinity 300/250/170.  At 140 ms: moepic 4 GB (7.7), mixtral-offloading 8 GB
+    (11.7), so -34.2%; adapmoe also 8 GB, moe-infinity never: the best of three is 11.7
+    (-34.2%).  At 100 ms: every one of them 8 GB: 0%, the least favourable of (-34.2, 0):
+    fails."""
+    tpot = {"moepic": (150, 120, 80), "mixtral-offloading": (200, 150, 90),
+            "adapmoe": (190, 145, 70), "moe-infinity": (300, 250, 170)}  # fmt: skip
+    df = store_rows("moepic-fig8", [
+        {"policy": p, "cache.budget_gb": gb, "tpot_mean_s": t / 1e3,
+         "vram_footprint_bytes": (gb + 3.7) * 1e9}
+        for p, ts in tpot.items() for gb, t in zip((2, 4, 8), ts, strict=True)
+    ])  # fmt: skip
+    base = dict(kind="min_budget", experiment="moepic-fig8", over="cache.budget_gb",
+                size="vram_footprint_bytes", a={"policy": "moepic"})  # fmt: skip
+    one = claim(**base, targets=(0.14,), b={"policy": "mixtral-offloading"}, paper_value=-50.0)
+    one.check()
+    s = score_claim(one, df)
+    assert (s.fmoesim_value, s.holds) == (pytest.approx(100 * (7.7 / 11.7 - 1)), YES)
+    assert s.ratio == pytest.approx((7.7 / 11.7 - 1) * 100 / -50.0)
+    # without size: the swept budgets themselves, 4 against 8
+    s = score_claim(claim(**{**base, "size": None}, targets=(0.14,), b={"policy": "adapmoe"}), df)
+    assert s.fmoesim_value == pytest.approx(-50.0)
+    three = ({"policy": "mixtral-offloading"}, {"policy": "adapmoe"}, {"policy": "moe-infinity"})
+    every = claim(**base, targets=(0.14, 0.10), b=three, b_agg="min")
+    every.check()
+    s = score_claim(every, df)
+    assert (s.fmoesim_value, s.holds) == (pytest.approx(0.0), NO)
+    assert "0.14: A 7.7e+09, B 1.17e+10, -34.2%" in s.detail
+    # 120 ms: moe-infinity meets it nowhere, the others' best (adapmoe, 8 GB) counts
+    s = score_claim(claim(**base, targets=(0.12,), b=three, b_agg="min"), df)
+    assert s.fmoesim_value == pytest.approx(100 * (7.7 / 11.7 - 1))
+    # 160 ms against moe-infinity alone: B meets it at no budget, so A holds on a bound
+    s = score_claim(claim(**base, targets=(0.16,), b={"policy": "moe-infinity"}), df)
+    assert s.holds == YES and "B: not met, bound" in s.detail
+    # 75 ms: only adapmoe meets it; A does not, so the claim fails on a bound
+    s = score_claim(claim(**base, targets=(0.075,), b={"policy": "adapmoe"}), df)
+    assert s.holds == NO and "A: not met, bound" in s.detail
+    # 100 ms: both at 8 GB; MoEpic's measured footprint 1 MB smaller is not "lower" (red
+    # when sizes read at one grid point decide the claim)
+    tie = df.copy()
+    tie.loc[tie.policy == "moepic", "vram_footprint_bytes"] -= 1e6
+    s = score_claim(claim(**base, targets=(0.10,), b={"policy": "adapmoe"}), tie)
+    assert (s.fmoesim_value, s.holds) == (0.0, NO) and "same cache.budget_gb" in s.detail
+    # 60 ms: nobody meets it, no number
+    s = score_claim(claim(**base, targets=(0.06,), b={"policy": "adapmoe"}), df)
+    assert (s.fmoesim_value, s.holds) == (None, NA)
+    assert "neither side meets it" in s.detail
+
+
+def test_min_budget_needs_its_fields() -> None:
+    """Red when a min_budget claim without targets, without over, or with targets on
+    another kind passes the catalog check."""
+    base = dict(experiment="moepic-fig8", a={"policy": "moepic"}, b={"policy": "adapmoe"})
+    for kw, msg in ((dict(kind="min_budget", over="cache.budget_gb"), "targets"),
+                    (dict(kind="min_budget", targets=(0.1,)), "needs over"),
+                    (dict(kind="relative", targets=(0.1,)), "targets"),
+                    (dict(kind="min_budget", over="cache.budget_gb", targets=(0.1,),
+                          per="model"), "not per")):  # fmt: skip
+        with pytest.raises(FmoesimError, match=msg):
+            claim(**base, **kw).check()
 
 
 def test_diminishing_by_hand() -> None:
@@ -462,6 +553,12 @@ NOT_AT_SMALL_SCALE = {
     "moepic:fig7-tpot-mixtral-vs-moe-infinity": _UNCONFIGURED,
     "moe-infinity:tab4-multi-layer-bandwidth": "multi-layer prefetch moves 0.97% less than "
     "Vanilla over 16 requests, 1.7% more over 3",
+    "moe-infinity:fig12-prefill-mixtral": "the paper's number is at batch 64; 3 requests make "
+    "one batch of 3 (129 tokens/s)",
+    "moe-infinity:fig12-prefill-best": "3 requests make one batch of 3 at every swept batch "
+    "size from 4 on, so batches 4 to 64 are one point, where dependency leads",
+    "moe-infinity:tab7-recovery": "the shift comes after 48 requests; 3-request runs have "
+    "none, so no recovery is measured",
     "moe-infinity:tab5-mixtral-vs-model-tracing": "BrainStorm's buffer hit rate is 0.06% "
     "over 16 requests and 0 over 3 (its prefetches are in flight when needed), so no "
     "relative change exists at small scale",

@@ -247,6 +247,21 @@ def test_depth_share_zero_draws_nothing_more(tmp_path: Path) -> None:
     assert not np.array_equal(a.counts, b.counts)
 
 
+def test_shift_moves_later_requests_to_the_other_topics(tmp_path: Path) -> None:
+    """Red if the requests before the shift draw from the second half of the topics (or
+    after it from the first), if the later ones lose their label, or if shift_at = 0
+    changes any byte of a trace."""
+    a = _gen(tmp_path, "a", shift_at=0)
+    assert _files(a.path) == _files(_gen(tmp_path, "a0").path)  # the default: 0
+    cfg = dataclasses.replace(BASE, num_topics=4, shift_at=5)
+    wl = SyntheticWorkload(MODEL, cfg)
+    children = np.random.SeedSequence(7).spawn(12)
+    topics = [wl.request(r, 8, 2, children[r])["topic"] for r in range(12)]
+    assert all(t < 2 for t in topics[:5]) and all(t >= 2 for t in topics[5:]), topics
+    tr = _gen(tmp_path, "s", num_topics=4, shift_at=5)
+    assert tr.dataset.tolist() == ["synthetic"] * 5 + ["synthetic-shifted"] * 7
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_same_topic_prefill_embeddings_are_closer(seed: int) -> None:
     cfg = dataclasses.replace(BASE, num_topics=3, embedding_dim=32, seed=seed)
@@ -384,6 +399,9 @@ def test_generate_from_azure_csv(tmp_path: Path) -> None:
         ({"arrival_rate_rps": math.inf}, "arrival_rate_rps"),
         ({"arrival_rate_rps": 1.0, "arrivals_csv": "a.csv"}, "arrivals_csv"),
         ({"seed": -1}, "seed"),
+        ({"shift_at": -1}, "shift_at"),
+        ({"shift_at": 1.5}, "shift_at"),
+        ({"shift_at": 4, "num_topics": 1}, "shift_at"),
     ],
 )
 def test_synthetic_config_rejects(knobs: dict, key: str) -> None:

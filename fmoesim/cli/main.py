@@ -568,6 +568,11 @@ def format_summary(row: dict[str, Any]) -> str:
         f"{'PCIe bytes':<22}{gb('pcie_bytes')}",
         f"{'PCIe wasted':<22}{gb('wasted_bytes')}",
         f"{'peak expert memory':<22}{gb('peak_expert_bytes')}",
+        *(
+            [f"{'VRAM (weights)':<22}{gb('vram_footprint_bytes')}"]
+            if "vram_footprint_bytes" in row
+            else []
+        ),
         f"{'simulated time':<22}{t('simulated_s', 's')}",
         f"{'wall time':<22}{row['wall_s']:>{w - 2}.3f} s",
     ]

@@ -8,6 +8,10 @@
 - PCIe bytes moved (by reason), bytes wasted (prefetched then evicted unused), unused
   prefetch bytes (prefetched and never used, including still resident at the end).
 - peak expert memory (per GPU, max over GPUs).
+- prefill throughput: the tokens of every prefill iteration over the seconds those
+  iterations took, from the iteration's start (its start actions included) to its LM head.
+- recovery after a workload shift (:func:`shift_recovery`): requests served after the
+  first change of dataset label before TPOT is as low as before it.
 
 A hit-rate-only run (``timing=False``) has no clock: its time metrics
 (:data:`TIME_COLUMNS`, the per-request latencies and the per-layer stall) are missing
@@ -40,6 +44,8 @@ TIME_COLUMNS: Final = (
     "e2e_mean_s",
     "e2e_p50_s",
     "e2e_p99_s",
+    "prefill_tokens_per_s",
+    "shift_recovery_requests",
     "simulated_s",
     "gpu_busy_s",
     "link_busy_s",
@@ -48,6 +54,36 @@ TIME_COLUMNS: Final = (
 #: per-request latency list columns of a results-store row: lists of NaN in a
 #: hit-rate-only run
 REQUEST_TIME_COLUMNS: Final = ("request_ttft_s", "request_tpot_s", "request_e2e_s")
+
+
+#: :func:`shift_recovery`: the requests whose mean TPOT is compared, and by how much the
+#: mean after the shift may exceed the mean before it and count as recovered
+RECOVERY_WINDOW: Final = 8
+RECOVERY_TOLERANCE: Final = 0.05
+
+
+def shift_recovery(tpot_s: Sequence[float] | np.ndarray, shifted: Sequence[bool]) -> float:
+    """How many requests after a workload shift are served before latency is low again.
+
+    ``tpot_s`` (R,): each request's TPOT, and ``shifted`` (R,): whether its dataset label
+    differs from the first request's, both in the order the requests started (requests
+    without a TPOT, of one output token, are left out).  The shift
+    is the first shifted request; "low" is the mean TPOT of the :data:`RECOVERY_WINDOW`
+    requests before it.  The result is the smallest ``i >= 0`` such that the mean TPOT of
+    the window of requests starting ``i`` requests after the shift is at most ``(1 +``
+    :data:`RECOVERY_TOLERANCE` ``)`` times that.  NaN without a shift, with less than a
+    window of requests on either side, or when no window after it is that low."""
+    w = RECOVERY_WINDOW
+    t = np.asarray(tpot_s, dtype=np.float64)  # (R,)
+    keep = ~np.isnan(t)  # a request of one output token has no TPOT
+    t, after = t[keep], np.asarray(shifted, dtype=bool)[keep]
+    at = int(np.argmax(after)) if after.any() else -1
+    if at < w or len(t) - at < w:
+        return float("nan")
+    low = float(t[at - w : at].mean())
+    means = np.convolve(t[at:], np.full(w, 1.0 / w), mode="valid")  # (R - at - w + 1,)
+    ok = np.flatnonzero(means <= (1.0 + RECOVERY_TOLERANCE) * low)
+    return float(ok[0]) if len(ok) else float("nan")
 
 
 def blank_times(row: dict[str, Any]) -> dict[str, Any]:
@@ -83,8 +119,11 @@ class Metrics:
     request_first_token_s: dict[int, float] = field(default_factory=dict)
     request_end_s: dict[int, float] = field(default_factory=dict)
     request_output_tokens: dict[int, int] = field(default_factory=dict)
+    request_dataset: dict[int, str] = field(default_factory=dict)
     iterations: int = 0
     layer_steps: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
     timing: bool = True
 
     def __post_init__(self) -> None:
@@ -134,6 +173,16 @@ class Metrics:
             tpot = np.where(out > 1, (end - first) / np.maximum(out - 1, 1), np.nan)
         return {"request_id": ids, "ttft_s": first - start, "tpot_s": tpot, "e2e_s": end - start}
 
+    def _shift_recovery(self, req: dict[str, np.ndarray]) -> float:
+        """:func:`shift_recovery` of the run (NaN without timing or dataset labels)."""
+        if not self.timing or not self.request_dataset:
+            return float("nan")
+        ids = req["request_id"].tolist()
+        order = sorted(range(len(ids)), key=lambda i: (self.request_start_s[ids[i]], ids[i]))
+        first = self.request_dataset.get(ids[order[0]]) if order else None
+        shifted = [self.request_dataset.get(ids[i]) != first for i in order]
+        return shift_recovery(req["tpot_s"][order], shifted)
+
     def summary(
         self, transfers: Sequence[TransferRecord] = (), caches: Sequence[ExpertCache] = ()
     ) -> dict[str, Any]:
@@ -178,6 +227,12 @@ class Metrics:
             "e2e_mean_s": stat(req["e2e_s"], "mean"),
             "e2e_p50_s": stat(req["e2e_s"], "p50"),
             "e2e_p99_s": stat(req["e2e_s"], "p99"),
+            "shift_recovery_requests": self._shift_recovery(req),
+            "prefill_tokens_per_s": (
+                self.prefill_tokens / self.prefill_s
+                if self.timing and self.prefill_s > 0
+                else float("nan")
+            ),
             "transfers": n_moved,
             "pcie_bytes": moved,
             "prefetch_bytes": by_reason["prefetch"],

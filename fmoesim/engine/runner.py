@@ -146,6 +146,7 @@ class Runner:
         rid = self._rid[r]
         self.metrics.request_start_s[rid] = start_s
         self.metrics.request_output_tokens[rid] = self._output[r]
+        self.metrics.request_dataset[rid] = str(tr.dataset[r])
         emb = tr.embedding[self._iter_start[r]] if tr.embedding.shape[1] else None
         lo = self._iter_start[r] * self.L
         hi = lo + self._output[r] * self.L
@@ -243,6 +244,7 @@ class Runner:
         batch = BatchInfo(
             self.iteration, tuple(self._rid[r] for r in reqs), tuple(js), tokens, prefill, emb
         )
+        t0 = be.now() if prefill else 0.0  # the prefill throughput's clock
         start_actions = policy.on_iteration_start(batch)
         if start_actions is not None and start_actions is not NO_ACTIONS:
             be.sync()  # land what finished during the previous iteration's tail
@@ -349,7 +351,11 @@ class Runner:
                 o0, o1 = offsets[layer], offsets[layer + 1]
                 self._layer(layer, experts[o0:o1], expert_tokens[o0:o1], tokens, step, actions)
         be.lm_head(len(reqs))
-        self.metrics.iterations += 1
+        m = self.metrics
+        m.iterations += 1
+        if prefill:
+            m.prefill_tokens += tokens
+            m.prefill_s += be.now() - t0
         policy.on_iteration_end(batch)
         self.iteration += 1
         if self.on_iteration is not None:

@@ -260,6 +260,16 @@ def _run_fields(
     }
 
 
+def vram_footprint_bytes(model: ModelSpec, peak_expert_bytes: int) -> int:
+    """The GPU memory a run's weights take at their peak, as papers report a "VRAM
+    footprint" (MoEpic §4.1: "the peak GPU memory usage during the model inference"):
+    the resident weights (:attr:`ModelSpec.resident_weight_bytes`) plus the peak expert
+    memory of the fullest GPU (each GPU holds the resident weights).  The KV cache and
+    activations are not counted: at batch 1 and a few hundred tokens they are tens of MB,
+    the same for every policy."""
+    return model.resident_weight_bytes + int(peak_expert_bytes)
+
+
 def _preload(
     caches: list[ExpertCache], model: ModelSpec, policy: Policy, release_after_use: bool
 ) -> None:
@@ -487,6 +497,7 @@ def simulate(
             "speedup_vs_real": sim_s / wall if wall > 0 else float("inf"),
         }
     )
+    s["vram_footprint_bytes"] = vram_footprint_bytes(model, s["peak_expert_bytes"])
     log = None
     if runner.log is not None:
         log = {k: np.asarray(v) for k, v in runner.log.items()}
@@ -555,4 +566,5 @@ def _lru_hit_only(
             "speedup_vs_real": 0.0,
         }
     )
+    s["vram_footprint_bytes"] = vram_footprint_bytes(model, s["peak_expert_bytes"])
     return RunResult(summary=blank_times(s), metrics=metrics)

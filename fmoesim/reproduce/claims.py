@@ -4,7 +4,9 @@ A claim compares two sides, A and B, on one metric of one experiment preset's ro
 (``conf/experiment/<experiment>.yaml``), and says which way the comparison goes
 (``direction``: A lower or higher than B) and, where the paper gives one, by how much
 (``paper_value``: the signed percentage change of A against B), or, for a bound
-(``at_most``), that A's metric stays under the paper's number in the claim's ``unit``.
+(``at_most``, ``at_least``), that A's metric stays under (over) the paper's number in the
+claim's ``unit``, or, for ``min_budget``, how much less (more) of the swept resource A
+needs than B to meet the paper's ``targets``.
 A claim that no preset
 computes has no ``experiment`` and says why in ``reason``.  The kinds of comparison are
 defined in :mod:`fmoesim.reproduce.score`.
@@ -21,8 +23,19 @@ from fmoesim.errors import FmoesimError
 CLAIMS_DIR = Path(__file__).resolve().parent / "claims"
 #: the papers of the scoreboard, by command-line name: the catalog's file stem
 PAPERS = {"fmoe": "fmoe", "moe-infinity": "moe-infinity", "moepic": "moepic"}
-KINDS = ("relative", "mean_relative", "every_point", "most_points", "at_most", "diminishing")
-AGGREGATES = ("one", "min", "max", "mean")
+KINDS = (
+    "relative",
+    "mean_relative",
+    "every_point",
+    "most_points",
+    "at_most",
+    "at_least",
+    "diminishing",
+    "min_budget",
+)
+#: the kinds whose number is A's metric against the paper's number, not a change
+BOUNDS = {"at_most": "lower", "at_least": "higher"}
+AGGREGATES = ("one", "min", "max", "mean", "range")
 DIRECTIONS = ("lower", "higher")
 
 #: a row filter: ``policy`` or a dotted config key, to one value or a list of values
@@ -69,6 +82,8 @@ class Claim:
     per: str | None = None
     among: tuple[str, ...] = ()
     pairs: tuple[Pair, ...] = ()
+    targets: tuple[float, ...] = ()
+    size: str | None = None
     reason: str = ""
     note: str = ""
 
@@ -77,7 +92,7 @@ class Claim:
         """The store columns the claim reads."""
         if self.kind == "mean_relative":
             return tuple(dict.fromkeys(p.metric for p in self.pairs))
-        return (self.metric,) if self.metric else ()
+        return tuple(m for m in (self.metric, self.size) if m)
 
     def check(self) -> None:
         """Raise :class:`FmoesimError` naming the claim and the field when a field breaks
@@ -103,29 +118,36 @@ class Claim:
                 raise FmoesimError(f"{bad}: mean_relative needs pairs")
         elif not self.metric:
             raise FmoesimError(f"{bad}: no metric")
-        if self.kind == "at_most" and (self.paper_value is None or self.direction != "lower"):
-            raise FmoesimError(f"{bad}: at_most needs paper_value (the bound) and lower")
-        if self.kind == "at_most" and self.per:
-            raise FmoesimError(f"{bad}: at_most takes a_agg over the swept values, not per")
+        side = BOUNDS.get(self.kind)
+        if side and (self.paper_value is None or self.direction != side):
+            raise FmoesimError(f"{bad}: {self.kind} needs paper_value (the bound) and {side}")
+        if side and self.per:
+            raise FmoesimError(f"{bad}: {self.kind} takes a_agg over the swept values, not per")
         b_named = all(side.get("policy") for side in sides_of(self.b))
-        if isinstance(self.b, tuple) and self.kind != "relative":
-            raise FmoesimError(f"{bad}: side b as a list of filters is for relative claims")
+        if isinstance(self.b, tuple) and self.kind not in ("relative", "min_budget"):
+            raise FmoesimError(f"{bad}: side b as a list of filters: relative, min_budget only")
         if self.kind == "diminishing" and not (b_named and self.c.get("policy")):
             raise FmoesimError(f"{bad}: diminishing needs sides b and c, each naming a policy")
         if self.kind == "diminishing" and self.per:
             raise FmoesimError(f"{bad}: diminishing compares three fixed points, not per")
-        if self.kind in ("relative", "every_point") and not b_named:
+        if self.kind in ("relative", "every_point", "min_budget") and not b_named:
             raise FmoesimError(f"{bad}: side b names no policy")
-        if self.kind in ("every_point", "most_points") and not self.over:
+        if self.kind in ("every_point", "most_points", "min_budget") and not self.over:
             raise FmoesimError(f"{bad}: {self.kind} needs over (the swept key)")
         if self.kind == "most_points" and len(self.among) < 2:
             raise FmoesimError(f"{bad}: most_points needs among (two policies or more)")
+        if (self.kind == "min_budget") != bool(self.targets):
+            raise FmoesimError(f"{bad}: targets (the metric's bounds) go with min_budget only")
+        if self.kind == "min_budget" and self.per:
+            raise FmoesimError(f"{bad}: min_budget reads one sweep of over, not per")
 
 
 def _claim(paper: str, raw: dict[str, Any]) -> Claim:
     raw = dict(raw)
     pairs = tuple(Pair(p["metric"], dict(p["b"])) for p in raw.pop("pairs", None) or ())
     among = tuple(raw.pop("among", None) or ())
+    targets = raw.pop("targets", None)
+    targets = [targets] if isinstance(targets, int | float) else targets or []
     value = raw.pop("paper_value", None)
     if isinstance(raw.get("b"), list):  # side B: the rows of any of these filters
         raw["b"] = tuple(dict(f) for f in raw["b"])
@@ -134,6 +156,7 @@ def _claim(paper: str, raw: dict[str, Any]) -> Claim:
             paper=paper,
             pairs=pairs,
             among=among,
+            targets=tuple(_number(t, raw.get("id"), "targets") for t in targets),
             paper_value=None if value is None else float(value),
             **raw,
         )
@@ -141,6 +164,13 @@ def _claim(paper: str, raw: dict[str, Any]) -> Claim:
         raise FmoesimError(f"claim {raw.get('id', '?')}: {exc}") from None
     claim.check()
     return claim
+
+
+def _number(value: Any, claim_id: Any, key: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise FmoesimError(f"claim {claim_id}: {key} {value!r} is not a number") from None
 
 
 def catalog_path(paper: str) -> Path:

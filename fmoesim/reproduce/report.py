@@ -81,8 +81,8 @@ def _fmoesim_cell(s: Score) -> str:
         return f"— ({s.detail})" if s.detail else "—"
     if s.unit == "% of points":
         return f"{s.fmoesim_value:.0f}% of points"
-    if s.unit != "% change":
-        return f"{s.fmoesim_value:.1f} {s.unit}"
+    if s.unit != "% change":  # a bound, in the paper's unit: 4 significant digits
+        return f"{s.fmoesim_value:.4g} {s.unit}"
     return f"{s.fmoesim_value:+.1f}%"
 
 

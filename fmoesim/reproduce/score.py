@@ -5,20 +5,33 @@ Every comparison is a relative change of side A against side B on the claim's me
 same unit as the paper's number.  The kinds:
 
 - ``relative``: one effect.  A side matching several rows (a list of values in its
-  filter) is aggregated by ``a_agg`` / ``b_agg`` (``min``, ``max``, ``mean``; ``one``
-  requires exactly one row).  Side B may be a list of filters: the rows of any of them
-  (two baselines that are different points of a sweep, as "the better of Prefetch Only
-  and Cache Only" with ``b_agg: min``).
+  filter) is aggregated by ``a_agg`` / ``b_agg`` (``min``, ``max``, ``mean``, ``range``:
+  the largest minus the smallest; ``one`` requires exactly one row).  Side B may be a
+  list of filters: the rows of any of them (two baselines that are different points of
+  a sweep, as "the better of Prefetch Only and Cache Only" with ``b_agg: min``).
 - ``mean_relative``: the mean of several effects of A, one per ``pairs`` entry (its own
   metric and side B), as a paper's "on average" or headline number.
 - ``every_point``: the effect at each value of the swept key ``over``; fmoesim's number
   is the least favourable of them, so the direction holds only when it holds at every
   point.
 - ``most_points``: the share (percent) of the values of ``over`` at which A is the best
-  (lowest, or highest) of the ``among`` policies; the direction holds above 50%.
-- ``at_most``: a bound, not a change: fmoesim's number is A's metric (aggregated by
-  ``a_agg``) in the claim's ``unit``; the direction holds when it is below the paper's
-  number, and the ratio is the one over the other.
+  (lowest, or highest) of the ``among`` policies, a tie counting for A (values within a
+  relative :data:`TIE_REL` of each other, floating-point rounding apart, are equal); the
+  direction holds above 50%.
+- ``at_most`` (``at_least``): a bound, not a change: fmoesim's number is A's metric
+  (aggregated by ``a_agg``) in the claim's ``unit``; the direction holds when it is below
+  (above) the paper's number, and the ratio is the one over the other.
+- ``min_budget``: "A needs less of the swept resource than B to meet a target" (a
+  paper's minimum VRAM footprint per target TPOT): per side, the smallest swept value of
+  ``over`` whose run has the metric at or under the target; the side's number is that
+  run's ``size`` column (its measured footprint; the swept value itself without
+  ``size``), side B given as a list of filters being their ``b_agg`` (``min``: the best of
+  several baselines).  The effect is A's number against B's, and 0 when a B side meets
+  the target at A's own swept value (the grid cannot order them); with several
+  ``targets``, the least favourable one counts.  A side that meets a target at no swept value is
+  bounded by its largest swept run (the effect is then a bound, marked in the detail;
+  the direction holds when only B misses, fails when only A does), and a target neither
+  side meets is skipped.
 - ``diminishing``: "beyond B, more adds little": fmoesim's number is the effect of A
   against B (the gain beyond B); the direction holds when it has the claimed sign's
   opposite or is smaller in size than the effect of B against a third side ``c`` (the
@@ -33,8 +46,8 @@ The direction holds ("yes") when the effect has the claimed sign (strictly below
 ``lower``, above 0 for ``higher``; above 50% for ``most_points``), "no" otherwise, and
 "n.a." when fmoesim has no number.  The magnitude ratio is fmoesim's effect divided by
 the paper's (both in percent): 1 is the paper's size, 0.17 a sixth of it, a negative
-ratio the opposite direction; it exists for ``relative``, ``mean_relative`` and
-``at_most`` claims with a paper number.
+ratio the opposite direction; it exists for ``relative``, ``mean_relative``,
+``min_budget``, ``at_most`` and ``at_least`` claims with a paper number.
 """
 
 from __future__ import annotations
@@ -46,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from fmoesim.errors import FmoesimError
-from fmoesim.reproduce.claims import Claim, Filter, sides_of
+from fmoesim.reproduce.claims import BOUNDS, Claim, Filter, sides_of
 
 YES, NO, NA = "yes", "no", "n.a."
 
@@ -66,7 +79,7 @@ class Score:
     @property
     def unit(self) -> str:
         """The unit of :attr:`fmoesim_value`."""
-        if self.claim.kind == "at_most":
+        if self.claim.kind in BOUNDS:
             return self.claim.unit
         return "% of points" if self.claim.kind == "most_points" else "% change"
 
@@ -122,6 +135,8 @@ def side_value(
         return min(values)
     if agg == "max":
         return max(values)
+    if agg == "range":
+        return max(values) - min(values)
     return sum(values) / len(values)
 
 
@@ -210,10 +225,11 @@ def _effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
         return value, favourable(value, claim.direction), "mean of " + ", ".join(map(_fmt, parts))
     assert claim.metric is not None
     metric = claim.metric
-    if claim.kind == "at_most":
+    if claim.kind in BOUNDS:
         assert claim.paper_value is not None  # Claim.check
         value = side_value(df, claim.a, metric, claim.a_agg, what)
-        return value, value < claim.paper_value, ""
+        under = value < claim.paper_value
+        return value, under if claim.kind == "at_most" else value > claim.paper_value, ""
     if claim.kind == "diminishing":
         b = side_value(df, claim.b, metric, claim.b_agg, what)
         beyond = relative_pct(side_value(df, claim.a, metric, claim.a_agg, what), b, what)
@@ -221,6 +237,8 @@ def _effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
         sign = -1.0 if claim.direction == "lower" else 1.0
         holds = sign * beyond < abs(upto)
         return beyond, holds, f"up to B: {_fmt(upto)}; beyond B: {_fmt(beyond)}"
+    if claim.kind == "min_budget":
+        return _min_budget(claim, df, what)
     if claim.kind == "relative":
         value = relative_pct(
             side_value(df, claim.a, metric, claim.a_agg, what),
@@ -253,11 +271,82 @@ def _effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
         vals = {p: side_value(df, {"policy": p, over: v}, metric, "one", what) for p in claim.among}
         pick = min if claim.direction == "lower" else max
         best = pick(vals, key=lambda p: vals[p])
-        ties = [p for p in vals if vals[p] == vals[best]]
+        # equal up to floating-point rounding (sums of the same times in another order)
+        ties = [p for p in vals if math.isclose(vals[p], vals[best], rel_tol=TIE_REL)]
         best_at.append(claim.a["policy"] if claim.a["policy"] in ties else best)
     share = 100.0 * sum(b == claim.a["policy"] for b in best_at) / len(points)
     detail = ", ".join(f"{over}={_num(v)}: {b}" for v, b in zip(points, best_at, strict=True))
     return share, share > 50.0, "best: " + detail
+
+
+def least_meeting(
+    df: Any, flt: Filter, over: str, metric: str, target: float, size: str | None, what: str
+) -> tuple[float, bool, float]:
+    """``(number, met, at)`` of one side of a ``min_budget`` claim: the ``size`` (else the
+    ``over`` value) of the run at the smallest swept ``over`` value ``at`` whose ``metric``
+    is at or under ``target``, and True; when no run meets it, that of the largest swept
+    value (a lower bound on what the side needs) and False."""
+    rows = select(df, flt)
+    if rows.empty:
+        raise FmoesimError(f"{what}: no run matches {flt}")
+    for col in (metric, size):
+        if col and col not in rows.columns:
+            raise FmoesimError(f"{what}: the store's rows have no column {col}")
+    points = [(float(row_value(r, over)), r) for _, r in rows.iterrows()]
+    points.sort(key=lambda p: p[0])
+    if len({v for v, _ in points}) != len(points):
+        raise FmoesimError(f"{what}: several runs match {flt} at one value of {over}")
+    if any(math.isnan(float(r[metric])) for _, r in points):
+        raise FmoesimError(f"{what}: {metric} is missing in a run matching {flt}")
+    meeting = [(v, r) for v, r in points if float(r[metric]) <= target]
+    v, r = meeting[0] if meeting else points[-1]
+    return (float(r[size]) if size else v), bool(meeting), v
+
+
+def _agg(values: list[float], agg: str) -> float:
+    """``values`` aggregated by ``agg`` (``one`` and ``min``: the smallest)."""
+    if agg == "max":
+        return max(values)
+    if agg == "mean":
+        return sum(values) / len(values)
+    return min(values)
+
+
+def _min_budget(claim: Claim, df: Any, what: str) -> tuple[float, bool, str]:
+    """:func:`effect` of a ``min_budget`` claim (the module docstring)."""
+    assert claim.over is not None and claim.metric is not None  # Claim.check
+    over, metric, size = claim.over, claim.metric, claim.size
+    lower = claim.direction == "lower"
+    found: list[tuple[float, bool]] = []
+    parts: list[str] = []
+    for t in claim.targets:
+        a, a_met, a_at = least_meeting(df, claim.a, over, metric, t, size, what)
+        bs = [least_meeting(df, f, over, metric, t, size, what) for f in sides_of(claim.b)]
+        met_b = [v for v, m, _ in bs if m]
+        if not a_met and not met_b:
+            parts.append(f"{_num(t)}: neither side meets it")
+            continue
+        b = _agg(met_b, claim.b_agg) if met_b else max(v for v, _, _ in bs)
+        e = relative_pct(a, b, what)
+        # a B side meeting the target at A's own swept value: the sweep cannot tell them
+        # apart, whatever their measured sizes differ by
+        same = claim.b_agg != "mean" and any(m and at == a_at for _, m, at in bs)
+        if a_met and same and favourable(e, claim.direction):
+            e, ok, mark = 0.0, False, f" (same {over})"
+        elif a_met and met_b:
+            ok, mark = favourable(e, claim.direction), ""
+        elif a_met:  # only B misses: A needs less (lower) / more is not the claim (higher)
+            ok, mark = lower, " (B: not met, bound)"
+        else:
+            ok, mark = not lower, " (A: not met, bound)"
+        found.append((e, ok))
+        parts.append(f"{_num(t)}: A {_num(round(a, 3))}, B {_num(round(b, 3))}, {_fmt(e)}{mark}")
+    if not found:
+        raise FmoesimError(f"{what}: no side meets any target ({'; '.join(parts)})")
+    failed = [e for e, ok in found if not ok]
+    pool = failed or [e for e, _ in found]
+    worst = max(pool) if lower else min(pool)
+    return worst, not failed, "; ".join(parts)
 
 
 def is_latency(metric: str) -> bool:
@@ -290,7 +379,10 @@ def score_claim(claim: Claim, results: Any) -> Score:
     return Score(claim, value, YES if holds else NO, ratio, detail)
 
 
-_RATIO_KINDS = ("relative", "mean_relative", "at_most")
+#: ``most_points``: values this close (relative) to the best are ties, as rounding apart
+TIE_REL = 1e-9
+
+_RATIO_KINDS = ("relative", "mean_relative", "min_budget", *BOUNDS)
 
 
 def experiments_of(claims: Sequence[Claim]) -> list[str]:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fmoesim.reproduce.claims import Claim, Filter, sides_of
+from fmoesim.reproduce.claims import BOUNDS, Claim, Filter, sides_of
 from fmoesim.reproduce.report import read_csv
 from fmoesim.reproduce.score import YES, Score, score_claim
 
@@ -68,7 +68,7 @@ def points(claim: Claim) -> list[dict[str, Any]]:
         sides = [{"policy": list(claim.among)}]
     elif claim.kind == "diminishing":
         sides += [*sides_of(claim.b), claim.c]
-    elif claim.kind != "at_most":  # a bound reads side A only
+    elif claim.kind not in BOUNDS:  # a bound reads side A only
         sides += sides_of(claim.b)
     # a side that leaves a swept key open reads every value of it (``over``, ``per``, or
     # aggregated by a_agg/b_agg), as on the full preset

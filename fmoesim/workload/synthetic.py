@@ -39,6 +39,10 @@ Semantic embeddings: topic centroids ``c[t] ~ N(0, I/D)``; a request's embedding
 N(0, I/D)``; an iteration's embedding is the mean over its tokens (fMoE §4.2), so the
 prefill embedding sits close to the request's and decode embeddings are noisier.
 
+A workload shift (``shift_at > 0``, MoE-Infinity §7.5's task shift): requests before
+request ``shift_at`` draw their topic from the first half of the topics, the others from
+the second half, and the later ones carry the dataset label ``<dataset>-shifted``.
+
 Lengths: prompt and output token counts from log-normal distributions (clipped), or
 from an Azure-format arrival CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``).
 Arrivals: none (static batches), a Poisson process of ``arrival_rate_rps``, or the CSV.
@@ -94,6 +98,7 @@ class SyntheticConfig:
     arrival_rate_rps: float | None = None
     arrivals_csv: str | None = None
     dataset: str = "synthetic"
+    shift_at: int = 0
     seed: int = 0
 
     def validate(self, prefix: str = "workload.synthetic") -> SyntheticConfig:
@@ -148,6 +153,14 @@ class SyntheticConfig:
                 f"{prefix}.arrivals_csv",
                 self.arrivals_csv,
                 "set either arrival_rate_rps or arrivals_csv, not both",
+            )
+        if isinstance(self.shift_at, bool) or not isinstance(self.shift_at, int):
+            raise ConfigError(f"{prefix}.shift_at", self.shift_at, "must be an integer >= 0")
+        if self.shift_at < 0:
+            raise ConfigError(f"{prefix}.shift_at", self.shift_at, "must be an integer >= 0")
+        if self.shift_at and self.num_topics < 2:
+            raise ConfigError(
+                f"{prefix}.shift_at", self.shift_at, "a shift needs num_topics >= 2 (two halves)"
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"{prefix}.seed", self.seed, "must be an integer >= 0")
@@ -343,7 +356,14 @@ class SyntheticWorkload:
         cfg, m = self.cfg, self.model
         L, E, k, D = m.num_layers, m.num_experts, m.top_k, cfg.embedding_dim
         rng = np.random.default_rng(seed)
-        topic = int(rng.integers(cfg.num_topics))
+        if cfg.shift_at:  # a workload shift: one half of the topics before it, one after
+            half = cfg.num_topics // 2
+            if r < cfg.shift_at:
+                topic = int(rng.integers(half))
+            else:
+                topic = half + int(rng.integers(cfg.num_topics - half))
+        else:
+            topic = int(rng.integers(cfg.num_topics))
         T = prompt + output - 1  # token positions fed to the model
         # iteration of each position: prompt -> 0, then one position per decode iteration
         it_of_pos = np.concatenate([np.zeros(prompt, np.int64), np.arange(1, output)])
@@ -412,6 +432,11 @@ class SyntheticWorkload:
             "topic": topic,
         }
 
+    def dataset_of(self, r: int) -> str:
+        """The dataset label of request ``r``: ``<dataset>-shifted`` after a shift."""
+        cfg = self.cfg
+        return f"{cfg.dataset}-shifted" if 0 < cfg.shift_at <= r else cfg.dataset
+
     # -- whole trace ------------------------------------------------------------------
     def write(
         self, path: str | os.PathLike[str], *, overwrite: bool = False, progress: bool = False
@@ -445,7 +470,7 @@ class SyntheticWorkload:
             for r in it:
                 n_prompt, n_out = int(lens.prompt[r]), int(lens.output[r])
                 arrival = None if lens.arrival_s is None else float(lens.arrival_s[r])
-                w.add_request(r, n_prompt, n_out, arrival, cfg.dataset)
+                w.add_request(r, n_prompt, n_out, arrival, self.dataset_of(r))
                 g = self.request(r, n_prompt, n_out, seeds[r])
                 for i in range(n_out):
                     w.add_iteration(
