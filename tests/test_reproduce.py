@@ -327,6 +327,12 @@ def test_bound_by_hand() -> None:
     assert (s.fmoesim_value, s.holds) == (100.0, YES)
     s = replace(s, fmoesim_value=0.00512, claim=replace(s.claim, unit="s"))
     assert "0.00512 s" in to_markdown([s])  # red when a bound is printed as 0.0 s
+    # scale: the metric into the claim's unit (MB as GB here: 0.15 under 0.2 holds, 0.75)
+    gb = {**bound, "paper_value": 0.2, "unit": "GB", "scale": 1e-3}
+    s = score_claim(claim(a={"policy": "fmoe", "model": "m1"}, **gb), df)
+    assert (s.fmoesim_value, s.holds, s.ratio) == (pytest.approx(0.15), YES, pytest.approx(0.75))
+    with pytest.raises(FmoesimError, match="scale .* is for bounds"):
+        claim(scale=100.0).check()
     # at_least: the same bound from below; 150 over a 120 floor holds (1.25), 100 does not
     floor = dict(kind="at_least", metric="policy_mean_store_mb", paper_value=120.0, unit="MB",
                  b={}, direction="higher")  # fmt: skip

@@ -5,7 +5,8 @@ A claim compares two sides, A and B, on one metric of one experiment preset's ro
 (``direction``: A lower or higher than B) and, where the paper gives one, by how much
 (``paper_value``: the signed percentage change of A against B), or, for a bound
 (``at_most``, ``at_least``), that A's metric stays under (over) the paper's number in the
-claim's ``unit``, or, for ``min_budget``, how much less (more) of the swept resource A
+claim's ``unit`` (the metric times ``scale``: 100 for a fraction in %, 1000 for seconds
+in ms), or, for ``min_budget``, how much less (more) of the swept resource A
 needs than B to meet the paper's ``targets``.
 A claim that no preset
 computes has no ``experiment`` and says why in ``reason``.  The kinds of comparison are
@@ -84,6 +85,7 @@ class Claim:
     pairs: tuple[Pair, ...] = ()
     targets: tuple[float, ...] = ()
     size: str | None = None
+    scale: float = 1.0
     reason: str = ""
     note: str = ""
 
@@ -123,6 +125,8 @@ class Claim:
             raise FmoesimError(f"{bad}: {self.kind} needs paper_value (the bound) and {side}")
         if side and self.per:
             raise FmoesimError(f"{bad}: {self.kind} takes a_agg over the swept values, not per")
+        if self.scale != 1.0 and not side:
+            raise FmoesimError(f"{bad}: scale (the metric into the claim's unit) is for bounds")
         b_named = all(side.get("policy") for side in sides_of(self.b))
         if isinstance(self.b, tuple) and self.kind not in ("relative", "min_budget"):
             raise FmoesimError(f"{bad}: side b as a list of filters: relative, min_budget only")
@@ -157,6 +161,7 @@ def _claim(paper: str, raw: dict[str, Any]) -> Claim:
             pairs=pairs,
             among=among,
             targets=tuple(_number(t, raw.get("id"), "targets") for t in targets),
+            scale=_number(raw.pop("scale", 1.0), raw.get("id"), "scale"),
             paper_value=None if value is None else float(value),
             **raw,
         )

@@ -19,8 +19,9 @@ same unit as the paper's number.  The kinds:
   relative :data:`TIE_REL` of each other, floating-point rounding apart, are equal); the
   direction holds above 50%.
 - ``at_most`` (``at_least``): a bound, not a change: fmoesim's number is A's metric
-  (aggregated by ``a_agg``) in the claim's ``unit``; the direction holds when it is below
-  (above) the paper's number, and the ratio is the one over the other.
+  (aggregated by ``a_agg``) times ``scale``, in the claim's ``unit``; the direction
+  holds when it is below (above) the paper's number, and the ratio is the one over the
+  other.
 - ``min_budget``: "A needs less of the swept resource than B to meet a target" (a
   paper's minimum VRAM footprint per target TPOT): per side, the smallest swept value of
   ``over`` whose run has the metric at or under the target; the side's number is that
@@ -227,7 +228,7 @@ def _effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
     metric = claim.metric
     if claim.kind in BOUNDS:
         assert claim.paper_value is not None  # Claim.check
-        value = side_value(df, claim.a, metric, claim.a_agg, what)
+        value = claim.scale * side_value(df, claim.a, metric, claim.a_agg, what)
         under = value < claim.paper_value
         return value, under if claim.kind == "at_most" else value > claim.paper_value, ""
     if claim.kind == "diminishing":
