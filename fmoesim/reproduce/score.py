@@ -132,6 +132,12 @@ def side_value(
         raise FmoesimError(f"{what}: {len(values)} runs match {flt}; the claim needs one")
     if any(math.isnan(v) for v in values):
         raise FmoesimError(f"{what}: {metric} is missing in a run matching {flt}")
+    return aggregate(values, agg)
+
+
+def aggregate(values: Sequence[float], agg: str) -> float:
+    """``values`` aggregated by ``agg``: ``min``, ``max``, ``range`` (the largest minus the
+    smallest), else the mean (``mean``, and ``one`` of a single value)."""
     if agg == "min":
         return min(values)
     if agg == "max":
@@ -304,20 +310,13 @@ def least_meeting(
     return (float(r[size]) if size else v), bool(meeting), v
 
 
-def _agg(values: list[float], agg: str) -> float:
-    """``values`` aggregated by ``agg`` (``one`` and ``min``: the smallest)."""
-    if agg == "max":
-        return max(values)
-    if agg == "mean":
-        return sum(values) / len(values)
-    return min(values)
-
-
 def _min_budget(claim: Claim, df: Any, what: str) -> tuple[float, bool, str]:
     """:func:`effect` of a ``min_budget`` claim (the module docstring)."""
     assert claim.over is not None and claim.metric is not None  # Claim.check
     over, metric, size = claim.over, claim.metric, claim.size
     lower = claim.direction == "lower"
+    # several baselines: their max or mean when asked, else the best (smallest)
+    b_agg = claim.b_agg if claim.b_agg in ("max", "mean") else "min"
     found: list[tuple[float, bool]] = []
     parts: list[str] = []
     for t in claim.targets:
@@ -327,7 +326,7 @@ def _min_budget(claim: Claim, df: Any, what: str) -> tuple[float, bool, str]:
         if not a_met and not met_b:
             parts.append(f"{_num(t)}: neither side meets it")
             continue
-        b = _agg(met_b, claim.b_agg) if met_b else max(v for v, _, _ in bs)
+        b = aggregate(met_b, b_agg) if met_b else max(v for v, _, _ in bs)
         e = relative_pct(a, b, what)
         # a B side meeting the target at A's own swept value: the sweep cannot tell them
         # apart, whatever their measured sizes differ by
