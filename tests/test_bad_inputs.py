@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 
 from fmoesim.atomic import HOST, STALE_AGE_S, clean_stale_temps
-from fmoesim.engine.metrics import REQUEST_TIME_COLUMNS, TIME_COLUMNS
+from fmoesim.engine.metrics import LIST_TIME_COLUMNS, TIME_COLUMNS
 from fmoesim.errors import ConfigError, FmoesimError
 from fmoesim.results.store import ResultsStore, load_results
 from fmoesim.workload.synthetic import read_azure_csv
@@ -80,8 +80,10 @@ def test_hit_rate_only_run_has_missing_times_everywhere(tmp_path):
         assert r["hit_rate"] == pytest.approx(5 / 12)  # still measured
         for col in TIME_COLUMNS:
             assert math.isnan(r[col]), col
-        for col in REQUEST_TIME_COLUMNS:
-            assert len(r[col]) == 1 and np.isnan(np.asarray(r[col], float)).all(), col  # null
+        for col in LIST_TIME_COLUMNS:
+            # one request; one entry per layer, as the measured per-layer hit rates
+            n = len(r["layer_hit_rate"]) if col.startswith("layer_") else 1
+            assert len(r[col]) == n and np.isnan(np.asarray(r[col], float)).all(), col  # null
     assert pd.read_parquet(run_dir / "layers.parquet")["stall_s"].isna().all()
     transfers = pd.read_parquet(run_dir / "transfers.parquet")
     assert len(transfers) and transfers[["submit_s", "start_s", "end_s"]].isna().all().all()
@@ -90,6 +92,13 @@ def test_hit_rate_only_run_has_missing_times_everywhere(tmp_path):
     assert p.returncode == 0, p.stderr
     row = pd.read_parquet(tmp_path / "runs" / "timed" / "summary.parquet").iloc[0]
     assert row["timing"] and row["tpot_mean_s"] > 0 and row["simulated_s"] > 0
+    # the per-layer list columns are the run's layer table (red when a list is another
+    # layer's, or the stall is not the per-layer one)
+    layers = pd.read_parquet(tmp_path / "runs" / "timed" / "layers.parquet")
+    np.testing.assert_allclose(row["layer_hit_rate"], layers["hit_rate"])
+    np.testing.assert_allclose(row["layer_stall_s"], layers["stall_s"])
+    assert sum(row["layer_stall_s"]) == pytest.approx(row["stall_s"])
+    assert len(row["layer_spec_recall"]) == len(layers)
 
 
 def test_pivot_over_timed_and_untimed_runs_averages_only_timed(tmp_path):

@@ -45,7 +45,8 @@ def fake_rows(experiment: str) -> list[dict]:
     rng = np.random.default_rng(0)
     rows = []
     for combo in itertools.product(*params.values()):
-        conf: dict = {"policy": {}, "serving": {"batch_size": 1}, "cache": {}}
+        conf: dict = {"policy": {}, "serving": {"batch_size": 1}, "cache": {},
+                      "model": {"name": model, "top_k": 4}}  # fmt: skip
         row = {"experiment": experiment, "model": model, "hardware": "rtx3090-pcie4",
                "trace": "traces/default", "trace_source": "synthetic", "budget_gb": 24.0,
                "experts_per_layer": 0, "requests": 16}  # fmt: skip
@@ -55,7 +56,7 @@ def fake_rows(experiment: str) -> list[dict]:
                 continue
             if key == "model":  # a config group: rows name it, configs hold its preset
                 row["model"] = val
-                conf["model"] = {"name": val}
+                conf["model"] = {"name": val, "top_k": 4}
                 continue
             node = conf
             *parents, leaf = key.split(".")
@@ -82,6 +83,9 @@ def fake_rows(experiment: str) -> list[dict]:
             request_tpot_s=list(rng.uniform(0.1, 0.4, 24)),
             shift_recovery_requests=float(rng.integers(0, 10)),
             vram_footprint_bytes=(row["budget_gb"] + rng.uniform(1, 4)) * 1e9,
+            layer_hit_rate=list(rng.uniform(0.2, 0.9, 24)),
+            layer_stall_s=list(rng.uniform(0, 1, 24)),
+            layer_spec_recall=list(rng.uniform(0.3, 0.9, 24)),
         )  # fmt: skip
         rows.append(row)
     return rows
@@ -265,8 +269,8 @@ WITH_LEGEND = {"fmoe-fig4", "fmoe-fig10", "fmoe-fig11", "fmoe-fig13", "fmoe-fig1
                "fmoe-fig14b", "fmoe-fig16", "moe-infinity-fig9", "moe-infinity-fig9-gpu-rich",
                "moe-infinity-fig12", "moe-infinity-tab7",
                "moe-infinity-tab5",
-               "moe-infinity-tab5-arctic", "moepic-fig4", "moepic-fig7", "moepic-tab1",
-               "moepic-fig8", "moepic-fig8-mixtral", "moepic-fig7-qwen"}  # fmt: skip
+               "moe-infinity-tab5-arctic", "moepic-fig2b", "moepic-fig4", "moepic-fig7",
+               "moepic-tab1", "moepic-fig8", "moepic-fig8-mixtral", "moepic-fig7-qwen"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(FIGURES))

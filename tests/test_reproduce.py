@@ -28,7 +28,15 @@ from fmoesim.reproduce.report import (
     to_markdown,
     write_scoreboard,
 )
-from fmoesim.reproduce.score import NA, NO, YES, magnitude_ratio, score_claim, scoreboard
+from fmoesim.reproduce.score import (
+    NA,
+    NO,
+    YES,
+    magnitude_ratio,
+    reduce_layers,
+    score_claim,
+    scoreboard,
+)
 from fmoesim.reproduce.smallscale import holding, points, recheck
 
 SCOREBOARD_DIR = PROJECT_ROOT / "results" / "reproduction"
@@ -342,6 +350,85 @@ def test_bound_by_hand() -> None:
     assert (s.fmoesim_value, s.holds) == (150.0, NO)
 
 
+def test_layer_reductions_by_hand() -> None:
+    """Red when a per-layer list is reduced wrongly: NaN layers counted, the head or the
+    tail taken from the wrong end, or ``head_tail`` the lower of the two rather than the
+    higher.  Nine layers: the head and the tail are one layer each (9 / 8 rounds to 1)."""
+    v = [1.0, math.nan, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 2.0]  # (L,)
+    assert reduce_layers(v, "min") == 1.0 and reduce_layers(v, "max") == 8.0
+    assert reduce_layers(v, "range") == 7.0
+    assert reduce_layers(v, "mean") == pytest.approx(36.0 / 8)
+    assert reduce_layers(v, "head_tail") == 2.0  # max(head 1, tail 2)
+    assert reduce_layers(v, "middle") == pytest.approx(33.0 / 6)  # 3..8, the NaN left out
+    assert math.isnan(reduce_layers([math.nan] * 4, "max"))
+    assert math.isnan(reduce_layers([1.0, 2.0], "middle"))  # no layer between head and tail
+    # a relative claim on one row, side A's head/tail against side B's middle:
+    # 2 / 5.5 - 1 = -63.6% (lower: holds); the same row's min over its max: -87.5%
+    df = store_rows("fmoe-fig9", [{"policy": "fmoe", "model.name": "m", "layer_spec_recall": v}])
+    one = dict(metric="layer_spec_recall", a={"policy": "fmoe"}, b={"policy": "fmoe"})
+    s = score_claim(claim(**one, layers="head_tail", b_layers="middle"), df)
+    assert (s.fmoesim_value, s.holds) == (pytest.approx(100 * (2.0 / 5.5 - 1)), YES)
+    s = score_claim(claim(**one, layers="min", b_layers="max"), df)
+    assert s.fmoesim_value == pytest.approx(-87.5)
+    # a bound on the spread, in points: 7 x 100 = 700 is not at most 500
+    s = score_claim(
+        claim(kind="at_most", paper_value=500.0, scale=100.0, b={}, layers="range",
+              metric="layer_spec_recall", a={"policy": "fmoe"}), df)  # fmt: skip
+    assert (s.fmoesim_value, s.holds) == (pytest.approx(700.0), NO)
+    for kw, msg in ((dict(layers="median"), "layers 'median'"),
+                    (dict(b_layers="max"), "b_layers without layers"),
+                    (dict(layers="max", kind="min_budget", over="cache.budget_gb",
+                          targets=(1.0,)), "layers goes with")):  # fmt: skip
+        with pytest.raises(FmoesimError, match=msg):
+            claim(**kw).check()
+
+
+def test_at_point_by_hand() -> None:
+    """Red when side A is not interpolated between the two runs that bracket ``at`` (or
+    extrapolated outside them): TPOT 0.30 s at a 20% hit rate and 0.10 s at 60% give
+    0.20 s at 40%, against 0.05 s: +300%; runs out of order in the store change nothing."""
+    rows = [{"policy": "lru", "cache.experts_per_layer": c, "hit_rate": h, "tpot_mean_s": t}
+            for c, h, t in ((30, 0.6, 0.10), (10, 0.2, 0.30), (60, 1.0, 0.05),
+                            (20, 0.5, 0.15))]  # fmt: skip
+    df = store_rows("moepic-fig2b", rows)
+    kw = dict(experiment="moepic-fig2b", kind="at_point", x="hit_rate", at=0.4,
+              a={"policy": "lru", "cache.experts_per_layer": [10, 20, 30]},
+              b={"policy": "lru", "cache.experts_per_layer": 60}, direction="higher",
+              paper_value=281.0)  # fmt: skip
+    s = score_claim(claim(**kw), df)
+    # between 0.2 (0.30 s) and 0.5 (0.15 s): 0.30 - 0.15 x 2/3 = 0.20 s
+    assert (s.fmoesim_value, s.holds) == (pytest.approx(300.0), YES)
+    assert s.ratio == pytest.approx(300.0 / 281.0)
+    s = score_claim(claim(**{**kw, "at": 0.55}), df)  # between 0.5 (0.15) and 0.6 (0.10)
+    assert s.fmoesim_value == pytest.approx(100 * (0.125 / 0.05 - 1))
+    s = score_claim(claim(**{**kw, "at": 0.1}), df)
+    assert s.holds == NA and "outside side A's runs ([0.2, 0.6])" in s.detail
+    with pytest.raises(FmoesimError, match="x and at"):
+        claim(**{**kw, "x": None}).check()
+    with pytest.raises(FmoesimError, match="x and at"):
+        claim(x="hit_rate", at=0.4).check()  # a relative claim
+
+
+def test_trend_by_hand() -> None:
+    """Red when a trend skips a step, compares other than consecutive swept values, or
+    lets one policy's step the other way pass: A falls 0.30 -> 0.20 -> 0.15 s
+    (-33.3%, -25%); B falls 0.40 -> 0.30, then rises to 0.33 (+10%), so the claim fails
+    with +10%; without B, A's least favourable step is -25% and it holds."""
+    rows = [{"policy": p, "cache.budget_gb": b, "tpot_mean_s": t}
+            for p, ts in (("a", (0.30, 0.20, 0.15)), ("b", (0.40, 0.30, 0.33)))
+            for b, t in zip((4, 8, 16), ts, strict=True)]  # fmt: skip
+    df = store_rows("moepic-fig7", rows)
+    kw = dict(experiment="moepic-fig7", kind="trend", over="cache.budget_gb", b={},
+              a={"policy": "a"}, among=("a", "b"))  # fmt: skip
+    s = score_claim(claim(**kw), df)
+    assert (s.fmoesim_value, s.holds) == (pytest.approx(10.0), NO)
+    assert "b 8->16" in s.detail and "1 of 4 steps" in s.detail
+    s = score_claim(claim(**{**kw, "among": ("a",)}), df)
+    assert (s.fmoesim_value, s.holds) == (pytest.approx(-25.0), YES)
+    with pytest.raises(FmoesimError, match="trend needs among"):
+        claim(**{**kw, "among": ("b",)}).check()
+
+
 def test_min_budget_by_hand() -> None:
     """Red when a min_budget claim takes a budget whose TPOT misses the target, reads the
     swept value instead of ``size``, takes the worst baseline instead of the best, lets
@@ -546,6 +633,11 @@ NOT_AT_SMALL_SCALE = {
     "than 3-request runs move it",
     "fmoe:fig13-ttft-d3-vs-longer": "fMoE's TTFT at distance 3 is 0.08% under distances 4 "
     "and 6 over 10 requests per model, 0.09% above them over 3",
+    "moepic:s23-layer-hit-rate-spread": "3 requests give each layer a few hundred accesses, "
+    "so LFU's per-layer hit rates spread by 6.3 points from sampling alone (4.4 over 32)",
+    "moepic:fig7-latency-falls-with-budget": "over 3 requests the configurator never runs "
+    "(every 5,000 tokens): MoEpic keeps theta = 0.5 with a 0% hit rate in 8.8 GB, under both "
+    "10.6 and 12.7 GB, so those two runs are identical (a 0.0% step)",
     "moepic:tab1-c10-lcp-vs-lfu": "LCP is 0.96% over LFU over 32 requests, 0.02% under it over 3",
     "moepic:tab1-c30-lcp-vs-lfu": "LCP is 0.79% over LFU over 32 requests, 0.14% under it over 3",
     "moepic:tab1-c50-lcp-vs-lfu": "LCP is 0.16% over LFU over 32 requests, 0.04% under it over 3",

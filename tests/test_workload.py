@@ -461,3 +461,32 @@ def test_synthetic_config_refuses_non_numbers_and_infinite_temperature(knob, val
     cfg = dataclasses.replace(BASE, **{knob: value})
     with pytest.raises(ConfigError, match=f"workload.synthetic.{knob}"):
         cfg.validate()
+
+
+def test_spec_recall_against_a_loop(tmp_path: Path) -> None:
+    """Red when :func:`spec_recall` counts prefill iterations, takes the top-k on the
+    wrong axis or averages over rows without a prediction: checked against a plain loop
+    over decode tokens and layers, and the noisier first layer (its prediction is made
+    from the previous token's last layer) scoring lower than the rest, as the generator
+    makes it."""
+    from fmoesim.trace.stats import spec_recall
+
+    tr = _gen(tmp_path, "spec", num_requests=6, spec_noise=0.6, spec_noise_first_layer=3.0)
+    assert tr.spec_probs is not None and tr.spec_valid is not None
+    k, L = tr.top_k, tr.num_layers
+    want = np.zeros(L)
+    for layer in range(L):
+        got = []
+        for i in range(tr.num_iterations):
+            if tr.num_tokens[i] != 1 or not tr.spec_valid[i, layer]:
+                continue
+            spec = tr.spec_probs[i, layer].astype(np.float32)
+            top = set(np.argsort(-spec, kind="stable")[:k].tolist())
+            got.append(len(top & set(np.flatnonzero(tr.counts[i, layer]).tolist())) / k)
+        want[layer] = np.mean(got)
+    np.testing.assert_allclose(spec_recall(tr), want)
+    assert want[0] < want[1:].min()
+    # a trace without predictions: NaN on every layer
+    one = dataclasses.replace(MODEL, num_layers=1)
+    nospec = _gen(tmp_path, "nospec", model=one, output_tokens_max=1, num_requests=4)
+    assert np.isnan(spec_recall(nospec)).all()

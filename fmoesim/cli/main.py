@@ -414,7 +414,7 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
             "numpy_version": np.__version__,
         }
     )
-    row.update(_row_extras(result))
+    row.update(_row_extras(result, trace))
     # saved before anything is printed: a closed stdout does not cost the run its results
     stored = save_results(final, store, spec, row, resolved, result)
     if verbose:
@@ -483,16 +483,25 @@ def save_results(
     return stored
 
 
-def _row_extras(result: Any) -> dict[str, Any]:
-    """Per-request latencies as list columns (latency CDFs), and the mean of every
-    numeric column of the policy's own log as ``policy_mean_<name>`` (e.g. fMoE's
-    similarity scores)."""
+def _row_extras(result: Any, trace: Any) -> dict[str, Any]:
+    """Per-request latencies as list columns (latency CDFs); per MoE layer the hit rate
+    (``layer_hit_rate``), the stall (``layer_stall_s``) and the share of routed experts
+    the trace's speculative prediction had in its top-k (``layer_spec_recall``,
+    :func:`fmoesim.trace.stats.spec_recall`), as list columns of ``L`` values (NaN where
+    there is none); and the mean of every numeric column of the policy's own log as
+    ``policy_mean_<name>`` (e.g. fMoE's similarity scores)."""
     import numpy as np
+
+    from fmoesim.trace.stats import spec_recall
 
     req = result.metrics.request_table()
     out: dict[str, Any] = {
         f"request_{k}": [float(x) for x in req[k]] for k in ("ttft_s", "tpot_s", "e2e_s")
     }
+    layers = result.metrics.layer_table()
+    out["layer_hit_rate"] = [float(x) for x in layers["hit_rate"]]
+    out["layer_stall_s"] = [float(x) for x in layers["stall_s"]]
+    out["layer_spec_recall"] = [float(x) for x in spec_recall(trace)]
     for k, v in (result.policy_log or {}).items():
         a = np.asarray(v)
         if a.dtype.kind == "f" and a.size and np.isfinite(a).any():

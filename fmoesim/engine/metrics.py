@@ -51,9 +51,9 @@ TIME_COLUMNS: Final = (
     "link_busy_s",
     "speedup_vs_real",
 )
-#: per-request latency list columns of a results-store row: lists of NaN in a
-#: hit-rate-only run
-REQUEST_TIME_COLUMNS: Final = ("request_ttft_s", "request_tpot_s", "request_e2e_s")
+#: list columns of a results-store row that hold times: per request (TTFT, TPOT,
+#: end-to-end) and per MoE layer (stall); lists of NaN in a hit-rate-only run
+LIST_TIME_COLUMNS: Final = ("request_ttft_s", "request_tpot_s", "request_e2e_s", "layer_stall_s")
 
 
 #: :func:`shift_recovery`: the requests whose mean TPOT is compared, and by how much the
@@ -88,12 +88,12 @@ def shift_recovery(tpot_s: Sequence[float] | np.ndarray, shifted: Sequence[bool]
 
 def blank_times(row: dict[str, Any]) -> dict[str, Any]:
     """``row`` with every time column it holds (:data:`TIME_COLUMNS`,
-    :data:`REQUEST_TIME_COLUMNS`) set to missing values: the row of a hit-rate-only run."""
+    :data:`LIST_TIME_COLUMNS`) set to missing values: the row of a hit-rate-only run."""
     out = dict(row)
     for key in TIME_COLUMNS:
         if key in out:
             out[key] = float("nan")
-    for key in REQUEST_TIME_COLUMNS:
+    for key in LIST_TIME_COLUMNS:
         if key in out and out[key] is not None:
             out[key] = [float("nan")] * len(out[key])
     return out

@@ -474,6 +474,55 @@ def moepic_fig4(df: Any, plt: Any) -> tuple[Any, str]:
     return fig, _table(df, cols, ["prefetch", "theta"])
 
 
+#: MoEpic Fig. 2(b) (§2.2): "a cache hit rate of 40% will introduce about 3.81x higher
+#: inference latency compared to the GPU-Rich baseline"; Fig. 2(c): "an average of
+#: 2.07~3.39 experts will be prefetched correctly" of the 4 a layer activates
+MOEPIC_FIG2B_POINT = (0.40, 3.81)
+MOEPIC_FIG2C_RANGE = (2.07, 3.39)
+
+
+def moepic_fig2b(df: Any, plt: Any) -> tuple[Any, str]:
+    """Fig. 2(b): TPOT against the hit rate of the cache-based policies (C = 10..50 of 60
+    experts a layer), the GPU-Rich reference (C = 60: every expert resident) and the
+    paper's point (40%, 3.81x GPU-Rich); Fig. 2(c): how many of a layer's ``k`` experts
+    the trace's next-layer prediction gets right, per layer (the same in every run: a
+    property of the trace), against the paper's range."""
+    df = df.copy()
+    df["C"] = df.experts_per_layer.astype(int)
+    full = int(df.C.max())
+    rich = df[df.C == full]
+    curve = df[df.C < full]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    _lines(axes[0], curve, "hit_rate", "tpot_mean_s", 1e3, "hit rate (%)", "mean TPOT (ms)",
+           legend=False)  # fmt: skip
+    for line in axes[0].get_lines():
+        line.set_xdata(np.asarray(line.get_xdata(), dtype=float) * 100)
+    axes[0].relim()
+    rich_ms = 1e3 * float(rich.tpot_mean_s.min())
+    axes[0].axhline(rich_ms, color="0.4", linestyle=":", label=f"GPU-Rich (C = {full})")
+    hit, times = MOEPIC_FIG2B_POINT
+    axes[0].plot([100 * hit], [times * rich_ms], "k*", markersize=9,
+                 label=f"paper: {times:g}x GPU-Rich at {100 * hit:g}%")  # fmt: skip
+    axes[0].autoscale_view()
+    legend_outside(axes[0])
+    k = int(cfg_value(df.iloc[0], "model.top_k"))
+    recall = np.asarray(df.iloc[0]["layer_spec_recall"], dtype=float)  # (L,)
+    correct = k * recall
+    axes[1].bar(np.arange(len(correct)), correct, color=policy_color("adapmoe"))
+    lo, hi = MOEPIC_FIG2C_RANGE
+    axes[1].axhspan(lo, hi, color="0.85", zorder=0)
+    axes[1].set_title(f"grey: the paper's {lo:g} to {hi:g} a layer", fontsize=9)
+    axes[1].set_xlabel("MoE layer")
+    axes[1].set_ylabel(f"experts predicted right (of {k})")
+    cols = {"hit rate %": ("hit_rate", 100, ".2f"), "TPOT ms": ("tpot_mean_s", 1e3, ".1f")}
+    table = _table(df.sort_values(["policy", "C"]), cols, ["policy", "C"])
+    return fig, table + (
+        f"\n\nGPU-Rich (C = {full}): {rich_ms:.1f} ms.  Next-layer prediction: "
+        f"{correct.min():.2f} to {correct.max():.2f} of {k} experts right a layer "
+        f"(the paper: {lo:g} to {hi:g})."
+    )
+
+
 def moepic_fig9b(df: Any, plt: Any) -> tuple[Any, str]:
     """TPOT against the configurator's allocation granularity ζ."""
     df = _with(df, "policy.zeta", "zeta").sort_values("zeta")
@@ -670,6 +719,11 @@ FIGURES: dict[str, Figure] = {
     ),
     "moepic-fig4": Figure(
         "moepic-fig4", "MoEpic Fig. 4(b): latency against the split ratio", moepic_fig4
+    ),
+    "moepic-fig2b": Figure(
+        "moepic-fig2b",
+        "MoEpic Fig. 2(b)-(c): TPOT against the hit rate; next-layer prediction per layer",
+        moepic_fig2b,
     ),
     "moepic-fig9a": Figure(
         "moepic-fig9a", "MoEpic Fig. 9(a): TPOT against LCP's ρ and ω", moepic_fig9a

@@ -7,7 +7,10 @@ A claim compares two sides, A and B, on one metric of one experiment preset's ro
 (``at_most``, ``at_least``), that A's metric stays under (over) the paper's number in the
 claim's ``unit`` (the metric times ``scale``: 100 for a fraction in %, 1000 for seconds
 in ms), or, for ``min_budget``, how much less (more) of the swept resource A
-needs than B to meet the paper's ``targets``.
+needs than B to meet the paper's ``targets``, or, for ``at_point``, how A's metric at one
+value ``at`` of another of its columns ``x`` (read off its sweep) compares with B's.  A
+metric that is a per-layer list column is reduced to one number per run by ``layers``
+(side B by ``b_layers``, the same unless given).
 A claim that no preset
 computes has no ``experiment`` and says why in ``reason``.  The kinds of comparison are
 defined in :mod:`fmoesim.reproduce.score`.
@@ -33,10 +36,15 @@ KINDS = (
     "at_least",
     "diminishing",
     "min_budget",
+    "at_point",
+    "trend",
 )
 #: the kinds whose number is A's metric against the paper's number, not a change
 BOUNDS = {"at_most": "lower", "at_least": "higher"}
 AGGREGATES = ("one", "min", "max", "mean", "range")
+#: reductions of a per-layer list column (``layer_hit_rate``...) to one number per run
+#: (:func:`fmoesim.reproduce.score.reduce_layers`)
+LAYER_REDUCTIONS = ("min", "max", "range", "mean", "head_tail", "middle")
 DIRECTIONS = ("lower", "higher")
 
 #: a row filter: ``policy`` or a dotted config key, to one value or a list of values
@@ -86,6 +94,10 @@ class Claim:
     targets: tuple[float, ...] = ()
     size: str | None = None
     scale: float = 1.0
+    x: str | None = None
+    at: float | None = None
+    layers: str | None = None
+    b_layers: str | None = None
     reason: str = ""
     note: str = ""
 
@@ -94,7 +106,7 @@ class Claim:
         """The store columns the claim reads."""
         if self.kind == "mean_relative":
             return tuple(dict.fromkeys(p.metric for p in self.pairs))
-        return tuple(m for m in (self.metric, self.size) if m)
+        return tuple(m for m in (self.metric, self.size, self.x) if m)
 
     def check(self) -> None:
         """Raise :class:`FmoesimError` naming the claim and the field when a field breaks
@@ -134,16 +146,28 @@ class Claim:
             raise FmoesimError(f"{bad}: diminishing needs sides b and c, each naming a policy")
         if self.kind == "diminishing" and self.per:
             raise FmoesimError(f"{bad}: diminishing compares three fixed points, not per")
-        if self.kind in ("relative", "every_point", "min_budget") and not b_named:
+        if self.kind in ("relative", "every_point", "min_budget", "at_point") and not b_named:
             raise FmoesimError(f"{bad}: side b names no policy")
-        if self.kind in ("every_point", "most_points", "min_budget") and not self.over:
+        if self.kind in ("every_point", "most_points", "min_budget", "trend") and not self.over:
             raise FmoesimError(f"{bad}: {self.kind} needs over (the swept key)")
         if self.kind == "most_points" and len(self.among) < 2:
             raise FmoesimError(f"{bad}: most_points needs among (two policies or more)")
+        if self.kind == "trend" and self.a["policy"] not in self.among:
+            raise FmoesimError(f"{bad}: trend needs among (the policies), side a's among them")
         if (self.kind == "min_budget") != bool(self.targets):
             raise FmoesimError(f"{bad}: targets (the metric's bounds) go with min_budget only")
         if self.kind == "min_budget" and self.per:
             raise FmoesimError(f"{bad}: min_budget reads one sweep of over, not per")
+        if (self.kind == "at_point") != (self.x is not None and self.at is not None):
+            raise FmoesimError(f"{bad}: x and at (where A's sweep is read) go with at_point only")
+        for name in ("layers", "b_layers"):
+            value = getattr(self, name)
+            if value is not None and value not in LAYER_REDUCTIONS:
+                raise FmoesimError(f"{bad}: {name} {value!r}; valid: {', '.join(LAYER_REDUCTIONS)}")
+        if self.b_layers is not None and self.layers is None:
+            raise FmoesimError(f"{bad}: b_layers without layers")
+        if self.layers is not None and self.kind not in ("relative", "every_point", *BOUNDS):
+            raise FmoesimError(f"{bad}: layers goes with relative, every_point and bounds")
 
 
 def _claim(paper: str, raw: dict[str, Any]) -> Claim:
@@ -153,6 +177,7 @@ def _claim(paper: str, raw: dict[str, Any]) -> Claim:
     targets = raw.pop("targets", None)
     targets = [targets] if isinstance(targets, int | float) else targets or []
     value = raw.pop("paper_value", None)
+    at = raw.pop("at", None)
     if isinstance(raw.get("b"), list):  # side B: the rows of any of these filters
         raw["b"] = tuple(dict(f) for f in raw["b"])
     try:
@@ -162,6 +187,7 @@ def _claim(paper: str, raw: dict[str, Any]) -> Claim:
             among=among,
             targets=tuple(_number(t, raw.get("id"), "targets") for t in targets),
             scale=_number(raw.pop("scale", 1.0), raw.get("id"), "scale"),
+            at=None if at is None else _number(at, raw.get("id"), "at"),
             paper_value=None if value is None else float(value),
             **raw,
         )

@@ -33,10 +33,23 @@ same unit as the paper's number.  The kinds:
   bounded by its largest swept run (the effect is then a bound, marked in the detail;
   the direction holds when only B misses, fails when only A does), and a target neither
   side meets is skipped.
+- ``at_point``: A's metric where another of its columns ``x`` equals ``at`` (TPOT at a
+  given hit rate), read off A's rows by linear interpolation between the two runs whose
+  ``x`` brackets ``at`` (runs in order of ``x``; ``at`` outside their range: no number),
+  against side B's metric (aggregated by ``b_agg``), as a relative change.
+- ``trend``: "the metric falls (rises) as the swept key ``over`` grows, for every policy
+  of ``among``": the relative change between each two consecutive swept values, per
+  policy; fmoesim's number is the least favourable of them all, so the direction holds
+  only when every step of every policy goes the claimed way.
 - ``diminishing``: "beyond B, more adds little": fmoesim's number is the effect of A
   against B (the gain beyond B); the direction holds when it has the claimed sign's
   opposite or is smaller in size than the effect of B against a third side ``c`` (the
   gain up to B), so a gain that keeps growing as fast fails.  The detail gives both.
+
+A metric that is a per-layer list column (``layer_hit_rate``, ``layer_stall_s``,
+``layer_spec_recall``) is reduced to one number per run first, by ``layers`` for side A
+and ``b_layers`` (else ``layers``) for side B (:func:`reduce_layers`), for ``relative``,
+``every_point`` and the bounds.
 
 A claim with ``per`` (a swept key, such as ``model`` for a paper's number "across three
 models") is scored for each value of that key on its own rows, then combined:
@@ -118,14 +131,60 @@ def _matches(row: Any, flt: Filter) -> bool:
     return True
 
 
+#: :func:`reduce_layers` ``head_tail`` and ``middle``: the head and the tail are each this
+#: share of the layers (at least one layer each)
+EDGE_SHARE = 1 / 8
+
+
+def reduce_layers(values: Any, how: str) -> float:
+    """One number of a per-layer list ``(L,)`` (NaN entries, layers without a value, left
+    out): ``min``, ``max``, ``range`` (the largest minus the smallest), ``mean``;
+    ``head_tail``: the higher of the means of the first and of the last
+    ``max(1, round(L * EDGE_SHARE))`` layers; ``middle``: the mean of the layers between
+    them.  NaN when nothing is left."""
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.float64)  # (L,)
+    if how in ("head_tail", "middle"):
+        n = max(1, round(len(v) * EDGE_SHARE))
+        if len(v) < 2 * n + 1:
+            return math.nan
+        if how == "middle":
+            v = v[n:-n]
+        else:
+            head, tail = v[:n][~np.isnan(v[:n])], v[-n:][~np.isnan(v[-n:])]
+            if not len(head) or not len(tail):
+                return math.nan
+            return float(max(head.mean(), tail.mean()))
+    v = v[~np.isnan(v)]
+    if not len(v):
+        return math.nan
+    if how == "min":
+        return float(v.min())
+    if how == "max":
+        return float(v.max())
+    if how == "range":
+        return float(v.max() - v.min())
+    return float(v.mean())
+
+
 def side_value(
-    df: Any, flt: Filter | tuple[Filter, ...], metric: str, agg: str, what: str
+    df: Any,
+    flt: Filter | tuple[Filter, ...],
+    metric: str,
+    agg: str,
+    what: str,
+    layers: str | None = None,
 ) -> float:
-    """The metric of the rows matching ``flt``, aggregated by ``agg``."""
+    """The metric of the rows matching ``flt`` (each a per-layer list reduced by
+    ``layers``, :func:`reduce_layers`), aggregated by ``agg``."""
     rows = select(df, flt)
     if metric not in rows.columns:
         raise FmoesimError(f"{what}: the store's rows have no column {metric}")
-    values = [float(v) for v in rows[metric]]
+    if layers is None:
+        values = [float(v) for v in rows[metric]]
+    else:
+        values = [reduce_layers(v, layers) for v in rows[metric]]
     if not values:
         raise FmoesimError(f"{what}: no run matches {flt}")
     if agg == "one" and len(values) != 1:
@@ -234,7 +293,7 @@ def _effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
     metric = claim.metric
     if claim.kind in BOUNDS:
         assert claim.paper_value is not None  # Claim.check
-        value = claim.scale * side_value(df, claim.a, metric, claim.a_agg, what)
+        value = claim.scale * side_value(df, claim.a, metric, claim.a_agg, what, claim.layers)
         under = value < claim.paper_value
         return value, under if claim.kind == "at_most" else value > claim.paper_value, ""
     if claim.kind == "diminishing":
@@ -246,13 +305,16 @@ def _effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
         return beyond, holds, f"up to B: {_fmt(upto)}; beyond B: {_fmt(beyond)}"
     if claim.kind == "min_budget":
         return _min_budget(claim, df, what)
+    b_layers = claim.b_layers or claim.layers
     if claim.kind == "relative":
         value = relative_pct(
-            side_value(df, claim.a, metric, claim.a_agg, what),
-            side_value(df, claim.b, metric, claim.b_agg, what),
+            side_value(df, claim.a, metric, claim.a_agg, what, claim.layers),
+            side_value(df, claim.b, metric, claim.b_agg, what, b_layers),
             what,
         )
         return value, favourable(value, claim.direction), ""
+    if claim.kind == "at_point":
+        return _at_point(claim, df, what)
     assert claim.over is not None
     over = claim.over
     points = _over_values(df, over)
@@ -262,8 +324,8 @@ def _effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
         assert isinstance(claim.b, dict)  # Claim.check: a list of filters is for relative
         effects = [
             relative_pct(
-                side_value(df, {**claim.a, over: v}, metric, claim.a_agg, what),
-                side_value(df, {**claim.b, over: v}, metric, claim.b_agg, what),
+                side_value(df, {**claim.a, over: v}, metric, claim.a_agg, what, claim.layers),
+                side_value(df, {**claim.b, over: v}, metric, claim.b_agg, what, b_layers),
                 what,
             )
             for v in points
@@ -271,6 +333,20 @@ def _effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
         worst = max(effects) if claim.direction == "lower" else min(effects)
         pairs = zip(points, effects, strict=True)
         detail = ", ".join(f"{over}={_num(v)}: {_fmt(e)}" for v, e in pairs)
+        return worst, favourable(worst, claim.direction), detail
+    if claim.kind == "trend":
+        steps: list[tuple[float, str]] = []
+        for p in claim.among:
+            ys = [side_value(df, {"policy": p, over: v}, metric, "one", what) for v in points]
+            for i in range(1, len(points)):
+                step = f"{p} {_num(points[i - 1])}->{_num(points[i])}"
+                steps.append((relative_pct(ys[i], ys[i - 1], what), step))
+        if not steps:
+            raise FmoesimError(f"{what}: a trend needs two values of {over} or more")
+        pick = max if claim.direction == "lower" else min
+        worst, where = pick(steps, key=lambda s: s[0])
+        bad = sum(not favourable(e, claim.direction) for e, _ in steps)
+        detail = f"least favourable step: {where}; {bad} of {len(steps)} steps the other way"
         return worst, favourable(worst, claim.direction), detail
     # most_points
     best_at = []
@@ -349,11 +425,37 @@ def _min_budget(claim: Claim, df: Any, what: str) -> tuple[float, bool, str]:
     return worst, not failed, "; ".join(parts)
 
 
+def _at_point(claim: Claim, df: Any, what: str) -> tuple[float, bool, str]:
+    """:func:`effect` of an ``at_point`` claim (the module docstring)."""
+    assert claim.metric is not None and claim.x is not None and claim.at is not None
+    metric, x, at = claim.metric, claim.x, claim.at
+    rows = select(df, claim.a)
+    for col in (metric, x):
+        if col not in rows.columns:
+            raise FmoesimError(f"{what}: the store's rows have no column {col}")
+    pts = sorted((float(r[x]), float(r[metric])) for _, r in rows.iterrows())
+    if any(math.isnan(v) for p in pts for v in p):
+        raise FmoesimError(f"{what}: {x} or {metric} is missing in a run matching {claim.a}")
+    if len(pts) < 2 or not pts[0][0] <= at <= pts[-1][0]:
+        span = f"[{_num(pts[0][0])}, {_num(pts[-1][0])}]" if pts else "no runs"
+        raise FmoesimError(f"{what}: {x} = {_num(at)} is outside side A's runs ({span})")
+    i = next(i for i in range(1, len(pts)) if pts[i][0] >= at)
+    (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+    a = y0 if x1 == x0 else y0 + (y1 - y0) * (at - x0) / (x1 - x0)
+    b = side_value(df, claim.b, metric, claim.b_agg, what)
+    value = relative_pct(a, b, what)
+    detail = (
+        f"A at {x} = {_num(at)}: {_num(round(a, 6))} (between {x} {_num(round(x0, 4))} and "
+        f"{_num(round(x1, 4))}); B: {_num(round(b, 6))}"
+    )
+    return value, favourable(value, claim.direction), detail
+
+
 def is_latency(metric: str) -> bool:
     """Whether a store column holds a latency (then only timed runs are read)."""
-    from fmoesim.engine.metrics import TIME_COLUMNS
+    from fmoesim.engine.metrics import LIST_TIME_COLUMNS, TIME_COLUMNS
 
-    return metric in TIME_COLUMNS
+    return metric in TIME_COLUMNS or metric in LIST_TIME_COLUMNS
 
 
 def score_claim(claim: Claim, results: Any) -> Score:
@@ -382,7 +484,7 @@ def score_claim(claim: Claim, results: Any) -> Score:
 #: ``most_points``: values this close (relative) to the best are ties, as rounding apart
 TIE_REL = 1e-9
 
-_RATIO_KINDS = ("relative", "mean_relative", "min_budget", *BOUNDS)
+_RATIO_KINDS = ("relative", "mean_relative", "min_budget", "at_point", *BOUNDS)
 
 
 def experiments_of(claims: Sequence[Claim]) -> list[str]:

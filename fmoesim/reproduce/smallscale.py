@@ -64,7 +64,7 @@ def points(claim: Claim) -> list[dict[str, Any]]:
     sides: list[Filter] = [claim.a]
     if claim.kind == "mean_relative":
         sides += [p.b for p in claim.pairs]
-    elif claim.kind == "most_points":
+    elif claim.kind in ("most_points", "trend"):
         sides = [{"policy": list(claim.among)}]
     elif claim.kind == "diminishing":
         sides += [*sides_of(claim.b), claim.c]

@@ -141,7 +141,7 @@ def _with_timing(df: Any) -> Any:
     import numpy as np
     import pandas as pd
 
-    from fmoesim.engine.metrics import REQUEST_TIME_COLUMNS, TIME_COLUMNS
+    from fmoesim.engine.metrics import LIST_TIME_COLUMNS, TIME_COLUMNS
 
     derived = (
         df["config_json"].map(_timing_of)
@@ -155,7 +155,7 @@ def _with_timing(df: Any) -> Any:
         for col in TIME_COLUMNS:
             if col in df.columns:
                 df[col] = df[col].astype("float64").where(df["timing"])
-        for col in REQUEST_TIME_COLUMNS:
+        for col in LIST_TIME_COLUMNS:
             if col in df.columns:
                 df[col] = [
                     np.full(len(v), np.nan) if not t and v is not None else v
@@ -172,9 +172,9 @@ def load_results(root: str | os.PathLike[str] = "results/store") -> Any:
     The boolean column ``timing`` says whether a run simulated time (rows written
     without it take it from their ``config_json``'s ``engine.timing``).  The time
     columns of a hit-rate-only run (:data:`fmoesim.engine.metrics.TIME_COLUMNS`, the
-    per-request latency lists) are missing values, also in rows written when they
-    were stored as zeros, so an average over timed and untimed runs takes in only the
-    timed ones."""
+    per-request latency and per-layer stall lists) are missing values, also in rows
+    written when they were stored as zeros, so an average over timed and untimed runs
+    takes in only the timed ones."""
     import pandas as pd
 
     files = sorted(p for p in Path(root).glob("*.parquet") if not p.name.startswith("."))

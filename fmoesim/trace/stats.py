@@ -58,9 +58,28 @@ def next_token_reuse(trace: Trace) -> np.ndarray:
     return (shared / np.maximum(a.sum(axis=2), 1)).mean(axis=0)
 
 
+def spec_recall(trace: Trace) -> np.ndarray:
+    """Per layer ``(L,)``, the mean fraction of a decode token's routed experts that are
+    among the top-k of its speculative probabilities (the prediction made one layer
+    early, MoEpic eq. 3): ``k`` times it is how many of the ``k`` experts a next-layer
+    prefetcher guesses right (MoEpic Fig. 2(c)).  NaN for a layer without a prediction
+    (every layer, in a trace without ``spec_probs``)."""
+    L, k = trace.num_layers, trace.top_k
+    if trace.spec_probs is None or trace.spec_valid is None:
+        return np.full(L, np.nan)
+    dec = np.flatnonzero(trace.num_tokens == 1)  # one token: the routed set is the top-k
+    valid = trace.spec_valid[dec]  # (D, L)
+    spec = trace.spec_probs[dec].astype(np.float32)  # (D, L, E)
+    top = np.argpartition(-spec, k - 1, axis=2)[..., :k]  # (D, L, k)
+    hit = np.take_along_axis(trace.counts[dec] > 0, top, axis=2).sum(axis=2) / k  # (D, L)
+    n = valid.sum(axis=0)
+    with np.errstate(invalid="ignore"):
+        return np.where(n > 0, (hit * valid).sum(axis=0) / np.maximum(n, 1), np.nan)
+
+
 def layer_stats(trace: Trace) -> LayerStats:
     """Compute :class:`LayerStats` for every layer of ``trace``."""
-    E, k = trace.num_experts, trace.top_k
+    E = trace.num_experts
     freq = trace.counts.sum(axis=0, dtype=np.int64)  # (L, E)
     norm = np.log(E) if E > 1 else 1.0
     coarse = _entropy(freq) / norm
@@ -69,25 +88,13 @@ def layer_stats(trace: Trace) -> LayerStats:
     else:
         fine = np.full(trace.num_layers, np.nan)
     mean = np.maximum(freq.mean(axis=1), 1e-300)
-    recall = np.full(trace.num_layers, np.nan)
-    if trace.spec_probs is not None and trace.spec_valid is not None:
-        dec = trace.num_tokens == 1  # one token: the routed set is exactly the top-k
-        valid = trace.spec_valid & dec[:, None]  # (N, L)
-        top = np.argpartition(-trace.spec_probs.astype(np.float32), k - 1, axis=2)[..., :k]
-        hit = np.take_along_axis(trace.counts > 0, top, axis=2).sum(axis=2) / k  # (N, L)
-        with np.errstate(invalid="ignore"):
-            recall = np.where(
-                valid.any(axis=0),
-                (hit * valid).sum(axis=0) / np.maximum(valid.sum(axis=0), 1),
-                np.nan,
-            )
     return LayerStats(
         coarse_entropy=coarse,
         fine_entropy=fine,
         gini=gini(freq),
         max_over_mean=freq.max(axis=1) / mean,
         next_token_reuse=next_token_reuse(trace),
-        spec_top_k_recall=recall,
+        spec_top_k_recall=spec_recall(trace),
     )
 
 
