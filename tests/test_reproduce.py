@@ -427,6 +427,12 @@ def test_trend_by_hand() -> None:
     assert (s.fmoesim_value, s.holds) == (pytest.approx(-25.0), YES)
     with pytest.raises(FmoesimError, match="trend needs among"):
         claim(**{**kw, "among": ("b",)}).check()
+    # per model: the least favourable model counts, not the mean (-25% and +10% -> +10%)
+    per = [{**r, "model.name": "m1" if r["policy"] == "a" else "m2", "policy": "a"}
+           for r in rows]  # fmt: skip
+    kw = {**kw, "experiment": "fmoe-fig11", "among": ("a",), "per": "model"}  # sweeps model
+    s = score_claim(claim(**kw), store_rows("fmoe-fig11", per))
+    assert (s.fmoesim_value, s.holds) == (pytest.approx(10.0), NO)
 
 
 def test_min_budget_by_hand() -> None:

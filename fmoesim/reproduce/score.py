@@ -53,8 +53,8 @@ and ``b_layers`` (else ``layers``) for side B (:func:`reduce_layers`), for ``rel
 
 A claim with ``per`` (a swept key, such as ``model`` for a paper's number "across three
 models") is scored for each value of that key on its own rows, then combined:
-the mean of the effects (``relative``, ``mean_relative``), the least favourable
-(``every_point``) or the mean share (``most_points``).
+the mean of the effects (``relative``, ``mean_relative``, ``at_point``), the least
+favourable (``every_point``, ``trend``) or the mean share (``most_points``).
 
 The direction holds ("yes") when the effect has the claimed sign (strictly below 0 for
 ``lower``, above 0 for ``higher``; above 50% for ``most_points``), "no" otherwise, and
@@ -262,7 +262,7 @@ def effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
     if not parts:
         raise FmoesimError(f"claim {claim.id}: no runs to compare per {per}")
     values = [e[0] for _, e in parts]
-    if claim.kind == "every_point":
+    if claim.kind in ("every_point", "trend"):
         value = max(values) if claim.direction == "lower" else min(values)
     else:
         value = sum(values) / len(values)
