@@ -491,19 +491,15 @@ def moepic_fig2b(df: Any, plt: Any) -> tuple[Any, str]:
     df["C"] = df.experts_per_layer.astype(int)
     full = int(df.C.max())
     rich = df[df.C == full]
-    curve = df[df.C < full]
+    curve = df[df.C < full].assign(hit_pct=lambda d: 100 * d.hit_rate)
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    _lines(axes[0], curve, "hit_rate", "tpot_mean_s", 1e3, "hit rate (%)", "mean TPOT (ms)",
+    _lines(axes[0], curve, "hit_pct", "tpot_mean_s", 1e3, "hit rate (%)", "mean TPOT (ms)",
            legend=False)  # fmt: skip
-    for line in axes[0].get_lines():
-        line.set_xdata(np.asarray(line.get_xdata(), dtype=float) * 100)
-    axes[0].relim()
     rich_ms = 1e3 * float(rich.tpot_mean_s.min())
     axes[0].axhline(rich_ms, color="0.4", linestyle=":", label=f"GPU-Rich (C = {full})")
     hit, times = MOEPIC_FIG2B_POINT
     axes[0].plot([100 * hit], [times * rich_ms], "k*", markersize=9,
                  label=f"paper: {times:g}x GPU-Rich at {100 * hit:g}%")  # fmt: skip
-    axes[0].autoscale_view()
     legend_outside(axes[0])
     k = int(cfg_value(df.iloc[0], "model.top_k"))
     recall = np.asarray(df.iloc[0]["layer_spec_recall"], dtype=float)  # (L,)

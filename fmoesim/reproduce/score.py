@@ -159,13 +159,7 @@ def reduce_layers(values: Any, how: str) -> float:
     v = v[~np.isnan(v)]
     if not len(v):
         return math.nan
-    if how == "min":
-        return float(v.min())
-    if how == "max":
-        return float(v.max())
-    if how == "range":
-        return float(v.max() - v.min())
-    return float(v.mean())
+    return aggregate(v.tolist(), "mean" if how == "middle" else how)
 
 
 def side_value(
