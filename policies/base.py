@@ -486,7 +486,11 @@ class Actions:
     and may evict for each).  ``cancel``: keys whose prefetch is queued on the link and
     has not started; a cancelled prefetch frees its reserved bytes and is reported back
     through :meth:`Policy.on_evict`.  Cancelling anything else does nothing.
-    ``delay_s``: the new prefetches reserve their bytes now but may not start moving
+    ``abort``: keys whose transfer stops even if it has started: a queued one is
+    dropped as by ``cancel``, a moving one stops at its next chunk boundary (the bytes
+    moved so far are wasted), and the entry is reported back through
+    :meth:`Policy.on_evict`; a transfer an access waits for, or one that has landed, is
+    left alone.  ``delay_s``: the new prefetches reserve their bytes now but may not start moving
     before ``delay_s`` seconds from now (the latency of an asynchronous matcher that
     decided them, fMoE §4.3); one that is needed earlier loads on demand at once.  A
     policy states the delay as a configured number; it never reads a clock.  The
@@ -507,6 +511,7 @@ class Actions:
     delay_s: float = 0.0
     evict: Sequence[int] = ()
     budgets: dict[int, int] | None = None
+    abort: Sequence[int] = ()
 
     def __init__(
         self,
@@ -515,12 +520,14 @@ class Actions:
         delay_s: float = 0.0,
         evict: Sequence[int] = (),
         budgets: dict[int, int] | None = None,
+        abort: Sequence[int] = (),
     ) -> None:
         self.prefetch = prefetch
         self.cancel = cancel
         self.delay_s = delay_s
         self.evict = evict
         self.budgets = budgets
+        self.abort = abort
 
 
 #: The empty ``Actions`` (Final: the compiled build reads it as a constant).

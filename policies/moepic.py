@@ -55,11 +55,14 @@ class MoEpic(Policy):
     computing what is there; layer 0 uses the previous token's last layer.  here: the
     trace's ``spec_probs`` (``gate.spec_next``; at the last gate, the next iteration's
     layer 0), prefetched in that order as long as the buffer has room; at the next gate
-    the queued ones the router did not pick are cancelled (the ones it picked load on
-    demand); one already on the link finishes and holds its room in the buffer until it
-    lands, because a started host-to-device copy is not aborted (the paper "terminates
-    the prefetch operation" without saying how; ``tests/test_moepic_fig3.py`` times the
-    difference).  A missing expert loads as its top (which joins its layer's cache),
+    the ones the router did not pick are aborted (the ones it picked load on demand): a
+    queued one is dropped, one already on the link stops at its next chunk boundary, its
+    moved chunks wasted, and its room in the buffer is free at once (the paper
+    "terminates the prefetch operation" without saying how; a copy engine cannot drop a
+    copy it was given, so the engine stops issuing chunks, as the replay does).
+    ``abort_wrong=False`` only cancels wrong guesses that have not started: a started
+    one finishes and holds its room until it lands (``tests/test_moepic_fig3.py`` times
+    both).  A missing expert loads as its top (which joins its layer's cache),
     then its bottom, so the top computes while the bottom loads (eq. 6 charges the whole
     expert's load).  ``prefetch="random"`` (Table 3 "w/o SP") orders them at random,
     ``"none"`` prefetches nothing.
@@ -106,6 +109,7 @@ class MoEpic(Policy):
         buffer_experts: int | None = None,
         warm_start: bool = True,
         label: str | None = None,
+        abort_wrong: bool = True,
     ) -> None:
         if not 0.0 <= float(split_ratio) <= 1.0:
             raise ValueError(f"split_ratio must be in [0, 1], got {split_ratio}")
@@ -130,6 +134,7 @@ class MoEpic(Policy):
         self.tau_tokens, self.zeta = int(tau_tokens), float(zeta)
         self.buffer_experts = None if buffer_experts is None else int(buffer_experts)
         self.warm_start = bool(warm_start)
+        self.abort_wrong = bool(abort_wrong)
         if label is not None:
             self.name = str(label)  # type: ignore[misc]
 
@@ -283,12 +288,13 @@ class MoEpic(Policy):
                 cancel.append(key)
         spec = gate.spec_next
         target = layer + 1 if layer + 1 < L else 0
-        if spec is None:
-            self._pred.pop(target, None)
-            return Actions(cancel=cancel) if cancel else NO_ACTIONS
+        if spec is None or self.prefetch == "none":
+            if spec is None:
+                self._pred.pop(target, None)
+            else:
+                self._pred[target] = np.asarray(spec, dtype=np.float64)
+            return self._stop(cancel, []) if cancel else NO_ACTIONS
         self._pred[target] = np.asarray(spec, dtype=np.float64)
-        if self.prefetch == "none":
-            return Actions(cancel=cancel) if cancel else NO_ACTIONS
         if self.prefetch == "speculative":
             order = sorted(range(E), key=lambda e: -float(spec[e]))  # stable: ties by id
         else:
@@ -318,7 +324,14 @@ class MoEpic(Policy):
         self._protect = protect
         if not pf and not cancel:
             return NO_ACTIONS
-        return Actions(prefetch=pf, cancel=cancel)
+        return self._stop(cancel, pf)
+
+    def _stop(self, wrong: list[int], pf: list[Prefetch]) -> Actions:
+        """The gate's actions: the wrong guesses aborted (``abort_wrong``) or cancelled,
+        then the prefetches ``pf``."""
+        if self.abort_wrong:
+            return Actions(prefetch=pf, abort=wrong)
+        return Actions(prefetch=pf, cancel=wrong)
 
     def on_access(self, key: int, outcome: Outcome) -> None:
         """LCP: the expert is activated."""

@@ -374,6 +374,20 @@ class GpuBackend(Backend):
         self._range.pop(key, None)
         return True
 
+    def abort(self, gpu: int, key: int) -> bool:
+        """Stop ``key``'s transfer: cancelled if none of it was issued, else no further
+        chunk is issued (:meth:`replay.link.LinkScheduler.abort`)."""
+        link = self.link
+        link.pump(self._host_s())  # what has landed by now lands first
+        if key not in link._jobs:
+            return False
+        if link._next_row[key] == 0:
+            return self.cancel(gpu, key)
+        if not link.abort(key):
+            return False
+        self._range.pop(key, None)
+        return True
+
     # -- compute -------------------------------------------------------------------------
     def pre_gate(self, layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
         """Attention and router stand-ins; the host waits for the gate (sync); device

@@ -8,10 +8,11 @@ priority queue, and the scheduler keeps at most ``depth`` chunks issued to the c
 stream at a time.  Whenever the host thread comes by (:meth:`LinkScheduler.pump`, which
 the backend calls at every step and while it waits) finished chunks retire and the
 queue's best transfer gets the next chunk.  A transfer that was never issued can be
-cancelled; an on-demand load overtakes a prefetch at the next chunk boundary; a delayed
-prefetch (an asynchronous matcher still deciding) waits off the queue until its release
-time.  ``depth`` trades responsiveness (an on-demand load waits for at most ``depth``
-chunks ahead of it) against link idle time between visits of the host.
+cancelled, one that was can be aborted (no further chunk is issued); an on-demand load
+overtakes a prefetch at the next chunk boundary; a delayed prefetch (an asynchronous
+matcher still deciding) waits off the queue until its release time.  ``depth`` trades
+responsiveness (an on-demand load waits for at most ``depth`` chunks ahead of it)
+against link idle time between visits of the host.
 
 Two copy engines: :class:`CudaCopier` (a dedicated copy stream, ``copy_(non_blocking=
 True)`` from pinned memory, CUDA events around every chunk) and :class:`ThreadCopier`
@@ -229,6 +230,26 @@ class LinkScheduler:
         del self._jobs[key], self._next_row[key], self._total_rows[key]
         return True
 
+    def abort(self, key: int) -> bool:
+        """Stop ``key``'s transfer: one with nothing issued is cancelled; otherwise no
+        further chunk is issued (the issued ones land, wasted), unless its last chunk
+        already is.  An escalated transfer goes on.  True if it will not land."""
+        rec = self._jobs.get(key)
+        if rec is None or rec.link_priority == ON_DEMAND:
+            return False
+        done, total = self._next_row[key], self._total_rows[key]
+        if done == 0:
+            return self.cancel(key)
+        if done >= total:
+            return False
+        rec.left_bytes = round(rec.size_bytes * (total - done) / total)
+        rec.state = _CANCELLED
+        rec.aborted = True
+        if self._cur is rec:
+            self._cur = None
+        del self._jobs[key], self._next_row[key], self._total_rows[key]
+        return True
+
     def in_flight(self, key: int) -> bool:
         """Whether ``key`` is queued, delayed or moving."""
         return key in self._jobs
@@ -248,8 +269,9 @@ class LinkScheduler:
             if rec.start_s != rec.start_s:  # NaN: the first chunk's start
                 rec.start_s = copier.time_s(start)
             self.busy_s += copier.span_s(start, end)
+            # its latest chunk so far: the last one, or an aborted transfer's last
+            rec.end_s = copier.time_s(end)
             if last:
-                rec.end_s = copier.time_s(end)
                 self.last_end_mark[rec.key] = end
                 rec.state = _DONE
                 del self._jobs[rec.key]

@@ -25,7 +25,7 @@ from policies.lru import LRU
 #: The columns of ``RunResult.transfer_table()`` (one per TransferRecord field).
 TRANSFER_COLUMNS = {
     "key", "gpu", "size_bytes", "reason", "priority", "submit_s", "release_s", "start_s", "end_s",
-    "used", "escalated", "preemptions", "cancelled",
+    "used", "escalated", "preemptions", "cancelled", "aborted", "moved_bytes",
 }  # fmt: skip
 
 #: A small MoE shape (4 layers x 8 experts, top-2) for runs of every policy preset on

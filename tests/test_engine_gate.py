@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,73 @@ def test_cancelling_a_key_the_layer_is_loading_does_nothing(tmp_path: Path) -> N
     r = simulate(tr, TINY, TINY_HW, CancelEverything(), 3 * TINY.expert_size_bytes)
     assert not any(t.cancelled for t in r.transfers if t.reason == "on_demand")
     assert r.summary["misses"] >= 3
+
+
+@pytest.mark.parametrize(
+    ("timing", "landing"), [(True, "link"), (False, "link"), (False, "next_step")]
+)
+def test_aborting_keys_the_layer_is_loading_does_nothing(
+    tmp_path: Path, timing: bool, landing: str
+) -> None:
+    """A policy that aborts every expert of its layer, the ones the layer waits for
+    included, on every backend: the run completes, no on-demand load is stopped, and
+    every hit or miss is counted.  Red if an abort dropped a load an access is pinned
+    to (the GPU would wait for a transfer that never lands)."""
+    from policies.base import Prefetch
+    from tests.tiny import TINY, write_sequence_trace
+
+    class AbortEverything(LRU):
+        def on_gate(self, layer: int, gate: GateView) -> Actions:
+            base = layer * TINY.num_experts
+            keys = list(range(base, base + TINY.num_experts))
+            nxt = ((layer + 1) % TINY.num_layers) * TINY.num_experts
+            return Actions(prefetch=[Prefetch(nxt)], abort=keys)
+
+    tr = read_trace(write_sequence_trace(tmp_path / "t", [[1, 2], [3, 1], [2, 3]]))
+    r = simulate(
+        tr, TINY, TINY_HW, AbortEverything(), 3 * TINY.expert_size_bytes,
+        timing=timing, landing=landing,
+    )  # fmt: skip
+    assert not any(t.aborted or t.cancelled for t in r.transfers if t.reason == "on_demand")
+    assert r.summary["accesses"] == 3 * TINY.num_layers * TINY.top_k
+
+
+def test_a_link_step_backend_aborts_a_started_prefetch(tmp_path: Path) -> None:
+    """Hit-rate-only with ``landing=link``: a prefetch issued at layer 0's gate has moved
+    part of its bytes by layer 1's gate, where the policy aborts it: it leaves the link
+    with the share moved so far (its link time is the fixed cost plus bytes over
+    bandwidth), never lands, and its entry is gone; a cancel would have left it alone.
+    Red if the hit-rate-only link kept a started prefetch the policy aborted."""
+    from policies.base import Prefetch
+    from tests.tiny import TINY, write_sequence_trace
+
+    E = TINY.num_experts
+    target = 1 * E + 0  # layer 1, expert 0: never routed
+
+    class PrefetchThenStop(LRU):
+        def __init__(self, how: str) -> None:
+            self.how = how
+
+        def on_gate(self, layer: int, gate: GateView) -> Actions:
+            if gate.step == 2 and layer == 0:  # the decode step's first gate
+                return Actions(prefetch=[Prefetch(target)])
+            if gate.step == 3 and layer == 1:
+                return Actions(**{self.how: [target]})  # type: ignore[arg-type]
+            return NO_ACTIONS
+
+    tr = read_trace(write_sequence_trace(tmp_path / "t", [[1, 2], [3, 1]]))
+    budget = 4 * TINY.expert_size_bytes
+    hw = replace(TINY_HW, transfer_overhead_s=0.0)  # bytes move from the first instant
+    out = {}
+    for how in ("abort", "cancel"):
+        r = simulate(tr, TINY, hw, PrefetchThenStop(how), budget, timing=False)
+        out[how] = [t for t in r.transfers if t.key == target]
+        assert len(out[how]) == 1
+    stopped, kept = out["abort"][0], out["cancel"][0]
+    assert stopped.aborted and not stopped.cancelled
+    assert 0 < stopped.moved_bytes < TINY.expert_size_bytes
+    assert not kept.aborted and not kept.cancelled
+    assert kept.moved_bytes == TINY.expert_size_bytes
 
 
 def test_batched_gates_are_token_weighted_by_hand(tmp_path: Path) -> None:

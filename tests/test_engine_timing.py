@@ -128,6 +128,10 @@ class Link:
     def cancel(self, key: int) -> bool:
         return key in self.records and self.link.cancel(self.records[key])
 
+    def abort(self, key: int, t: float) -> bool:
+        self.link.advance(t)
+        return key in self.records and self.link.abort(self.records[key], t)
+
     def escalate(self, key: int, t: float) -> None:
         if key in self.records:
             self.link.escalate(self.records[key], t)
@@ -258,6 +262,76 @@ def test_link_cancel_only_queued_never_started():
     assert lk.link.busy_s == pytest.approx(14e-3)  # the cancelled one moved nothing
 
 
+def test_link_abort_stops_a_running_prefetch_at_its_next_chunk_boundary():
+    """10 MB in 4 MB chunks, data from 1 ms at 1 MB/ms.  Aborted at 6 ms (5 MB moved),
+    it stops at the 8 MB boundary (9 ms) for good: the next prefetch starts then, and
+    the aborted one never lands, with 8 MB moved and 2 MB left.  Red if the abort
+    stopped it at once (5 MB, the next one at 6 ms), let it finish, or re-queued it."""
+    lk = Link(chunk=4 * MB)
+    pf = lk.submit(1, 10 * MB, 0.0)
+    nxt = lk.submit(2, 1 * MB, 0.0)
+    assert lk.abort(1, OV + 5e-3)
+    lk.finish()
+    assert lk.done == [2]
+    assert pf.aborted and not pf.cancelled and pf.state == sim_engine._CANCELLED
+    assert pf.end_s == pytest.approx(9e-3) and pf.left_bytes == 2 * MB
+    assert pf.moved_bytes == 8 * MB and pf.preemptions == 0
+    assert (nxt.start_s, nxt.end_s) == pytest.approx((9e-3, 11e-3))
+    assert lk.link.busy_s == pytest.approx(11e-3)  # 9 ms of the aborted one, 2 of the next
+
+
+def test_link_abort_of_what_cannot_stop_or_never_started():
+    """A transfer in its last chunk, one of a single chunk, and an escalated one are not
+    stopped (False, and each lands); a queued one that never started is cancelled (not
+    aborted: it never moved).  Red if an abort cut a last chunk short or dropped a
+    transfer someone waits for."""
+    lk = Link(chunk=4 * MB)
+    last = lk.submit(1, 10 * MB, 0.0)
+    queued = lk.submit(2, 1 * MB, 0.0)
+    assert not lk.abort(1, OV + 9e-3)  # 9 MB moved: the next boundary is its end
+    assert lk.abort(2, OV + 9e-3)
+    assert queued.state == sim_engine._CANCELLED and not queued.aborted
+    assert queued.start_s != queued.start_s  # NaN: never started
+    one = lk.submit(3, 4 * MB, 12e-3)
+    assert not lk.abort(3, 13e-3)  # one chunk
+    esc = lk.submit(4, 10 * MB, 16e-3)
+    lk.escalate(4, 16e-3)
+    assert not lk.abort(4, 17e-3)
+    lk.finish()
+    assert lk.done == [1, 3, 4]
+    assert not (last.aborted or one.aborted or esc.aborted)
+    assert last.moved_bytes == 10 * MB
+
+
+def test_link_abort_of_a_paused_prefetch_and_of_one_pausing():
+    """An on-demand load pauses a prefetch at its 8 MB boundary (9 ms).  Aborted while
+    it pauses (at 7 ms), it stops there and is not resumed; aborted once paused (a
+    second prefetch, paused at 4 MB behind another load), it leaves the queue with the
+    bytes it moved.  Red if a pausing job resumed after an abort, or a paused one
+    stayed in the queue."""
+    lk = Link(chunk=4 * MB)
+    a = lk.submit(1, 10 * MB, 0.0)
+    lk.submit(2, 2 * MB, OV + 5e-3, prio=ON_DEMAND)  # a pauses at 9 ms
+    assert lk.abort(1, 7e-3)
+    lk.link.advance(12e-3)  # the load ran 9..12 ms
+    b = lk.submit(3, 10 * MB, 12e-3)  # data from 13 ms
+    lk.submit(4, 1 * MB, 14e-3, prio=ON_DEMAND)  # b pauses at its 4 MB boundary, 17 ms
+    lk.link.advance(18e-3)
+    assert b.state == sim_engine._QUEUED and b.preemptions == 1  # paused at 17 ms
+    lk.link.advance(20e-3)  # the load ran 17..19 ms; b resumed at 19 ms
+    c = lk.submit(5, 10 * MB, 20e-3)
+    lk.submit(6, 1 * MB, 20.5e-3, prio=ON_DEMAND)  # b pauses at 8 MB, 23 ms
+    lk.link.advance(23.5e-3)
+    assert b.state == sim_engine._QUEUED and b.preemptions == 2
+    assert lk.abort(3, 23.5e-3)
+    lk.finish()
+    assert a.aborted and a.end_s == pytest.approx(9e-3) and a.moved_bytes == 8 * MB
+    assert a.preemptions == 0  # stopped, not paused
+    assert b.aborted and b.moved_bytes == 8 * MB and b.end_s == pytest.approx(23e-3)
+    assert lk.done == [2, 4, 6, 5] and not lk.link._queue
+    assert c.start_s == pytest.approx(25e-3)  # after the second load (23..25 ms)
+
+
 def test_link_escalate_moves_queued_prefetch_ahead():
     lk = Link(chunk=16 * MB)  # no pausing: only the queue order changes
     a = lk.submit(1, 1 * MB, 0.0)
@@ -364,7 +438,7 @@ def _queued_in_order(lk: Link) -> list[TransferRecord]:
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.integers(0, 4), st.integers(0, 15), st.integers(0, 5)),
+        st.tuples(st.integers(0, 5), st.integers(0, 15), st.integers(0, 5)),
         min_size=50,
         max_size=300,
     )
@@ -373,7 +447,8 @@ def test_link_queue_is_its_queued_jobs_by_priority(ops: list[tuple[int, int, int
     """After every request, the queue holds exactly the queued jobs (no cancelled or
     re-prioritised leftovers), ordered by (priority, submission): ops (kind, key, arg)
     = submit a prefetch of priority ``arg`` / submit on demand / cancel / reprioritize
-    to ``arg`` / escalate, each 0.5 ms after the last, on a preempting 2-chunk link."""
+    to ``arg`` / escalate / abort, each 0.5 ms after the last, on a preempting 2-chunk
+    link."""
     lk = Link(chunk=1 * MB)
     t = 0.0
     for kind, key, arg in ops:
@@ -387,6 +462,8 @@ def test_link_queue_is_its_queued_jobs_by_priority(ops: list[tuple[int, int, int
             lk.reprioritize(key, float(arg))
         elif kind == 4:
             lk.escalate(key, t)
+        elif kind == 5:
+            lk.abort(key, t)
         assert lk.link._queue == _queued_in_order(lk)
     lk.finish()
     assert not lk.link._queue and not lk.live()

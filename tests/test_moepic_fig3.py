@@ -172,22 +172,40 @@ def test_moepic_right_guess_hides_the_bottom(tmp_path):
     assert eq5_7(1, 0, 0, THETA, T + ATT) == 0.0
 
 
-def test_moepic_wrong_guess_top_computes_while_the_bottom_loads(tmp_path):
+@pytest.mark.parametrize(
+    ("chunks", "abort", "left_s"),
+    [
+        (10, True, 0.1e-3),  # stops at its 9th chunk boundary, 3.6 ms
+        (4, True, 0.5e-3),  # its next boundary, 4 ms, is its end: it lands
+        (10, False, X - (T + ATT)),  # a started copy finishes: 0.5 ms more
+        (1, True, X - (T + ATT)),  # one chunk: nothing to stop between
+    ],
+)
+def test_moepic_wrong_guess_top_computes_while_the_bottom_loads(tmp_path, chunks, abort, left_s):
     """Layer 1's top is cached, the guess names expert 2 (no top: its whole expert is
-    prefetched into the buffer, 4 ms from layer 0's gate).  At layer 1's router (3.5 ms)
-    expert 1's bottom must load: the buffer holds the wrong expert until it lands (4 ms;
-    a started copy is not aborted), then the bottom takes 3 ms while the top computes
-    T/4 from 3.5 ms: the GPU waits 7.0 - 4.0 = 3 ms.  Eq. 5-6 (beta = 1) give
-    ``(1 - θ) X - θ T`` = 2.5 ms: the paper's MoEpic "terminates the prefetch operation"
-    at the router; the difference is the 0.5 ms the wrong copy still had to go.  Red if
-    the top waited for its bottom before computing (3.5 ms)."""
+    prefetched into the buffer, 4 ms from layer 0's gate, in ``chunks`` chunks).  At
+    layer 1's router (3.5 ms) MoEpic "terminates the prefetch operation": the wrong copy
+    stops at its next chunk boundary, ``left_s`` after the router (with
+    ``abort_wrong=False``, or when its next boundary is its end, it runs on, 0.5 ms), its room
+    in the buffer free; then expert 1's bottom takes 3 ms while the top computes T/4 from
+    3.5 ms.  Eq. 5-6 (beta = 1) give ``(1 - θ) X - θ T`` = 2.5 ms; the engine adds
+    ``left_s``.  Red if the top waited for its bottom before computing (3.5 ms), the
+    abort stopped a copy between chunk boundaries, or it never stopped one."""
     tr = two_steps(tmp_path / "t", [(0, 3), (0, 1)], [(0, 3), (0, 2)])
-    r = simulate(tr, M, HW, moepic([(0, 0), (1, 1)]), 3 * S)
-    left_of_wrong_copy = X - (T + ATT)
+    hw = replace(HW, chunk_bytes=-(-S // chunks))
+    pol = GivenTops([1.0, THETA], [(0, 0), (1, 1)], abort_wrong=abort)
+    r = simulate(tr, M, hw, pol, 3 * S)
     paper = eq5_7(0, 1, 0, THETA, 0.0)
     assert paper == pytest.approx((1 - THETA) * X - THETA * T)
-    assert tpot(r) == pytest.approx(ALL_RESIDENT + paper + left_of_wrong_copy)
+    assert tpot(r) == pytest.approx(ALL_RESIDENT + paper + left_s)
     assert r.summary["misses"] == 1  # the decode step's layer 1 (its bottom was missing)
+    wrong = [t for t in r.transfers if t.key == 1 * 4 + 2]
+    assert len(wrong) == 1
+    stopped = abort and chunks == 10
+    assert wrong[0].aborted == stopped and r.summary["aborted_transfers"] == int(stopped)
+    moved = round((T + ATT + left_s) / X * S) if stopped else S
+    assert wrong[0].moved_bytes == pytest.approx(moved, abs=chunks)
+    assert r.summary["aborted_bytes"] == (wrong[0].moved_bytes if stopped else 0)
 
 
 def test_moepic_top_cached_nothing_prefetched(tmp_path):

@@ -140,10 +140,12 @@ def test_invariants(trace: Trace, name: str, setting: str) -> None:
         assert s["accesses"] == exp
     # bytes
     moved = [t for t in r.transfers if not t.cancelled]
-    assert s["pcie_bytes"] == sum(t.size_bytes for t in moved)
-    for c in r.caches:
-        moved_g = sum(t.size_bytes for t in moved if t.gpu == c.gpu)
-        assert moved_g == c.evicted_bytes + c.used_bytes
+    assert s["pcie_bytes"] == sum(t.moved_bytes for t in moved)
+    assert s["aborted_bytes"] == sum(t.moved_bytes for t in moved if t.aborted)
+    assert all(0 <= t.moved_bytes < t.size_bytes for t in moved if t.aborted)
+    for c in r.caches:  # an aborted transfer's entry left the books without landing
+        landed_g = sum(t.size_bytes for t in moved if t.gpu == c.gpu and not t.aborted)
+        assert landed_g == c.evicted_bytes + c.used_bytes
     assert s["transfers"] == len(moved)
     if s["misses"]:
         # every miss is loaded (a split expert's miss may load only its bottom segment)

@@ -199,3 +199,37 @@ def test_reprioritize_a_queued_prefetch():
         cp.finish(1, t0=float(i))
     link.pump(5.0)
     assert [c[0] for c in cp.issued] == [2, 3, 1]
+
+
+def test_abort_stops_issuing_chunks_and_the_issued_ones_land_wasted():
+    """A 6-row prefetch in 2-row chunks, depth 1: aborted after its first chunk is issued,
+    it issues no more; the issued chunk retires (its end is the record's end), the next
+    transfer gets the link, and the aborted one never lands: 4 of 6 rows' bytes left.
+    A transfer with nothing issued is cancelled instead, and one whose last chunk is
+    issued, or an escalated one, is not stopped.  Red if the scheduler kept issuing an
+    aborted transfer's chunks, reported it landed, or stopped one someone waits for."""
+    link, cp, landed = make({1: 6, 2: 2, 3: 2, 4: 4})
+    a, b, c = rec(1, 1.0), rec(2, 2.0), rec(3, 3.0)
+    for r in (a, b, c):
+        link.submit(r, 0.0)
+    link.pump(0.0)
+    assert link.abort(1)
+    assert not link.in_flight(1)
+    assert a.aborted and a.left_bytes == round(100 * 4 / 6)
+    assert link.abort(3) and not c.aborted  # nothing issued: cancelled
+    cp.finish(1, t0=0.0)
+    link.pump(1.0)
+    assert a.end_s == 1.0 and a.start_s == 0.0
+    assert cp.issued == [(1, 0, 2), (2, 0, 2)]
+    assert not link.abort(2)  # its last (only) chunk is on the stream
+    d = rec(4, 4.0)
+    link.submit(d, 1.0)
+    link.escalate(4)
+    cp.finish(1, t0=1.0)
+    link.pump(2.0)
+    assert not link.abort(4)  # escalated: an access waits for it
+    for i in range(2):
+        cp.finish(1, t0=2.0 + i)
+        link.pump(3.0 + i)
+    assert landed == [2, 4]
+    assert link.idle()

@@ -34,7 +34,9 @@ class TransferRecord:
     access found it in flight and raised it to on-demand priority; ``preemptions``
     counts the times an on-demand load paused it at a chunk boundary.  A transfer
     cancelled before it started has ``cancelled=True``, moved no bytes and
-    ``start_s = end_s = submit_s``.
+    ``start_s = end_s = submit_s``.  A transfer aborted after it started
+    (:meth:`Backend.abort`) has ``aborted=True``, ``end_s`` the time its last chunk
+    landed, and moved ``size_bytes - left_bytes`` (:attr:`moved_bytes`).
     """
 
     __slots__ = (
@@ -51,6 +53,7 @@ class TransferRecord:
         "escalated",
         "preemptions",
         "cancelled",
+        "aborted",
         # the link's own bookkeeping (fmoesim.engine.sim.SimLink): bytes left to move,
         # current queue priority (on-demand once escalated), submission number, state
         "left_bytes",
@@ -75,10 +78,21 @@ class TransferRecord:
         self.escalated = False
         self.preemptions = 0
         self.cancelled = False
+        self.aborted = False
         self.left_bytes = size_bytes
         self.link_priority = priority
         self.seq = 0
         self.state = 0
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes that crossed the link: all of them, none for a cancelled transfer, the
+        chunks before the stop for an aborted one."""
+        if self.cancelled:
+            return 0
+        if self.aborted:
+            return self.size_bytes - self.left_bytes
+        return self.size_bytes
 
     def __repr__(self) -> str:
         return (
@@ -179,6 +193,15 @@ class Backend(ABC):
     @abstractmethod
     def cancel(self, gpu: int, key: int) -> bool:
         """Drop ``key``'s transfer if it is queued and has not started; True if dropped."""
+
+    def abort(self, gpu: int, key: int) -> bool:
+        """Stop ``key``'s transfer: a queued one that has not started is dropped (as
+        :meth:`cancel`), one that has started stops at its next chunk boundary (its
+        moved bytes wasted, the record marked ``aborted``); True if it will not land.
+        The link moves one transfer at a time, so the caller may free the entry's bytes
+        at once: nothing else lands before the stop.  Default: :meth:`cancel` (a backend
+        without chunked transfers cannot stop a started copy)."""
+        return self.cancel(gpu, key)
 
     @abstractmethod
     def begin_experts(self, layer: int, tokens: int) -> None:

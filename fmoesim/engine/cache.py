@@ -256,7 +256,8 @@ class ExpertCache:
         return True
 
     def abort(self, key: int) -> None:
-        """Drop an in-flight entry whose transfer was cancelled before it started."""
+        """Drop an in-flight entry whose transfer was cancelled before it started or
+        aborted (the link lands nothing of it)."""
         e = self.entries[key]
         if e.resident or e.pins:
             raise RuntimeError(f"cannot cancel expert {key} on GPU {self.gpu}: resident or pinned")

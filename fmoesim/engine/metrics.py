@@ -199,15 +199,21 @@ class Metrics:
 
         by_reason: dict[str, int] = {"prefetch": 0, "on_demand": 0, "configure": 0}
         moved = n_moved = cancelled = unused = preempted = escalated = 0
+        aborted = aborted_bytes = 0
         for t in transfers:
             if t.cancelled:
                 cancelled += 1
                 continue
             n_moved += 1
-            moved += t.size_bytes
-            by_reason[t.reason] = by_reason.get(t.reason, 0) + t.size_bytes
+            b = t.size_bytes
+            if t.aborted:
+                b = t.size_bytes - t.left_bytes
+                aborted += 1
+                aborted_bytes += b
+            moved += b
+            by_reason[t.reason] = by_reason.get(t.reason, 0) + b
             if t.reason == "prefetch" and not t.used:
-                unused += t.size_bytes
+                unused += b
             preempted += t.preemptions
             escalated += t.escalated
         return {
@@ -241,6 +247,8 @@ class Metrics:
             "wasted_bytes": sum(c.wasted_bytes for c in caches),
             "unused_prefetch_bytes": unused,
             "cancelled_transfers": cancelled,
+            "aborted_transfers": aborted,
+            "aborted_bytes": aborted_bytes,
             "preemptions": preempted,
             "escalations": escalated,
             "prefetch_dropped": self.prefetch_dropped,

@@ -362,8 +362,9 @@ class Runner:
             self.on_iteration()
 
     # -- one layer --------------------------------------------------------------------
-    def apply(self, actions: Actions) -> None:
-        """Carry out a policy's group budgets and evictions, its cancellations, then its
+    def apply(self, actions: Actions, aborted: bool = False) -> None:
+        """Carry out a policy's group budgets and evictions, its cancellations and aborts
+        (unless ``aborted``: a layer step stops them before its on-demand loads), then its
         prefetches, in order (held back by ``actions.delay_s``)."""
         be, caches, m, N = self.backend, self.caches, self.metrics, self.N
         delay = actions.delay_s
@@ -380,6 +381,8 @@ class Runner:
             self._evict(actions.evict)
         if actions.cancel:
             self._cancel(actions.cancel)
+        if actions.abort and not aborted:
+            self._abort(actions.abort)
         if not actions.prefetch:
             return
         for p in actions.prefetch:
@@ -444,6 +447,17 @@ class Runner:
             ent = cache.entries.get(key)
             # only a transfer nobody waits for: this layer's own loads are pinned
             if ent is not None and not ent.resident and not ent.pins and be.cancel(g, key):
+                cache.abort(key)
+
+    def _abort(self, keys: Sequence[int]) -> None:
+        """A policy's aborts: transfers queued or moving stop (at the next chunk boundary)
+        and free their entries at once; ones someone waits for (pinned) go on."""
+        be, caches, E, N = self.backend, self.caches, self.E, self.N
+        for key in keys:
+            g = (key % E) % N
+            cache = caches[g]
+            ent = cache.entries.get(key)
+            if ent is not None and not ent.resident and not ent.pins and be.abort(g, key):
                 cache.abort(key)
 
     def _size_of(self, g: int, key: int) -> int:
@@ -561,13 +575,15 @@ class Runner:
         GPU's expert phase."""
         m, N, be = self.metrics, self.N, self.backend
         deferred: list[tuple[int, int, int, float]] = []
+        if actions.abort:  # the router's result stops wrong prefetches before misses load
+            self._abort(actions.abort)
         for x in missing:  # on-demand loads jump the link's queue
             if self._load(x[0], x[1], ON_DEMAND, "on_demand", pin=True):
                 pending.append(x)
             else:
                 deferred.append(x)
         if actions is not NO_ACTIONS:  # after the layer's own experts are pinned and loading
-            self.apply(actions)
+            self.apply(actions, aborted=True)
         be.begin_experts(layer, tokens)  # shared experts, then each GPU's expert phase
         if N == 1:
             self._experts_on(0, ready, pending, deferred, layer)

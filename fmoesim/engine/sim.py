@@ -10,7 +10,7 @@ submits, or waits for an expert.  This is the event-queue semantics of a SimPy m
 per transfer; ``tests/test_engine_timing.py`` checks it against closed forms.
 
 - :class:`SimLink` — one host-to-device link: bandwidth, fixed cost per transfer,
-  chunked transfers, priority queue, on-demand preemption, cancellation.
+  chunked transfers, priority queue, on-demand preemption, cancellation, abort.
 - :class:`SimBackend` — the timed backend.
 - :class:`InstantBackend` — hit-rate-only with ``engine.landing=next_step``: no clock;
   a transfer issued during a layer step is resident from the next step.
@@ -53,9 +53,11 @@ class SimLink:
     at its next chunk boundary (at the end of its fixed cost if it has not moved data
     yet), the on-demand loads run, and the prefetch resumes later without paying the
     fixed cost again (fMoE §4.5).  Only a queued transfer that has never started can
-    be cancelled (MoE-Infinity §5.1).  A transfer submitted with a release time later
-    than now (an asynchronous matcher still deciding, fMoE §4.3) waits off the queue
-    until then; if it is needed before then, escalating it releases it at once.
+    be cancelled (MoE-Infinity §5.1); a started one can be aborted, and stops at its
+    next chunk boundary for good (MoEpic §3.2 "terminates the prefetch operation").  A
+    transfer submitted with a release time later than now (an asynchronous matcher still
+    deciding, fMoE §4.3) waits off the queue until then; if it is needed before then,
+    escalating it releases it at once.
 
     A transfer that lands is reported to ``cache`` (its :meth:`ExpertCache.complete`)
     or, without a cache, to ``on_done(key)``.
@@ -107,6 +109,7 @@ class SimLink:
         self.cur: TransferRecord | None = None
         self.cur_end_s = INF  # when the current job finishes or reaches its pause point
         self._pausing = False
+        self._aborting = False  # the current job stops at its pause point for good
         self._pause_left_bytes = 0
         self._data_start_s = 0.0  # when the current run of the job starts moving bytes
         self._done_at_start = 0  # bytes of the job already moved when this run started
@@ -127,10 +130,16 @@ class SimLink:
         job = self.cur
         assert job is not None
         t = self.cur_end_s
-        if self._pausing:
+        if self._aborting:
+            job.left_bytes = self._pause_left_bytes
+            job.state = _CANCELLED
+            job.aborted = True
+            job.end_s = t
+        elif self._pausing:
             job.left_bytes = self._pause_left_bytes
             job.state = _QUEUED
             job.preemptions += 1
+            job.end_s = t  # its last chunk so far (the final one overwrites it)
             self._enqueue(job)
         else:
             job.state = _DONE
@@ -178,6 +187,7 @@ class SimLink:
             overhead = self.overhead_s
         self.cur = job
         self._pausing = False
+        self._aborting = False
         self._data_start_s = t_s + overhead
         self._done_at_start = job.size_bytes - job.left_bytes
         self.cur_end_s = self._data_start_s + job.left_bytes / self.bytes_per_s
@@ -188,18 +198,25 @@ class SimLink:
         job = self.cur
         if job is None or self._pausing or job.link_priority == ON_DEMAND or not self.preempt:
             return
+        self._stop_at_boundary(job, t_s)
+
+    def _stop_at_boundary(self, job: TransferRecord, t_s: float) -> bool:
+        """Make the running ``job`` stop at its next chunk boundary after ``t_s`` (the end
+        of its fixed cost if it has moved no data yet); False if it is one chunk or that
+        boundary is its end."""
         chunk = self.chunk_bytes
         if chunk >= job.size_bytes:
-            return  # one chunk: nothing to pause between
+            return False  # one chunk: nothing to stop between
         moved = self._done_at_start + max(0.0, t_s - self._data_start_s) * self.bytes_per_s
         boundary = min(job.size_bytes, math.ceil(moved / chunk) * chunk)
         if boundary >= job.size_bytes:
-            return
+            return False
         end = self._data_start_s + (boundary - self._done_at_start) / self.bytes_per_s
         self.busy_s -= self.cur_end_s - end
         self.cur_end_s = end
         self._pausing = True
         self._pause_left_bytes = job.size_bytes - boundary
+        return True
 
     # -- the Runner's requests --------------------------------------------------------
     def submit(self, record: TransferRecord, t_s: float) -> None:
@@ -288,6 +305,28 @@ class SimLink:
         if job.state == _QUEUED:
             self._dequeue(job)
         job.state = _CANCELLED
+        return True
+
+    def abort(self, job: TransferRecord, t_s: float) -> bool:
+        """Stop ``job`` for good (the link advanced to ``t_s``): one that never started is
+        cancelled; one paused at a chunk boundary leaves the queue; the running one stops
+        at its next chunk boundary, unless that boundary is its end.  Its moved chunks are
+        wasted.  An escalated transfer (someone waits for it) is never stopped.  True if
+        ``job`` will not land."""
+        if job.link_priority == ON_DEMAND or job.state == _DONE or job.state == _CANCELLED:
+            return False
+        if job.start_s != job.start_s:  # NaN: never started
+            return self.cancel(job)
+        if job.state == _QUEUED:  # paused
+            self._dequeue(job)
+            job.state = _CANCELLED
+            job.aborted = True
+            return True
+        if job is not self.cur:  # pragma: no cover - a started job is queued or running
+            return False
+        if not self._pausing and not self._stop_at_boundary(job, t_s):
+            return False
+        self._aborting = True
         return True
 
     def idle(self) -> bool:
@@ -424,6 +463,19 @@ class SimBackend(Backend):
         rec.cancelled = True
         rec.start_s = rec.end_s = rec.submit_s
         return True
+
+    def abort(self, gpu: int, key: int) -> bool:
+        """Stop ``key``'s transfer (:meth:`SimLink.abort` at ``gpu``'s current time)."""
+        rec = self._record(gpu, key)
+        if rec is None:
+            return False
+        t = self._gpu_s[gpu] if self._in_experts else self.clock_s
+        link = self.links[gpu]
+        if link.cur_end_s <= t:
+            link.advance(t)
+        if rec.start_s != rec.start_s:  # NaN: never started
+            return self.cancel(gpu, key)
+        return link.abort(rec, t)
 
     def begin_experts(self, layer: int, tokens: int) -> None:
         """Shared experts, then every GPU starts its experts at the forward pass's clock."""
@@ -784,6 +836,20 @@ class LinkStepBackend(InstantBackend):
             return False
         self._dequeue(gpu, rec)
         rec.cancelled = True
+        return True
+
+    def abort(self, gpu: int, key: int) -> bool:
+        """Drop ``key``'s prefetch, started or not (this link has no chunks: a started one
+        stops where it is, its moved share of the bytes wasted)."""
+        if self.cancel(gpu, key):
+            return True
+        rec = self._queued(gpu, key)
+        if rec is None:
+            return False
+        data_left_s = min(self._left_s[rec.seq], rec.size_bytes / self._bytes_per_s)
+        self._dequeue(gpu, rec)
+        rec.aborted = True
+        rec.left_bytes = round(data_left_s * self._bytes_per_s)  # the fixed cost goes first
         return True
 
     def begin_experts(self, layer: int, tokens: int) -> None:

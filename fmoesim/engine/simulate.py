@@ -57,7 +57,7 @@ class RunResult:
         cols = (
             "key", "gpu", "size_bytes", "reason", "priority", "submit_s", "release_s", "start_s",
             "end_s",
-            "used", "escalated", "preemptions", "cancelled",
+            "used", "escalated", "preemptions", "cancelled", "aborted", "moved_bytes",
         )  # fmt: skip
         timed = self.metrics.timing
         return {

@@ -421,7 +421,7 @@ class _TokenRecorder(SimBackend):
         super().lm_head(sequences)
         self.stall_s.append(self._stall)
         new = self.transfers[self._n_transfers :]
-        self.read_bytes.append(sum(r.size_bytes for r in new if not r.cancelled))
+        self.read_bytes.append(sum(r.moved_bytes for r in new))
         self.compute_s.append(self.busy_compute_s - self._busy)
         self._stall, self._n_transfers, self._busy = 0.0, len(self.transfers), self.busy_compute_s
 
