@@ -71,6 +71,10 @@ def test_prefetchers_and_segments_run_on_the_timed_path(trace):
         assert s["hits"] + s["late"] + s["misses"] == s["accesses"]
         assert s["prefetch_bytes"] > 0
         assert all(t.cancelled or t.end_s >= t.start_s for t in rep.transfers)
+        # MoEpic's aborted guesses count the chunks they issued: at least one, not all
+        assert s["pcie_bytes"] == sum(t.moved_bytes for t in rep.transfers)
+        assert all(0 < t.moved_bytes < t.size_bytes for t in rep.transfers if t.aborted)
+        assert s["aborted_bytes"] == sum(t.moved_bytes for t in rep.transfers if t.aborted)
 
 
 def test_segment_copies_hold_their_rows(trace):
