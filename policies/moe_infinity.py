@@ -449,10 +449,52 @@ class MoEInfinity(Policy):
         last = L if self.multi_layer else layer + 2
         v = probs[layer + 1 : last] * self._prox[layer, layer + 1 : last, None]  # (F, E)
         flat = v.reshape(-1)
-        order = np.argsort(-flat, kind="stable")  # nearer layer, then smaller id on ties
         first = (layer + 1) * E
-        N = self._N
-        # the top-K per GPU: K = its slots minus what the current layer holds there
+        chosen = self._top_k(flat, first, routed)
+        # case (iii): prefetched experts no longer in the top-K
+        for key in [k for k in protected if k not in chosen]:
+            del protected[key]
+            cancel.append(key)
+            self._unprotected(key)
+        inbuf = self._in
+        # in priority order: predictions in flight (or landed) are re-ranked if still
+        # queued, the rest not in the buffer are loaded; the rest already in the buffer
+        # skip the load and keep their slot (protected from here on)
+        new = [(k, p) for k, p in chosen.items() if k in protected or k not in inbuf]
+        for k, p in chosen.items():
+            if k in protected or k in inbuf:
+                protected[k] = p
+        prefetch = self._admit(new, routed)
+        if not prefetch and not cancel:
+            return NO_ACTIONS
+        return Actions(prefetch=prefetch, cancel=cancel)
+
+    def _top_k(self, flat: np.ndarray, first: int, routed: set[int]) -> dict[int, float]:
+        """The top-K predictions ``{key: priority}``, highest first (nearer layer, then
+        smaller id on ties), of ``flat`` ``(F E,)`` (keys from ``first``): per GPU, K =
+        its slots minus what the current layer holds there; zero priorities never.
+
+        perf: on one GPU, the first ``K`` positive entries of the stable descending
+        order, found by a partition and a sort of those alone (:meth:`_top_k_scan` is
+        the reference and the path for several GPUs)."""
+        if self._N > 1:
+            return self._top_k_scan(flat, first, routed)
+        take = min(self._slots - len(routed), int(np.count_nonzero(flat > 0)))
+        if take <= 0:
+            return {}
+        neg = -flat
+        if take < len(flat):
+            kth = np.partition(neg, take - 1)[take - 1]
+            cand = np.flatnonzero(neg <= kth)  # ascending ids; ties at the k-th included
+        else:
+            cand = np.arange(len(flat))
+        idx = cand[np.argsort(neg[cand], kind="stable")[:take]]
+        return dict(zip((idx + first).tolist(), flat[idx].tolist(), strict=True))
+
+    def _top_k_scan(self, flat: np.ndarray, first: int, routed: set[int]) -> dict[int, float]:
+        """:meth:`_top_k` by a scan of the whole stable descending order."""
+        E, N = self._E, self._N
+        order = np.argsort(-flat, kind="stable")  # nearer layer, then smaller id on ties
         room = [self._slots] * N
         for k in routed:
             room[(k % E) % N] -= 1
@@ -469,25 +511,7 @@ class MoEInfinity(Policy):
                 room[g] -= 1
                 left -= 1
                 chosen[key] = p
-        # case (iii): prefetched experts no longer in the top-K
-        for key in [k for k in protected if k not in chosen]:
-            del protected[key]
-            cancel.append(key)
-            self._unprotected(key)
-        inbuf = self._in
-        new: list[tuple[int, float]] = []
-        for key, p in chosen.items():
-            if key in inbuf and key not in protected:
-                protected[key] = p  # already in the buffer: skip the load, keep the slot
-            elif key in protected:
-                protected[key] = p
-                new.append((key, p))  # in flight (or landed): re-ranked if still queued
-            else:
-                new.append((key, p))
-        prefetch = self._admit(new, routed)
-        if not prefetch and not cancel:
-            return NO_ACTIONS
-        return Actions(prefetch=prefetch, cancel=cancel)
+        return chosen
 
     def _admit(self, new: list[tuple[int, float]], routed: set[int]) -> list[Prefetch]:
         """Prefetches for ``new`` (in priority order): a load takes a free slot, or the
@@ -495,15 +519,20 @@ class MoEInfinity(Policy):
         prediction's priority (§5.1: "start their prefetching into the slots that
         exhibit lower priorities"); keys already in flight are only re-ranked."""
         E, N, protected, cprio = self._E, self._N, self._protected, self._cprio
+        inbuf, adm, heaps = self._in, self._admitted, self._heaps
         free = [self._slots - u for u in self._used]
         for k in routed:  # this layer's misses are loaded (on demand) before prefetches
-            if k not in self._in:
+            if k not in inbuf:
                 free[(k % E) % N] -= 1
-        heaps: list[list[tuple[float, int]]] | None = None
+        # perf: the cached experts a load may displace (in the buffer, unprotected, not
+        # routed now) come off the victim heaps in cache-priority order, not from a heap
+        # of every cached key built here; the valid entries taken off go back at the end
+        aside: list[tuple[float, int, int]] = []
+        seen: set[int] = set()  # keys of the entries in aside (a key may have two)
         out: list[Prefetch] = []
         done = [False] * N
         for key, p in new:
-            if key in protected and key in self._in:
+            if key in protected and key in inbuf:
                 out.append(Prefetch(key, 1.0 - p))  # lower value = sooner
                 continue
             g = (key % E) % N
@@ -512,20 +541,33 @@ class MoEInfinity(Policy):
             if free[g] > 0:
                 free[g] -= 1
             else:
-                if heaps is None:  # perf: built only when a cached expert must go
-                    heaps = [[] for _ in range(N)]
-                    for k in self._in:
-                        if k not in protected and k not in routed:
-                            heaps[(k % E) % N].append((cprio[k], k))
-                    for h in heaps:
-                        heapq.heapify(h)
                 h = heaps[g]
-                if not h or h[0][0] >= p:
+                lowest = INF
+                while h:
+                    c, n, k = h[0]
+                    if (
+                        k in seen
+                        or k not in inbuf
+                        or k in protected
+                        or adm[k] != n
+                        or cprio[k] != c
+                    ):
+                        heapq.heappop(h)  # stale, or a second entry of a key taken off
+                    elif k in routed:
+                        aside.append(heapq.heappop(h))
+                        seen.add(k)
+                    else:
+                        lowest = c
+                        break
+                if lowest >= p:  # nothing cached below it (INF: nothing to displace)
                     done[g] = True  # every later prediction is less important still
                     continue
-                heapq.heappop(h)
+                aside.append(heapq.heappop(h))
+                seen.add(aside[-1][2])
             protected[key] = p
             out.append(Prefetch(key, 1.0 - p))
+        for item in aside:
+            heapq.heappush(heaps[(item[2] % E) % N], item)
         return out
 
     # -- cache ------------------------------------------------------------------------

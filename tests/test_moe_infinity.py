@@ -419,3 +419,102 @@ def test_a_queued_prefetch_takes_its_new_priority():
     link.submit(d, 10.0)
     link.reprioritize(d, 0.5)
     assert d.link_priority == ON_DEMAND
+
+
+# -- the fast paths against their references -------------------------------------------
+def _admit_by_rebuilt_heap(
+    pol: MoEInfinity, new: list[tuple[int, float]], routed: set[int]
+) -> tuple[list[tuple[int, float]], dict[int, float]]:
+    """:meth:`MoEInfinity._admit` as a fresh heap of every displaceable cached expert,
+    built at the first load that needs a slot, on a copy of the protections: the
+    (key, priority) prefetches and the protections it leaves."""
+    import heapq
+
+    E, N = pol._E, pol._N
+    protected = dict(pol._protected)
+    free = [pol._slots - u for u in pol._used]
+    for k in routed:
+        if k not in pol._in:
+            free[(k % E) % N] -= 1
+    heaps: list[list[tuple[float, int]]] | None = None
+    out, done = [], [False] * N
+    for key, p in new:
+        if key in protected and key in pol._in:
+            out.append((key, 1.0 - p))
+            continue
+        g = (key % E) % N
+        if done[g]:
+            continue
+        if free[g] > 0:
+            free[g] -= 1
+        else:
+            if heaps is None:
+                heaps = [[] for _ in range(N)]
+                for k in pol._in:
+                    if k not in protected and k not in routed:
+                        heaps[(k % E) % N].append((pol._cprio[k], k))
+                for h in heaps:
+                    heapq.heapify(h)
+            h = heaps[g]
+            if not h or h[0][0] >= p:
+                done[g] = True
+                continue
+            heapq.heappop(h)
+        protected[key] = p
+        out.append((key, 1.0 - p))
+    return out, protected
+
+
+class CheckedFastPaths(MoEInfinity):
+    """MoE-Infinity that checks, at every gate, its top-K against the full scan and its
+    admissions against a heap rebuilt from every cached expert."""
+
+    calls = 0
+
+    def _top_k(self, flat, first, routed):  # type: ignore[no-untyped-def]
+        got = super()._top_k(flat, first, routed)
+        ref = self._top_k_scan(flat, first, routed)
+        assert list(got.items()) == list(ref.items())
+        return got
+
+    def _admit(self, new, routed):  # type: ignore[no-untyped-def]
+        want, protected = _admit_by_rebuilt_heap(self, new, routed)
+        got = super()._admit(new, routed)
+        assert [(p.key, p.priority) for p in got] == want
+        assert self._protected == protected
+        CheckedFastPaths.calls += 1
+        return got
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_fast_top_k_and_admissions_equal_their_references(synthetic: Trace, gpus: int):
+    """Every gate of a run with a tight buffer (many displacements, and keys whose
+    heap entry was pushed twice: unprotected by a use, protected again as a prediction
+    already in the buffer, unprotected again): the partition's top-K equals the scan's,
+    and the admissions taken off the persistent victim heaps equal those of a heap of
+    every cached expert rebuilt per gate.  Red if the partition dropped a tie at the
+    K-th value or reordered ties, or if a key's second heap entry counted twice as a
+    displaceable expert."""
+    from dataclasses import replace
+
+    hw = replace(TINY_HW, num_gpus=gpus)
+    CheckedFastPaths.calls = 0
+    for budget in (6, 12, 24):
+        simulate(synthetic, SMOKE, hw, CheckedFastPaths(), budget * SMOKE.expert_size_bytes,
+                 serving=ServingConfig(held_in_fraction=0.5))  # fmt: skip
+    assert CheckedFastPaths.calls > 100
+
+
+def test_top_k_partition_keeps_ties_in_id_order():
+    """Ties at the K-th value: the partition's top-K takes the lower ids first, as the
+    stable scan does.  Red if it took any of the tied entries."""
+    pol = MoEInfinity()
+    pol._N, pol._E, pol._slots = 1, 4, 3
+    flat = np.array([0.5, 0.2, 0.2, 0.0, 0.2, 0.9, 0.2, 0.0])
+    got = pol._top_k(flat, 100, set())
+    assert list(got) == [105, 100, 101]
+    assert got == pol._top_k_scan(flat, 100, set())
+    pol._slots = 5
+    assert list(pol._top_k(flat, 100, {1})) == [105, 100, 101, 102]
+    pol._slots = 10  # more room than positive predictions: zeros never
+    assert list(pol._top_k(flat, 100, set())) == [105, 100, 101, 102, 104, 106]
