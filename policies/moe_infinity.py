@@ -347,6 +347,7 @@ class MoEInfinity(Policy):
         self._cprio: list[float] = [0.0] * (L * E)  # cache priority per key
         self._protected: dict[int, float] = {}  # key -> prefetch priority v (max cache prio)
         self._in: set[int] = set()  # keys admitted and not evicted (the policy's mirror)
+        self._in_mask = np.zeros(L * E, dtype=bool)  # (L E,) the same, as a mask
         self._used = [0] * ctx.num_gpus  # len(_in) per GPU
         # perf: victim() takes the least (cache priority, admission number) off a heap per
         # GPU instead of scanning every cached key; entries go stale (the key left, was
@@ -450,38 +451,49 @@ class MoEInfinity(Policy):
         v = probs[layer + 1 : last] * self._prox[layer, layer + 1 : last, None]  # (F, E)
         flat = v.reshape(-1)
         first = (layer + 1) * E
-        chosen = self._top_k(flat, first, routed)
+        keys, vals = self._top_k(flat, first, routed)  # (K,) each, highest first
+        chosen = set(keys.tolist())
         # case (iii): prefetched experts no longer in the top-K
         for key in [k for k in protected if k not in chosen]:
             del protected[key]
             cancel.append(key)
             self._unprotected(key)
-        inbuf = self._in
         # in priority order: predictions in flight (or landed) are re-ranked if still
         # queued, the rest not in the buffer are loaded; the rest already in the buffer
         # skip the load and keep their slot (protected from here on)
-        new = [(k, p) for k, p in chosen.items() if k in protected or k not in inbuf]
-        for k, p in chosen.items():
-            if k in protected or k in inbuf:
-                protected[k] = p
+        was = np.zeros(L * E, dtype=bool)  # (L E,) protected before this gate's update
+        if protected:
+            was[np.fromiter(protected, dtype=np.int64, count=len(protected))] = True
+        was_k, in_k = was[keys], self._in_mask[keys]  # (K,) each
+        load = was_k | ~in_k
+        new = list(zip(keys[load].tolist(), vals[load].tolist(), strict=True))
+        keep = was_k | in_k
+        protected.update(zip(keys[keep].tolist(), vals[keep].tolist(), strict=True))
         prefetch = self._admit(new, routed)
         if not prefetch and not cancel:
             return NO_ACTIONS
         return Actions(prefetch=prefetch, cancel=cancel)
 
-    def _top_k(self, flat: np.ndarray, first: int, routed: set[int]) -> dict[int, float]:
-        """The top-K predictions ``{key: priority}``, highest first (nearer layer, then
-        smaller id on ties), of ``flat`` ``(F E,)`` (keys from ``first``): per GPU, K =
-        its slots minus what the current layer holds there; zero priorities never.
+    def _top_k(
+        self, flat: np.ndarray, first: int, routed: set[int]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The top-K predictions, keys ``(K,)`` int64 and priorities ``(K,)``, highest
+        first (nearer layer, then smaller id on ties), of ``flat`` ``(F E,)`` (keys from
+        ``first``): per GPU, K = its slots minus what the current layer holds there; zero
+        priorities never.
 
         perf: on one GPU, the first ``K`` positive entries of the stable descending
         order, found by a partition and a sort of those alone (:meth:`_top_k_scan` is
         the reference and the path for several GPUs)."""
         if self._N > 1:
-            return self._top_k_scan(flat, first, routed)
+            chosen = self._top_k_scan(flat, first, routed)
+            return (
+                np.fromiter(chosen, dtype=np.int64, count=len(chosen)),
+                np.fromiter(chosen.values(), dtype=np.float64, count=len(chosen)),
+            )
         take = min(self._slots - len(routed), int(np.count_nonzero(flat > 0)))
         if take <= 0:
-            return {}
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
         neg = -flat
         if take < len(flat):
             kth = np.partition(neg, take - 1)[take - 1]
@@ -489,7 +501,7 @@ class MoEInfinity(Policy):
         else:
             cand = np.arange(len(flat))
         idx = cand[np.argsort(neg[cand], kind="stable")[:take]]
-        return dict(zip((idx + first).tolist(), flat[idx].tolist(), strict=True))
+        return idx + first, flat[idx]
 
     def _top_k_scan(self, flat: np.ndarray, first: int, routed: set[int]) -> dict[int, float]:
         """:meth:`_top_k` by a scan of the whole stable descending order."""
@@ -579,6 +591,7 @@ class MoEInfinity(Policy):
     def on_insert(self, key: int) -> None:
         """Track what the buffer holds."""
         self._in.add(key)
+        self._in_mask[key] = True
         self._used[(key % self._E) % self._N] += 1
         self._n_admitted += 1
         self._admitted[key] = self._n_admitted
@@ -607,6 +620,7 @@ class MoEInfinity(Policy):
     def on_evict(self, key: int) -> None:
         """Forget an evicted or cancelled expert."""
         self._in.remove(key)
+        self._in_mask[key] = False
         self._used[(key % self._E) % self._N] -= 1
         self._protected.pop(key, None)
 

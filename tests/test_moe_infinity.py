@@ -472,10 +472,10 @@ class CheckedFastPaths(MoEInfinity):
     calls = 0
 
     def _top_k(self, flat, first, routed):  # type: ignore[no-untyped-def]
-        got = super()._top_k(flat, first, routed)
+        keys, vals = super()._top_k(flat, first, routed)
         ref = self._top_k_scan(flat, first, routed)
-        assert list(got.items()) == list(ref.items())
-        return got
+        assert list(zip(keys.tolist(), vals.tolist(), strict=True)) == list(ref.items())
+        return keys, vals
 
     def _admit(self, new, routed):  # type: ignore[no-untyped-def]
         want, protected = _admit_by_rebuilt_heap(self, new, routed)
@@ -511,10 +511,11 @@ def test_top_k_partition_keeps_ties_in_id_order():
     pol = MoEInfinity()
     pol._N, pol._E, pol._slots = 1, 4, 3
     flat = np.array([0.5, 0.2, 0.2, 0.0, 0.2, 0.9, 0.2, 0.0])
-    got = pol._top_k(flat, 100, set())
-    assert list(got) == [105, 100, 101]
-    assert got == pol._top_k_scan(flat, 100, set())
+    keys, vals = pol._top_k(flat, 100, set())
+    assert keys.tolist() == [105, 100, 101] and vals.tolist() == [0.9, 0.5, 0.2]
+    ref = pol._top_k_scan(flat, 100, set())
+    assert list(zip(keys.tolist(), vals.tolist(), strict=True)) == list(ref.items())
     pol._slots = 5
-    assert list(pol._top_k(flat, 100, {1})) == [105, 100, 101, 102]
+    assert pol._top_k(flat, 100, {1})[0].tolist() == [105, 100, 101, 102]
     pol._slots = 10  # more room than positive predictions: zeros never
-    assert list(pol._top_k(flat, 100, set())) == [105, 100, 101, 102, 104, 106]
+    assert pol._top_k(flat, 100, set())[0].tolist() == [105, 100, 101, 102, 104, 106]
