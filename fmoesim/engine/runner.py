@@ -382,7 +382,7 @@ class Runner:
         if actions.cancel:
             self._cancel(actions.cancel)
         if actions.abort and not aborted:
-            self._abort(actions.abort)
+            self._cancel(actions.abort, started=True)
         if not actions.prefetch:
             return
         for p in actions.prefetch:
@@ -438,26 +438,19 @@ class Runner:
             elif be.cancel((key % E) % N, key):
                 cache.abort(key)
 
-    def _cancel(self, keys: Sequence[int]) -> None:
-        """A policy's cancellations: transfers still queued and never started are dropped."""
+    def _cancel(self, keys: Sequence[int], started: bool = False) -> None:
+        """A policy's cancellations: transfers still queued and never started are dropped;
+        with ``started`` (its aborts), moving ones too, at their next chunk boundary.
+        Their entries are freed at once."""
         be, caches, E, N = self.backend, self.caches, self.E, self.N
         for key in keys:
             g = (key % E) % N
             cache = caches[g]
             ent = cache.entries.get(key)
             # only a transfer nobody waits for: this layer's own loads are pinned
-            if ent is not None and not ent.resident and not ent.pins and be.cancel(g, key):
-                cache.abort(key)
-
-    def _abort(self, keys: Sequence[int]) -> None:
-        """A policy's aborts: transfers queued or moving stop (at the next chunk boundary)
-        and free their entries at once; ones someone waits for (pinned) go on."""
-        be, caches, E, N = self.backend, self.caches, self.E, self.N
-        for key in keys:
-            g = (key % E) % N
-            cache = caches[g]
-            ent = cache.entries.get(key)
-            if ent is not None and not ent.resident and not ent.pins and be.abort(g, key):
+            if ent is None or ent.resident or ent.pins:
+                continue
+            if be.abort(g, key) if started else be.cancel(g, key):
                 cache.abort(key)
 
     def _size_of(self, g: int, key: int) -> int:
@@ -576,7 +569,7 @@ class Runner:
         m, N, be = self.metrics, self.N, self.backend
         deferred: list[tuple[int, int, int, float]] = []
         if actions.abort:  # the router's result stops wrong prefetches before misses load
-            self._abort(actions.abort)
+            self._cancel(actions.abort, started=True)
         for x in missing:  # on-demand loads jump the link's queue
             if self._load(x[0], x[1], ON_DEMAND, "on_demand", pin=True):
                 pending.append(x)
