@@ -490,11 +490,11 @@ class Actions:
     dropped as by ``cancel``, a moving one stops at its next chunk boundary (the bytes
     moved so far are wasted), and the entry is reported back through
     :meth:`Policy.on_evict`; a transfer an access waits for, or one that has landed, is
-    left alone.  ``delay_s``: the new prefetches reserve their bytes now but may not start moving
-    before ``delay_s`` seconds from now (the latency of an asynchronous matcher that
-    decided them, fMoE §4.3); one that is needed earlier loads on demand at once.  A
-    policy states the delay as a configured number; it never reads a clock.  The
-    hit-rate-only backend has no clock and ignores it.
+    left alone.  ``delay_s``: the new prefetches reserve their bytes now but may not
+    start moving before ``delay_s`` seconds from now (the latency of an asynchronous
+    matcher that decided them, fMoE §4.3); one that is needed earlier loads on demand at
+    once.  A policy states the delay as a configured number; it never reads a clock.
+    The hit-rate-only backend has no clock and ignores it.
 
     For policies with budget groups (:meth:`Policy.cache_groups`): ``budgets`` sets
     new group budgets in bytes (shrinking evicts within the group, the policy's

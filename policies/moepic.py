@@ -288,13 +288,12 @@ class MoEpic(Policy):
                 cancel.append(key)
         spec = gate.spec_next
         target = layer + 1 if layer + 1 < L else 0
-        if spec is None or self.prefetch == "none":
-            if spec is None:
-                self._pred.pop(target, None)
-            else:
-                self._pred[target] = np.asarray(spec, dtype=np.float64)
+        if spec is None:
+            self._pred.pop(target, None)
             return self._stop(cancel, []) if cancel else NO_ACTIONS
         self._pred[target] = np.asarray(spec, dtype=np.float64)
+        if self.prefetch == "none":
+            return self._stop(cancel, []) if cancel else NO_ACTIONS
         if self.prefetch == "speculative":
             order = sorted(range(E), key=lambda e: -float(spec[e]))  # stable: ties by id
         else:

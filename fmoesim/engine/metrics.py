@@ -205,9 +205,8 @@ class Metrics:
                 cancelled += 1
                 continue
             n_moved += 1
-            b = t.size_bytes
+            b = t.moved_bytes
             if t.aborted:
-                b = t.size_bytes - t.left_bytes
                 aborted += 1
                 aborted_bytes += b
             moved += b
