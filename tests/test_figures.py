@@ -189,6 +189,50 @@ def test_experiment_presets_take_effect(exp):
     assert exp in {f.experiment for f in FIGURES.values()}
 
 
+def test_experiment_points_are_the_presets_sweep():
+    """--run's points are the preset's sweep in Hydra's order (a bug that dropped the
+    preset's ``hydra.sweeper.params`` would give one point, the default policy)."""
+    from fmoesim.cli.main import experiment_points
+
+    pts = experiment_points("moepic-fig8")
+    assert len(pts) == 4 * 14 and all(p[0] == "experiment=moepic-fig8" for p in pts)
+    assert pts[0][1:] == ["policy=mixtral-offloading", "cache.budget_gb=2"]
+    assert pts[-1][1:] == ["policy=moepic", "cache.budget_gb=26"]
+
+
+def test_run_experiments_reports_the_failing_point_and_stops(tmp_path, monkeypatch, capsys):
+    """One queue over every experiment's points; a failing point stops the rest with one
+    line naming it (a bug that swallowed the failure, or ran on past it, turns this red)."""
+    from fmoesim.cli import plot_cli
+    from fmoesim.errors import FmoesimError
+
+    ran: list[list[str]] = []
+
+    def fake(point: list[str]) -> tuple[str, bool]:
+        ran.append(point)
+        if "policy=dependency" in point:
+            raise ValueError("boom\nsecond line")
+        return "hit rate 1.00%, TPOT 2.0 ms", len(ran) == 1
+
+    monkeypatch.setattr(plot_cli, "_run_point", fake)
+    monkeypatch.setattr(plot_cli, "_prepare_traces", lambda points: None)
+    exps = ["moe-infinity-tab5", "moe-infinity-tab2-3"]
+    with pytest.raises(FmoesimError) as err:
+        plot_cli.run_experiments(exps, tmp_path / "store", 1, tmp_path)
+    assert str(err.value) == (
+        "run experiment=moe-infinity-tab2-3 policy=dependency failed: boom second line"
+    )
+    assert [p[0] for p in ran] == ["experiment=moe-infinity-tab5"] * 4 + [
+        "experiment=moe-infinity-tab2-3"
+    ] * 2
+    assert all(p[-1] == f"store.dir={tmp_path / 'store'}" for p in ran)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "runs: 8 points of 2 experiments on 1 processes"
+    assert out[1].startswith("[run 1/8] experiment=moe-infinity-tab5 policy=")
+    assert out[1].endswith(": hit rate 1.00%, TPOT 2.0 ms (in the store)")
+    assert len(out) == 1 + 5
+
+
 def test_synthetic_azure_arrivals_read_back(tmp_path):
     from fmoesim.cli.plot_cli import write_azure_synthetic
     from fmoesim.workload.synthetic import read_azure_csv

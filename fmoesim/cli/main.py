@@ -218,6 +218,23 @@ def sweep_points(overrides: list[str], preset_params: dict[str, Any]) -> list[li
     return BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
 
 
+def experiment_points(experiment: str) -> list[list[str]]:
+    """Every run of an experiment preset's sweep (its ``hydra.sweeper.params``), each as
+    the override list of a single run (``experiment=<name>`` first), in Hydra's order."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    base = [f"experiment={experiment}"]
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            params = _compose(base, hydra_config=True).hydra.sweeper.get("params") or {}
+            return sweep_points(base, dict(params))
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def _preflight_sweep(overrides: list[str]) -> int:
     """Check every point of a sweep as a single run is checked (composition, every
     value, where it writes), before any job runs; returns the number of points (0 for

@@ -7,9 +7,9 @@ Examples::
     fmoesim-plot fmoe-fig11 moepic-tab1      # plot from what the store holds
     fmoesim-plot crossover --models olmoe-1b-7b   # the crossover study (its own runs)
 
-``--run`` runs ``fmoesim -m experiment=<name>`` for each figure's sweep (runs already
-in the store are skipped, so an interrupted ``--run`` resumes), with the joblib
-launcher on ``--jobs`` local cores when more than one.  Figures go to
+``--run`` runs every point of the figures' sweeps (as ``fmoesim -m
+experiment=<name>`` would; runs already in the store are skipped, so an interrupted
+``--run`` resumes), all points in one queue on ``--jobs`` local processes.  Figures go to
 ``results/figures/<name>.png``, ``.pdf`` and ``.md`` (caption and numbers).  Exit status
 2 and one line on stderr for bad input.  ``crossover`` is not a store figure: it runs
 its own grid, alone (:mod:`fmoesim.plots.crossover`; ``fmoesim-plot crossover --help``).
@@ -18,10 +18,7 @@ its own grid, alone (:mod:`fmoesim.plots.crossover`; ``fmoesim-plot crossover --
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -71,36 +68,92 @@ def prepare_inputs(experiment: str, root: Path) -> None:
         write_azure_synthetic(root / AZURE_CSV)
 
 
-def run_sweep(experiment: str, store: Path, jobs: int, root: Path) -> float:
-    """Run one experiment's sweep (done runs skipped); return its wall time."""
+def _point_label(point: list[str]) -> str:
+    """A run's overrides as its progress line shows them."""
+    return " ".join(point)
+
+
+def _run_point(point: list[str]) -> tuple[str, bool]:
+    """Run one point of a sweep (:func:`fmoesim.cli.main.run_config` as a sweep job:
+    skipped if the store holds it, quiet); return its one-line result and whether it
+    was in the store already."""
+    from fmoesim.cli.main import compose_config, format_line, run_config
+
+    row = run_config(compose_config(point), multirun=True)
+    return format_line(row), bool(row.get("done_already"))
+
+
+def _prepare_traces(points: list[list[str]]) -> None:
+    """Generate each synthetic trace the points read, once, here: parallel workers must
+    not race to write the same trace.  Points that differ only in overrides outside
+    ``model`` and ``workload`` (the policy, the budget...) read the same trace."""
     from fmoesim.cli.main import _trace_path, compose_config
     from fmoesim.config.build import build_run
 
-    prepare_inputs(experiment, root)
-    # a synthetic trace is generated here, once, not by parallel jobs racing to write it
-    _trace_path(build_run(compose_config([f"experiment={experiment}"])))
-    cmd = [
-        sys.executable, "-m", "fmoesim.cli.main", "-m", f"experiment={experiment}",
-        f"store.dir={store}", f"hydra.sweep.dir={store.parent / 'sweeps' / experiment}",
-    ]  # fmt: skip
-    if jobs > 1 and importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher"):
-        cmd += ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={jobs}"]
+    seen: set[tuple[str, ...]] = set()
+    for point in points:
+        sig = tuple(o for o in point if o.lstrip("+~").split("=")[0].split(".")[0]
+                    in ("experiment", "model", "workload"))  # fmt: skip
+        if sig not in seen:
+            seen.add(sig)
+            _trace_path(build_run(compose_config(list(sig))))
+
+
+def run_experiments(experiments: list[str], store: Path, jobs: int, root: Path) -> float:
+    """Run every point of the experiments' sweeps into ``store`` (points the store holds
+    are skipped, so an interrupted run resumes) and return the wall time.
+
+    The points of all the experiments form one queue for ``jobs`` worker processes, so a
+    core never waits for an experiment's slowest run before the next experiment starts;
+    a point runs as ``fmoesim experiment=<name> <point>`` would, and its store row is the
+    same.  One progress line per point as it finishes; the first failing point stops
+    the rest, with one line naming it."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from fmoesim.cli.main import experiment_points
+
     t0 = time.perf_counter()
-    # the sweep's "[sweep k/N]" lines are passed on as they come (its progress)
-    with (
-        tempfile.TemporaryFile("w+") as errf,  # a file, not a pipe: it cannot fill and block
-        subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=errf, text=True) as p,
-    ):
-        assert p.stdout is not None
-        for line in p.stdout:
-            if line.startswith(("[sweep", "sweep")):
-                print(line.rstrip(), flush=True)
-        p.wait()
-        errf.seek(0)
-        err = errf.read()
-    if p.returncode != 0:
-        last = (err.strip().splitlines() or ["(no output)"])[-1]
-        raise FmoesimError(f"sweep experiment={experiment} failed: {last}")
+    points: list[list[str]] = []
+    for exp in experiments:
+        prepare_inputs(exp, root)
+        pts = [[*pt, f"store.dir={store}"] for pt in experiment_points(exp)]
+        _prepare_traces(pts)
+        points += pts
+    n = len(points)
+    print(f"runs: {n} points of {len(experiments)} experiments on {jobs} processes", flush=True)
+    done = [0]
+
+    def report(point: list[str], out: tuple[str, bool]) -> None:
+        done[0] += 1
+        shown = _point_label(point[:-1])  # without store.dir
+        note = " (in the store)" if out[1] else ""
+        print(f"[run {done[0]}/{n}] {shown}: {out[0]}{note}", flush=True)
+
+    def failed(point: list[str], exc: BaseException) -> FmoesimError:
+        from fmoesim.config.build import one_line
+
+        return FmoesimError(f"run {_point_label(point[:-1])} failed: {one_line(exc)}")
+
+    if jobs == 1:
+        for point in points:
+            try:
+                out = _run_point(point)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes one line
+                raise failed(point, exc) from None
+            report(point, out)
+        return time.perf_counter() - t0
+    with ProcessPoolExecutor(jobs) as ex:
+        futures = {ex.submit(_run_point, point): k for k, point in enumerate(points)}
+        try:
+            for f in as_completed(futures):
+                point = points[futures[f]]
+                error = f.exception()
+                if error is not None:
+                    raise failed(point, error) from None
+                report(point, f.result())
+        except BaseException:  # a failed point or Ctrl-C: the queued points never start
+            ex.shutdown(wait=True, cancel_futures=True)
+            raise
     return time.perf_counter() - t0
 
 
@@ -143,12 +196,9 @@ def _run(args: argparse.Namespace) -> None:
         raise FmoesimError(f"--jobs {args.jobs}: must be >= 1")
     store = Path(args.store).resolve()
     if args.run:
-        total = 0.0
-        for exp in dict.fromkeys(FIGURES[n].experiment for n in names):
-            dt = run_sweep(exp, store, args.jobs, PROJECT_ROOT)
-            total += dt
-            print(f"experiment {exp}: {dt:.0f} s", flush=True)
-        print(f"all sweeps: {total / 60:.1f} min", flush=True)
+        exps = list(dict.fromkeys(FIGURES[n].experiment for n in names))
+        dt = run_experiments(exps, store, args.jobs, PROJECT_ROOT)
+        print(f"all sweeps: {dt / 60:.1f} min", flush=True)
     results = load_results(store)
     out = Path(args.out)
     for n in names:

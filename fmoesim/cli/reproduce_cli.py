@@ -10,8 +10,9 @@ For each claim of the paper's catalog (``fmoesim/reproduce/claims/<paper>.yaml``
 computes fmoesim's number from the rows of the claim's experiment preset and writes
 ``<out>/<paper>.csv`` and ``<paper>.md`` (one row per claim: the paper's number,
 fmoesim's, whether the direction holds, the magnitude ratio, the preset) and
-``<out>/README.md``.  ``--run`` first runs ``fmoesim -m experiment=<name>`` for each
-preset the claims read (runs already in the store are skipped).  ``--docs PAGE``
+``<out>/README.md``.  ``--run`` first runs every point of the presets the claims read,
+all papers' points in one queue on ``--jobs`` processes (runs already in the store are
+skipped).  ``--docs PAGE``
 writes each paper's table into PAGE between ``<!-- scoreboard:<paper> -->`` and
 ``<!-- /scoreboard:<paper> -->``.  Exit status 2 and one line on stderr for bad input.
 """
@@ -67,9 +68,8 @@ def _run(args: argparse.Namespace) -> None:
     if docs is not None and not docs.is_file():
         raise FmoesimError(f"--docs {docs}: no such page")
     store = Path(args.store).resolve()
-    if args.run:
-        for claims in catalogs.values():
-            ensure_runs(claims, store, args.jobs)
+    if args.run:  # one queue over every paper's runs
+        ensure_runs([c for claims in catalogs.values() for c in claims], store, args.jobs)
     results = load_results(store)
     for name, claims in catalogs.items():
         scores = scoreboard(claims, results)

@@ -487,14 +487,14 @@ def experiments_of(claims: Sequence[Claim]) -> list[str]:
 
 
 def ensure_runs(claims: Sequence[Claim], store: Path, jobs: int) -> None:
-    """Run every experiment the claims read into ``store``
-    (:func:`fmoesim.cli.plot_cli.run_sweep`: runs already in the store are skipped)."""
-    from fmoesim.cli.plot_cli import run_sweep
+    """Run every point of the experiments the claims read into ``store``, as one queue
+    on ``jobs`` processes (:func:`fmoesim.cli.plot_cli.run_experiments`: runs already
+    in the store are skipped)."""
+    from fmoesim.cli.plot_cli import run_experiments
     from fmoesim.config.schema import PROJECT_ROOT
 
-    for exp in experiments_of(claims):
-        dt = run_sweep(exp, store, jobs, PROJECT_ROOT)
-        print(f"experiment {exp}: {dt:.0f} s", flush=True)
+    dt = run_experiments(experiments_of(claims), store, jobs, PROJECT_ROOT)
+    print(f"all runs: {dt / 60:.1f} min", flush=True)
 
 
 def scoreboard(claims: Sequence[Claim], results: Any) -> list[Score]:
