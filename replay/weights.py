@@ -297,6 +297,9 @@ class Executor:
     tokens plus scaled dot-product attention whose score count is ``pairs`` (queries
     against a random key/value cache of ``pairs / tokens`` positions); router = one
     ``h x E`` projection; dense layer = attention + a SwiGLU MLP; LM head = ``h x V``.
+    An MLA model (DeepSeek) runs the grouped-query stand-in of ``num_attention_heads``
+    heads of ``head_dim``: the profiler measures its time, and the simulator then reads
+    that measurement, not the shape.
     """
 
     def __init__(self, model: ModelSpec, device: str, dtype: Any, seed: int = 0) -> None:

@@ -39,10 +39,14 @@ CASES = {
               (6, 64, 8, 1024, 0, 0, 0)),
     "deepseek_v2": ({"n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2,
                      "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
-                     "intermediate_size": 10944, "v_head_dim": 128}, (5, 64, 6, 1408, 2, 2816, 1)),
+                     "intermediate_size": 10944, "v_head_dim": 128, "q_lora_rank": None,
+                     "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64},
+                    (5, 64, 6, 1408, 2, 2816, 1)),
     "deepseek_v3": ({"n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
                      "moe_intermediate_size": 2048, "first_k_dense_replace": 3,
-                     "intermediate_size": 18432, "v_head_dim": 128}, (3, 256, 8, 2048, 1, 2048, 3)),
+                     "intermediate_size": 18432, "v_head_dim": 128, "q_lora_rank": 1536,
+                     "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64},
+                    (3, 256, 8, 2048, 1, 2048, 3)),
 }  # fmt: skip
 
 
@@ -59,6 +63,9 @@ def test_each_family(family: str, tmp_path: Path) -> None:
     )  # fmt: skip
     assert got == want
     assert spec.num_kv_heads == 4 and spec.head_dim == (128 if "v_head_dim" in keys else 64)
+    mla = (spec.q_lora_rank, spec.kv_lora_rank, spec.qk_nope_head_dim, spec.qk_rope_head_dim)
+    assert mla == ((keys.get("q_lora_rank") or 0, 512, 128, 64) if "kv_lora_rank" in keys
+                   else (0, 0, 0, 0))  # fmt: skip
     text = preset_yaml(spec, used)
     raw = OmegaConf.load(_write(tmp_path / "m.yaml", text))
     del raw["defaults"]

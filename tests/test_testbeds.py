@@ -132,13 +132,15 @@ def test_roofline_presets_unchanged(name):
     assert decode_step_s(c, m) == pytest.approx(step, rel=1e-12)
 
 
-#: total parameters from each model card (Hugging Face), in billions; DeepSeek-V2-Lite is
-#: left out: its MLA attention is counted as a stand-in shape (15.79B against 15.7B)
+#: total parameters from each model card (Hugging Face), in billions (DeepSeek-V3's
+#: 671B leave out its multi-token-prediction module, as the preset does)
 MODEL_CARD_PARAMS_B = {
     "qwen1.5-moe-a2.7b": 14.3,
     "mixtral-8x7b": 46.7,
     "qwen3-30b-a3b": 30.5,
     "olmoe-1b-7b": 6.9,
+    "deepseek-v2-lite": 15.7,
+    "deepseek-v3": 671,
 }
 
 
@@ -150,6 +152,28 @@ def test_resident_plus_expert_params_are_the_model_cards(name):
     m = model(name)
     total_b = (m.resident_params + m.num_layers * m.num_experts * m.expert_params) / 1e9
     assert total_b == pytest.approx(MODEL_CARD_PARAMS_B[name], rel=5e-3)
+
+
+def test_mla_attention_by_hand():
+    """DeepSeek-V3's multi-head latent attention, by hand from its config.json: the query
+    down- (7168 x 1536) and up-projection (1536 x 128 heads x (128 + 64)), the key-value
+    down-projection with the RoPE key (7168 x (512 + 64)), the key-value up-projection
+    (512 x 128 x (128 + 128)) and o (128 x 128 x 7168); the cache holds 512 + 64 per
+    token.  MoEpic §1: DeepSeek's "expert parameters typically constitute the vast
+    majority (97.45%) of the total model parameters", "only a small fraction (3.13%)"
+    per token.  Red when MLA is counted as 128 key/value heads of 128 (95.0%)."""
+    m = model("deepseek-v3")
+    q = 7168 * 1536 + 1536 * 128 * 192
+    kv = 7168 * 576 + 512 * 128 * 256
+    assert m.attention_params == q + kv + 128 * 128 * 7168 == 187_105_280
+    assert m.kv_cache_elems == 576 and m.pair_flops == 2 * 128 * (192 + 128)
+    experts = m.num_layers * m.num_experts * m.expert_params
+    assert round(100 * experts / (experts + m.resident_params), 2) == 97.45
+    assert 100 * m.top_k / m.num_experts == 3.125  # 8 of 256: the paper rounds it up
+    hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
+    mem_bytes_per_s = hw.hbm_gbps * 1e9 * hw.memory_efficiency
+    c = ComputeModel.from_specs(m, hw)  # FP8: one byte per cached element
+    assert c.attn_kv_s == pytest.approx(576 / mem_bytes_per_s, rel=1e-12)
 
 
 def test_qwen15_footprint_is_moepics_gpu_rich_footprint():

@@ -429,6 +429,9 @@ def test_synthetic_config_defaults_and_edges_are_valid() -> None:
         ({"top_k": 9}, "top_k", "must be <= num_experts (8)"),
         ({"dense_layers": -1}, "dense_layers", "must be a non-negative integer"),
         ({"dtype": "fp7"}, "dtype", "must be one of"),
+        ({"q_lora_rank": 512}, "q_lora_rank", "is MLA's: set kv_lora_rank too"),
+        ({"kv_lora_rank": -1}, "kv_lora_rank", "must be a non-negative integer"),
+        ({"kv_lora_rank": 512}, "qk_nope_head_dim", "needs query/key heads"),
     ],
 )
 def test_model_spec_rejects(fields: dict, key: str, rule: str) -> None:

@@ -44,8 +44,6 @@ class ComputeModel:
         k0 = hw.kernel_overhead_s
         bpe = model.dtype_bytes
         h = model.hidden_size
-        q_dim = model.num_attention_heads * model.head_dim
-        kv_dim = model.num_kv_heads * model.head_dim
 
         def ffn(inter: int, kernels: int = 3) -> tuple[float, float]:
             params = 3 * h * inter
@@ -58,7 +56,7 @@ class ComputeModel:
         dn_a, dn_b = ffn(model.dense_intermediate_size) if model.dense_layers else (0.0, 0.0)
         rs = model.residual_intermediate_size
         res_a, res_b = ffn(rs) if rs else (0.0, 0.0)
-        attn_params = h * (q_dim + 2 * kv_dim) + q_dim * h
+        attn_params = model.attention_params
         values = dict(
             expert_a_s=exp_a,
             expert_b_s=exp_b,
@@ -66,8 +64,8 @@ class ComputeModel:
             shared_b_s=sh_b,
             attn_a_s=6 * k0 + attn_params * bpe / mem,
             attn_b_s=2 * attn_params / flops,
-            attn_kv_s=2 * kv_dim * bpe / mem,
-            attn_pair_s=4 * q_dim / flops,
+            attn_kv_s=model.kv_cache_elems * bpe / mem,
+            attn_pair_s=model.pair_flops / flops,
             router_a_s=k0 + h * model.num_experts * bpe / mem,
             router_b_s=2 * h * model.num_experts / flops,
             residual_a_s=res_a,

@@ -16,8 +16,9 @@ What each family's keys mean here:
   between MoE ones) is refused: fmoesim's dense layers lead the stack.
 - ``deepseek_v2``, ``deepseek_v3``: ``n_routed_experts`` of ``moe_intermediate_size``,
   ``n_shared_experts`` shared ones of the same size, the first ``first_k_dense_replace``
-  layers dense with ``intermediate_size``; MLA attention is modelled as
-  ``num_attention_heads`` heads of ``v_head_dim``.
+  layers dense with ``intermediate_size``; MLA attention from ``q_lora_rank`` (null:
+  a direct query projection), ``kv_lora_rank``, ``qk_nope_head_dim``,
+  ``qk_rope_head_dim`` and ``v_head_dim``.
 - ``llama4`` (its ``text_config``): ``num_local_experts`` of ``intermediate_size`` plus one
   shared expert of the same size; ``interleave_moe_layer_step`` above 1 is refused.
 """
@@ -136,6 +137,12 @@ def model_from_config(
     out["num_kv_heads"] = k.get("num_kv_heads", "num_key_value_heads", default=heads)
     head_keys = ("v_head_dim", "head_dim") if mt.startswith("deepseek") else ("head_dim",)
     out["head_dim"] = k.get("head_dim", *head_keys, default=hidden // heads)
+    if mt.startswith("deepseek"):  # multi-head latent attention
+        q_rank = cfg.get("q_lora_rank")
+        out["q_lora_rank"] = int(q_rank or 0)
+        k.used["q_lora_rank"] = "q_lora_rank" + ("" if q_rank else " null: a direct projection")
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"):
+            out[name] = int(k.get(name, name))
     out["vocab_size"] = k.get("vocab_size", "vocab_size")
     hf_id = cfg.get("_name_or_path") or ""
     spec = ModelSpec(**out, hf_model_id=str(hf_id), source=f"{path} (model_type {mt})")
@@ -152,7 +159,8 @@ def preset_yaml(spec: ModelSpec, used: dict[str, str]) -> str:
         "num_layers", "num_experts", "top_k", "num_shared_experts",
         "shared_expert_intermediate_size", "dense_layers", "dense_intermediate_size",
         "hidden_size", "expert_intermediate_size", "num_attention_heads", "num_kv_heads",
-        "head_dim", "vocab_size",
+        "head_dim", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+        "vocab_size",
     ]  # fmt: skip
     lines = [
         "defaults:",

@@ -52,6 +52,14 @@ class ModelSpec:
     before the layer's router and resident like a shared expert (Snowflake Arctic's
     residual MLP beside its MoE: ``parallel_attn_mlp_res``); 0 for none.
 
+    Attention is grouped-query attention (``num_attention_heads`` query heads and
+    ``num_kv_heads`` key/value heads of ``head_dim``) unless ``kv_lora_rank`` is set:
+    then it is DeepSeek's multi-head latent attention (MLA, DeepSeek-V2 §2.1): queries
+    through a ``q_lora_rank`` down-projection (0: a direct projection), keys and values
+    from a ``kv_lora_rank`` latent, query/key heads of ``qk_nope_head_dim +
+    qk_rope_head_dim``, value heads of ``head_dim`` (``v_head_dim``); the KV cache holds
+    the latent and the shared RoPE key (:attr:`kv_cache_elems`).
+
     ``expert_size_bytes_by_layer`` (one size per MoE layer) replaces that size where a
     model's quantization differs by layer (GGUF Q4_K_M keeps some layers' down
     projections in Q6_K); ``expert_size_bytes`` is then their mean, for reporting, and
@@ -72,6 +80,10 @@ class ModelSpec:
     num_attention_heads: int = 32
     num_kv_heads: int = 8
     head_dim: int = 128
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
     vocab_size: int = 32000
     dtype: str = "bfloat16"
     source: str = ""
@@ -120,19 +132,53 @@ class ModelSpec:
         return self.num_experts * sum(self.layer_expert_bytes)
 
     @property
+    def attention_params(self) -> int:
+        """Weights of one decoder layer's attention projections (norms left out).
+        Grouped-query: q, k, v and o.  MLA: the query down- and up-projections (or one
+        direct projection), the joint key-value down-projection with the RoPE key, the
+        key-value up-projection and o.  DeepSeek-V3: 187,105,280."""
+        h, heads = self.hidden_size, self.num_attention_heads
+        if not self.kv_lora_rank:
+            q_dim = heads * self.head_dim
+            kv_dim = self.num_kv_heads * self.head_dim
+            return h * (q_dim + 2 * kv_dim) + q_dim * h
+        qk = heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        r = self.q_lora_rank
+        q = h * r + r * qk if r else h * qk
+        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * heads * (
+            self.qk_nope_head_dim + self.head_dim
+        )
+        return q + kv + heads * self.head_dim * h
+
+    @property
+    def kv_cache_elems(self) -> int:
+        """Elements one token adds to one layer's KV cache: keys and values of every
+        key/value head, or with MLA the latent and the shared RoPE key (as serving
+        engines cache it)."""
+        if self.kv_lora_rank:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def pair_flops(self) -> int:
+        """FLOPs of one (query, key) pair of one layer: the score over the query/key
+        head dimensions and the weighted sum over the value head dimensions, every
+        head."""
+        heads = self.num_attention_heads
+        if self.kv_lora_rank:
+            return 2 * heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.head_dim)
+        return 4 * heads * self.head_dim
+
+    @property
     def resident_params(self) -> int:
         """Parameters that stay in GPU memory whatever the policy: the embedding and the
-        LM head (untied, as in every preset model), attention (q, k, v, o projections of
-        ``num_attention_heads`` and ``num_kv_heads`` heads of ``head_dim``) in every
-        decoder layer, the routers, the shared experts, the residual MLPs and the dense
-        layers' MLPs.  Norms and biases are left out (under 0.1% of any preset model);
-        MLA attention (DeepSeek) is counted as its stand-in shape.  Qwen1.5-MoE-A2.7B:
-        1,858,404,352, which with its 12,457,082,880 routed-expert parameters is the
-        14.3B of its model card."""
+        LM head (untied, as in every preset model), attention (:attr:`attention_params`)
+        in every decoder layer, the routers, the shared experts, the residual MLPs and the
+        dense layers' MLPs.  Norms and biases are left out (under 0.1% of any preset
+        model).  Qwen1.5-MoE-A2.7B: 1,858,404,352, which with its 12,457,082,880
+        routed-expert parameters is the 14.3B of its model card."""
         h = self.hidden_size
-        q_dim = self.num_attention_heads * self.head_dim
-        kv_dim = self.num_kv_heads * self.head_dim
-        attention = h * (q_dim + 2 * kv_dim) + q_dim * h
+        attention = self.attention_params
         per_moe_layer = h * self.num_experts + 3 * h * self.residual_intermediate_size
         if self.num_shared_experts:
             per_moe_layer += 3 * h * self.shared_expert_intermediate_size
@@ -171,10 +217,28 @@ class ModelSpec:
             "dense_layers",
             "dense_intermediate_size",
             "residual_intermediate_size",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
         ):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{prefix}.{key}", value, "must be a non-negative integer")
+        mla = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
+        if not self.kv_lora_rank:
+            for key in mla:
+                if getattr(self, key):
+                    raise ConfigError(
+                        f"{prefix}.{key}", getattr(self, key), "is MLA's: set kv_lora_rank too"
+                    )
+        elif not self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise ConfigError(
+                f"{prefix}.qk_nope_head_dim",
+                self.qk_nope_head_dim,
+                "MLA (kv_lora_rank set) needs query/key heads: qk_nope_head_dim + "
+                "qk_rope_head_dim > 0",
+            )
         if self.top_k > self.num_experts:
             raise ConfigError(
                 f"{prefix}.top_k", self.top_k, f"must be <= num_experts ({self.num_experts})"
