@@ -61,7 +61,9 @@ def test_catalog_rows_complete(paper: str) -> None:
     for c in claims:
         assert c.paper == CATALOGS[paper] and c.where and c.claim and c.quote, c.id
         assert "§" in c.where or "Abstract" in c.where, c.id
-        if c.experiment is None:
+        if c.kind == "model":
+            assert (CONF_DIR / "model" / f"{c.model}.yaml").is_file(), c.id
+        elif c.experiment is None:
             assert c.reason.startswith(("no preset", "not computed: ")), c.id
         else:
             assert (CONF_DIR / "experiment" / f"{c.experiment}.yaml").is_file(), c.id
@@ -348,6 +350,39 @@ def test_bound_by_hand() -> None:
     assert (s.fmoesim_value, s.holds, s.ratio) == (150.0, YES, pytest.approx(1.25))
     s = score_claim(claim(a={"policy": "fmoe"}, a_agg="min", **{**floor, "paper_value": 160.0}), df)
     assert (s.fmoesim_value, s.holds) == (150.0, NO)
+
+
+def test_model_statistic_by_hand() -> None:
+    """Red when a model claim's share leaves out or double-counts a part of the model, or
+    rounds otherwise than the paper: Mixtral-8x7B by hand from its config.json, 32 x 8
+    experts of 3 x 4096 x 14336 against the embedding and LM head (2 x 32000 x 4096), 32
+    layers of attention (4096 x (4096 + 2 x 1024) + 4096 x 4096) and routers (4096 x 8)."""
+    from fmoesim.reproduce.score import rounds_to
+
+    experts = 32 * 8 * 3 * 4096 * 14336
+    resident = 2 * 32000 * 4096 + 32 * (4096 * 6144 + 4096 * 4096 + 4096 * 8)
+    share = 100 * experts / (experts + resident)  # 96.563...%
+    model = dict(kind="model", model="mixtral-8x7b", experiment=None, a={}, b={}, unit="%")
+    s = score_claim(claim(metric="expert_param_share", paper_value=96.56, **model), pd.DataFrame())
+    assert (s.fmoesim_value, s.holds) == (pytest.approx(share, rel=1e-12), YES)
+    assert s.ratio == pytest.approx(share / 96.56) and "`model=mixtral-8x7b`" in to_markdown([s])
+    s = score_claim(claim(metric="expert_param_share", paper_value=96.6, **model), pd.DataFrame())
+    assert s.holds == YES  # one decimal: 96.56 rounds to 96.6
+    s = score_claim(claim(metric="expert_param_share", paper_value=96.5, **model), pd.DataFrame())
+    assert s.holds == NO
+    s = score_claim(claim(metric="active_expert_share", paper_value=25.0, **model), pd.DataFrame())
+    assert (s.fmoesim_value, s.holds, s.detail) == (25.0, YES, "mixtral-8x7b: top-2 of 8")
+    # half up, as papers round (Python's round(3.125, 2) is 3.12)
+    assert rounds_to(3.125, 3.13) and not rounds_to(3.1249, 3.13) and rounds_to(12.4, 12.0)
+    share_kw = {**model, "metric": "expert_param_share", "paper_value": 1.0}
+    for kw, msg in (
+        (dict(metric="hit_rate"), "valid for kind model"),
+        (dict(paper_value=None), "needs paper_value"),
+        (dict(experiment="fmoe-fig9"), "without experiment"),
+        (dict(kind="relative"), "goes with kind model"),
+    ):
+        with pytest.raises(FmoesimError, match=msg):
+            claim(**{**share_kw, **kw}).check()
 
 
 def test_layer_reductions_by_hand() -> None:

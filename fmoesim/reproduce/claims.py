@@ -11,9 +11,11 @@ needs than B to meet the paper's ``targets``, or, for ``at_point``, how A's metr
 value ``at`` of another of its columns ``x`` (read off its sweep) compares with B's.  A
 metric that is a per-layer list column is reduced to one number per run by ``layers``
 (side B by ``b_layers``, the same unless given).
-A claim that no preset
-computes has no ``experiment`` and says why in ``reason``.  The kinds of comparison are
-defined in :mod:`fmoesim.reproduce.score`.
+A ``model`` claim is
+a statistic of a model preset's shape (``model``: a ``conf/model/`` name; ``metric``: one
+of :data:`MODEL_METRICS`), arithmetic on the configuration rather than a serving result.
+A claim that no preset computes has no ``experiment`` and says why in ``reason``.  The
+kinds of comparison are defined in :mod:`fmoesim.reproduce.score`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ KINDS = (
     "min_budget",
     "at_point",
     "trend",
+    "model",
 )
+#: the statistics of a ``model`` claim, in percent: the routed experts' share of all the
+#: model's parameters, and the share of routed experts a token uses (top-k of E)
+MODEL_METRICS = ("expert_param_share", "active_expert_share")
 #: the kinds whose number is A's metric against the paper's number, not a change
 BOUNDS = {"at_most": "lower", "at_least": "higher"}
 AGGREGATES = ("one", "min", "max", "mean", "range")
@@ -98,12 +104,15 @@ class Claim:
     at: float | None = None
     layers: str | None = None
     b_layers: str | None = None
+    model: str | None = None
     reason: str = ""
     note: str = ""
 
     @property
     def metrics(self) -> tuple[str, ...]:
         """The store columns the claim reads."""
+        if self.kind == "model":
+            return ()
         if self.kind == "mean_relative":
             return tuple(dict.fromkeys(p.metric for p in self.pairs))
         return tuple(m for m in (self.metric, self.size, self.x) if m)
@@ -117,6 +126,17 @@ class Claim:
         for name in ("where", "claim", "quote"):
             if not getattr(self, name):
                 raise FmoesimError(f"{bad}: {name} is empty")
+        if self.kind == "model" or self.model is not None:
+            if self.kind != "model" or self.experiment is not None or not self.model:
+                raise FmoesimError(f"{bad}: model goes with kind model, without experiment")
+            if self.metric not in MODEL_METRICS:
+                raise FmoesimError(
+                    f"{bad}: metric {self.metric!r}; valid for kind model: "
+                    f"{', '.join(MODEL_METRICS)}"
+                )
+            if self.paper_value is None:
+                raise FmoesimError(f"{bad}: kind model needs paper_value")
+            return
         if self.experiment is None:
             if not self.reason:
                 raise FmoesimError(f"{bad}: no experiment and no reason why")

@@ -45,8 +45,8 @@ def csv_rows(scores: Sequence[Score]) -> list[dict[str, str]]:
                 "fmoesim_unit": s.unit if s.fmoesim_value is not None else "",
                 "holds": s.holds,
                 "ratio": _num(s.ratio, 2),
-                "preset": c.experiment or "",
-                "metric": ",".join(c.metrics),
+                "preset": c.experiment or (f"model={c.model}" if c.model else ""),
+                "metric": ",".join(c.metrics) or (c.metric or "" if c.model else ""),
                 "detail": s.detail,
                 "note": c.note,
             }
@@ -109,10 +109,17 @@ def to_markdown(scores: Sequence[Score]) -> str:
             _fmoesim_cell(s),
             s.holds,
             _num(s.ratio, 2) or "—",
-            f"`{s.claim.experiment}`" if s.claim.experiment else "—",
+            _preset_cell(s),
         ]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
+
+
+def _preset_cell(s: Score) -> str:
+    """The scoreboard's preset column: the experiment, or a model claim's model preset."""
+    if s.claim.experiment:
+        return f"`{s.claim.experiment}`"
+    return f"`model={s.claim.model}`" if s.claim.model else "—"
 
 
 def page(paper: str, scores: Sequence[Score]) -> str:

@@ -41,6 +41,10 @@ same unit as the paper's number.  The kinds:
   of ``among``": the relative change between each two consecutive swept values, per
   policy; fmoesim's number is the least favourable of them all, so the direction holds
   only when every step of every policy goes the claimed way.
+- ``model``: a statistic of a model preset's shape (:func:`model_statistic`), not a
+  comparison of runs: fmoesim's number is the statistic in percent; the direction holds
+  when, rounded half up to as many decimals as the paper prints, it is the paper's
+  number (:func:`rounds_to`), and the ratio is the one over the other.
 - ``diminishing``: "beyond B, more adds little": fmoesim's number is the effect of A
   against B (the gain beyond B); the direction holds when it has the claimed sign's
   opposite or is smaller in size than the effect of B against a third side ``c`` (the
@@ -61,7 +65,7 @@ The direction holds ("yes") when the effect has the claimed sign (strictly below
 "n.a." when fmoesim has no number.  The magnitude ratio is fmoesim's effect divided by
 the paper's (both in percent): 1 is the paper's size, 0.17 a sixth of it, a negative
 ratio the opposite direction; it exists for ``relative``, ``mean_relative``,
-``min_budget``, ``at_most`` and ``at_least`` claims with a paper number.
+``min_budget``, ``at_most``, ``at_least`` and ``model`` claims with a paper number.
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ class Score:
     @property
     def unit(self) -> str:
         """The unit of :attr:`fmoesim_value`."""
-        if self.claim.kind in BOUNDS:
+        if self.claim.kind in BOUNDS or self.claim.kind == "model":
             return self.claim.unit
         return "% of points" if self.claim.kind == "most_points" else "% change"
 
@@ -459,6 +463,8 @@ def score_claim(claim: Claim, results: Any) -> Score:
     rows are missing, has no number and says why in ``detail``."""
     from fmoesim.plots.figures import experiment_rows
 
+    if claim.kind == "model":
+        return _model_score(claim)
     if claim.experiment is None:
         return Score(claim, None, NA, None, claim.reason)
     try:
@@ -473,6 +479,48 @@ def score_claim(claim: Claim, results: Any) -> Score:
         return Score(claim, None, NA, None, str(exc))
     ratio = magnitude_ratio(value, claim.paper_value) if claim.kind in _RATIO_KINDS else None
     return Score(claim, value, YES if holds else NO, ratio, detail)
+
+
+def model_statistic(model: str, metric: str) -> tuple[float, str]:
+    """``(value in percent, detail)`` of a ``model`` claim's ``metric`` on the
+    ``conf/model/`` preset ``model``: ``expert_param_share``, the routed experts'
+    parameters over the model's (:attr:`fmoesim.specs.ModelSpec.resident_params` plus
+    the routed experts'); ``active_expert_share``, top-k over the routed experts of a
+    layer."""
+    from fmoesim.config.build import load_preset
+    from fmoesim.specs import ModelSpec
+
+    m = load_preset("model", model, ModelSpec).validate()
+    if metric == "expert_param_share":
+        experts = m.num_layers * m.num_experts * m.expert_params
+        total = experts + m.resident_params
+        detail = f"{model}: {experts / 1e9:.1f}B routed-expert parameters of {total / 1e9:.1f}B"
+        return 100.0 * experts / total, detail
+    if metric == "active_expert_share":
+        return 100.0 * m.top_k / m.num_experts, f"{model}: top-{m.top_k} of {m.num_experts}"
+    raise FmoesimError(f"model statistic {metric!r}: unknown")  # pragma: no cover - checked
+
+
+def rounds_to(value: float, printed: float) -> bool:
+    """Whether ``value`` rounded half up to as many decimals as ``printed`` has (as
+    the catalog holds it: 97.45 has 2) is ``printed`` (3.125 is 3.13, as papers round)."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    text = repr(float(printed))
+    places = 0 if text.endswith(".0") else len(text.partition(".")[2])
+    step = Decimal(1).scaleb(-places)
+    return Decimal(repr(value)).quantize(step, rounding=ROUND_HALF_UP) == Decimal(text)
+
+
+def _model_score(claim: Claim) -> Score:
+    """:func:`score_claim` of a ``model`` claim."""
+    assert claim.model is not None and claim.metric is not None and claim.paper_value
+    try:
+        value, detail = model_statistic(claim.model, claim.metric)
+    except FmoesimError as exc:
+        return Score(claim, None, NA, None, str(exc))
+    holds = rounds_to(value, claim.paper_value)
+    return Score(claim, value, YES if holds else NO, value / claim.paper_value, detail)
 
 
 #: ``most_points``: values this close (relative) to the best are ties, as rounding apart
