@@ -12,9 +12,9 @@ computes fmoesim's number from the rows of the claim's experiment preset and wri
 fmoesim's, whether the direction holds, the magnitude ratio, the preset) and
 ``<out>/README.md``.  ``--run`` first runs every point of the presets the claims read,
 all papers' points in one queue on ``--jobs`` processes (runs already in the store are
-skipped).  ``--docs PAGE``
-writes each paper's table into PAGE between ``<!-- scoreboard:<paper> -->`` and
-``<!-- /scoreboard:<paper> -->``.  Exit status 2 and one line on stderr for bad input.
+skipped).  ``--docs PAGE`` writes each paper's table into PAGE between
+``<!-- scoreboard:<paper> -->`` and ``<!-- /scoreboard:<paper> -->``.  Exit status 2
+and one line on stderr for bad input.
 """
 
 from __future__ import annotations
