@@ -10,11 +10,10 @@ in ms), or, for ``min_budget``, how much less (more) of the swept resource A
 needs than B to meet the paper's ``targets``, or, for ``at_point``, how A's metric at one
 value ``at`` of another of its columns ``x`` (read off its sweep) compares with B's.  A
 metric that is a per-layer list column is reduced to one number per run by ``layers``
-(side B by ``b_layers``, the same unless given).
-A ``model`` claim is
-a statistic of a model preset's shape (``model``: a ``conf/model/`` name; ``metric``: one
-of :data:`MODEL_METRICS`), arithmetic on the configuration rather than a serving result.
-A claim that no preset computes has no ``experiment`` and says why in ``reason``.  The
+(side B by ``b_layers``, the same unless given).  A ``model`` claim is a statistic of a
+model preset's shape (``model``: a ``conf/model/`` name; ``metric``: one of
+:data:`MODEL_METRICS`), arithmetic on the configuration rather than a serving result.  A
+claim that no preset computes has no ``experiment`` and says why in ``reason``.  The
 kinds of comparison are defined in :mod:`fmoesim.reproduce.score`.
 """
 

@@ -46,7 +46,7 @@ def csv_rows(scores: Sequence[Score]) -> list[dict[str, str]]:
                 "holds": s.holds,
                 "ratio": _num(s.ratio, 2),
                 "preset": c.experiment or (f"model={c.model}" if c.model else ""),
-                "metric": ",".join(c.metrics) or (c.metric or "" if c.model else ""),
+                "metric": (c.metric or "") if c.kind == "model" else ",".join(c.metrics),
                 "detail": s.detail,
                 "note": c.note,
             }
