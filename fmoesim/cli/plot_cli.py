@@ -68,11 +68,6 @@ def prepare_inputs(experiment: str, root: Path) -> None:
         write_azure_synthetic(root / AZURE_CSV)
 
 
-def _point_label(point: list[str]) -> str:
-    """A run's overrides as its progress line shows them."""
-    return " ".join(point)
-
-
 def _run_point(point: list[str]) -> tuple[str, bool]:
     """Run one point of a sweep (:func:`fmoesim.cli.main.run_config` as a sweep job:
     skipped if the store holds it, quiet); return its one-line result and whether it
@@ -116,34 +111,34 @@ def run_experiments(experiments: list[str], store: Path, jobs: int, root: Path) 
     points: list[list[str]] = []
     for exp in experiments:
         prepare_inputs(exp, root)
-        pts = [[*pt, f"store.dir={store}"] for pt in experiment_points(exp)]
+        pts = experiment_points(exp)
         _prepare_traces(pts)
         points += pts
+    into = f"store.dir={store}"  # each run's store row goes there
     n = len(points)
     print(f"runs: {n} points of {len(experiments)} experiments on {jobs} processes", flush=True)
     done = [0]
 
     def report(point: list[str], out: tuple[str, bool]) -> None:
         done[0] += 1
-        shown = _point_label(point[:-1])  # without store.dir
         note = " (in the store)" if out[1] else ""
-        print(f"[run {done[0]}/{n}] {shown}: {out[0]}{note}", flush=True)
+        print(f"[run {done[0]}/{n}] {' '.join(point)}: {out[0]}{note}", flush=True)
 
     def failed(point: list[str], exc: BaseException) -> FmoesimError:
         from fmoesim.config.build import one_line
 
-        return FmoesimError(f"run {_point_label(point[:-1])} failed: {one_line(exc)}")
+        return FmoesimError(f"run {' '.join(point)} failed: {one_line(exc)}")
 
     if jobs == 1:
         for point in points:
             try:
-                out = _run_point(point)
+                out = _run_point([*point, into])
             except Exception as exc:  # noqa: BLE001 - every failure becomes one line
                 raise failed(point, exc) from None
             report(point, out)
         return time.perf_counter() - t0
     with ProcessPoolExecutor(jobs) as ex:
-        futures = {ex.submit(_run_point, point): k for k, point in enumerate(points)}
+        futures = {ex.submit(_run_point, [*pt, into]): k for k, pt in enumerate(points)}
         try:
             for f in as_completed(futures):
                 point = points[futures[f]]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fmoesim.atomic import atomic_file
 from fmoesim.errors import FmoesimError
+from fmoesim.reproduce.claims import Claim
 from fmoesim.reproduce.score import YES, Score
 
 #: the CSV's columns, in order
@@ -45,7 +46,7 @@ def csv_rows(scores: Sequence[Score]) -> list[dict[str, str]]:
                 "fmoesim_unit": s.unit if s.fmoesim_value is not None else "",
                 "holds": s.holds,
                 "ratio": _num(s.ratio, 2),
-                "preset": c.experiment or (f"model={c.model}" if c.model else ""),
+                "preset": _preset(c),
                 "metric": (c.metric or "") if c.kind == "model" else ",".join(c.metrics),
                 "detail": s.detail,
                 "note": c.note,
@@ -115,11 +116,16 @@ def to_markdown(scores: Sequence[Score]) -> str:
     return "\n".join(lines)
 
 
+def _preset(c: Claim) -> str:
+    """What computes a claim: its experiment preset, or a model claim's model preset
+    (``model=<name>``); empty for neither."""
+    return c.experiment or (f"model={c.model}" if c.model else "")
+
+
 def _preset_cell(s: Score) -> str:
-    """The scoreboard's preset column: the experiment, or a model claim's model preset."""
-    if s.claim.experiment:
-        return f"`{s.claim.experiment}`"
-    return f"`model={s.claim.model}`" if s.claim.model else "—"
+    """The scoreboard's preset column (:func:`_preset`), as code; a dash for none."""
+    preset = _preset(s.claim)
+    return f"`{preset}`" if preset else "—"
 
 
 def page(paper: str, scores: Sequence[Score]) -> str:
