@@ -30,7 +30,7 @@ from policies.base import (
     Outcome,
     Policy,
     PolicyContext,
-    Prefetch,
+    PrefetchBatch,
     RequestInfo,
     RequestTrace,
 )
@@ -346,6 +346,7 @@ class MoEInfinity(Policy):
         self._layer_w = 2.0 - np.arange(L) / L if self.initial_layer_priority else np.ones(L)
         self._cprio: list[float] = [0.0] * (L * E)  # cache priority per key
         self._protected: dict[int, float] = {}  # key -> prefetch priority v (max cache prio)
+        self._prot_mask = np.zeros(L * E, dtype=bool)  # (L E,) the keys of _protected
         self._in: set[int] = set()  # keys admitted and not evicted (the policy's mirror)
         self._in_mask = np.zeros(L * E, dtype=bool)  # (L E,) the same, as a mask
         self._used = [0] * ctx.num_gpus  # len(_in) per GPU
@@ -426,7 +427,11 @@ class MoEInfinity(Policy):
         return activation_priorities(matched, layer, proximity=False)
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
-        """Trace the gate, reset priorities (cases ii, iii), re-rank the prefetches."""
+        """Trace the gate, reset priorities (cases ii, iii), re-rank the prefetches.
+
+        perf: the protections are a dict (per-key checks) and a mask beside it, so the
+        passes over every protected key (cases ii and iii, the re-ranking) are array
+        operations; cancellations come in ascending key order."""
         L, E = self._L, self._E
         counts = gate.counts
         rc = gate.request_counts
@@ -435,15 +440,14 @@ class MoEInfinity(Policy):
         if self._query is not None:
             self._query.observe(layer, counts)
         base = layer * E
-        routed = {base + e for e in np.flatnonzero(counts).tolist()}
-        protected = self._protected
-        cancel: list[int] = []
+        hit = np.flatnonzero(counts) + base  # (r,) keys the gate routes to
+        routed = set(hit.tolist())
+        pmask = self._prot_mask
         # case (ii) and passed layers: predictions for this layer the gate did not route
         # to, and anything left from earlier layers, go back to their cache priority
-        for key in [k for k in protected if k < base + E and k not in routed]:
-            del protected[key]
-            cancel.append(key)
-            self._unprotected(key)
+        past = pmask[: base + E].copy()  # (base + E,)
+        past[hit] = False
+        cancel = self._unprotect(np.flatnonzero(past))
         if layer + 1 >= L:
             return Actions(cancel=cancel) if cancel else NO_ACTIONS
         probs = self.predict(layer)  # (L, E)
@@ -452,27 +456,35 @@ class MoEInfinity(Policy):
         flat = v.reshape(-1)
         first = (layer + 1) * E
         keys, vals = self._top_k(flat, first, routed)  # (K,) each, highest first
-        chosen = set(keys.tolist())
         # case (iii): prefetched experts no longer in the top-K
-        for key in [k for k in protected if k not in chosen]:
-            del protected[key]
-            cancel.append(key)
-            self._unprotected(key)
+        left = pmask.copy()  # (L E,)
+        left[keys] = False
+        cancel += self._unprotect(np.flatnonzero(left))
         # in priority order: predictions in flight (or landed) are re-ranked if still
         # queued, the rest not in the buffer are loaded; the rest already in the buffer
         # skip the load and keep their slot (protected from here on)
-        was = np.zeros(L * E, dtype=bool)  # (L E,) protected before this gate's update
-        if protected:
-            was[np.fromiter(protected, dtype=np.int64, count=len(protected))] = True
-        was_k, in_k = was[keys], self._in_mask[keys]  # (K,) each
+        was_k, in_k = pmask[keys], self._in_mask[keys]  # (K,) each, before this update
         load = was_k | ~in_k
-        new = list(zip(keys[load].tolist(), vals[load].tolist(), strict=True))
         keep = was_k | in_k
-        protected.update(zip(keys[keep].tolist(), vals[keep].tolist(), strict=True))
-        prefetch = self._admit(new, routed)
+        kept = keys[keep]
+        self._protected.update(zip(kept.tolist(), vals[keep].tolist(), strict=True))
+        pmask[kept] = True
+        prefetch = self._admit(keys[load], vals[load], routed)
         if not prefetch and not cancel:
             return NO_ACTIONS
         return Actions(prefetch=prefetch, cancel=cancel)
+
+    def _unprotect(self, keys: np.ndarray) -> list[int]:
+        """Drop the protection of ``keys`` ``(n,)``: they compete on their cache priority
+        again; returned as a list (to cancel)."""
+        out = keys.tolist()
+        if out:
+            protected = self._protected
+            for key in out:
+                del protected[key]
+                self._unprotected(key)
+            self._prot_mask[keys] = False
+        return out
 
     def _top_k(
         self, flat: np.ndarray, first: int, routed: set[int]
@@ -525,67 +537,78 @@ class MoEInfinity(Policy):
                 chosen[key] = p
         return chosen
 
-    def _admit(self, new: list[tuple[int, float]], routed: set[int]) -> list[Prefetch]:
-        """Prefetches for ``new`` (in priority order): a load takes a free slot, or the
-        slot of the cached expert with the lowest cache priority if that is below the
-        prediction's priority (§5.1: "start their prefetching into the slots that
-        exhibit lower priorities"); keys already in flight are only re-ranked."""
+    def _admit(self, keys: np.ndarray, vals: np.ndarray, routed: set[int]) -> PrefetchBatch:
+        """Prefetches for the predictions ``keys`` ``(n,)`` with priorities ``vals``
+        ``(n,)``, in priority order: keys already in the buffer (in flight or landed)
+        are only re-ranked; a load takes a free slot, or the slot of the cached expert
+        with the lowest cache priority if that is below the prediction's priority (§5.1:
+        "start their prefetching into the slots that exhibit lower priorities").
+
+        perf: the re-ranked keys pass as a mask; only the loads are looked at one by
+        one, and the result goes to the runner as arrays (:class:`PrefetchBatch`)."""
         E, N, protected, cprio = self._E, self._N, self._protected, self._cprio
         inbuf, adm, heaps = self._in, self._admitted, self._heaps
-        free = [self._slots - u for u in self._used]
-        for k in routed:  # this layer's misses are loaded (on demand) before prefetches
-            if k not in inbuf:
-                free[(k % E) % N] -= 1
-        # perf: the cached experts a load may displace (in the buffer, unprotected, not
-        # routed now) come off the victim heaps in cache-priority order, not from a heap
-        # of every cached key built here; the valid entries taken off go back at the end
-        aside: list[tuple[float, int, int]] = []
-        seen: set[int] = set()  # keys of the entries in aside (a key may have two)
-        out: list[Prefetch] = []
-        done = [False] * N
-        for key, p in new:
-            if key in protected and key in inbuf:
-                out.append(Prefetch(key, 1.0 - p))  # lower value = sooner
-                continue
-            g = (key % E) % N
-            if done[g]:
-                continue
-            if free[g] > 0:
-                free[g] -= 1
-            else:
-                h = heaps[g]
-                lowest = INF
-                while h:
-                    c, n, k = h[0]
-                    if (
-                        k in seen
-                        or k not in inbuf
-                        or k in protected
-                        or adm[k] != n
-                        or cprio[k] != c
-                    ):
-                        heapq.heappop(h)  # stale, or a second entry of a key taken off
-                    elif k in routed:
-                        aside.append(heapq.heappop(h))
-                        seen.add(k)
-                    else:
-                        lowest = c
-                        break
-                if lowest >= p:  # nothing cached below it (INF: nothing to displace)
-                    done[g] = True  # every later prediction is less important still
+        take = self._in_mask[keys]  # (n,) re-ranked, then also the loads admitted
+        cand = np.flatnonzero(~take)  # (m,) positions of the loads, in priority order
+        if len(cand):
+            free = [self._slots - u for u in self._used]
+            for k in routed:  # this layer's misses are loaded (on demand) before prefetches
+                if k not in inbuf:
+                    free[(k % E) % N] -= 1
+            # perf: the cached experts a load may displace (in the buffer, unprotected, not
+            # routed now) come off the victim heaps in cache-priority order, not from a heap
+            # of every cached key built here; the valid entries taken off go back at the end
+            aside: list[tuple[float, int, int]] = []
+            seen: set[int] = set()  # keys of the entries in aside (a key may have two)
+            done = [False] * N
+            n_done = 0
+            pmask = self._prot_mask
+            cand_l = cand.tolist()
+            for i, key, p in zip(cand_l, keys[cand].tolist(), vals[cand].tolist(), strict=True):
+                g = (key % E) % N
+                if done[g]:
                     continue
-                aside.append(heapq.heappop(h))
-                seen.add(aside[-1][2])
-            protected[key] = p
-            out.append(Prefetch(key, 1.0 - p))
-        for item in aside:
-            heapq.heappush(heaps[(item[2] % E) % N], item)
-        return out
+                if free[g] > 0:
+                    free[g] -= 1
+                else:
+                    h = heaps[g]
+                    lowest = INF
+                    while h:
+                        c, n, k = h[0]
+                        if (
+                            k in seen
+                            or k not in inbuf
+                            or k in protected
+                            or adm[k] != n
+                            or cprio[k] != c
+                        ):
+                            heapq.heappop(h)  # stale, or a second entry of a key taken off
+                        elif k in routed:
+                            aside.append(heapq.heappop(h))
+                            seen.add(k)
+                        else:
+                            lowest = c
+                            break
+                    if lowest >= p:  # nothing cached below it (INF: nothing to displace)
+                        done[g] = True  # every later prediction is less important still
+                        n_done += 1
+                        if n_done == N:
+                            break
+                        continue
+                    aside.append(heapq.heappop(h))
+                    seen.add(aside[-1][2])
+                protected[key] = p
+                pmask[key] = True
+                take[i] = True
+            for item in aside:
+                heapq.heappush(heaps[(item[2] % E) % N], item)
+        return PrefetchBatch(keys[take].tolist(), (1.0 - vals[take]).tolist())
 
     # -- cache ------------------------------------------------------------------------
     def on_access(self, key: int, outcome: Outcome) -> None:
         """Case (i): a used expert's priority goes back to its request-level count."""
         if self._protected.pop(key, None) is not None:
+            self._prot_mask[key] = False
             self._unprotected(key)
 
     def on_insert(self, key: int) -> None:
@@ -622,7 +645,8 @@ class MoEInfinity(Policy):
         self._in.remove(key)
         self._in_mask[key] = False
         self._used[(key % self._E) % self._N] -= 1
-        self._protected.pop(key, None)
+        if self._protected.pop(key, None) is not None:
+            self._prot_mask[key] = False
 
     def victim(self, candidates: Collection[int], incoming: int) -> int:
         """The unprotected candidate with the lowest cache priority (ties: oldest); if

@@ -435,6 +435,14 @@ def _queued_in_order(lk: Link) -> list[TransferRecord]:
     return sorted(queued, key=lambda j: (j.link_priority, j.seq), reverse=True)
 
 
+def _queue_as_read(link: SimLink) -> list[TransferRecord]:
+    """The link's queue in the order its next read sees: as kept, or, after re-rankings
+    (``_dirty``), as sorted when next read."""
+    if not link._dirty:
+        return list(link._queue)
+    return sorted(link._queue, key=lambda j: (j.link_priority, j.seq), reverse=True)
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(
@@ -464,9 +472,51 @@ def test_link_queue_is_its_queued_jobs_by_priority(ops: list[tuple[int, int, int
             lk.escalate(key, t)
         elif kind == 5:
             lk.abort(key, t)
-        assert lk.link._queue == _queued_in_order(lk)
+        assert _queue_as_read(lk.link) == _queued_in_order(lk)
     lk.finish()
     assert not lk.link._queue and not lk.live()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 5), st.integers(0, 15), st.integers(0, 5)),
+        min_size=50,
+        max_size=300,
+    )
+)
+def test_a_lazily_sorted_queue_runs_as_one_kept_in_order(ops: list[tuple[int, int, int]]) -> None:
+    """The same requests (as in the test above, with several re-rankings between two
+    link events) reach two links; one puts its queue back in order after every request,
+    the other only when the queue is next read: both start, pause and finish the same
+    transfers at the same times.  Red if a read of a re-ranked queue (the next job to
+    start, an insertion, a removal) skipped the sort."""
+    lazy, eager = Link(chunk=1 * MB), Link(chunk=1 * MB)
+    t = 0.0
+    for i, (kind, key, arg) in enumerate(ops):
+        if i % 4 == 0:  # re-rankings and submissions in bursts, as a policy's gate sends them
+            t += 0.5e-3
+        for lk in (lazy, eager):
+            lk.link.advance(t)
+            if kind <= 1 and all(r.key != key for r in lk.live()):
+                lk.submit(key, 2 * MB, t, prio=float(arg) if kind == 0 else ON_DEMAND)
+            elif kind == 2:
+                lk.cancel(key)
+            elif kind == 3:
+                lk.reprioritize(key, float(arg))
+            elif kind == 4:
+                lk.escalate(key, t)
+            elif kind == 5:
+                lk.abort(key, t)
+        if eager.link._dirty:
+            eager.link._sort()
+    for lk in (lazy, eager):
+        lk.finish()
+    assert lazy.done == eager.done
+    times = [
+        [(r.key, r.start_s, r.end_s, r.state) for r in lk.records.values()] for lk in (lazy, eager)
+    ]
+    assert times[0] == times[1]
 
 
 def test_cancelled_prefetches_leave_the_queue() -> None:
@@ -777,8 +827,11 @@ def test_the_link_queue_stays_sorted_under_any_requests(ops):
             lk.cancel(key)
         q = lk.link._queue
         queued = [r for r in lk.live() if r.state == sim_engine._QUEUED]
-        assert sorted(q, key=lambda r: (r.link_priority, r.seq), reverse=True) == q
         assert {id(r) for r in q} == {id(r) for r in queued} and len(q) == len(queued)
+        if lk.link._dirty:  # re-ranked: sorted when next read
+            lk.link._sort()
+            q = lk.link._queue
+        assert sorted(q, key=lambda r: (r.link_priority, r.seq), reverse=True) == q
         assert lk.link._qkeys == [(-r.link_priority, -r.seq) for r in q]  # the search keys
 
 

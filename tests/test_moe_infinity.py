@@ -477,11 +477,13 @@ class CheckedFastPaths(MoEInfinity):
         assert list(zip(keys.tolist(), vals.tolist(), strict=True)) == list(ref.items())
         return keys, vals
 
-    def _admit(self, new, routed):  # type: ignore[no-untyped-def]
+    def _admit(self, keys, vals, routed):  # type: ignore[no-untyped-def]
+        new = list(zip(keys.tolist(), vals.tolist(), strict=True))
         want, protected = _admit_by_rebuilt_heap(self, new, routed)
-        got = super()._admit(new, routed)
+        got = super()._admit(keys, vals, routed)
         assert [(p.key, p.priority) for p in got] == want
         assert self._protected == protected
+        assert set(np.flatnonzero(self._prot_mask).tolist()) == set(protected)
         CheckedFastPaths.calls += 1
         return got
 

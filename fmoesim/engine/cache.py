@@ -19,15 +19,17 @@ from policies.base import Outcome, Policy
 class Entry:
     """One cached (or arriving) expert."""
 
-    __slots__ = ("size_bytes", "resident", "reason", "pins", "used", "record")
+    __slots__ = ("size_bytes", "resident", "reason", "pins", "used", "record", "group")
 
-    def __init__(self, size_bytes: int, reason: str) -> None:
+    def __init__(self, size_bytes: int, reason: str, group: int = 0) -> None:
         self.size_bytes = size_bytes
         self.resident = False
         self.reason = reason
         self.pins = 0
         self.used = False
         self.record: Any = None  # the backend's transfer record, whose ``used`` flag we set
+        # perf: the budget group (with groups), found once at admission, not per event
+        self.group = group
 
 
 class Evictable(dict):  # type: ignore[type-arg]
@@ -140,6 +142,7 @@ class ExpertCache:
         if size_bytes > self.budget_bytes:
             return False
         entries = self.entries
+        g = 0
         if self.group_of is not None:
             g = self.group_of(key)
             if g not in self.group_budget:
@@ -160,10 +163,9 @@ class ExpertCache:
                 raise self._bad_victim(victim)
             self.evict(victim)
         if self.group_of is not None:
-            g = self.group_of(key)
             self.group_used[g] += size_bytes
             self.group_keys[g][key] = None
-        entries[key] = Entry(size_bytes, reason)
+        entries[key] = Entry(size_bytes, reason, g)
         self.used_bytes += size_bytes
         if self.used_bytes > self.peak_bytes:
             self.peak_bytes = self.used_bytes
@@ -207,7 +209,7 @@ class ExpertCache:
         if not e.pins:
             self.evictable[key] = None
             if self.group_of is not None:
-                self.group_evictable[self.group_of(key)][key] = None
+                self.group_evictable[e.group][key] = None
 
     def evict(self, key: int) -> None:
         """Remove a resident, unpinned entry and free its bytes."""
@@ -227,7 +229,7 @@ class ExpertCache:
         del self.evictable[key]
         self.used_bytes -= e.size_bytes
         if self.group_of is not None:
-            g = self.group_of(key)
+            g = e.group
             del self.group_evictable[g][key]
             del self.group_keys[g][key]
             self.group_used[g] -= e.size_bytes
@@ -264,7 +266,7 @@ class ExpertCache:
         del self.entries[key]
         self.used_bytes -= e.size_bytes
         if self.group_of is not None:
-            g = self.group_of(key)
+            g = e.group
             self.group_used[g] -= e.size_bytes
             del self.group_keys[g][key]
         self.cancelled += 1
@@ -277,7 +279,7 @@ class ExpertCache:
         if e.resident and not e.pins:
             del self.evictable[key]
             if self.group_of is not None:
-                del self.group_evictable[self.group_of(key)][key]
+                del self.group_evictable[e.group][key]
         e.pins += 1
         if not e.used:
             e.used = True
@@ -292,6 +294,6 @@ class ExpertCache:
         if e.resident and not e.pins:
             self.evictable[key] = None
             if self.group_of is not None:
-                self.group_evictable[self.group_of(key)][key] = None
+                self.group_evictable[e.group][key] = None
             if self.release_after_use and e.used:
                 self.evict(key)

@@ -41,6 +41,7 @@ from policies.base import (
     GateView,
     Outcome,
     Policy,
+    PrefetchBatch,
     RequestInfo,
 )
 
@@ -366,9 +367,8 @@ class Runner:
         """Carry out a policy's group budgets and evictions, its cancellations and aborts
         (unless ``aborted``: a layer step stops them before its on-demand loads), then its
         prefetches, in order (held back by ``actions.delay_s``)."""
-        be, caches, m, N = self.backend, self.caches, self.metrics, self.N
+        be, caches, N, E = self.backend, self.caches, self.N, self.E
         delay = actions.delay_s
-        E, n_keys, sizes = self.E, self.n_keys, self.layer_bytes
         if actions.budgets:
             if not self.segments:
                 raise ValueError(f"policy {self.policy.name!r} set budgets without groups")
@@ -383,46 +383,69 @@ class Runner:
             self._cancel(actions.cancel)
         if actions.abort and not aborted:
             self._cancel(actions.abort, started=True)
-        if not actions.prefetch:
+        prefetch = actions.prefetch
+        if not prefetch:
             return
-        for p in actions.prefetch:
+        if type(prefetch) is PrefetchBatch and N == 1:
+            # perf: a re-ranking policy's batch on one GPU: two lists, no Prefetch objects
+            keys = prefetch.keys
+            bad = [k for k in (min(keys), max(keys)) if not 0 <= k < self.max_key]
+            if bad:
+                self._bad_key(bad[0])
+            get = caches[0].entries.get
+            for key, priority in zip(keys, prefetch.priorities, strict=True):
+                ent = get(key)
+                if ent is None:
+                    self._prefetch(0, key, priority, "prefetch", delay)
+                elif not ent.resident:  # a queued prefetch takes the latest priority
+                    be.reprioritize(0, key, priority)
+            return
+        for p in prefetch:
             key = p.key
             if not 0 <= key < self.max_key:
-                raise ValueError(
-                    f"policy {self.policy.name!r} prefetched key {key}, outside [0, {self.max_key})"
-                )
+                self._bad_key(key)
             g = (key % E) % N
-            cache = caches[g]
-            ent = cache.entries.get(key)
-            if ent is not None:
-                if not ent.resident:  # a queued prefetch takes the latest priority
-                    be.reprioritize(g, key, p.priority)
-                continue
-            if key >= n_keys:
-                size = self._size_of(g, key)
-                if size == 0:
-                    continue  # an empty segment (θ = 0 top, θ = 1 bottom)
-            else:
-                size = sizes[key // E]
-            if cache.group_of is not None:
-                # perf: a full budget group with nothing evictable refuses, as admit would,
-                # without the call (MoEpic's buffer while its prefetches are in flight)
-                grp = cache.group_of(key)
-                if (
-                    grp in cache.group_budget
-                    and not cache.group_evictable[grp]
-                    and cache.group_used[grp] + size > cache.group_budget[grp]
-                ):
-                    m.prefetch_dropped += 1
-                    continue
-            # perf: a full cache with nothing evictable refuses without a call (a saturated
-            # link leaves every entry in flight; dependency prefetch meets this ~5x a layer)
-            full = cache.used_bytes + size > cache.budget_bytes
-            if key < n_keys and full and not cache.evictable:
+            ent = caches[g].entries.get(key)
+            if ent is None:
+                self._prefetch(g, key, p.priority, p.reason, delay)
+            elif not ent.resident:  # a queued prefetch takes the latest priority
+                be.reprioritize(g, key, p.priority)
+
+    def _bad_key(self, key: int) -> None:
+        """Refuse a prefetch of a key outside the model."""
+        raise ValueError(
+            f"policy {self.policy.name!r} prefetched key {key}, outside [0, {self.max_key})"
+        )
+
+    def _prefetch(self, g: int, key: int, priority: float, reason: str, delay: float) -> None:
+        """Load ``key``, absent from GPU ``g``'s cache, as a prefetch (or count it dropped
+        where the cache has no room for it)."""
+        cache, m = self.caches[g], self.metrics
+        if key >= self.n_keys:
+            size = self._size_of(g, key)
+            if size == 0:
+                return  # an empty segment (θ = 0 top, θ = 1 bottom)
+        else:
+            size = self.layer_bytes[key // self.E]
+        if cache.group_of is not None:
+            # perf: a full budget group with nothing evictable refuses, as admit would,
+            # without the call (MoEpic's buffer while its prefetches are in flight)
+            grp = cache.group_of(key)
+            if (
+                grp in cache.group_budget
+                and not cache.group_evictable[grp]
+                and cache.group_used[grp] + size > cache.group_budget[grp]
+            ):
                 m.prefetch_dropped += 1
-                continue
-            if not self._load(g, key, p.priority, p.reason, delay_s=delay):
-                m.prefetch_dropped += 1
+                return
+        # perf: a full cache with nothing evictable refuses without a call (a saturated
+        # link leaves every entry in flight; dependency prefetch meets this ~5x a layer)
+        full = cache.used_bytes + size > cache.budget_bytes
+        if key < self.n_keys and full and not cache.evictable:
+            m.prefetch_dropped += 1
+            return
+        if not self._load(g, key, priority, reason, delay_s=delay):
+            m.prefetch_dropped += 1
 
     def _evict(self, keys: Sequence[int]) -> None:
         """A policy's evictions: resident ones leave, queued ones are cancelled (pinned

@@ -67,7 +67,8 @@ class SimLink:
     cache entry holds it), and ignore one that is no longer queued, delayed or running.
 
     The queue (``_queue``) holds exactly the jobs in state queued, sorted by
-    ``(link_priority, seq)`` descending, so the next to start is the last.
+    ``(link_priority, seq)`` descending, so the next to start is the last (after a
+    re-ranking, from the next time it is read).
 
     ``cur_end_s`` is the time of the link's next event: the end (or pause point) of the
     running transfer, or, while idle, the next release time (``inf`` when there is
@@ -102,6 +103,11 @@ class SimLink:
         # perf: each queued job's sort key, ascending, kept beside the queue, so the binary
         # search compares tuples in C instead of calling a key function per probe
         self._qkeys: list[tuple[float, int]] = []
+        # perf: a re-ranking policy (MoE-Infinity) moves hundreds of queued jobs a layer
+        # step; a re-ranked job only takes its new priority and marks the queue dirty,
+        # and the queue is sorted once when next read (to start, find or insert a job in
+        # order), so every read sees the order the moves one by one would have made
+        self._dirty = False
         self._delayed: list[tuple[float, int, TransferRecord]] = []  # (release_s, seq, job)
         # perf: no key -> job dict: the callers hold the records (a dict insert and delete
         # per transfer and a lookup per request, ~5% of BrainStorm's run, callgrind)
@@ -173,6 +179,8 @@ class SimLink:
         if self._delayed:
             self._release(t_s)
         if self._queue:
+            if self._dirty:
+                self._sort()
             self._qkeys.pop()
             self._start(self._queue.pop(), t_s)
             return
@@ -247,6 +255,9 @@ class SimLink:
         every job that goes first (lower ``(link_priority, seq)``; ``seq`` is unique).
         perf: a binary search, as a multi-layer prefetcher queues thousands of jobs on a
         model of 48 x 128 experts (a scan from the end was half of MoE-Infinity's run)."""
+        if self._dirty:  # sorted when next read
+            self._queue.append(job)
+            return
         k = (-job.link_priority, -job.seq)
         i = bisect_left(self._qkeys, k)
         self._qkeys.insert(i, k)
@@ -254,6 +265,8 @@ class SimLink:
 
     def _dequeue(self, job: TransferRecord) -> None:
         """Take queued ``job`` out of the queue (at the priority it was queued with)."""
+        if self._dirty:
+            self._sort()
         q = self._queue
         i = bisect_left(self._qkeys, (-job.link_priority, -job.seq))
         if i == len(q) or q[i] is not job:  # pragma: no cover - a queued job is in place
@@ -262,6 +275,15 @@ class SimLink:
                 i -= 1
         q.pop(i)
         self._qkeys.pop(i)
+
+    def _sort(self) -> None:
+        """Put the queue back in order after re-rankings: every job at its current
+        ``(link_priority, seq)``, the order :meth:`_enqueue` keeps."""
+        q = self._queue
+        pairs = sorted(zip([(-j.link_priority, -j.seq) for j in q], q, strict=True))
+        self._qkeys = [k for k, _ in pairs]
+        self._queue = [j for _, j in pairs]
+        self._dirty = False
 
     def escalate(self, job: TransferRecord, t_s: float) -> None:
         """Give ``job``, queued, delayed or running, on-demand priority."""
@@ -294,9 +316,8 @@ class SimLink:
             or job.link_priority == priority
         ):
             return
-        self._dequeue(job)
         job.link_priority = priority
-        self._enqueue(job)
+        self._dirty = True  # the queue is put back in order when next read
 
     def cancel(self, job: TransferRecord) -> bool:
         """Drop ``job`` if it is queued (or delayed) and never started."""
