@@ -42,7 +42,7 @@ What the protocol offers beyond these events:
   priority; :meth:`Policy.on_iteration_start` may return :class:`Actions` (before layer
   0 runs, for predictions that need no gate, e.g. a semantic search on the iteration's
   embedding); :attr:`Actions.delay_s` holds prefetches back for an asynchronous
-  matcher's latency;
+  matcher's latency; :class:`PrefetchBatch` hands many prefetches as two lists;
 - split experts (``uses_segments``, :meth:`Policy.split_ratio`, :func:`top_key`,
   :func:`bottom_key`), budget groups (:meth:`Policy.cache_groups`), and
   :attr:`Actions.budgets` / :attr:`Actions.evict` / :attr:`Prefetch.reason` for cache

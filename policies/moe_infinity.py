@@ -545,7 +545,7 @@ class MoEInfinity(Policy):
         "start their prefetching into the slots that exhibit lower priorities").
 
         perf: the re-ranked keys pass as a mask; only the loads are looked at one by
-        one, and the result goes to the runner as arrays (:class:`PrefetchBatch`)."""
+        one, and the result goes to the runner as two lists (:class:`PrefetchBatch`)."""
         E, N, protected, cprio = self._E, self._N, self._protected, self._cprio
         inbuf, adm, heaps = self._in, self._admitted, self._heaps
         take = self._in_mask[keys]  # (n,) re-ranked, then also the loads admitted

@@ -443,14 +443,31 @@ def _queue_as_read(link: SimLink) -> list[TransferRecord]:
     return sorted(link._queue, key=lambda j: (j.link_priority, j.seq), reverse=True)
 
 
-@settings(max_examples=100, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.integers(0, 5), st.integers(0, 15), st.integers(0, 5)),
-        min_size=50,
-        max_size=300,
-    )
+#: requests to a link: (kind, key, arg), see :func:`_request`
+LINK_OPS = st.lists(
+    st.tuples(st.integers(0, 5), st.integers(0, 15), st.integers(0, 5)), min_size=50, max_size=300
 )
+
+
+def _request(lk: Link, kind: int, key: int, arg: int, t: float) -> None:
+    """At ``t``: submit a prefetch of priority ``arg`` (kind 0) / submit on demand (1) /
+    cancel (2) / reprioritize to ``arg`` (3) / escalate (4) / abort (5), 2 MB each, one
+    transfer per key at a time."""
+    lk.link.advance(t)
+    if kind <= 1 and all(r.key != key for r in lk.live()):
+        lk.submit(key, 2 * MB, t, prio=float(arg) if kind == 0 else ON_DEMAND)
+    elif kind == 2:
+        lk.cancel(key)
+    elif kind == 3:
+        lk.reprioritize(key, float(arg))
+    elif kind == 4:
+        lk.escalate(key, t)
+    elif kind == 5:
+        lk.abort(key, t)
+
+
+@settings(max_examples=100, deadline=None)
+@given(LINK_OPS)
 def test_link_queue_is_its_queued_jobs_by_priority(ops: list[tuple[int, int, int]]) -> None:
     """After every request, the queue holds exactly the queued jobs (no cancelled or
     re-prioritised leftovers), ordered by (priority, submission): ops (kind, key, arg)
@@ -461,30 +478,14 @@ def test_link_queue_is_its_queued_jobs_by_priority(ops: list[tuple[int, int, int
     t = 0.0
     for kind, key, arg in ops:
         t += 0.5e-3
-        lk.link.advance(t)
-        if kind <= 1 and all(r.key != key for r in lk.live()):  # one transfer per key at a time
-            lk.submit(key, 2 * MB, t, prio=float(arg) if kind == 0 else ON_DEMAND)
-        elif kind == 2:
-            lk.cancel(key)
-        elif kind == 3:
-            lk.reprioritize(key, float(arg))
-        elif kind == 4:
-            lk.escalate(key, t)
-        elif kind == 5:
-            lk.abort(key, t)
+        _request(lk, kind, key, arg, t)
         assert _queue_as_read(lk.link) == _queued_in_order(lk)
     lk.finish()
     assert not lk.link._queue and not lk.live()
 
 
 @settings(max_examples=100, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.integers(0, 5), st.integers(0, 15), st.integers(0, 5)),
-        min_size=50,
-        max_size=300,
-    )
-)
+@given(LINK_OPS)
 def test_a_lazily_sorted_queue_runs_as_one_kept_in_order(ops: list[tuple[int, int, int]]) -> None:
     """The same requests (as in the test above, with several re-rankings between two
     link events) reach two links; one puts its queue back in order after every request,
@@ -497,17 +498,7 @@ def test_a_lazily_sorted_queue_runs_as_one_kept_in_order(ops: list[tuple[int, in
         if i % 4 == 0:  # re-rankings and submissions in bursts, as a policy's gate sends them
             t += 0.5e-3
         for lk in (lazy, eager):
-            lk.link.advance(t)
-            if kind <= 1 and all(r.key != key for r in lk.live()):
-                lk.submit(key, 2 * MB, t, prio=float(arg) if kind == 0 else ON_DEMAND)
-            elif kind == 2:
-                lk.cancel(key)
-            elif kind == 3:
-                lk.reprioritize(key, float(arg))
-            elif kind == 4:
-                lk.escalate(key, t)
-            elif kind == 5:
-                lk.abort(key, t)
+            _request(lk, kind, key, arg, t)
         if eager.link._dirty:
             eager.link._sort()
     for lk in (lazy, eager):
