@@ -289,8 +289,10 @@ class TrajectoryQuery:
         self._dot0, self._sim0 = self._dot[0], self._sim[0]  # (n,) batch-1 rows
 
     def observe(self, layer: int, rows: np.ndarray) -> None:
-        """Add layer ``layer``'s rows ``(B, J)`` (the next layer in order)."""
-        if layer != self.layer + 1:
+        """Add layer ``layer``'s rows ``(B, J)`` (a later layer than the last one observed;
+        a layer skipped adds nothing, as an encoder-decoder model's encoder layers in a
+        decoding iteration)."""
+        if layer <= self.layer:
             raise ValueError(f"layers must be observed in order: got {layer} after {self.layer}")
         self.layer = layer
         r = rows if rows.dtype == np.float32 else rows.astype(np.float32)

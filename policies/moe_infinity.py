@@ -116,7 +116,8 @@ class EAMC:
 class EAMCQuery:
     """Matches an iteration-level EAM, observed layer by layer, against an :class:`EAMC`.
 
-    Call :meth:`observe` for layers ``0, 1, 2, ...`` in order; :meth:`top` then ranks the
+    Call :meth:`observe` for layers ``0, 1, 2, ...`` in order (a layer left out counts
+    no tokens); :meth:`top` then ranks the
     stored EAMs by cosine similarity over the layers observed so far.  The collection
     must not change while a query is in use (the policy adds EAMs between iterations).
     """
@@ -129,8 +130,10 @@ class EAMCQuery:
         self._sq = 0.0  # squared norm of the observed iteration EAM
 
     def observe(self, layer: int, counts: np.ndarray) -> None:
-        """Add layer ``layer``'s token counts ``(E,)`` (the next layer in order)."""
-        if layer != self.layer + 1:
+        """Add layer ``layer``'s token counts ``(E,)`` (a later layer than the last one
+        observed; a layer skipped counts no tokens, as an encoder-decoder model's encoder
+        layers in a decoding iteration)."""
+        if layer <= self.layer:
             raise ValueError(f"layers must be observed in order: got {layer} after {self.layer}")
         self.layer = layer
         if self.n:
@@ -263,6 +266,11 @@ class MoEInfinity(Policy):
     request ends, its prefill EAM joins a prefill EAMC and its decode EAM a decode EAMC
     (two collections, because the phases are traced separately; a prefill iteration is
     matched against the prefill collection, a decode iteration against the decode one).
+    Encoder-decoder models (Switch, NLLB: §7.1).  paper: evaluated, the EAM's layout for
+    them not described.  here: every MoE layer is a row of the EAM; a decoding iteration
+    runs the decoder's layers only, so the decode EAMs hold no encoder tokens and its
+    query starts at the decoder's first layer (the encoder's rows count zero), while the
+    prefill EAMs hold the encoder's prompt and the decoder's start token.
 
     Prefetch (§5.1, Fig. 7).  paper: after each gate, match the iteration EAM against
     the EAMC, aggregate the matches and normalise rows into activation probabilities,

@@ -177,6 +177,12 @@ class GpuBackend(Backend):
     ) -> None:
         if compute_repeat < 1:
             raise FmoesimError(f"compute_repeat {compute_repeat}: must be >= 1")
+        if model.encoder_layers or model.moe_layer_period > 1 or model.expert_matrices != 3:
+            raise FmoesimError(
+                f"model {model.name!r}: the replay runs decoder-only models of SwiGLU experts "
+                "with an MoE layer in every block (encoder_layers = 0, moe_layer_period = 1, "
+                "expert_matrices = 3); simulate it instead"
+            )
         self.repeat = compute_repeat
         try:
             import torch

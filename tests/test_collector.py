@@ -160,6 +160,16 @@ def test_refusals(tmp_path):
     dense.config.num_experts_per_tok = 2
     with pytest.raises(FmoesimError, match="no MoE router found"):
         find_routers(dense)
+    # an encoder-decoder MoE model (Switch, random weights): refused by name, not with
+    # whatever its layout would break first
+    switch = T.SwitchTransformersForConditionalGeneration(
+        T.SwitchTransformersConfig(
+            vocab_size=64, d_model=16, d_kv=4, d_ff=16, num_layers=2, num_decoder_layers=2,
+            num_heads=2, num_experts=4, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
+        )
+    )  # fmt: skip
+    with pytest.raises(FmoesimError, match="an encoder-decoder model"):
+        collect(switch, PROMPTS, tmp_path / "switch")
 
 
 def test_cli_on_a_saved_model_with_token_id_prompts(tmp_path):

@@ -208,8 +208,10 @@ def test_store_scores_match_brute_force_and_refuse_bad_maps():
     with pytest.raises(ValueError, match="finite and >= 0"):
         s.add(-np.ones((5, 6)))
     assert s.add(np.zeros((5, 6))) == -1
+    q = s.query(1)
+    q.observe(1, obs[:1, 0])  # a layer left out (an encoder's, decoding) counts nothing
     with pytest.raises(ValueError, match="in order"):
-        s.query(1).observe(1, obs[:1, 0])
+        q.observe(1, obs[:1, 1])  # but a layer comes once, and after the ones before
 
 
 # -- §4.2: semantic search for layers < d, trajectory search for layer l + d ----------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -179,3 +180,13 @@ def test_gating_weights_become_tokens_parquet_and_are_checked(tmp_path):
         import_vllm_routes(write_jsonl(tmp_path / "b.jsonl", bare), tmp_path / "u", M)[0]
     )
     assert not tr2.manifest.has_tokens
+
+
+def test_an_encoder_decoder_model_is_refused_before_anything_is_written(tmp_path):
+    # red if an importer writes an encoder-decoder manifest over decoder-only rows (the
+    # reader would then refuse the finished trace) or leaves a partial directory behind
+    ed = dataclasses.replace(M, encoder_layers=1)
+    src = write_jsonl(tmp_path / "r.jsonl", rows({0: [[[0, 1], [2, 3]], [[0, 2], [2, 3]]]}))
+    with pytest.raises(FmoesimError, match="is an encoder-decoder model"):
+        import_vllm_routes(src, tmp_path / "t", ed)
+    assert not (tmp_path / "t").exists()

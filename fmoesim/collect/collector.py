@@ -107,6 +107,12 @@ class Recorder:
 
         self.torch = torch
         self.model = model
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise FmoesimError(
+                f"{type(model).__name__}: an encoder-decoder model; the collector records "
+                "decoder-only models (simulate encoder-decoder ones on the synthetic workload: "
+                "model=switch-large-128, model=nllb-moe-54b)"
+            )
         self.routers = find_routers(model)
         self.E, self.K = num_experts_of(model.config), top_k_of(model.config)
         self.routing: Routing = read_routing(model, self.routers, self.K)

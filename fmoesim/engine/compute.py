@@ -29,7 +29,7 @@ class ComputeModel:
     attn_pair_s: float  # per (query, key) pair of the score/value products
     router_a_s: float
     router_b_s: float
-    residual_a_s: float  # a residual dense MLP before the router (Arctic), 0 for none
+    residual_a_s: float  # dense MLPs before the router (Arctic; Switch's dense blocks), or 0
     residual_b_s: float
     dense_a_s: float  # a dense (non-MoE) layer's MLP
     dense_b_s: float
@@ -45,9 +45,11 @@ class ComputeModel:
         bpe = model.dtype_bytes
         h = model.hidden_size
 
-        def ffn(inter: int, kernels: int = 3) -> tuple[float, float]:
-            params = 3 * h * inter
-            return kernels * k0 + params * bpe / mem, 2 * params / flops
+        mats = model.expert_matrices  # 3: SwiGLU (gate, up, down); 2: wi, wo
+
+        def ffn(inter: int) -> tuple[float, float]:
+            params = mats * h * inter
+            return mats * k0 + params * bpe / mem, 2 * params / flops
 
         exp_a, exp_b = ffn(model.expert_intermediate_size)
         sh_a, sh_b = (
@@ -56,16 +58,23 @@ class ComputeModel:
         dn_a, dn_b = ffn(model.dense_intermediate_size) if model.dense_layers else (0.0, 0.0)
         rs = model.residual_intermediate_size
         res_a, res_b = ffn(rs) if rs else (0.0, 0.0)
+        # an MoE layer that stands for `period` blocks: every block's attention, and the
+        # dense FFNs of the blocks without experts before the router (Switch, NLLB-MoE)
+        period = model.moe_layer_period
+        if period > 1:
+            da, db = ffn(model.dense_intermediate_size)
+            res_a += (period - 1) * da
+            res_b += (period - 1) * db
         attn_params = model.attention_params
         values = dict(
             expert_a_s=exp_a,
             expert_b_s=exp_b,
             shared_a_s=sh_a,
             shared_b_s=sh_b,
-            attn_a_s=6 * k0 + attn_params * bpe / mem,
-            attn_b_s=2 * attn_params / flops,
-            attn_kv_s=model.kv_cache_elems * bpe / mem,
-            attn_pair_s=model.pair_flops / flops,
+            attn_a_s=period * (6 * k0 + attn_params * bpe / mem),
+            attn_b_s=period * 2 * attn_params / flops,
+            attn_kv_s=period * model.kv_cache_elems * bpe / mem,
+            attn_pair_s=period * model.pair_flops / flops,
             router_a_s=k0 + h * model.num_experts * bpe / mem,
             router_b_s=2 * h * model.num_experts / flops,
             residual_a_s=res_a,

@@ -80,6 +80,9 @@ class Runner:
         # bytes of one expert of each layer (L,): differ where quantization does
         self.layer_bytes = model.layer_expert_bytes
         self.L, self.E, self.N = trace.num_layers, trace.num_experts, len(caches)
+        # an encoder-decoder model's encoder MoE layers (the first n_enc) run at prefill
+        # only; every iteration runs the decoder's, from layer n_enc on
+        self.n_enc = model.encoder_layers
         self.step = 0  # global layer step (GateView.step)
         self.iteration = 0  # forward passes so far
         cls = type(policy)
@@ -230,13 +233,28 @@ class Runner:
         ntok = [self._num_tokens[row] for row in rows]
         tokens = sum(ntok)
         kv_tokens = pairs = 0
-        for r, j in zip(reqs, js, strict=True):
-            p = self._prompt[r]
-            if j == 0:  # prefill: causal attention over the prompt
-                pairs += p * (p + 1) // 2
-            else:  # decode: one new token attends over p + j - 1 cached tokens and itself
-                kv_tokens += p + j - 1
-                pairs += p + j
+        n_enc = self.n_enc
+        # the decoder's layers: one token per request of an encoder-decoder model
+        dec_tokens, dec_kv, dec_pairs = tokens, 0, 0
+        if n_enc:
+            dec_tokens = len(reqs)
+            for r, j in zip(reqs, js, strict=True):
+                p = self._prompt[r]
+                if j == 0:  # prefill: the encoder's bidirectional attention over the prompt
+                    pairs += p * p
+                # the decoder's token attends over its j predecessors and itself
+                # (self-attention) and over the prompt's p encoder states (cross)
+                dec_kv += j + p
+                dec_pairs += j + 1 + p
+        else:
+            for r, j in zip(reqs, js, strict=True):
+                p = self._prompt[r]
+                if j == 0:  # prefill: causal attention over the prompt
+                    pairs += p * (p + 1) // 2
+                else:  # decode: one new token attends over p + j - 1 cached tokens and itself
+                    kv_tokens += p + j - 1
+                    pairs += p + j
+            dec_kv, dec_pairs = kv_tokens, pairs
         emb = None  # (B, D)
         if tr.embedding.shape[1]:
             # perf: one request's row as a view (a slice), not a copy by fancy indexing:
@@ -285,19 +303,20 @@ class Runner:
             row = rows[0]
             spec_ok = tr.spec_valid[row]  # (L,)
             spec = tr.spec_probs[row].astype(np.float32)  # (L, E)
-            if js[0] + 1 < self._output[reqs[0]] and tr.spec_valid[row + 1, 0]:
-                spec_first = tr.spec_probs[row + 1, 0].astype(np.float32)  # (E,)
+            if js[0] + 1 < self._output[reqs[0]] and tr.spec_valid[row + 1, n_enc]:
+                spec_first = tr.spec_probs[row + 1, n_enc].astype(np.float32)  # (E,)
         elif self._want_spec:
             assert tr.spec_probs is not None and tr.spec_valid is not None and weights is not None
             spec_ok = tr.spec_valid[rows].all(axis=0)  # (L,)
-            # layer 0 of the next iteration, predicted at this iteration's last layer, for
-            # the requests that go on decoding
+            # the first layer of the next iteration (the decoder's first of an
+            # encoder-decoder), predicted at this iteration's last layer, for the requests
+            # that go on decoding
             cont = [
                 row + 1 for r, j, row in zip(reqs, js, rows, strict=True) if j + 1 < self._output[r]
             ]
-            if cont and tr.spec_valid[cont, 0].all():
+            if cont and tr.spec_valid[cont, n_enc].all():
                 w = tr.num_tokens[cont].astype(np.float32)
-                spec_first = (w / w.sum()) @ tr.spec_probs[cont, 0].astype(np.float32)  # (E,)
+                spec_first = (w / w.sum()) @ tr.spec_probs[cont, n_enc].astype(np.float32)  # (E,)
             else:
                 spec_first = None
             spec = np.einsum("b,ble->le", weights, tr.spec_probs[rows].astype(np.float32))
@@ -307,6 +326,7 @@ class Runner:
             assert tr.probs is not None
             req_probs = tr.probs[rows].astype(np.float32)  # (B, L, E)
         step0 = self.step
+        skipped = 0 if prefill else n_enc  # layers before the first one this iteration runs
         # perf: the rows shared by the iteration's gates, each row's view and list made
         # when a policy reads it (GateRows), and the validity as Python bools (a numpy
         # bool per layer costs more)
@@ -327,10 +347,10 @@ class Runner:
             return GateView(
                 layer,
                 None,
-                tokens,
+                tokens if layer < n_enc else dec_tokens,
                 None if probs is None else probs[layer],
                 spec_next,
-                step0 + layer,
+                step0 + layer - skipped,
                 None if req_counts is None else req_counts[:, layer],
                 None if req_probs is None else req_probs[:, layer],
                 count_rows,
@@ -339,18 +359,22 @@ class Runner:
             )
 
         gate = view_of if self._has_gate else None
-        if self._demand_ok:
-            self._layers_closed_form(
-                experts, expert_tokens, offsets, tokens, kv_tokens, pairs, gate
-            )
-        else:
-            for layer in range(self.L):
-                be.pre_gate(layer, tokens, kv_tokens, pairs)  # attention + router, then sync
+        # (first layer, end, tokens, KV tokens read, attention pairs) of each run of layers:
+        # every layer of a decoder-only model; an encoder-decoder's encoder at prefill only
+        spans = [(n_enc, self.L, dec_tokens, dec_kv, dec_pairs)]
+        if n_enc and prefill:
+            spans.insert(0, (0, n_enc, tokens, kv_tokens, pairs))
+        for lo, hi, tok, kv, pr in spans:
+            if self._demand_ok:
+                self._layers_closed_form(experts, expert_tokens, offsets, tok, kv, pr, gate, lo, hi)
+                continue
+            for layer in range(lo, hi):
+                be.pre_gate(layer, tok, kv, pr)  # attention + router, then sync
                 step = self.step
                 self.step = step + 1
                 actions = NO_ACTIONS if gate is None else policy.on_gate(layer, gate(layer))
                 o0, o1 = offsets[layer], offsets[layer + 1]
-                self._layer(layer, experts[o0:o1], expert_tokens[o0:o1], tokens, step, actions)
+                self._layer(layer, experts[o0:o1], expert_tokens[o0:o1], tok, step, actions)
         be.lm_head(len(reqs))
         m = self.metrics
         m.iterations += 1
@@ -642,9 +666,11 @@ class Runner:
         kv_tokens: int,
         pairs: int,
         gate: Callable[[int], GateView] | None,
+        lo: int,
+        hi: int,
     ) -> None:
-        """The layer loop of one iteration on a backend with ``closed_form_demand`` (the
-        simulator, one GPU, whole experts).
+        """The layer loop of one iteration's layers ``lo`` to ``hi - 1`` on a backend with
+        ``closed_form_demand`` (the simulator, one GPU, whole experts).
 
         A layer step whose gate asks for nothing and whose link is idle is a demand-only
         step: every cached expert is resident, so an access is a HIT or a MISS, and the
@@ -675,7 +701,7 @@ class Runner:
         idle = be.link_idle(0)
         t, busy_c = be.clock_s, be.busy_compute_s
         closed = 0  # layer steps timed here
-        for layer in range(self.L):
+        for layer in range(lo, hi):
             if idle:  # attention + router; nothing can land, so no sync
                 t += pre_s
                 busy_c += pre_s

@@ -76,12 +76,12 @@ class RunResult:
 def check_shapes(trace: Trace, model: ModelSpec) -> None:
     """Refuse a trace whose shape differs from the model's."""
     tm = trace.manifest.model
-    for key in ("num_layers", "num_experts", "top_k"):
-        if getattr(tm, key) != getattr(model, key):
+    for key in ("num_layers", "num_experts", "top_k", "encoder_layers"):
+        if getattr(tm, key, 0) != getattr(model, key):
             raise ConfigError(
                 f"model.{key}",
                 getattr(model, key),
-                f"trace {trace.path} has {key} = {getattr(tm, key)} "
+                f"trace {trace.path} has {key} = {getattr(tm, key, 0)} "
                 f"(model '{tm.name}'); pick the matching model= preset",
             )
 
@@ -139,10 +139,17 @@ def check_experts_per_layer(model: ModelSpec, hardware: HardwareSpec, C: object)
 
 
 def future_accesses(
-    trace: Trace, batches: list[list[int]], iter_start: np.ndarray, output_tokens: np.ndarray
+    trace: Trace,
+    batches: list[list[int]],
+    iter_start: np.ndarray,
+    output_tokens: np.ndarray,
+    encoder_layers: int = 0,
 ) -> FutureAccesses:
-    """The access sequence of static batching, step by step (for ``uses_future`` policies)."""
-    E, L = trace.num_experts, trace.num_layers
+    """The access sequence of static batching, step by step (for ``uses_future`` policies).
+
+    A step is a layer an iteration runs: every layer at prefill, and after it the layers
+    from ``encoder_layers`` on (an encoder-decoder model's decoder)."""
+    E, L, n_enc = trace.num_experts, trace.num_layers, encoder_layers
     if all(len(b) == 1 for b in batches):
         # perf: one request per batch: the steps are the served rows' layers, in order
         pos = np.array([b[0] for b in batches], dtype=np.int64)
@@ -150,20 +157,33 @@ def future_accesses(
         starts = iter_start[pos].astype(np.int64)
         # row indices of every served request's iterations, request after request
         rows = np.repeat(starts - np.cumsum(lens) + lens, lens) + np.arange(lens.sum())
-        flat = trace.counts[rows].reshape(-1, E)  # (rows * L, E)
+        counts = trace.counts[rows]  # (rows, L, E)
+        if n_enc:
+            # the encoder's layers of decode rows never run: drop those steps
+            decode = np.ones(len(rows), dtype=bool)  # (rows,)
+            decode[np.cumsum(lens) - lens] = False
+            run = np.ones((len(rows), L), dtype=bool)  # (rows, L)
+            run[decode, :n_enc] = False
+            flat = counts[run]  # (steps, E)
+            layer_of = np.nonzero(run)[1]  # (steps,)
+        else:
+            flat = counts.reshape(-1, E)  # (rows * L, E)
+            layer_of = None
         rl, exp = np.nonzero(flat)
         ptr = np.zeros(len(flat) + 1, dtype=np.int64)
         np.cumsum(np.bincount(rl, minlength=len(flat)), out=ptr[1:])
-        return FutureAccesses(ptr=ptr, keys=((rl % L) * E + exp).astype(np.int64))
+        lay = rl % L if layer_of is None else layer_of[rl]
+        return FutureAccesses(ptr=ptr, keys=(lay * E + exp).astype(np.int64))
     keys: list[np.ndarray] = []
     sizes: list[np.ndarray] = []
     for batch in batches:
         for j in range(int(max(output_tokens[r] for r in batch))):
             it_rows = [int(iter_start[r]) + j for r in batch if output_tokens[r] > j]
             counts = trace.counts[it_rows].sum(axis=0)  # (L, E)
-            lay, exp = np.nonzero(counts)
-            keys.append(lay * E + exp)
-            sizes.append(np.count_nonzero(counts, axis=1))
+            first = n_enc if j else 0
+            lay, exp = np.nonzero(counts[first:])
+            keys.append((lay + first) * E + exp)
+            sizes.append(np.count_nonzero(counts[first:], axis=1))
     ptr = np.zeros(sum(len(s) for s in sizes) + 1, dtype=np.int64)
     np.cumsum(np.concatenate(sizes), out=ptr[1:])
     return FutureAccesses(ptr=ptr, keys=np.concatenate(keys).astype(np.int64))
@@ -371,7 +391,11 @@ def simulate(
     future = None
     if policy.uses_future:
         future = future_accesses(
-            trace, static_batches(served, serving.batch_size), trace.iter_start, trace.output_tokens
+            trace,
+            static_batches(served, serving.batch_size),
+            trace.iter_start,
+            trace.output_tokens,
+            model.encoder_layers,
         )
     arrival_s = None
     if serving.mode == "online":
@@ -530,7 +554,9 @@ def _lru_hit_only(
     """The hit-rate-only run of plain LRU through :func:`fmoesim.engine.fast.lru_hit_only`,
     summarised exactly as the generic path would."""
     batches = static_batches(served, serving.batch_size)
-    fut = future_accesses(trace, batches, trace.iter_start, trace.output_tokens)
+    fut = future_accesses(
+        trace, batches, trace.iter_start, trace.output_tokens, model.encoder_layers
+    )
     size = model.expert_size_bytes
     t0 = time.perf_counter()
     acc, evictions = lru_hit_only(

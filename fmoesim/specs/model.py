@@ -64,6 +64,19 @@ class ModelSpec:
     model's quantization differs by layer (GGUF Q4_K_M keeps some layers' down
     projections in Q6_K); ``expert_size_bytes`` is then their mean, for reporting, and
     the cache and the link use each layer's own size.
+
+    Encoder-decoder models (Switch Transformers, NLLB-MoE): the first
+    ``encoder_layers`` of the ``num_layers`` MoE layers are the encoder's.  They run once
+    per request, over its prompt, at prefill; the decoder's MoE layers run at every
+    iteration, over one token per request (at prefill, the decoder's start token).
+    ``moe_layer_period`` is how many transformer blocks each MoE layer stands for (the
+    sparse step: Switch 2, NLLB-MoE 4): every block's attention, and the dense FFN of the
+    ``moe_layer_period - 1`` blocks without experts (``dense_intermediate_size`` wide),
+    compute in the MoE layer's step before its router.  A decoder block's
+    cross-attention is timed as attention over the prompt's encoder states (read like
+    cached keys), its projections not counted twice.  ``expert_matrices`` is 3 for a
+    SwiGLU FFN (gate, up, down) and 2 for a two-matrix FFN (``wi``, ``wo``: Switch,
+    NLLB-MoE); the dense FFNs of the model have the same form.
     """
 
     name: str = "unnamed"
@@ -89,6 +102,9 @@ class ModelSpec:
     source: str = ""
     hf_model_id: str = ""
     expert_size_bytes_by_layer: list[int] | None = None
+    encoder_layers: int = 0
+    moe_layer_period: int = 1
+    expert_matrices: int = 3
 
     @property
     def dtype_bytes(self) -> float:
@@ -97,8 +113,9 @@ class ModelSpec:
 
     @property
     def expert_params(self) -> int:
-        """Parameters of one routed expert (gate, up and down projections)."""
-        return 3 * self.hidden_size * self.expert_intermediate_size
+        """Parameters of one routed expert (gate, up and down projections, or ``wi`` and
+        ``wo`` with ``expert_matrices = 2``)."""
+        return self.expert_matrices * self.hidden_size * self.expert_intermediate_size
 
     @property
     def expert_size_bytes(self) -> int:
@@ -177,16 +194,20 @@ class ModelSpec:
         dense layers' MLPs.  Norms and biases are left out (under 0.1% of any preset
         model).  Qwen1.5-MoE-A2.7B: 1,858,404,352, which with its 12,457,082,880
         routed-expert parameters is the 14.3B of its model card."""
-        h = self.hidden_size
+        h, f = self.hidden_size, self.expert_matrices
         attention = self.attention_params
-        per_moe_layer = h * self.num_experts + 3 * h * self.residual_intermediate_size
+        per_moe_layer = h * self.num_experts + f * h * self.residual_intermediate_size
         if self.num_shared_experts:
-            per_moe_layer += 3 * h * self.shared_expert_intermediate_size
+            per_moe_layer += f * h * self.shared_expert_intermediate_size
+        # the blocks without experts that each MoE layer stands for (moe_layer_period)
+        per_moe_layer += (self.moe_layer_period - 1) * (
+            attention + f * h * self.dense_intermediate_size
+        )
         return (
             2 * self.vocab_size * h
             + (self.num_layers + self.dense_layers) * attention
             + self.num_layers * per_moe_layer
-            + self.dense_layers * 3 * h * self.dense_intermediate_size
+            + self.dense_layers * f * h * self.dense_intermediate_size
         )
 
     @property
@@ -238,6 +259,22 @@ class ModelSpec:
                 self.qk_nope_head_dim,
                 "MLA (kv_lora_rank set) needs query/key heads: qk_nope_head_dim + "
                 "qk_rope_head_dim > 0",
+            )
+        if not 0 <= self.encoder_layers < self.num_layers:
+            raise ConfigError(
+                f"{prefix}.encoder_layers",
+                self.encoder_layers,
+                f"must be in [0, num_layers = {self.num_layers}): the decoder has MoE layers",
+            )
+        if not isinstance(self.moe_layer_period, int) or self.moe_layer_period < 1:
+            raise ConfigError(
+                f"{prefix}.moe_layer_period", self.moe_layer_period, "must be an integer >= 1"
+            )
+        if self.expert_matrices not in (2, 3):
+            raise ConfigError(
+                f"{prefix}.expert_matrices",
+                self.expert_matrices,
+                "must be 3 (SwiGLU: gate, up, down) or 2 (wi, wo)",
             )
         if self.top_k > self.num_experts:
             raise ConfigError(

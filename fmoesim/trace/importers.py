@@ -44,7 +44,7 @@ class ImportError_(FmoesimError):  # noqa: N801 - the builtin name is taken
 
 def _manifest(model: ModelSpec, fmt: str, original: list[str], **extra: Any) -> TraceManifest:
     return TraceManifest(
-        model=TraceModel.of(model),
+        model=TraceModel.decoder_only(model, f"the {fmt} importer"),
         embedding_dim=0,
         source={"kind": "importer", "format": fmt, "original": original, **extra},
         has_probs=False,

@@ -111,6 +111,9 @@ class Trace:
 
     Iterations are indexed ``0..N-1`` in (request_id, iteration) order; request ``r``
     (position in ``request_id``) owns iterations ``iter_start[r]:iter_start[r+1]``.
+    ``num_tokens`` is each iteration's; :attr:`layer_tokens` each layer's.  A null
+    ``probs`` row reads as zeros, a null ``spec_probs`` row as zeros with ``spec_valid``
+    False (in an encoder-decoder trace, the encoder layers after iteration 0).
     """
 
     path: Path
@@ -154,6 +157,17 @@ class Trace:
     def num_iterations(self) -> int:
         """Number of (request, iteration) rows."""
         return len(self.iteration)
+
+    @property
+    def encoder_layers(self) -> int:
+        """MoE layers of the encoder (the first ones); 0 for a decoder-only model."""
+        return self.manifest.model.encoder_layers
+
+    @property
+    def layer_tokens(self) -> np.ndarray:
+        """Tokens each MoE layer sees in each iteration ``(N, L)`` int32 (the routing
+        rows' ``num_tokens``; see :func:`layer_tokens`), computed on each call."""
+        return layer_tokens(self.num_tokens, self.iteration, self.num_layers, self.encoder_layers)
 
     def request_iterations(self, r: int) -> range:
         """Iteration indices of the request at position ``r``."""
@@ -386,13 +400,27 @@ def _validate(
             f"layer {exp_layer[row]})"
         ),
     )
-    bad = r_ntok != np.repeat(num_tokens, L)
-    _refuse(
-        bad,
-        fr,
-        "num_tokens equals the iteration's num_tokens",
-        lambda row: f"{r_ntok[row]} != {num_tokens[row // L]}",
-    )
+    n_enc = m.encoder_layers
+    want_ntok = layer_tokens(num_tokens, iteration, L, n_enc).reshape(-1)  # (N * L,)
+    if n_enc == 0:
+        _refuse(
+            r_ntok != want_ntok,
+            fr,
+            "num_tokens equals the iteration's num_tokens",
+            lambda row: f"{r_ntok[row]} != {num_tokens[row // L]}",
+        )
+    else:
+        _refuse(
+            r_ntok != want_ntok,
+            fr,
+            f"num_tokens is the tokens the layer sees: an encoder layer (layer < "
+            f"encoder_layers = {n_enc}) the iteration's num_tokens at iteration 0 and 0 "
+            "after, a decoder layer 1",
+            lambda row: (
+                f"num_tokens {r_ntok[row]} at layer {r_layer[row]}, iteration {r_it[row]}, "
+                f"expected {want_ntok[row]}"
+            ),
+        )
     _refuse((counts < 0).any(axis=1), fr, "expert_counts are non-negative")
     sums = counts.sum(axis=1, dtype=np.int64)
     if manifest.layer_gaps:  # tokens the logger missed at a layer route nothing there
@@ -414,16 +442,35 @@ def _validate(
     _refuse(
         (counts > r_ntok[:, None]).any(axis=1),
         fr,
-        "no expert gets more tokens than the iteration has",
+        "no expert gets more tokens than the iteration has"
+        if n_enc == 0
+        else "no expert gets more tokens than the layer sees (num_tokens)",
     )
 
-    if manifest.has_probs:
+    if n_enc == 0:
+        if manifest.has_probs:
+            _refuse(
+                ~probs_valid,
+                fr,
+                "probs present on every row (trace.json says has_probs)",
+                lambda row: "probs is null",
+            )
+    else:
+        idle = r_ntok == 0  # encoder layers after iteration 0
         _refuse(
-            ~probs_valid,
+            idle & (probs_valid | spec_valid),
             fr,
-            "probs present on every row (trace.json says has_probs)",
-            lambda row: "probs is null",
+            "probs and spec_probs are null where the layer sees no token "
+            "(an encoder layer after iteration 0)",
+            lambda row: f"{'probs' if probs_valid[row] else 'spec_probs'} is not null",
         )
+        if manifest.has_probs:
+            _refuse(
+                ~probs_valid & ~idle,
+                fr,
+                "probs present on every row whose layer sees tokens (trace.json says has_probs)",
+                lambda row: "probs is null",
+            )
     _check_probs(fr, "probs", probs, probs_valid)
     if manifest.has_spec_probs and not spec_valid.any():
         raise TraceError(
@@ -460,6 +507,24 @@ def _check_probs(path: Path, name: str, block: np.ndarray, valid: np.ndarray) ->
             row=int(rows[i]),
             detail=f"{name} sum to {sums[i]:.4f}",
         )
+
+
+def layer_tokens(
+    num_tokens: np.ndarray, iteration: np.ndarray, num_layers: int, encoder_layers: int
+) -> np.ndarray:
+    """The tokens each MoE layer sees in each iteration, ``(N, num_layers)`` int32.
+
+    Decoder-only (``encoder_layers == 0``): the iteration's ``num_tokens`` at every
+    layer.  Encoder-decoder: an encoder layer (``layer < encoder_layers``) sees the
+    iteration's ``num_tokens`` (the prompt) at iteration 0 and no token after; a decoder
+    layer sees 1 token at every iteration.
+    """
+    ntok = np.asarray(num_tokens, dtype=np.int32)
+    out = np.repeat(ntok[:, None], num_layers, axis=1)
+    if encoder_layers:
+        out[:, encoder_layers:] = 1
+        out[np.asarray(iteration) != 0, :encoder_layers] = 0
+    return out
 
 
 def _first_layer_gap(
@@ -499,6 +564,11 @@ def read_tokens(trace: Trace) -> TokenTable:
     path = trace.path / S.TOKENS
     if not m.has_tokens:
         raise TraceError(trace.path / S.MANIFEST, "has_tokens is true to read tokens.parquet")
+    if m.model.encoder_layers:
+        raise TraceError(
+            trace.path / S.MANIFEST,
+            "tokens.parquet is read for decoder-only traces (model.encoder_layers = 0)",
+        )
     k, L, E = m.model.top_k, m.model.num_layers, m.model.num_experts
     t = _read_table(path, S.tokens_schema(k))
     ids, _ = _fixed_block(t.column("topk_ids"), k, np.int64)

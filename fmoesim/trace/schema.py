@@ -21,7 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from fmoesim.errors import TraceError
+from fmoesim.errors import FmoesimError, TraceError
 
 SCHEMA_VERSION = 1
 MANIFEST = "trace.json"
@@ -95,7 +95,12 @@ def tokens_schema(top_k: int) -> pa.Schema:
 
 @dataclass
 class TraceModel:
-    """The model shape recorded in a manifest (MoE layers only)."""
+    """The model shape recorded in a manifest (MoE layers only).
+
+    ``encoder_layers`` (encoder-decoder models): the first ``encoder_layers`` of the
+    ``num_layers`` MoE layers are the encoder's, in ``[0, num_layers)``; 0 for a
+    decoder-only model.  It is written to ``trace.json`` only when non-zero.
+    """
 
     name: str
     num_layers: int
@@ -104,6 +109,7 @@ class TraceModel:
     hidden_size: int
     num_shared_experts: int = 0
     dense_layers: int = 0
+    encoder_layers: int = 0
 
     @classmethod
     def of(cls, model: Any) -> TraceModel:
@@ -116,7 +122,19 @@ class TraceModel:
             hidden_size=model.hidden_size,
             num_shared_experts=model.num_shared_experts,
             dense_layers=model.dense_layers,
+            encoder_layers=getattr(model, "encoder_layers", 0),
         )
+
+    @classmethod
+    def decoder_only(cls, model: Any, what: str) -> TraceModel:
+        """:meth:`of` a decoder-only model; refuses an encoder-decoder one (one line
+        naming ``what``, which writes only decoder-only traces)."""
+        if getattr(model, "encoder_layers", 0):
+            raise FmoesimError(
+                f"{what}: model {model.name!r} is an encoder-decoder model "
+                f"(encoder_layers = {model.encoder_layers}); {what} writes decoder-only traces"
+            )
+        return cls.of(model)
 
 
 @dataclass
@@ -134,6 +152,7 @@ class TraceManifest:
     layers (a logger that missed rows): an iteration's counts at a layer then sum to
     ``top_k`` times the tokens routed there, which may be fewer than its tokens, and
     those tokens access no expert at that layer.
+    ``model.encoder_layers`` is written only when non-zero.
     """
 
     model: TraceModel
@@ -152,10 +171,13 @@ class TraceManifest:
 
     def to_json(self) -> str:
         """Serialise deterministically (sorted keys, fixed indentation); ``layer_gaps``
-        only when true, so traces without gaps keep their bytes."""
+        only when true and ``model.encoder_layers`` only when non-zero, so traces without
+        gaps and decoder-only traces keep their bytes."""
         raw = asdict(self)
         if not raw["layer_gaps"]:
             del raw["layer_gaps"]
+        if not raw["model"]["encoder_layers"]:
+            del raw["model"]["encoder_layers"]
         return json.dumps(raw, indent=2, sort_keys=True) + "\n"
 
     @classmethod
@@ -187,7 +209,7 @@ class TraceManifest:
             raise TraceError(
                 path,
                 "model has keys name, num_layers, num_experts, top_k, "
-                "hidden_size[, num_shared_experts, dense_layers]",
+                "hidden_size[, num_shared_experts, dense_layers, encoder_layers]",
                 detail=str(exc),
             ) from None
         for key in ("num_layers", "num_experts", "top_k", "hidden_size"):
@@ -196,6 +218,13 @@ class TraceManifest:
                 raise TraceError(
                     path, f"model.{key} is a positive integer", detail=f"got {value!r}"
                 )
+        enc = model.encoder_layers
+        if isinstance(enc, bool) or not isinstance(enc, int) or not 0 <= enc < model.num_layers:
+            raise TraceError(
+                path,
+                "model.encoder_layers is an integer in [0, model.num_layers)",
+                detail=f"encoder_layers={enc!r}, num_layers={model.num_layers}",
+            )
         if model.top_k > model.num_experts:
             raise TraceError(
                 path,

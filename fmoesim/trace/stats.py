@@ -45,11 +45,22 @@ def gini(freq: np.ndarray) -> np.ndarray:
 def next_token_reuse(trace: Trace) -> np.ndarray:
     """Per layer, the mean fraction of experts used by decode token n reused by token n+1.
 
-    Only pairs of consecutive single-token (decode) iterations of the same request count.
+    Only pairs of consecutive single-token (decode) iterations of the same request count;
+    in an encoder-decoder trace, per layer, pairs of consecutive iterations where the
+    layer sees one token each (a decoder layer: every iteration; an encoder layer: none,
+    NaN).
     """
     active = trace.counts > 0  # (N, L, E)
-    n_tok = trace.num_tokens
     same_req = trace.iter_request[1:] == trace.iter_request[:-1]
+    if trace.encoder_layers:
+        one = trace.layer_tokens == 1  # (N, L)
+        pairs = same_req[:, None] & one[1:] & one[:-1]  # (N-1, L)
+        a, b = active[:-1], active[1:]  # (N-1, L, E)
+        share = (a & b).sum(axis=2) / np.maximum(a.sum(axis=2), 1)  # (N-1, L)
+        n = pairs.sum(axis=0)
+        with np.errstate(invalid="ignore"):
+            return np.where(n > 0, (share * pairs).sum(axis=0) / np.maximum(n, 1), np.nan)
+    n_tok = trace.num_tokens
     pair = same_req & (n_tok[1:] == 1) & (n_tok[:-1] == 1)  # (N-1,)
     if not pair.any():
         return np.full(trace.num_layers, np.nan)
@@ -63,12 +74,18 @@ def spec_recall(trace: Trace) -> np.ndarray:
     among the top-k of its speculative probabilities (the prediction made one layer
     early, MoEpic eq. 3): ``k`` times it is how many of the ``k`` experts a next-layer
     prefetcher guesses right (MoEpic Fig. 2(c)).  NaN for a layer without a prediction
-    (every layer, in a trace without ``spec_probs``)."""
+    (every layer, in a trace without ``spec_probs``).  In an encoder-decoder trace the
+    rows counted at a layer are those where it sees one token (a decoder layer's)."""
     L, k = trace.num_layers, trace.top_k
     if trace.spec_probs is None or trace.spec_valid is None:
         return np.full(L, np.nan)
-    dec = np.flatnonzero(trace.num_tokens == 1)  # one token: the routed set is the top-k
-    valid = trace.spec_valid[dec]  # (D, L)
+    if trace.encoder_layers:
+        one = trace.layer_tokens == 1  # (N, L)
+        dec = np.flatnonzero(one.any(axis=1))
+        valid = trace.spec_valid[dec] & one[dec]  # (D, L)
+    else:
+        dec = np.flatnonzero(trace.num_tokens == 1)  # one token: the routed set is the top-k
+        valid = trace.spec_valid[dec]  # (D, L)
     spec = trace.spec_probs[dec].astype(np.float32)  # (D, L, E)
     top = np.argpartition(-spec, k - 1, axis=2)[..., :k]  # (D, L, k)
     hit = np.take_along_axis(trace.counts[dec] > 0, top, axis=2).sum(axis=2) / k  # (D, L)
@@ -83,7 +100,12 @@ def layer_stats(trace: Trace) -> LayerStats:
     freq = trace.counts.sum(axis=0, dtype=np.int64)  # (L, E)
     norm = np.log(E) if E > 1 else 1.0
     coarse = _entropy(freq) / norm
-    if trace.probs is not None:
+    if trace.probs is not None and trace.encoder_layers:
+        # rows where a layer sees no token (encoder layers after iteration 0) left out
+        sees = trace.layer_tokens > 0  # (N, L)
+        ent = _entropy(trace.probs.astype(np.float32)) / norm  # (N, L)
+        fine = (ent * sees).sum(axis=0) / sees.sum(axis=0)
+    elif trace.probs is not None:
         fine = (_entropy(trace.probs.astype(np.float32)) / norm).mean(axis=0)
     else:
         fine = np.full(trace.num_layers, np.nan)
@@ -117,7 +139,8 @@ def format_report(trace: Trace) -> str:
         + (f", seed {man.source.get('seed')}" if "seed" in man.source else ""),
         f"model      {m.name}: {m.num_layers} MoE layers x {m.num_experts} experts, top-{m.top_k}"
         + (f", {m.num_shared_experts} shared" if m.num_shared_experts else "")
-        + (f", {m.dense_layers} dense layers" if m.dense_layers else ""),
+        + (f", {m.dense_layers} dense layers" if m.dense_layers else "")
+        + (f", the first {m.encoder_layers} in the encoder" if m.encoder_layers else ""),
         f"requests   {trace.num_requests}  (prompt tokens mean {trace.prompt_tokens.mean():.1f}, "
         f"output tokens mean {trace.output_tokens.mean():.1f})",
         f"iterations {trace.num_iterations}  ({int(trace.num_tokens.sum())} tokens; "

@@ -414,7 +414,7 @@ def write_routed(
     L, E = model.num_layers, model.num_experts
     missing = sum(int((ids[:, :, 0] < 0).sum()) for _, ids, _, _ in arrays)
     man = TraceManifest(
-        model=TraceModel.of(model),
+        model=TraceModel.decoder_only(model, "the trace importer"),
         embedding_dim=0,
         source={
             "kind": "importer",

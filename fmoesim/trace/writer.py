@@ -41,8 +41,13 @@ class TraceWriter:
             ...
 
     Iterations must arrive sorted by (request_id, iteration).  ``counts`` is ``(L, E)``
-    int, ``probs`` and ``spec_probs`` are ``(L, E)`` float arrays or None (``spec_probs``
-    may also have NaN rows for layers with no speculative prediction).
+    int, ``probs`` and ``spec_probs`` are ``(L, E)`` float arrays or None (either may
+    have NaN rows, written as null: ``spec_probs`` for layers with no speculative
+    prediction).  ``layer_tokens`` (``(L,)`` int, optional) is the routing rows'
+    ``num_tokens``, the tokens each layer sees (an encoder-decoder model's encoder layers
+    see the prompt at iteration 0 and no token after, its decoder layers 1 token); it
+    defaults to the iteration's ``num_tokens`` at every layer.  The rows of a layer that
+    sees no token are written with null ``probs`` and ``spec_probs``.
     """
 
     def __init__(
@@ -108,10 +113,13 @@ class TraceWriter:
         probs: np.ndarray | None = None,
         spec_probs: np.ndarray | None = None,
         tokens: tuple[np.ndarray, np.ndarray] | None = None,
+        layer_tokens: np.ndarray | None = None,
     ) -> None:
         """Record one iteration of one request: all its MoE layers at once.  ``tokens``
         (optional, for ``tokens.parquet``): each token's top-k expert ids and weights,
-        two ``(num_tokens, L, k)`` arrays; give them for every iteration or none."""
+        two ``(num_tokens, L, k)`` arrays; give them for every iteration or none, and
+        only where every layer sees the iteration's ``num_tokens``.  ``layer_tokens``
+        (optional): the tokens each layer sees, ``(L,)`` (see the class docstring)."""
         key = (int(request_id), int(iteration))
         if key <= self._last_key:
             raise FmoesimError(
@@ -136,6 +144,25 @@ class TraceWriter:
                     f"{self.path}: {name} of request {request_id} iteration {iteration} has "
                     f"shape {np.shape(arr)}, manifest says {shape}"
                 )
+        if layer_tokens is not None:
+            layer_tokens = np.asarray(layer_tokens)
+            if layer_tokens.shape != (self._L,):
+                raise FmoesimError(
+                    f"{self.path}: layer_tokens of request {request_id} iteration "
+                    f"{iteration} have shape {layer_tokens.shape}, manifest says ({self._L},)"
+                )
+            if (layer_tokens < 0).any():
+                raise FmoesimError(
+                    f"{self.path}: layer_tokens of request {request_id} iteration "
+                    f"{iteration} are {layer_tokens.tolist()} (rule: >= 0)"
+                )
+            layer_tokens = layer_tokens.astype(np.int32)
+            if tokens is not None and (layer_tokens != int(num_tokens)).any():
+                raise FmoesimError(
+                    f"{self.path}: tokens of request {request_id} iteration {iteration} "
+                    "given with layer_tokens other than num_tokens (rule: tokens.parquet "
+                    "holds num_tokens tokens at every layer)"
+                )
         if tokens is not None:
             k = self.manifest.model.top_k
             ids, weights = (np.asarray(a) for a in tokens)
@@ -148,7 +175,17 @@ class TraceWriter:
             tokens = (ids, weights)
             self._with_tokens += 1
         self._buf.append(
-            (key[0], key[1], int(num_tokens), embedding, counts, probs, spec_probs, tokens)
+            (
+                key[0],
+                key[1],
+                int(num_tokens),
+                embedding,
+                counts,
+                probs,
+                spec_probs,
+                tokens,
+                layer_tokens,
+            )
         )
         if len(self._buf) >= self._row_group:
             self._flush()
@@ -230,11 +267,15 @@ class TraceWriter:
         self._iters.write_table(pa.table(icols, schema=self._iters.schema))
         # routing.parquet: L rows per iteration
         counts = np.stack([b[4] for b in self._buf]).astype(np.int32).reshape(n * L, E)
+        row_ntok = np.repeat(ntok, L)  # (n * L,) the tokens each layer sees
+        for i, b in enumerate(self._buf):
+            if b[8] is not None:
+                row_ntok[i * L : (i + 1) * L] = b[8]
         cols = {
             "request_id": np.repeat(rid, L),
             "iteration": np.repeat(it, L),
             "layer": np.tile(np.arange(L, dtype=np.int16), n),
-            "num_tokens": np.repeat(ntok, L),
+            "num_tokens": row_ntok,
             "expert_counts": _fixed_list(counts, E, pa.int32()),
         }
         for name, idx in (("probs", 5), ("spec_probs", 6)):
@@ -244,6 +285,8 @@ class TraceWriter:
                 if b[idx] is not None:
                     arr = np.asarray(b[idx], dtype=np.float64).reshape(L, E)
                     ok = ~np.isnan(arr).all(axis=1)
+                    if b[8] is not None:  # a layer that sees no token has null rows
+                        ok &= b[8] > 0
                     block[i][ok] = arr[ok]
                     valid[i] = ok
             cols[name] = _fixed_list(block.reshape(n * L, E), E, pa.float16(), valid.reshape(-1))

@@ -43,6 +43,18 @@ A workload shift (``shift_at > 0``, MoE-Infinity §7.5's task shift): requests b
 request ``shift_at`` draw their topic from the first half of the topics, the others from
 the second half, and the later ones carry the dataset label ``<dataset>-shifted``.
 
+Encoder-decoder models (``model.encoder_layers = n > 0``): the encoder layers
+``0..n-1`` route the ``P`` prompt positions, all in iteration 0; the decoder layers
+``n..L-1`` route ``O`` positions, one per iteration (the decoder's start token at iteration
+0, then each output token but the last).  The encoder's positions and the decoder's have
+token states ``z`` of their own (children 0 and 1 of the request's seed), and the first
+decoder layer has no cross-layer term (nothing links it to the encoder's last layer).
+Speculative probabilities: none for the encoder's first layer; the other encoder layers
+have them at iteration 0 only; the decoder's first layer is predicted as layer 0 of a
+decoder-only model (``spec_noise_first_layer``, null at iteration 0), the other decoder
+layers with ``spec_noise``.  Embeddings are computed as for a decoder-only model (the
+prompt positions, then the output positions).
+
 Lengths: prompt and output token counts from log-normal distributions (clipped), or
 from an Azure-format arrival CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``).
 Arrivals: none (static batches), a Poisson process of ``arrival_rate_rps``, or the CSV.
@@ -349,12 +361,16 @@ class SyntheticWorkload:
     def request(self, r: int, prompt: int, output: int, seed: np.random.SeedSequence) -> dict:
         """Generate one request's iterations.
 
-        Returns a dict of arrays: ``counts (O, L, E)``, ``probs (O, L, E)``,
-        ``spec_probs (O, L, E)`` (NaN rows where null), ``embedding (O, D)``,
-        ``num_tokens (O,)`` and ``topic``.
+        Returns a dict of arrays: ``counts (O, L, E)``, ``probs (O, L, E)`` (zero rows
+        where a layer sees no token), ``spec_probs (O, L, E)`` (NaN rows where null),
+        ``embedding (O, D)``, ``num_tokens (O,)`` (each iteration's: the prompt at
+        iteration 0, 1 after), ``layer_tokens (O, L)`` (the tokens each layer sees: the
+        iteration's at every layer of a decoder-only model; for an encoder-decoder model
+        the prompt at iteration 0 and 0 after at an encoder layer, 1 at a decoder
+        layer) and ``topic``.
         """
         cfg, m = self.cfg, self.model
-        L, E, k, D = m.num_layers, m.num_experts, m.top_k, cfg.embedding_dim
+        L, E, D = m.num_layers, m.num_experts, cfg.embedding_dim
         rng = np.random.default_rng(seed)
         if cfg.shift_at:  # a workload shift: one half of the topics before it, one after
             half = cfg.num_topics // 2
@@ -368,32 +384,103 @@ class SyntheticWorkload:
         # iteration of each position: prompt -> 0, then one position per decode iteration
         it_of_pos = np.concatenate([np.zeros(prompt, np.int64), np.arange(1, output)])
         jitter = cfg.request_jitter * rng.standard_normal((L, E))
-        rho = cfg.locality
+        ntok = np.bincount(it_of_pos, minlength=output).astype(np.float64)  # (O,)
+        if m.encoder_layers:
+            counts, probs, spec = self._encoder_decoder_layers(
+                rng, seed, topic, jitter, prompt, output
+            )
+            layer_tokens = np.ones((output, L), np.int64)
+            layer_tokens[:, : m.encoder_layers] = 0
+            layer_tokens[0, : m.encoder_layers] = prompt
+        else:
+            counts, probs, spec = self._decoder_layers(rng, seed, topic, jitter, it_of_pos, ntok)
+            layer_tokens = np.repeat(ntok.astype(np.int64)[:, None], L, axis=1)
+        # embeddings: request near its topic centroid, tokens around the request
+        emb = np.zeros((output, D))
+        if D:
+            scale = 1.0 / math.sqrt(D)
+            req_emb = self.centroids[topic] + cfg.topic_spread * scale * rng.standard_normal(D)
+            tok = req_emb + cfg.token_noise * scale * rng.standard_normal((T, D))
+            np.add.at(emb, it_of_pos, tok)
+            emb /= ntok[:, None]
+        return {
+            "counts": counts,
+            "probs": probs,
+            "spec_probs": spec,
+            "embedding": emb,
+            "num_tokens": ntok.astype(np.int64),
+            "layer_tokens": layer_tokens,
+            "topic": topic,
+        }
+
+    def _token_state(self, seed: np.random.SeedSequence, stream: int, T: int) -> np.ndarray | None:
+        """The token state ``z (T, E)`` shared by all layers, from child ``stream`` of the
+        request's seed; None when ``depth_share`` is 0."""
+        if self.rotation is None:
+            return None
+        rho = self.cfg.locality
+        eps_z = np.random.default_rng(_child(seed, stream)).standard_normal(
+            (T, self.model.num_experts)
+        )
+        eps_z[0] /= math.sqrt(1 - rho * rho)
+        return _ar1(eps_z, rho)
+
+    def _logits(
+        self,
+        rng: np.random.Generator,
+        topic: int,
+        layer: int,
+        jitter: np.ndarray,
+        z: np.ndarray | None,
+        prev_sel: np.ndarray | None,
+        T: int,
+    ) -> np.ndarray:
+        """Router logits ``x (T, E)`` of ``T`` token positions at ``layer`` (module
+        docstring), ``prev_sel (T, E)`` the experts chosen at the layer before."""
+        cfg, E = self.cfg, self.model.num_experts
+        rho, h = cfg.locality, cfg.depth_share
+        eps = rng.standard_normal((T, E))
+        eps[0] /= math.sqrt(1 - rho * rho)  # start the AR(1) in its stationary law
+        u = _ar1(eps, rho)  # (T, E)
+        if z is not None:
+            assert self.rotation is not None
+            u = math.sqrt(1 - h) * u + math.sqrt(h) * (z @ self.rotation[layer].T)
+        x = self.base[topic, layer] + jitter[layer] + cfg.noise * u
+        if prev_sel is not None and cfg.cross_layer:
+            x += cfg.cross_layer * (prev_sel @ self.cross[layer])
+        return x
+
+    def _select(self, p: np.ndarray) -> np.ndarray:
+        """The top-k experts of each row of ``p (T, E)`` as a 0/1 array ``(T, E)``."""
+        k = self.model.top_k
+        top = np.argpartition(-p, k - 1, axis=1)[:, :k]  # (T, k)
+        sel = np.zeros(p.shape)
+        np.put_along_axis(sel, top, 1.0, axis=1)
+        return sel
+
+    def _decoder_layers(
+        self,
+        rng: np.random.Generator,
+        seed: np.random.SeedSequence,
+        topic: int,
+        jitter: np.ndarray,
+        it_of_pos: np.ndarray,
+        ntok: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``counts, probs, spec_probs (O, L, E)`` of a decoder-only model: every layer
+        routes the ``T`` positions, position ``t`` in iteration ``it_of_pos[t]``."""
+        cfg, m = self.cfg, self.model
+        L, E = m.num_layers, m.num_experts
+        T, output = len(it_of_pos), len(ntok)
         counts = np.zeros((output, L, E), np.int32)
         probs = np.zeros((output, L, E), np.float64)
         spec = np.full((output, L, E), np.nan)
         prev_sel: np.ndarray | None = None  # (T, E) 0/1 experts chosen at layer l-1
-        h = cfg.depth_share
-        z = None  # (T, E) the token state shared by all layers; its own stream
-        if self.rotation is not None:
-            eps_z = np.random.default_rng(_child(seed, 0)).standard_normal((T, E))
-            eps_z[0] /= math.sqrt(1 - rho * rho)
-            z = _ar1(eps_z, rho)
-        ntok = np.bincount(it_of_pos, minlength=output).astype(np.float64)  # (O,)
+        z = self._token_state(seed, 0, T)  # (T, E) the token state shared by all layers
         for layer in range(L):
-            eps = rng.standard_normal((T, E))
-            eps[0] /= math.sqrt(1 - rho * rho)  # start the AR(1) in its stationary law
-            u = _ar1(eps, rho)  # (T, E)
-            if z is not None:
-                assert self.rotation is not None
-                u = math.sqrt(1 - h) * u + math.sqrt(h) * (z @ self.rotation[layer].T)
-            x = self.base[topic, layer] + jitter[layer] + cfg.noise * u
-            if prev_sel is not None and cfg.cross_layer:
-                x += cfg.cross_layer * (prev_sel @ self.cross[layer])
+            x = self._logits(rng, topic, layer, jitter, z, prev_sel, T)
             p = _softmax(x / cfg.temperature)  # (T, E)
-            top = np.argpartition(-p, k - 1, axis=1)[:, :k]  # (T, k)
-            sel = np.zeros((T, E))
-            np.put_along_axis(sel, top, 1.0, axis=1)
+            sel = self._select(p)
             np.add.at(counts[:, layer, :], it_of_pos, sel.astype(np.int32))
             np.add.at(probs[:, layer, :], it_of_pos, p)
             # speculative prediction of this layer, made one layer early
@@ -415,22 +502,59 @@ class SyntheticWorkload:
                 spec[:, layer, :] = acc
             prev_sel = sel
         probs /= ntok[:, None, None]
-        # embeddings: request near its topic centroid, tokens around the request
-        emb = np.zeros((output, D))
-        if D:
-            scale = 1.0 / math.sqrt(D)
-            req_emb = self.centroids[topic] + cfg.topic_spread * scale * rng.standard_normal(D)
-            tok = req_emb + cfg.token_noise * scale * rng.standard_normal((T, D))
-            np.add.at(emb, it_of_pos, tok)
-            emb /= ntok[:, None]
-        return {
-            "counts": counts,
-            "probs": probs,
-            "spec_probs": spec,
-            "embedding": emb,
-            "num_tokens": ntok.astype(np.int64),
-            "topic": topic,
-        }
+        return counts, probs, spec
+
+    def _encoder_decoder_layers(
+        self,
+        rng: np.random.Generator,
+        seed: np.random.SeedSequence,
+        topic: int,
+        jitter: np.ndarray,
+        prompt: int,
+        output: int,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``counts, probs, spec_probs (O, L, E)`` of an encoder-decoder model (module
+        docstring): the encoder layers route the ``prompt`` positions in iteration 0,
+        the decoder layers one position per iteration."""
+        cfg, m = self.cfg, self.model
+        L, E, n = m.num_layers, m.num_experts, m.encoder_layers
+        counts = np.zeros((output, L, E), np.int32)
+        probs = np.zeros((output, L, E), np.float64)
+        spec = np.full((output, L, E), np.nan)
+        z_enc = self._token_state(seed, 0, prompt)  # (P, E)
+        z_dec = self._token_state(seed, _DECODER_STREAM, output)  # (O, E)
+        prev_sel: np.ndarray | None = None
+        for layer in range(L):
+            encoder = layer < n
+            if layer == n:
+                prev_sel = None  # no cross-layer link from the encoder to the decoder
+            T = prompt if encoder else output
+            x = self._logits(rng, topic, layer, jitter, z_enc if encoder else z_dec, prev_sel, T)
+            p = _softmax(x / cfg.temperature)  # (T, E)
+            sel = self._select(p)
+            # speculative prediction of this layer, made one layer early; nothing precedes
+            # the encoder's first layer, and the decoder's first layer is predicted from
+            # the previous position's last-layer state (decode only)
+            sp = None
+            if layer == n:
+                if output > 1:
+                    sp = x + cfg.spec_noise_first_layer * rng.standard_normal((T, E))
+            elif layer != 0:
+                sp = x + cfg.spec_noise * rng.standard_normal((T, E))
+            if encoder:  # all positions in iteration 0
+                counts[0, layer] = sel.sum(axis=0)
+                probs[0, layer] = p.sum(axis=0) / prompt
+                if sp is not None:
+                    spec[0, layer] = _softmax(sp / cfg.temperature).sum(axis=0) / prompt
+            else:  # position j in iteration j
+                counts[:, layer] = sel
+                probs[:, layer] = p
+                if sp is not None:
+                    spec[:, layer] = _softmax(sp / cfg.temperature)
+                    if layer == n:
+                        spec[0, layer] = np.nan  # iteration 0: nothing precedes it
+            prev_sel = sel
+        return counts, probs, spec
 
     def dataset_of(self, r: int) -> str:
         """The dataset label of request ``r``: ``<dataset>-shifted`` after a shift."""
@@ -445,6 +569,7 @@ class SyntheticWorkload:
         cfg, m = self.cfg, self.model
         lens = self.lengths()
         params = dataclasses.asdict(cfg)
+        first_layers = 2 if m.encoder_layers else 1
         manifest = TraceManifest(
             model=TraceModel.of(m),
             embedding_dim=cfg.embedding_dim,
@@ -455,7 +580,10 @@ class SyntheticWorkload:
                 "seed": cfg.seed,
             },
             has_probs=True,
-            has_spec_probs=bool(lens.output.max() > 1 or m.num_layers > 1),
+            # a decode predicts the (decoder's) first layer; the prefill predicts every
+            # layer but the first (the encoder's and the decoder's first, for an
+            # encoder-decoder model)
+            has_spec_probs=bool(lens.output.max() > 1 or m.num_layers > first_layers),
             created_at=None,
             notes="Synthetic trace from fmoesim's workload model; not real routing data.",
         )
@@ -481,8 +609,14 @@ class SyntheticWorkload:
                         g["counts"][i],
                         g["probs"][i],
                         g["spec_probs"][i],
+                        layer_tokens=g["layer_tokens"][i] if m.encoder_layers else None,
                     )
         return Path(path)
+
+
+#: child of a request's seed that draws the decoder's token state (encoder-decoder
+#: models; child 0 draws the encoder's, or the decoder-only model's)
+_DECODER_STREAM = 1
 
 
 def _rotations(rng: np.random.Generator, L: int, E: int) -> np.ndarray:
