@@ -312,7 +312,8 @@ def _legend_clear_of_data(fig) -> list:
 WITH_LEGEND = {"fmoe-fig4", "fmoe-fig10", "fmoe-fig11", "fmoe-fig13", "fmoe-fig14a",
                "fmoe-fig14b", "fmoe-fig16", "moe-infinity-fig9", "moe-infinity-fig9-gpu-rich",
                "moe-infinity-fig12", "moe-infinity-tab7",
-               "moe-infinity-tab5",
+               "moe-infinity-tab5", "moe-infinity-tab5-switch", "moe-infinity-tab5-nllb",
+               "moe-infinity-fig9-switch", "moe-infinity-fig9-nllb", "moe-infinity-fig12-nllb",
                "moe-infinity-tab5-arctic", "moepic-fig2b", "moepic-fig4", "moepic-fig7",
                "moepic-tab1", "moepic-fig8", "moepic-fig8-mixtral", "moepic-fig7-qwen"}  # fmt: skip
 

@@ -697,6 +697,8 @@ NOT_AT_SMALL_SCALE = {
     "Vanilla over 16 requests, 1.7% more over 3",
     "moe-infinity:fig12-prefill-mixtral": "the paper's number is at batch 64; 3 requests make "
     "one batch of 3 (129 tokens/s)",
+    "moe-infinity:fig12-prefill-nllb": "the paper's number is at batch 64; 3 requests "
+    "make one batch of 3",
     "moe-infinity:fig12-prefill-best": "3 requests make one batch of 3 at every swept batch "
     "size from 4 on, so batches 4 to 64 are one point, where dependency leads",
     "moe-infinity:tab7-recovery": "the shift comes after 48 requests; 3-request runs have "

@@ -696,8 +696,30 @@ FIGURES: dict[str, Figure] = {
     "moe-infinity-tab5-arctic": Figure(
         "moe-infinity-tab5-arctic", "MoE-Infinity Table 5, Arctic", mi_tab5, False
     ),
+    "moe-infinity-tab2-3-switch": Figure(
+        "moe-infinity-tab2-3-switch", "MoE-Infinity Tables 2-3, Switch", mi_tab23
+    ),
+    "moe-infinity-tab5-switch": Figure(
+        "moe-infinity-tab5-switch", "MoE-Infinity Table 5, Switch", mi_tab5, False
+    ),
+    "moe-infinity-tab2-3-nllb": Figure(
+        "moe-infinity-tab2-3-nllb", "MoE-Infinity Tables 2-3, NLLB-MoE", mi_tab23
+    ),
+    "moe-infinity-tab5-nllb": Figure(
+        "moe-infinity-tab5-nllb", "MoE-Infinity Table 5, NLLB-MoE", mi_tab5, False
+    ),
     "moe-infinity-fig9": Figure(
         "moe-infinity-fig9", "MoE-Infinity Fig. 9: latency against request rate", mi_fig9
+    ),
+    "moe-infinity-fig9-switch": Figure(
+        "moe-infinity-fig9-switch",
+        "MoE-Infinity Fig. 9(a): Switch, latency against request rate",
+        mi_fig9,
+    ),
+    "moe-infinity-fig9-nllb": Figure(
+        "moe-infinity-fig9-nllb",
+        "MoE-Infinity Fig. 9(b): NLLB-MoE, latency against request rate",
+        mi_fig9,
     ),
     "moe-infinity-fig9-gpu-rich": Figure(
         "moe-infinity-fig9-gpu-rich",
@@ -706,6 +728,9 @@ FIGURES: dict[str, Figure] = {
     ),
     "moe-infinity-fig12": Figure(
         "moe-infinity-fig12", "MoE-Infinity Fig. 12: prefill throughput", mi_fig12
+    ),
+    "moe-infinity-fig12-nllb": Figure(
+        "moe-infinity-fig12-nllb", "MoE-Infinity Fig. 12: NLLB-MoE, prefill throughput", mi_fig12
     ),
     "moe-infinity-tab7": Figure(
         "moe-infinity-tab7", "MoE-Infinity Table 7: latency after a task shift", mi_tab7
