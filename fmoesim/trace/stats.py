@@ -79,13 +79,10 @@ def spec_recall(trace: Trace) -> np.ndarray:
     L, k = trace.num_layers, trace.top_k
     if trace.spec_probs is None or trace.spec_valid is None:
         return np.full(L, np.nan)
-    if trace.encoder_layers:
-        one = trace.layer_tokens == 1  # (N, L)
-        dec = np.flatnonzero(one.any(axis=1))
-        valid = trace.spec_valid[dec] & one[dec]  # (D, L)
-    else:
-        dec = np.flatnonzero(trace.num_tokens == 1)  # one token: the routed set is the top-k
-        valid = trace.spec_valid[dec]  # (D, L)
+    # one token at a layer: its routed set is the top-k (decoder-only: the decode rows)
+    one = trace.layer_tokens == 1  # (N, L)
+    dec = np.flatnonzero(one.any(axis=1))
+    valid = trace.spec_valid[dec] & one[dec]  # (D, L)
     spec = trace.spec_probs[dec].astype(np.float32)  # (D, L, E)
     top = np.argpartition(-spec, k - 1, axis=2)[..., :k]  # (D, L, k)
     hit = np.take_along_axis(trace.counts[dec] > 0, top, axis=2).sum(axis=2) / k  # (D, L)
