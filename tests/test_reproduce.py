@@ -13,6 +13,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -37,7 +38,7 @@ from fmoesim.reproduce.score import (
     score_claim,
     scoreboard,
 )
-from fmoesim.reproduce.smallscale import holding, points, recheck
+from fmoesim.reproduce.smallscale import default_jobs, holding, points, recheck
 
 SCOREBOARD_DIR = PROJECT_ROOT / "results" / "reproduction"
 #: requests per run of the regression check, and its time limit
@@ -660,6 +661,123 @@ def test_recheck_mechanism_on_a_fixture(tmp_path: Path) -> None:
     assert s.holds == YES, s.detail
 
 
+def test_recheck_on_workers_gives_the_same_rows() -> None:
+    """Red when running the small check's points on worker processes changes a row or
+    its order (workers racing to write one synthetic trace, rows matched to the wrong
+    points), against the same points run in this process."""
+    import pandas as pd
+
+    from fmoesim.reproduce.smallscale import Job, run_jobs
+
+    work: list[Job] = [  # a chain whose stop rule no run meets, and a single point
+        ("fmoe-fig12", [{"policy": "lru"}, {"policy": "fmoe"}], [("tpot_mean_s", -1.0)]),
+        ("fmoe-fig14a", [{"policy": "lfu"}], []),
+    ]
+    clock = ["wall_s", "speedup_vs_real"]  # wall-clock columns
+    here = pd.DataFrame(run_jobs(work, 2, jobs=1)).drop(columns=clock)
+    workers = pd.DataFrame(run_jobs(work, 2, jobs=2)).drop(columns=clock)
+    assert list(here["policy"]) == ["lru", "fmoe", "lfu"]
+    pd.testing.assert_frame_equal(here, workers)
+
+
+@pytest.mark.parametrize(
+    ("experiment", "point"),
+    [
+        ("fmoe-fig16", {"policy": "fmoe", "model": "phi-3.5-moe", "policy.store_capacity": 1000}),
+        ("moepic-fig4", {"policy": "moepic", "policy.prefetch": "none", "policy.split_ratio": 0.5}),
+        ("moepic-fig9a", {"policy": "moepic", "policy.rho": 0.25, "policy.omega": 128}),
+        ("moe-infinity-fig12", {"policy": "moe-infinity", "serving.batch_size": 8}),
+        ("moepic-fig8", {"policy": "adapmoe", "cache.budget_gb": 6}),
+    ],
+)
+def test_compose_point_is_hydras_compose(experiment: str, point: dict[str, Any]) -> None:
+    """Red when the small check's cached composition differs from Hydra's full compose
+    of the same overrides (a value override applied before the group defaults, a
+    ``++`` key dropped, the cached config shared between runs and mutated)."""
+    from omegaconf import OmegaConf
+
+    from fmoesim.cli.main import compose_config
+    from fmoesim.reproduce.smallscale import compose_point, overrides
+
+    ov = overrides(experiment, point, 3)
+    full = OmegaConf.to_yaml(compose_config(ov))
+    first = compose_point(ov)
+    first.serving.max_requests = -1  # a run that changes its config
+    assert OmegaConf.to_yaml(compose_point(ov)) == full  # from the kept composition
+    with pytest.raises(FmoesimError, match="no_such_key"):
+        compose_point([*ov, "cache.no_such_key=1"])
+
+
+#: fake TPOTs (s) of moepic-fig8's budgets (GB) per policy: not monotone (a dip at 5 GB
+#: above 0.14 s, 6 GB under it), one at exactly 0.08 s, and two that never meet 0.08 s
+FAKE_TPOT_S = {
+    "moepic": {2: 0.15, 3: 0.13, 4: 0.09, 5: 0.07, 6: 0.10, 7: 0.05},
+    "mixtral-offloading": {2: 0.2, 3: 0.18, 4: 0.16, 5: 0.15, 6: 0.13, 7: 0.12},
+    "adapmoe": {2: 0.2, 3: 0.15, 4: 0.13, 5: 0.09, 6: 0.08, 7: 0.07},
+    "moe-infinity": {2: 0.2, 3: 0.19, 4: 0.17, 5: 0.145, 6: 0.139, 7: 0.11},
+}
+
+
+def _fake_row(experiment: str, point: dict[str, Any]) -> dict[str, Any]:
+    """A summary row of ``point`` with its FAKE_TPOT_S (10 GB of TPOT 0.3 s past 7 GB)."""
+    from fmoesim.results.store import code_version
+
+    budget = float(point["cache.budget_gb"])
+    tpot = FAKE_TPOT_S[point["policy"]].get(int(budget), 0.3)
+    return {
+        "experiment": experiment,
+        "policy": point["policy"],
+        "config_json": json.dumps({"cache": {"budget_gb": budget}}),
+        "code_version": code_version(),
+        "timing": True,
+        "tpot_mean_s": tpot,
+        "vram_footprint_bytes": budget * 1e9 + 1e8,
+    }
+
+
+def test_min_budget_chains_stop_at_the_strictest_target(monkeypatch) -> None:
+    """Red when the small check runs a min_budget side's budgets past the first that
+    meets its claims' strictest target (time wasted), stops before it or skips the
+    largest budget of a side that never meets it (scores then differ from running every
+    point), or runs a chained point that another claim reads only once it is chained."""
+    import fmoesim.cli.main as cli_main
+    import fmoesim.config.build as config_build
+    from fmoesim.reproduce import smallscale
+
+    claims = [c for c in load_catalog("moepic") if c.experiment == "moepic-fig8"]
+    ran: list[tuple[str, float]] = []
+
+    def fake_run(point: dict[str, Any], multirun: bool = False) -> dict[str, Any]:
+        ran.append((point["policy"], float(point["cache.budget_gb"])))
+        return _fake_row("moepic-fig8", point)
+
+    # a run's config is its point, and it runs as fake_run; no trace is made
+    monkeypatch.setattr(smallscale, "small_config", lambda exp, point, requests: point)
+    monkeypatch.setattr(cli_main, "run_config", fake_run)
+    monkeypatch.setattr(cli_main, "_trace_path", lambda spec: None)
+    monkeypatch.setattr(config_build, "build_run", lambda cfg: cfg)
+    lazy = recheck(claims, requests=3)
+    every = [
+        (e, p) for e, p in {(c.experiment, smallscale._point_key(p)): (c.experiment, p)
+                            for c in claims for p in points(c)}.values()
+    ]  # fmt: skip
+    full = pd.DataFrame([_fake_row(e, p) for e, p in every])
+    for a, c in zip(lazy, claims, strict=True):
+        b = score_claim(c, full)
+        assert (a.fmoesim_value, a.holds, a.detail) == (b.fmoesim_value, b.holds, b.detail), c.id
+    budgets = [float(b) for b in sweep_params("moepic-fig8")["cache.budget_gb"]]
+
+    def budgets_run(policy: str) -> list[float]:
+        return sorted(b for p, b in ran if p == policy)
+
+    # the strictest targets: MoEpic's 0.06 s (met first at 7 GB), the baselines' 0.08 s
+    # (AdapMoE meets it at 6 GB; the others never do, so every budget runs)
+    assert budgets_run("moepic") == [b for b in budgets if b <= 7]
+    assert budgets_run("adapmoe") == [b for b in budgets if b <= 6]
+    assert budgets_run("moe-infinity") == budgets_run("mixtral-offloading") == budgets
+    assert len(set(ran)) == len(ran) < len(every)  # each point once, some never
+
+
 _UNCONFIGURED = (
     "MoEpic's TPOT lead needs its configurator, which runs every 5,000 tokens: 3 requests "
     "process fewer, so MoEpic stays at its uniform start (theta = 0.5) and trails by 8-30%"
@@ -745,6 +863,6 @@ def test_holding_claims_still_hold(paper: str) -> None:
     claims, why = _holding(paper)
     if not claims:
         pytest.skip(why)
-    scores = recheck(claims, requests=REGRESS_REQUESTS)
+    scores = recheck(claims, requests=REGRESS_REQUESTS, jobs=default_jobs())
     broken = [f"{s.claim.id}: {s.fmoesim_value} ({s.detail})" for s in scores if s.holds != YES]
     assert not broken, "claims that no longer hold at small scale:\n" + "\n".join(broken)
