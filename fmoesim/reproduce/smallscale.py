@@ -221,14 +221,6 @@ def small_config(experiment: str, point: dict[str, Any], requests: int) -> Any:
     return cfg
 
 
-def run_points(experiment: str, pts: Sequence[dict[str, Any]], requests: int) -> Any:
-    """Run each point of ``experiment`` with ``requests`` requests in this process
-    (nothing written); return the rows as a DataFrame like the store's."""
-    import pandas as pd
-
-    return pd.DataFrame(run_jobs([(experiment, [p], []) for p in pts], requests, jobs=1))
-
-
 def _trace_keys(point: dict[str, Any]) -> dict[str, Any]:
     """The part of ``point`` that chooses its synthetic trace (model and workload keys);
     points that differ elsewhere (the policy, the budget...) read the same trace."""
