@@ -276,11 +276,17 @@ def run_jobs(jobs_list: Sequence[Job], requests: int, jobs: int) -> list[dict[st
         return [row for rows in ex.map(_run_job, work) for row in rows]
 
 
+#: at most this many worker processes by default (each holds its own runs' state)
+MAX_DEFAULT_JOBS = 8
+
+
 def default_jobs() -> int:
-    """Worker processes for :func:`recheck` by default: the cores this process may use."""
+    """Worker processes for :func:`recheck` by default: the cores this process may use,
+    at most :data:`MAX_DEFAULT_JOBS`."""
     import os
 
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    return max(1, min(cores, MAX_DEFAULT_JOBS))
 
 
 def holding(catalog: Sequence[Claim], csv_path: Path) -> list[Claim]:
