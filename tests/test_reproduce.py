@@ -538,6 +538,45 @@ def test_min_budget_needs_its_fields() -> None:
             claim(**base, **kw).check()
 
 
+def test_best_reached_by_hand() -> None:
+    """Red when a best_reached claim takes the argmin instead of the first value within
+    the tolerance, compares against the wrong side, reads the sweep in store order
+    instead of numeric order, or accepts a tolerance on another kind.  TPOT (ms) at 1, 2,
+    4, 8 GPUs, rows stored out of order: dependency 60/50/30.5/29 (best 29, within 5%:
+    <= 30.45, so 8 GPUs; within 10%: <= 31.9, 4 GPUs), moe-infinity 30/29.5/29/29 (within
+    5%: <= 30.45, 1 GPU).  dependency needs 8 GPUs against 1: +700%; at 10%, 4 against 1:
+    +300%."""
+    tpot = {"dependency": (60, 50, 30.5, 29), "moe-infinity": (30, 29.5, 29, 29)}
+    df = store_rows("moe-infinity-fig11", [
+        {"policy": p, "hardware.num_gpus": n, "tpot_mean_s": t / 1e3}
+        for p, ts in tpot.items() for n, t in reversed(list(zip((1, 2, 4, 8), ts, strict=True)))
+    ])  # fmt: skip
+    base = dict(kind="best_reached", experiment="moe-infinity-fig11",
+                over="hardware.num_gpus", a={"policy": "dependency"},
+                b={"policy": "moe-infinity"}, direction="higher")  # fmt: skip
+    five = claim(**base, tolerance=0.05, paper_value=300.0)
+    five.check()
+    s = score_claim(five, df)
+    assert (s.fmoesim_value, s.holds) == (pytest.approx(700.0), YES)
+    assert s.ratio == pytest.approx(700.0 / 300.0)
+    assert "at hardware.num_gpus 8" in s.detail and "B at 1" in s.detail
+    s = score_claim(claim(**base, tolerance=0.10), df)
+    assert s.fmoesim_value == pytest.approx(300.0)
+    # tolerance 0, the first lowest: dependency 8 GPUs, moe-infinity 4 (its first 29 ms)
+    s = score_claim(claim(**base, tolerance=0.0), df)
+    assert (s.fmoesim_value, s.holds) == (pytest.approx(100 * (8 / 4 - 1)), YES)
+    swapped = claim(**{**base, "a": base["b"], "b": base["a"]}, tolerance=0.05)
+    assert score_claim(swapped, df).holds == NO
+    for kw, msg in ((dict(kind="best_reached", over="hardware.num_gpus"), "tolerance"),
+                    (dict(kind="relative", tolerance=0.05), "tolerance"),
+                    (dict(kind="best_reached", tolerance=0.05), "needs over"),
+                    (dict(kind="best_reached", over="hardware.num_gpus", tolerance=-0.1),
+                     ">= 0")):  # fmt: skip
+        with pytest.raises(FmoesimError, match=msg):
+            claim(experiment="moe-infinity-fig11", a={"policy": "dependency"},
+                  b={"policy": "moe-infinity"}, **kw).check()  # fmt: skip
+
+
 def test_diminishing_by_hand() -> None:
     """Red when a diminishing claim reads the wrong pair as "beyond B", or holds when the
     gain beyond B is as large as the gain up to it: similarity 0.5 -> 0.8 -> 0.84 gains

@@ -440,6 +440,17 @@ def mi_tab7(df: Any, plt: Any) -> tuple[Any, str]:
     return fig, "\n".join(lines)
 
 
+def mi_fig11(df: Any, plt: Any) -> tuple[Any, str]:
+    """TPOT against the number of GPUs the experts are spread over."""
+    df = _with(df, "hardware.num_gpus", "gpus")
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    _lines(ax, df, "gpus", "tpot_mean_s", 1e3, "GPUs", "mean TPOT (ms)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(df.gpus)), [f"{n:g}" for n in sorted(set(df.gpus))])
+    cols = {"TPOT ms": ("tpot_mean_s", 1e3, ".1f"), "hit rate %": ("hit_rate", 100, ".2f")}
+    return fig, _table(df.sort_values(["policy", "gpus"]), cols, ["policy", "gpus"])
+
+
 def mi_fig13(df: Any, plt: Any) -> tuple[Any, str]:
     """Latency vs EAMC capacity."""
     df = _with(df, "policy.eamc_capacity", "capacity").sort_values("capacity")
@@ -725,6 +736,9 @@ FIGURES: dict[str, Figure] = {
         "moe-infinity-fig9-gpu-rich",
         "MoE-Infinity Fig. 9: the GPU-Rich reference (8 GPUs, every expert resident)",
         mi_fig9_gpu_rich,
+    ),
+    "moe-infinity-fig11": Figure(
+        "moe-infinity-fig11", "MoE-Infinity Fig. 11: Switch, latency against GPUs", mi_fig11
     ),
     "moe-infinity-fig12": Figure(
         "moe-infinity-fig12", "MoE-Infinity Fig. 12: prefill throughput", mi_fig12

@@ -39,6 +39,7 @@ KINDS = (
     "min_budget",
     "at_point",
     "trend",
+    "best_reached",
     "model",
 )
 #: the statistics of a ``model`` claim, in percent: the routed experts' share of all the
@@ -104,6 +105,7 @@ class Claim:
     layers: str | None = None
     b_layers: str | None = None
     model: str | None = None
+    tolerance: float | None = None
     reason: str = ""
     note: str = ""
 
@@ -167,7 +169,14 @@ class Claim:
             raise FmoesimError(f"{bad}: diminishing compares three fixed points, not per")
         if self.kind in ("relative", "every_point", "min_budget", "at_point") and not b_named:
             raise FmoesimError(f"{bad}: side b names no policy")
-        if self.kind in ("every_point", "most_points", "min_budget", "trend") and not self.over:
+        if (self.kind == "best_reached") != (self.tolerance is not None):
+            raise FmoesimError(f"{bad}: tolerance (of the best) goes with best_reached only")
+        if self.tolerance is not None and not self.tolerance >= 0:
+            raise FmoesimError(f"{bad}: tolerance {self.tolerance!r} must be >= 0")
+        if self.kind == "best_reached" and (self.per or not b_named or self.b_agg != "one"):
+            raise FmoesimError(f"{bad}: best_reached compares two policies' sweeps, not per")
+        kinds_over = ("every_point", "most_points", "min_budget", "trend", "best_reached")
+        if self.kind in kinds_over and not self.over:
             raise FmoesimError(f"{bad}: {self.kind} needs over (the swept key)")
         if self.kind == "most_points" and len(self.among) < 2:
             raise FmoesimError(f"{bad}: most_points needs among (two policies or more)")
@@ -197,6 +206,7 @@ def _claim(paper: str, raw: dict[str, Any]) -> Claim:
     targets = [targets] if isinstance(targets, int | float) else targets or []
     value = raw.pop("paper_value", None)
     at = raw.pop("at", None)
+    tol = raw.pop("tolerance", None)
     if isinstance(raw.get("b"), list):  # side B: the rows of any of these filters
         raw["b"] = tuple(dict(f) for f in raw["b"])
     try:
@@ -207,6 +217,7 @@ def _claim(paper: str, raw: dict[str, Any]) -> Claim:
             targets=tuple(_number(t, raw.get("id"), "targets") for t in targets),
             scale=_number(raw.pop("scale", 1.0), raw.get("id"), "scale"),
             at=None if at is None else _number(at, raw.get("id"), "at"),
+            tolerance=None if tol is None else _number(tol, raw.get("id"), "tolerance"),
             paper_value=None if value is None else float(value),
             **raw,
         )

@@ -41,6 +41,10 @@ same unit as the paper's number.  The kinds:
   of ``among``": the relative change between each two consecutive swept values, per
   policy; fmoesim's number is the least favourable of them all, so the direction holds
   only when every step of every policy goes the claimed way.
+- ``best_reached``: "A needs more of the swept resource than B to reach its best" (a
+  paper's "needs 4 GPUs to achieve the best possible latency"): per side, the smallest
+  swept value of ``over`` whose metric is within ``tolerance`` (relative: 0.05 is 5%)
+  of the side's lowest over the sweep; the effect is A's value against B's.
 - ``model``: a statistic of a model preset's shape (:func:`model_statistic`), not a
   comparison of runs: fmoesim's number is the statistic in percent; the direction holds
   when, rounded half up to as many decimals as the paper prints, it is the paper's
@@ -65,7 +69,8 @@ The direction holds ("yes") when the effect has the claimed sign (strictly below
 "n.a." when fmoesim has no number.  The magnitude ratio is fmoesim's effect divided by
 the paper's (both in percent): 1 is the paper's size, 0.17 a sixth of it, a negative
 ratio the opposite direction; it exists for ``relative``, ``mean_relative``,
-``min_budget``, ``at_most``, ``at_least`` and ``model`` claims with a paper number.
+``min_budget``, ``best_reached``, ``at_most``, ``at_least`` and ``model`` claims with a
+paper number.
 """
 
 from __future__ import annotations
@@ -303,6 +308,8 @@ def _effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
         return beyond, holds, f"up to B: {_fmt(upto)}; beyond B: {_fmt(beyond)}"
     if claim.kind == "min_budget":
         return _min_budget(claim, df, what)
+    if claim.kind == "best_reached":
+        return _best_reached(claim, df, what)
     b_layers = claim.b_layers or claim.layers
     if claim.kind == "relative":
         value = relative_pct(
@@ -382,6 +389,44 @@ def least_meeting(
     meeting = [(v, r) for v, r in points if float(r[metric]) <= target]
     v, r = meeting[0] if meeting else points[-1]
     return (float(r[size]) if size else v), bool(meeting), v
+
+
+def first_near_best(
+    df: Any, flt: Filter, over: str, metric: str, tolerance: float, what: str
+) -> tuple[float, float, float]:
+    """``(value, its metric, the best metric)`` of one side of a ``best_reached`` claim:
+    the smallest swept ``over`` value whose ``metric`` is at most ``1 + tolerance``
+    times the side's lowest."""
+    rows = select(df, flt)
+    if rows.empty:
+        raise FmoesimError(f"{what}: no run matches {flt}")
+    if metric not in rows.columns:
+        raise FmoesimError(f"{what}: the store's rows have no column {metric}")
+    points = sorted((float(row_value(r, over)), float(r[metric])) for _, r in rows.iterrows())
+    if len({v for v, _ in points}) != len(points):
+        raise FmoesimError(f"{what}: several runs match {flt} at one value of {over}")
+    if any(math.isnan(m) for _, m in points):
+        raise FmoesimError(f"{what}: {metric} is missing in a run matching {flt}")
+    best = min(m for _, m in points)
+    v, m = next((v, m) for v, m in points if m <= best * (1.0 + tolerance))
+    return v, m, best
+
+
+def _best_reached(claim: Claim, df: Any, what: str) -> tuple[float, bool, str]:
+    """:func:`effect` of a ``best_reached`` claim (the module docstring)."""
+    assert claim.over is not None and claim.metric is not None  # Claim.check
+    assert claim.tolerance is not None and isinstance(claim.b, dict)
+    args = (claim.over, claim.metric, claim.tolerance, what)
+    a, a_m, a_best = first_near_best(df, claim.a, *args)
+    b, b_m, b_best = first_near_best(df, claim.b, *args)
+    value = relative_pct(a, b, what)
+    within = f"within {_num(100 * claim.tolerance)}% of its best"
+    detail = (
+        f"A {within} ({_num(round(a_best, 6))}) at {claim.over} {_num(a)} "
+        f"({_num(round(a_m, 6))}); B at {_num(b)} ({_num(round(b_m, 6))}, "
+        f"its best {_num(round(b_best, 6))})"
+    )
+    return value, favourable(value, claim.direction), detail
 
 
 def _min_budget(claim: Claim, df: Any, what: str) -> tuple[float, bool, str]:
@@ -526,7 +571,7 @@ def _model_score(claim: Claim) -> Score:
 #: ``most_points``: values this close (relative) to the best are ties, as rounding apart
 TIE_REL = 1e-9
 
-_RATIO_KINDS = ("relative", "mean_relative", "min_budget", "at_point", *BOUNDS)
+_RATIO_KINDS = ("relative", "mean_relative", "min_budget", "best_reached", "at_point", *BOUNDS)
 
 
 def experiments_of(claims: Sequence[Claim]) -> list[str]:
