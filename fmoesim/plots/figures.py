@@ -223,14 +223,21 @@ def fig10(df: Any, plt: Any) -> tuple[Any, str]:
     return fig, _table(df, cols, ["policy"])
 
 
+def _tpot_against(df: Any, plt: Any, x: str, xlabel: str) -> tuple[Any, str]:
+    """Mean TPOT against column ``x`` on a log-2 axis, one line per policy, and a table
+    of TPOT and hit rate per policy and ``x``."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    _lines(ax, df, x, "tpot_mean_s", 1e3, xlabel, "mean TPOT (ms)")
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(df[x]))
+    ax.set_xticks(ticks, [f"{v:g}" for v in ticks])
+    cols = {"TPOT ms": ("tpot_mean_s", 1e3, ".1f"), "hit rate %": ("hit_rate", 100, ".2f")}
+    return fig, _table(df.sort_values(["policy", x]), cols, ["policy", x])
+
+
 def fig11(df: Any, plt: Any) -> tuple[Any, str]:
     """TPOT vs expert budget."""
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    _lines(ax, df, "budget_gb", "tpot_mean_s", 1e3, "expert budget per GPU (GB)", "mean TPOT (ms)")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted(set(df.budget_gb)), [f"{b:g}" for b in sorted(set(df.budget_gb))])
-    cols = {"TPOT ms": ("tpot_mean_s", 1e3, ".1f"), "hit rate %": ("hit_rate", 100, ".2f")}
-    return fig, _table(df.sort_values(["policy", "budget_gb"]), cols, ["policy", "budget_gb"])
+    return _tpot_against(df, plt, "budget_gb", "expert budget per GPU (GB)")
 
 
 def fig12(df: Any, plt: Any) -> tuple[Any, str]:
@@ -442,13 +449,7 @@ def mi_tab7(df: Any, plt: Any) -> tuple[Any, str]:
 
 def mi_fig11(df: Any, plt: Any) -> tuple[Any, str]:
     """TPOT against the number of GPUs the experts are spread over."""
-    df = _with(df, "hardware.num_gpus", "gpus")
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    _lines(ax, df, "gpus", "tpot_mean_s", 1e3, "GPUs", "mean TPOT (ms)")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted(set(df.gpus)), [f"{n:g}" for n in sorted(set(df.gpus))])
-    cols = {"TPOT ms": ("tpot_mean_s", 1e3, ".1f"), "hit rate %": ("hit_rate", 100, ".2f")}
-    return fig, _table(df.sort_values(["policy", "gpus"]), cols, ["policy", "gpus"])
+    return _tpot_against(_with(df, "hardware.num_gpus", "gpus"), plt, "gpus", "GPUs")
 
 
 def mi_fig13(df: Any, plt: Any) -> tuple[Any, str]:
