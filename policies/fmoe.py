@@ -37,6 +37,8 @@ from policies.base import (
 
 GUIDES = ("map", "hit_count", "speculate")
 CACHES = ("fmoe", "lru", "lfu")
+#: eq. 8's minimum at prefill: ``tokens`` = min(J, K * prompt tokens), ``top_k`` = K
+PREFILL_K = ("tokens", "top_k")
 _EPS = 1e-6  # tolerance of the cumulative-probability test (rows are float16 in traces)
 
 
@@ -362,6 +364,14 @@ class FMoE(Policy):
 
     Selection (§4.3 eq. 6-8): :func:`select_experts` with the match's score
     (``dynamic_threshold``; off: top-k).  With a batch, the union over requests.
+    paper: at least K experts, "the number of experts needed to activate per layer
+    (e.g., Mixtral-8x7B activates two experts per layer)", stated for one token.  here
+    (``prefill_k=tokens``): a prefill iteration's layer activates up to K experts per
+    prompt token, so its minimum is ``min(J, K * prompt tokens)`` (the layers that see
+    the prompt: every layer, or an encoder-decoder's encoder), because a map is the
+    iteration's mean and eq. 8 bounds the experts the iteration needs; the authors'
+    first artifact selects per prompt token and prefetches the union, which this
+    approximates from the mean map.  ``prefill_k=top_k``: K at prefill too.
 
     Asynchronous matching (§4.3).  paper: matching and prefetching run in another
     thread, off the critical path.  here: each decision's prefetches are held back by
@@ -378,14 +388,19 @@ class FMoE(Policy):
     every gate as ``l_now`` advances; a prefetch of a layer that has passed without
     using it is cancelled if it has not started (the paper is silent; the bytes would
     only delay later transfers).  Eviction: ``1 / (p · freq)``
-    (:func:`eviction_priority`).  The paper leaves ``p`` and ``freq`` open; here, as in
-    the authors' scheduler (FineMoE ``task_scheduler.cpp``): ``p`` is the expert's
-    probability in the latest searched map row of its layer (max over the batch's
-    requests; 0 before any search covered it), ``freq`` its visits since it entered the
-    cache, the load counting as the first (so a fresh prefetch ranks by ``p``), both
-    forgotten on eviction; and the experts the current searches picked and that have
-    not been used yet are not evicted while any other candidate is left.  Ties: the
-    oldest admission.  On a miss the engine pauses prefetches and loads on demand
+    (:func:`eviction_priority`).  paper: ``freq`` is "the cache visit frequency", so
+    that the experts "less frequently hit" go first; ``p`` "the probability from the
+    searched map".  here: ``p`` is the expert's probability in the latest searched map
+    row of its layer (max over the batch's requests; 0 before any search covered it),
+    as in the authors' scheduler (FineMoE ``task_scheduler.cpp``); ``freq`` its visits
+    since it entered the cache, the visit that missed and brought it in included, a
+    prefetch's load not (a prefetch never used ranks at ``1 / 0``, first out once
+    unprotected), both forgotten on eviction (as the scheduler does).  The scheduler
+    counts every load as a visit: ``freq_counts_load=true`` (a fresh prefetch then ranks
+    by ``p``, like an expert used once).  The experts the current searches picked and
+    that have not been used yet, loading or already in the cache, are not evicted while
+    any other candidate is left (the scheduler's ``replace_cache_candidates``).  Ties:
+    the oldest admission.  On a miss the engine pauses prefetches and loads on demand
     (§4.5).
 
     Store (§4.4): :class:`ExpertMapStore` with RDY replacement.  Offline mode (§6.1):
@@ -426,6 +441,8 @@ class FMoE(Policy):
         cache: str = "fmoe",
         match_latency_s: float = 2e-5,
         learn_online: bool = True,
+        freq_counts_load: bool = False,
+        prefill_k: str = "tokens",
         label: str | None = None,
     ) -> None:
         if int(prefetch_distance) < 1:
@@ -436,6 +453,8 @@ class FMoE(Policy):
             raise ValueError(f"guide must be one of {list(GUIDES)}, got {guide!r}")
         if cache not in CACHES:
             raise ValueError(f"cache must be one of {list(CACHES)}, got {cache!r}")
+        if prefill_k not in PREFILL_K:
+            raise ValueError(f"prefill_k must be one of {list(PREFILL_K)}, got {prefill_k!r}")
         if not (math.isfinite(match_latency_s) and match_latency_s >= 0):
             raise ValueError(f"match_latency_s must be finite and >= 0, got {match_latency_s}")
         self.prefetch_distance = int(prefetch_distance)
@@ -447,6 +466,8 @@ class FMoE(Policy):
         self.cache = cache
         self.match_latency_s = float(match_latency_s)
         self.learn_online = bool(learn_online)
+        self.freq_counts_load = bool(freq_counts_load)
+        self.prefill_k = prefill_k
         if label is not None:
             self.name = str(label)  # type: ignore[misc]  # an ablation's name in results
         # perf: the engine builds speculative probabilities only for the variant using them
@@ -465,10 +486,10 @@ class FMoE(Policy):
         self._L, self._J, self._K, self._d = L, J, m.top_k, self.prefetch_distance
         self.store: ExpertMapStore | None = None  # built at the first map (needs D)
         # per key (L*J,), Python lists: read and written one key at a time
-        self._freq = [0.0] * (L * J)  # in-cache visits (load = 1)
+        self._freq = [0.0] * (L * J)  # visits since admission (freq_counts_load: load = 1)
         self._last = [0] * (L * J)  # recency stamp (cache="lru")
         self._admitted = [0] * (L * J)  # admission stamp (ties)
-        self._held = [False] * (L * J)  # mirror of _pending's keys (victim)
+        self._held = [False] * (L * J)  # mirror of the keys of _pending and _kept (victim)
         self._clock = 0
         self._guide = [0.0] * (L * J)  # p of the latest search
         self._in: set[int] = set()  # keys admitted and not evicted
@@ -483,6 +504,13 @@ class FMoE(Policy):
         self._guided = self.cache == "fmoe"  # the rank reads _guide
         self._rank = self._ranker()
         self._pending: dict[int, float] = {}  # prefetched key -> its map probability p
+        # picked keys already in the cache -> their layer: held like _pending's until used
+        self._kept: dict[int, int] = {}
+        self._prompt: dict[int, int] = {}  # request id -> prompt tokens
+        # per request of the iteration: eq. 8's minimum K of the layers below _k_hi
+        self._k_req: list[int] = []
+        self._k_hi = 0
+        self._n_enc = m.encoder_layers
         self._req_counts: dict[int, np.ndarray] = {}  # hit_count: request -> (L, J)
         self._spec_first: np.ndarray | None = None  # speculate: next iteration's layer 0
         self._log: dict[str, list[float]] = {
@@ -527,12 +555,15 @@ class FMoE(Policy):
                 store.add(maps[t], None if emb is None else emb[t])
 
     def on_request_start(self, request: RequestInfo) -> None:
-        """``hit_count``: open the request's count matrix."""
+        """Note the prompt's length (eq. 8 at prefill); ``hit_count``: open the
+        request's count matrix."""
+        self._prompt[request.request_id] = request.prompt_tokens
         if self.guide == "hit_count":
             self._req_counts[request.request_id] = np.zeros((self._L, self._J))
 
     def on_request_end(self, request_id: int) -> None:
         """``hit_count``: file the finished request's counts (``learn_online``)."""
+        self._prompt.pop(request_id, None)
         counts = self._req_counts.pop(request_id, None)
         if counts is not None and self.learn_online:
             self._store(0).add(counts)
@@ -549,12 +580,22 @@ class FMoE(Policy):
         self._sem_scores = []
         self._sem_all = None  # (B, n) semantic cosines, reused by RDY
         self._query = store.query(B) if self.guide != "speculate" and self.trajectory else None
+        K = self._K
+        if batch.prefill and self.prefill_k == "tokens":
+            # eq. 8 for an iteration of many tokens: at most K experts a token, so up to
+            # min(J, K * prompt) a layer; the layers that see the prompt are the encoder's
+            # of an encoder-decoder model (its decoder sees one token), else every one
+            self._k_req = [min(self._J, K * self._prompt.get(r, 1)) for r in batch.request_ids]
+            self._k_hi = self._n_enc or self._L
+        else:
+            self._k_req = [K] * B
+            self._k_hi = 0
         if self.guide == "speculate":
             first, self._spec_first = self._spec_first, None
             if first is None:
                 return None
             self._set_guide(0, np.asarray(first, dtype=np.float64).tolist())
-            return self._actions(self._pick(first, 0, None), -1, [])
+            return self._actions(self._pick(first, 0, None, self._k(-1, 0)), -1, [])
         if not store.size:
             return None
         picks: list[tuple[int, float]] = []  # (key, p)
@@ -568,12 +609,12 @@ class FMoE(Policy):
             for i in range(B):
                 sc = self._sem_scores[i] if self.dynamic_threshold else None
                 for layer in range(d):
-                    picks += self._pick(rows[i, layer], layer, sc)
+                    picks += self._pick(rows[i, layer], layer, sc, self._k(i, layer))
         else:  # no semantic search: historical popularity for the first d layers
             pop = store.mean_map()
             self._set_guide(0, pop[:d].ravel().tolist())
             for layer in range(d):
-                picks += self._pick(pop[layer], layer, None)
+                picks += self._pick(pop[layer], layer, None, self._k(-1, layer))
         return self._actions(picks, -1, [])
 
     def _set_guide(self, layer: int, p: list[float]) -> None:
@@ -586,16 +627,25 @@ class FMoE(Policy):
                 self._dirty.update([k for k in self._in_layer[lay] if p[k - a] < guide[k]])
         guide[a : a + len(p)] = p
 
-    def _pick(self, row: np.ndarray, layer: int, score: float | None) -> list[tuple[int, float]]:
-        """``(key, p)`` of the experts :func:`select_experts` picks from ``row``."""
-        return self._pick_list(row.tolist(), layer, score)
+    def _k(self, i: int, layer: int) -> int:
+        """Eq. 8's minimum for request ``i`` (-1: the batch, its largest) at ``layer``."""
+        if layer >= self._k_hi:
+            return self._K
+        return max(self._k_req) if i < 0 else self._k_req[i]
+
+    def _pick(
+        self, row: np.ndarray, layer: int, score: float | None, k: int
+    ) -> list[tuple[int, float]]:
+        """``(key, p)`` of the experts :func:`select_experts` picks from ``row``, at
+        least ``k``."""
+        return self._pick_list(row.tolist(), layer, score, k)
 
     def _pick_list(
-        self, p: list[float], layer: int, score: float | None
+        self, p: list[float], layer: int, score: float | None, k: int
     ) -> list[tuple[int, float]]:
         """:meth:`_pick` on a row given as a list."""
         base = layer * self._J
-        return [(base + e, p[e]) for e in _select(p, self._K, score)]
+        return [(base + e, p[e]) for e in _select(p, k, score)]
 
     def _actions(
         self, picks: list[tuple[int, float]], now: int, cancel: list[int]
@@ -603,17 +653,20 @@ class FMoE(Policy):
         """Prefetches of ``picks`` (union over requests, max p) not in the cache yet, and
         re-ranks of the pending ones, at ``PRI = p / (l - l_now)``; lower engine values
         go first, so the queue value is ``1 - PRI``."""
-        pending, inbuf, held = self._pending, self._in, self._held
+        pending, inbuf, held, kept = self._pending, self._in, self._held, self._kept
+        J = self._J
         for key, p in picks:
             if key in pending:
                 if p > pending[key]:
                     pending[key] = p
-            elif key not in inbuf:  # resident or arriving for another reason: nothing to do
+            elif key not in inbuf:
                 pending[key] = p
                 held[key] = True  # not in the cache: not ranked
+            elif key not in kept:  # in the cache already: nothing to load, kept until used
+                kept[key] = key // J
+                held[key] = True  # its rank rises to inf (victim re-pushes a risen rank)
         if not pending and not cancel:
             return None
-        J = self._J
         # perf: prefetch_priority inlined (every pending key's layer is ahead of now)
         out = sorted([(1.0 - p / (key // J - now), key) for key, p in pending.items()])
         return Actions(
@@ -651,6 +704,12 @@ class FMoE(Policy):
                 dirty.add(key)  # its rank drops from inf
                 if key < base or not counts[key - base]:
                     cancel.append(key)
+        if self._kept:
+            kept, dirty = self._kept, self._dirty
+            for key in [k for k, lay in kept.items() if lay <= layer]:
+                del kept[key]
+                self._held[key] = False
+                dirty.add(key)  # its rank drops from inf
         picks: list[tuple[int, float]] = []
         target = layer + self._d
         store = self.store
@@ -660,7 +719,7 @@ class FMoE(Policy):
                 if layer + 1 < L:
                     p = np.asarray(spec, dtype=np.float64).tolist()
                     self._set_guide(layer + 1, p)
-                    picks = self._pick_list(p, layer + 1, None)
+                    picks = self._pick_list(p, layer + 1, None, self._k(-1, layer + 1))
                 else:
                     self._spec_first = np.array(spec)
         elif self._query is not None:
@@ -683,17 +742,23 @@ class FMoE(Policy):
                         if self.guide == "hit_count":  # counts -> shares, top-k
                             row = mapped[i]
                             tot = float(row.sum())
-                            picks += self._pick(row / tot if tot > 0 else row, target, None)
+                            picks += self._pick(
+                                row / tot if tot > 0 else row, target, None, self._k(i, target)
+                            )
                         else:
                             picks += self._pick_list(
-                                rows_p[i], target, sc if self.dynamic_threshold else None
+                                rows_p[i],
+                                target,
+                                sc if self.dynamic_threshold else None,
+                                self._k(i, target),
                             )
         elif target < L and self._sem_slots and store is not None:
             # trajectory search off: the semantic match guides every layer
             mapped = store._maps[target, self._sem_slots]  # (B, J)
             self._set_guide(target, mapped.max(axis=0).tolist())
             for i, sc in enumerate(self._sem_scores):
-                picks += self._pick(mapped[i], target, sc if self.dynamic_threshold else None)
+                sc_i = sc if self.dynamic_threshold else None
+                picks += self._pick(mapped[i], target, sc_i, self._k(i, target))
         acts = self._actions(picks, layer, cancel)
         return NO_ACTIONS if acts is None else acts
 
@@ -745,7 +810,10 @@ class FMoE(Policy):
         """Track what the cache holds; the load is the first in-cache visit."""
         self._in.add(key)
         self._in_layer[key // self._J].add(key)
-        self._freq[key] = 1.0
+        # the visit that missed and brought it in counts (on_access came first); a
+        # prefetch's load counts only with freq_counts_load (the authors' scheduler)
+        freq = self._freq
+        freq[key] = 1.0 if self.freq_counts_load or freq[key] > 0.0 else 0.0
         self._clock += 1
         self._last[key] = self._admitted[key] = self._clock
         self._dirty.add(key)
@@ -755,7 +823,7 @@ class FMoE(Policy):
         self._in.discard(key)
         self._in_layer[key // self._J].discard(key)
         self._top.pop(key, None)  # its heap entries are stale now
-        if self._pending.pop(key, None) is not None:
+        if self._pending.pop(key, None) is not None or self._kept.pop(key, None) is not None:
             self._held[key] = False
         self._freq[key] = 0.0
         self._guide[key] = 0.0

@@ -18,7 +18,7 @@ from fmoesim.engine.serving import ServingConfig, split_requests
 from fmoesim.engine.simulate import held_in_requests, simulate
 from fmoesim.trace.reader import Trace
 from fmoesim.workload.synthetic import SyntheticConfig, generate
-from policies.base import NO_ACTIONS, BatchInfo, GateView, Outcome, RequestTrace
+from policies.base import NO_ACTIONS, BatchInfo, GateView, Outcome, RequestInfo, RequestTrace
 from policies.belady import Belady
 from policies.fmoe import (
     ExpertMapStore,
@@ -104,10 +104,11 @@ def one_iteration(rid: int, rows, embedding) -> RequestTrace:
 
 
 def test_eviction_lowest_probability_times_in_cache_visits_and_protects_predictions():
-    """L = 2, J = 4, d = 1.  The semantic match's row 0 is (.5, .2, .3, 0).  In-cache visits
-    (the load counts once): key 0 once, key 1 four times, key 2 six times, so p·freq =
-    .5, .8, 1.8.  Key 0 is the match's prediction for layer 0 and not used yet, so it is
-    kept and key 1 goes; once the gate shows layer 0 routes elsewhere, key 0 goes."""
+    """L = 2, J = 4, d = 1.  The semantic match's row 0 is (.5, .2, .3, 0).  Keys 0-2 are
+    prefetched (a load is no visit) and then visited: key 0 never, key 1 three times, key
+    2 five times, so p·freq = 0, .6, 1.5.  Key 0 is the match's prediction for layer 0 and
+    not used yet, so it is kept and key 1 goes; once the gate shows layer 0 routes
+    elsewhere, key 0 goes."""
     m = small_model(2, 4, 1)
     pol = FMoE(prefetch_distance=1)
     pol.reset(context(m, 3))
@@ -128,6 +129,69 @@ def test_eviction_lowest_probability_times_in_cache_visits_and_protects_predicti
     # the same ranking as the paper's formula, highest 1/(p·freq) first
     pri = {k: eviction_priority(p, f) for k, p, f in ((0, 0.5, 1), (1, 0.2, 4), (2, 0.3, 6))}
     assert max(pri, key=pri.get) == 0
+
+
+def test_eviction_freq_counts_visits_not_a_prefetchs_load():
+    """§4.5: freq is the cache visit frequency ("less frequently hit" go first).  Both
+    keys of layer 0 have p = .5.  Key 1 missed, was loaded on demand (its visit counts:
+    freq 1) and is the older; key 0 was prefetched, never used (freq 0), so it goes.
+    With ``freq_counts_load`` (the authors' scheduler) both count 1 and the older, key 1,
+    goes.  Red if the load counts by default, or the miss that brought a key in does not."""
+    m = small_model(2, 4, 1)
+    for counts_load, want in ((False, 0), (True, 1)):
+        pol = FMoE(prefetch_distance=1, freq_counts_load=counts_load)
+        pol.reset(context(m, 3))
+        pol.learn([one_iteration(0, [[0.5, 0.5, 0.0, 0.0], [0.25] * 4], [1.0, 0.0])])
+        acts = pol.on_iteration_start(batch([1.0, 0.0]))
+        assert acts is not None and [p.key for p in acts.prefetch] == [0]
+        pol.on_access(1, Outcome.MISS)
+        pol.on_insert(1)  # loaded on demand
+        pol.on_insert(0)  # the prefetch lands
+        pol.on_gate(0, gate(0, [0.0, 1.0, 0.0, 0.0]))  # key 0 passed unused: unprotected
+        assert pol.victim({0, 1}, 9) == want, counts_load
+
+
+def test_picks_already_in_the_cache_are_kept_until_their_layer():
+    """The search's picks not used yet are protected whether they still load or are in the
+    cache already (the authors' ``replace_cache_candidates``).  L = 2, J = 4, d = 1, top-1.
+    Keys 2 and 3 are cached, visited once and three times; the match's row 0 is (0, 0,
+    .6, .4), so it picks key 2, in the cache: p·freq = .6 against 1.2, yet key 3 goes
+    while key 2 waits for layer 0; after gate 0, key 2 goes.  Red if a resident pick is
+    left unprotected, or stays protected after its layer."""
+    m = small_model(2, 4, 1)
+    pol = FMoE(prefetch_distance=1)
+    pol.reset(context(m, 3))
+    pol.learn([one_iteration(0, [[0.0, 0.0, 0.6, 0.4], [0.25] * 4], [1.0, 0.0])])
+    for k in (2, 3):
+        pol.on_insert(k)
+    pol.on_access(2, Outcome.HIT)
+    for _ in range(3):
+        pol.on_access(3, Outcome.HIT)
+    acts = pol.on_iteration_start(batch([1.0, 0.0]))
+    assert acts is None  # nothing to load: key 2 is in the cache
+    assert pol.victim({2, 3}, 9) == 3
+    pol.on_gate(0, gate(0, [0.0, 0.0, 1.0, 0.0]))
+    assert pol.victim({2, 3}, 9) == 2
+
+
+def test_prefill_minimum_is_k_per_prompt_token():
+    """Eq. 8 at prefill: a 3-token prompt of a top-1 model activates up to 3 experts a
+    layer, so the match (score 1, δ = 0) prefetches at least 3 (the zero beyond them
+    never); decoding, 1.  ``prefill_k=top_k``: 1 at prefill too.  Red if prefill keeps
+    one token's minimum, or decoding takes the prompt's."""
+    m = small_model(2, 4, 1)
+    for prefill_k, want in (("tokens", [0, 1, 2]), ("top_k", [0])):
+        pol = FMoE(prefetch_distance=1, prefill_k=prefill_k)
+        pol.reset(context(m, 4))
+        pol.learn([one_iteration(0, [[0.7, 0.2, 0.1, 0.0], [0.25] * 4], [1.0, 0.0])])
+        pol.on_request_start(RequestInfo(7, 3, 2, np.array([1.0, 0.0])))
+        acts = pol.on_iteration_start(batch([1.0, 0.0]))
+        assert acts is not None and [p.key for p in acts.prefetch] == want, prefill_k
+        for layer in range(2):
+            pol.on_gate(layer, gate(layer, [0.7, 0.2, 0.1, 0.0]))
+        pol.on_iteration_end(batch([1.0, 0.0]))
+        acts = pol.on_iteration_start(batch([1.0, 0.0], iteration=1, prefill=False))
+        assert acts is not None and [p.key for p in acts.prefetch] == [0], prefill_k
 
 
 def test_eviction_ties_go_to_the_oldest_admission_and_lfu_lru_variants():
@@ -427,6 +491,8 @@ def test_bad_knobs_are_refused():
         FMoE(cache="mru")
     with pytest.raises(ValueError, match="match_latency_s"):
         FMoE(match_latency_s=-1.0)
+    with pytest.raises(ValueError, match="prefill_k"):
+        FMoE(prefill_k="all")
     with pytest.raises(ValueError, match="prefetch_distance 9 exceeds"):
         FMoE(prefetch_distance=9).reset(context(MODEL, 8))
 

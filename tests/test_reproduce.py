@@ -826,11 +826,6 @@ _UNCONFIGURED = (
 #: change, so the small check cannot see them (``paper:id``), each with the reason.
 #: Stale entries fail test_small_scale_exceptions_are_current.
 NOT_AT_SMALL_SCALE = {
-    "fmoe:fig4-hit-falls-with-distance": "fMoE's hit rate at distance 6 is 0.24% under "
-    "distance 1's over 10 requests per model (the mean of +2.5%, -3.2% and 0.0%), less "
-    "than 3-request runs move it",
-    "fmoe:fig13-ttft-d3-vs-longer": "fMoE's TTFT at distance 3 is 0.08% under distances 4 "
-    "and 6 over 10 requests per model, 0.09% above them over 3",
     "moepic:s23-layer-hit-rate-spread": "3 requests give each layer a few hundred accesses, "
     "so LFU's per-layer hit rates spread by 6.3 points from sampling alone (4.4 over 32)",
     "moepic:fig7-latency-falls-with-budget": "over 3 requests the configurator never runs "
