@@ -719,6 +719,31 @@ def test_recheck_on_workers_gives_the_same_rows() -> None:
     pd.testing.assert_frame_equal(here, workers)
 
 
+def test_full_runs_are_the_presets_own_and_stop_where_the_plan_says(tmp_path) -> None:
+    """``fmoesim-reproduce --run`` runs a plan at full size into the store: red when a
+    run's store row is not the one ``fmoesim experiment=<name> <point>`` makes (its
+    config hash differs, so a later sweep reruns it), when a chain runs past a run that
+    meets its stop rule, or when a failing run does not stop the rest with one line
+    naming it."""
+    from fmoesim.cli.main import compose_config, run_config
+    from fmoesim.reproduce.smallscale import Job, run_jobs
+    from fmoesim.results.store import load_results
+
+    exp = "moe-infinity-tab5-switch"
+    work: list[Job] = [(exp, [{"policy": "deepspeed"}, {"policy": "belady"}], [("hit_rate", 1.0)])]
+    rows = run_jobs(work, None, jobs=1, store=tmp_path)
+    assert [r["policy"] for r in rows] == ["deepspeed"]  # hit rate <= 1: stop after it
+    assert len(load_results(tmp_path)) == 1
+    again = run_config(
+        compose_config([f"experiment={exp}", "policy=deepspeed", f"store.dir={tmp_path}"]),
+        multirun=True,
+    )
+    assert again.get("done_already") and again["config_hash"] == rows[0]["config_hash"]
+    bad: list[Job] = [(exp, [{"policy": "deepspeed", "cache.budget_gb": -1}], [])]
+    with pytest.raises(FmoesimError, match=r"run experiment=moe-infinity-tab5-switch .*budget"):
+        run_jobs(bad, None, jobs=1, store=tmp_path)
+
+
 @pytest.mark.parametrize(
     ("experiment", "point"),
     [

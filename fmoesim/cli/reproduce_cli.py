@@ -2,7 +2,7 @@
 
 Examples::
 
-    fmoesim-reproduce fmoe --run --jobs 2    # run the fMoE presets missing from the store
+    fmoesim-reproduce fmoe --run --jobs 2    # run the fMoE claims' points the store lacks
     fmoesim-reproduce fmoe                   # score from what the store holds
     fmoesim-reproduce fmoe --docs docs/reproduction.md   # also refresh the docs' table
 
@@ -10,11 +10,12 @@ For each claim of the paper's catalog (``fmoesim/reproduce/claims/<paper>.yaml``
 computes fmoesim's number from the rows of the claim's experiment preset and writes
 ``<out>/<paper>.csv`` and ``<paper>.md`` (one row per claim: the paper's number,
 fmoesim's, whether the direction holds, the magnitude ratio, the preset) and
-``<out>/README.md``.  ``--run`` first runs every point of the presets the claims read,
-all papers' points in one queue on ``--jobs`` processes (runs already in the store are
-skipped).  ``--docs PAGE`` writes each paper's table into PAGE between
-``<!-- scoreboard:<paper> -->`` and ``<!-- /scoreboard:<paper> -->``.  Exit status 2
-and one line on stderr for bad input.
+``<out>/README.md``.  ``--run`` first runs the points of the presets that the claims
+read (:func:`fmoesim.reproduce.smallscale.plan`: a minimum-budget side's budgets in
+ascending order up to the first that meets its strictest target), all papers' points in
+one queue on ``--jobs`` processes (runs already in the store are skipped).  ``--docs
+PAGE`` writes each paper's table into PAGE between ``<!-- scoreboard:<paper> -->`` and
+``<!-- /scoreboard:<paper> -->``.  Exit status 2 and one line on stderr for bad input.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("paper", help=f"one of: all, {', '.join(PAPERS)}")
-    ap.add_argument("--run", action="store_true", help="run the presets missing from the store")
+    ap.add_argument(
+        "--run", action="store_true", help="run the claims' points missing from the store"
+    )
     ap.add_argument("--jobs", type=int, default=2, help="local cores for --run (%(default)s)")
     ap.add_argument("--out", default="results/reproduction", help="output dir (%(default)s)")
     ap.add_argument("--store", default="results/store", help="results store (%(default)s)")

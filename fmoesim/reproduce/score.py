@@ -580,14 +580,22 @@ def experiments_of(claims: Sequence[Claim]) -> list[str]:
 
 
 def ensure_runs(claims: Sequence[Claim], store: Path, jobs: int) -> None:
-    """Run every point of the experiments the claims read into ``store``, as one queue
-    on ``jobs`` processes (:func:`fmoesim.cli.plot_cli.run_experiments`: runs already
-    in the store are skipped)."""
-    from fmoesim.cli.plot_cli import run_experiments
-    from fmoesim.config.schema import PROJECT_ROOT
+    """Run the points the claims read into ``store``, as one queue on ``jobs`` processes
+    (:func:`fmoesim.reproduce.smallscale.plan`: each point once, a minimum-budget side's
+    budgets in ascending order up to the first that meets its strictest target, so the
+    scores are those of every point of the presets; runs already in the store are
+    skipped)."""
+    import time
 
-    dt = run_experiments(experiments_of(claims), store, jobs, PROJECT_ROOT)
-    print(f"all runs: {dt / 60:.1f} min", flush=True)
+    from fmoesim.reproduce.smallscale import plan, run_jobs
+
+    jobs_list = plan(claims)
+    n = sum(len(pts) for _, pts, _ in jobs_list)
+    print(f"runs: at most {n} points of {len(experiments_of(claims))} experiments on "
+          f"{jobs} processes", flush=True)  # fmt: skip
+    t0 = time.perf_counter()
+    rows = run_jobs(jobs_list, None, jobs, store=store)
+    print(f"all runs: {len(rows)} points in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
 
 
 def scoreboard(claims: Sequence[Claim], results: Any) -> list[Score]:

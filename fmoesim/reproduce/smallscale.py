@@ -1,15 +1,17 @@
-"""The regression check of a scoreboard: every claim it marks as holding, rerun at a
-smaller size, must still hold.
+"""The runs a scoreboard reads, and its regression check: every claim it marks as
+holding, rerun at a smaller size, must still hold.
 
 :func:`points` lists the sweep points a claim reads (its policies and filter values, the
 preset's values of its swept keys); :func:`plan` turns the claims' points into jobs
 (each point once; a minimum-budget side as a chain of ascending budgets that stops at
-the first meeting its strictest target); :func:`run_jobs` runs them with fewer requests
-(``serving.max_requests``, and a synthetic trace of fewer requests), writing nothing,
-on worker processes; :func:`recheck` scores the claims on those rows with the
-scoreboard's own rules (:func:`fmoesim.reproduce.score.score_claim`).  A direction that
-holds on the full preset can differ at a smaller size; the size is
-:data:`SMALL_REQUESTS` unless a caller asks for another.
+the first meeting its strictest target); :func:`run_jobs` runs them on worker processes,
+at full size into a results store (``fmoesim-reproduce --run``: the scores are those of
+running every point of the presets) or with fewer requests (``serving.max_requests``,
+and a synthetic trace of fewer requests), writing nothing; :func:`recheck` scores the
+claims on small runs with the scoreboard's own rules
+(:func:`fmoesim.reproduce.score.score_claim`).  A direction that holds on the full
+preset can differ at a smaller size; the size is :data:`SMALL_REQUESTS` unless a caller
+asks for another.
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ def _side_points(experiment: str, sides: Sequence[Filter]) -> list[dict[str, Any
 #: a stop rule of a chain of runs: (metric, at most); a chain stops after the run that
 #: meets every rule of it
 Stop = tuple[str, float]
-#: one job of the small check: an experiment, its points in the order they run, and the
-#: chain's stop rules (none: every point runs)
+#: one job of a plan: an experiment, its points in the order they run, and the chain's
+#: stop rules (none: every point runs)
 Job = tuple[str, list[dict[str, Any]], list[Stop]]
 
 
@@ -117,7 +119,7 @@ def _chain(claim: Claim, side: Filter) -> list[dict[str, Any]] | None:
 
 
 def plan(claims: Sequence[Claim]) -> list[Job]:
-    """The jobs of the small check of ``claims``: every point a claim reads, each once.
+    """The jobs that score ``claims``: every point a claim reads, each once.
 
     A ``min_budget`` claim reads, on each side, the smallest swept value whose metric
     meets its target (else the largest one), so a side that sweeps ``over`` becomes a
@@ -169,11 +171,14 @@ def _point_key(point: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, str(v)) for k, v in point.items()))
 
 
-def overrides(experiment: str, point: dict[str, Any], requests: int) -> list[str]:
-    """The ``fmoesim`` overrides of one small run of ``point``."""
+def overrides(experiment: str, point: dict[str, Any], requests: int | None) -> list[str]:
+    """The ``fmoesim`` overrides of one run of ``point``: the preset's own run (the
+    sweep's overrides) when ``requests`` is None, else a small one."""
     raw = _raw_keys(experiment)
     out = [f"experiment={experiment}"]
     out += [f"{raw.get(k, k)}={v}" for k, v in point.items()]
+    if requests is None:
+        return out
     return [*out, f"serving.max_requests={requests}", *QUIET]
 
 
@@ -221,6 +226,15 @@ def small_config(experiment: str, point: dict[str, Any], requests: int) -> Any:
     return cfg
 
 
+def _config(experiment: str, point: dict[str, Any], requests: int | None, store: str) -> Any:
+    """A run's config: the preset's own run of ``point`` into the store ``store`` (its
+    row the one ``fmoesim experiment=<name> <point>`` adds) when ``requests`` is None,
+    else :func:`small_config`."""
+    if requests is None:
+        return compose_point([*overrides(experiment, point, None), f"store.dir={store}"])
+    return small_config(experiment, point, requests)
+
+
 def _trace_keys(point: dict[str, Any]) -> dict[str, Any]:
     """The part of ``point`` that chooses its synthetic trace (model and workload keys);
     points that differ elsewhere (the policy, the budget...) read the same trace."""
@@ -233,30 +247,53 @@ def _meets(row: dict[str, Any], stop: Stop) -> bool:
     return value is not None and float(value) <= stop[1]
 
 
-def _run_job(job: tuple[str, list[dict[str, Any]], list[Stop], int]) -> list[dict[str, Any]]:
-    """The summary rows of one :data:`Job` (and the requests per run): its points in
-    order, up to the first that meets every stop rule."""
-    from fmoesim.cli.main import run_config
+def _run_job(
+    job: tuple[str, list[dict[str, Any]], list[Stop], int | None, str],
+) -> list[dict[str, Any]]:
+    """The summary rows of one :data:`Job` (with the requests per run, None for the
+    preset's own runs, and the store they go to): its points in order, up to the first
+    that meets every stop rule.  A full-size run prints one line as it finishes (a
+    point the store holds is not run again); a failing run raises
+    :class:`fmoesim.errors.FmoesimError` naming it."""
+    from fmoesim.cli.main import format_line, run_config
+    from fmoesim.config.build import one_line
+    from fmoesim.errors import FmoesimError
 
-    experiment, pts, stops, requests = job
+    experiment, pts, stops, requests, store = job
     rows = []
     for point in pts:
-        rows.append(run_config(small_config(experiment, point, requests), multirun=True))
+        try:
+            rows.append(run_config(_config(experiment, point, requests, store), multirun=True))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes one line
+            ov = " ".join(overrides(experiment, point, None))
+            raise FmoesimError(f"run {ov} failed: {one_line(exc)}") from None
+        if requests is None:
+            note = " (in the store)" if rows[-1].get("done_already") else ""
+            ov = " ".join(overrides(experiment, point, None))
+            print(f"[run] {ov}: {format_line(rows[-1])}{note}", flush=True)
         if stops and all(_meets(rows[-1], s) for s in stops):
             break
     return rows
 
 
-def run_jobs(jobs_list: Sequence[Job], requests: int, jobs: int) -> list[dict[str, Any]]:
-    """The summary rows of the small runs of ``jobs_list`` (:func:`plan`), in its order,
-    on ``jobs`` worker processes (in this process when 1).  Each experiment's inputs
-    and each synthetic trace are prepared here first, once: parallel workers must not
-    race to write the same trace."""
+def run_jobs(
+    jobs_list: Sequence[Job], requests: int | None, jobs: int, store: Path | None = None
+) -> list[dict[str, Any]]:
+    """The summary rows of the runs of ``jobs_list`` (:func:`plan`), in its order, on
+    ``jobs`` worker processes (in this process when 1): small runs of ``requests``
+    requests, writing nothing, or with ``requests=None`` the presets' own runs into the
+    results store ``store`` (points it holds are not run again, so an interrupted run
+    resumes).  Each experiment's inputs and each synthetic trace are prepared here
+    first, once: parallel workers must not race to write the same trace.  The first
+    failing run stops the rest (its error names it)."""
     from fmoesim.cli.main import _trace_path
     from fmoesim.cli.plot_cli import prepare_inputs
     from fmoesim.config.build import build_run
     from fmoesim.config.schema import PROJECT_ROOT
 
+    if requests is None and store is None:
+        raise ValueError("run_jobs: the presets' own runs need a store")
+    into = str(store) if store is not None else ""
     traces: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
     for experiment, pts, _ in jobs_list:
         for point in pts:
@@ -266,14 +303,19 @@ def run_jobs(jobs_list: Sequence[Job], requests: int, jobs: int) -> list[dict[st
             if not any(t[0] == experiment for t in traces):
                 prepare_inputs(experiment, PROJECT_ROOT)
             traces.add(sig)
-            _trace_path(build_run(small_config(experiment, _trace_keys(point), requests)))
-    work = [(e, pts, stops, requests) for e, pts, stops in jobs_list]
+            _trace_path(build_run(_config(experiment, _trace_keys(point), requests, into)))
+    work = [(e, pts, stops, requests, into) for e, pts, stops in jobs_list]
     if jobs <= 1 or len(work) <= 1:
         return [row for w in work for row in _run_job(w)]
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(min(jobs, len(work))) as ex:
-        return [row for rows in ex.map(_run_job, work) for row in rows]
+        futures = [ex.submit(_run_job, w) for w in work]
+        try:
+            return [row for f in futures for row in f.result()]
+        except BaseException:  # a failed run or Ctrl-C: the queued jobs never start
+            ex.shutdown(wait=True, cancel_futures=True)
+            raise
 
 
 #: at most this many worker processes by default (each holds its own runs' state)
