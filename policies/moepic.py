@@ -29,6 +29,20 @@ CACHES = ("lcp", "rnd")
 BUFFER = -1  # budget group of whole experts and bottom segments (the engine's)
 
 
+def applied_split(
+    V: np.ndarray, sizes: np.ndarray, theta: np.ndarray, S: int, E: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The split ratios and cache sizes ``(L,)`` that the cache enforces for Algorithm 1's
+    budgets ``V`` (in experts of ``S`` bytes), cache sizes ``C`` and ratios ``θ = V / C``:
+    ``C_i`` tops (at most ``E``) of ``floor(V_i S / C_i)`` bytes (at most ``S``), so the
+    ``C_i`` tops fit in ``V_i`` however ``θ_i S`` rounds (a top of ``round(θ_i S)`` bytes,
+    a byte over ``V_i S / C_i``, would leave room for ``C_i - 1``).  ``θ`` is kept where
+    ``C_i = 0`` (nothing cached)."""
+    C = np.minimum(np.asarray(sizes, dtype=np.int64), E)
+    top = np.minimum(np.floor(np.asarray(V) * S / np.maximum(C, 1)), S)  # bytes
+    return np.where(C > 0, top / S, np.asarray(theta, dtype=np.float64)), C
+
+
 class MoEpic(Policy):
     """MoEpic (``002`` §3): experts split into a cached top and a prefetched bottom.
 
@@ -81,7 +95,9 @@ class MoEpic(Policy):
     Configurator (§3.4, Algorithm 1).  paper: start uniform (``V_i = V_e / L``,
     ``θ_i = 0.5``, random tops); every ``τ`` tokens, when the device is idle, run
     VramAllocation on the statistics and reconfigure: per layer, split the top-``C_i``
-    experts by priority and cache their tops.  here: statistics from batch-1 decode
+    experts by priority and cache their tops (``C_i = V_i / θ_i``).  here: the ``C_i``
+    VramAllocation chose, with tops of ``floor(V_i S / C_i)`` bytes so that all ``C_i``
+    fit (:func:`applied_split`); statistics from batch-1 decode
     passes (the paper's per-token definitions; a prefill routes many tokens at once);
     ``τ`` counts every token processed (prompt and generated); the reconfiguration runs
     at the first iteration boundary after ``τ`` tokens (the simulated server has no other
@@ -247,7 +263,8 @@ class MoEpic(Policy):
         if t is None or self.stats.tokens.min() == 0:
             return None
         timing = Timing(t.t_att_s, self._K * t.t_expert_s, t.t_head_s, t.t_load_s)
-        V, theta, _, _ = vram_allocation(self._V_e, self.zeta, self.stats, timing)
+        V, theta, sizes, _ = vram_allocation(self._V_e, self.zeta, self.stats, timing)
+        theta, sizes = applied_split(V, sizes, theta, self._S, self._E)
         n, E = self._n, self._E
         evict: list[int] = []
         changed = np.abs(theta - self._theta) > 1e-12
@@ -257,8 +274,7 @@ class MoEpic(Policy):
                 for k in (n + base + e, 2 * n + base + e):
                     if k in self._in:
                         evict.append(k)
-        self._V, self._theta = V, theta
-        self._sizes = self._cache_sizes(V, theta)
+        self._V, self._theta, self._sizes = V, theta, sizes
         pf = []
         for i in range(self._L):
             want = self._by_priority(i)[: int(self._sizes[i])]

@@ -16,7 +16,7 @@ from fmoesim.engine.simulate import simulate
 from fmoesim.trace import read_trace
 from fmoesim.trace.reader import Trace
 from policies.lcp import LCP
-from policies.moepic import MoEpic
+from policies.moepic import MoEpic, applied_split
 from policies.pregated import PreGated
 from tests._baseline_helpers import write_one_token_trace
 from tests.test_policy_contract import MODEL
@@ -131,6 +131,23 @@ def test_reconfiguration_moves_budget_and_keeps_the_total(trace):
         tb = round(rep["split_ratio"][i] * size)
         assert groups[i] == rep["cached_tops"][i] * tb
         assert cache.group_used[i] <= groups[i]
+
+
+def test_applied_split_keeps_algorithm_1s_cache_sizes():
+    """Mixtral 2-bit's expert of 66,404,352 B, V = 3.795 experts, C = 4 (θ = V / C =
+    0.94875): θ S = 63,001,128.96 B rounds up to 63,001,129, and four such tops need 4 B
+    more than V S = 252,004,515.84 B, so floor(V S / round(θ S)) caches 3.  Tops of
+    floor(V S / C) = 63,001,128 B fit all four.  A whole expert stays whole, C = 0 keeps
+    θ, C is capped at E.  Red if the cache size is recomputed from a rounded θ, or a top
+    of C_i no longer fits V_i."""
+    S2 = 66_404_352
+    V = np.array([3.795, 2.0, 0.0, 9.0])
+    theta = np.array([3.795 / 4, 1.0, 0.0, 1.0])
+    th, sizes = applied_split(V, np.array([4, 2, 0, 9]), theta, S2, 8)
+    assert sizes.tolist() == [4, 2, 0, 8]
+    assert round(th[0] * S2) == 63_001_128 and 4 * round(th[0] * S2) <= 3.795 * S2
+    assert int(3.795 * S2 // round(theta[0] * S2)) == 3  # the rounded θ's count
+    assert th[1:].tolist() == [1.0, 0.0, 1.0]
 
 
 def test_same_seed_same_run(trace):
