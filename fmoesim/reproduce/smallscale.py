@@ -262,14 +262,13 @@ def _run_job(
     experiment, pts, stops, requests, store = job
     rows = []
     for point in pts:
+        ov = " ".join(overrides(experiment, point, None))
         try:
             rows.append(run_config(_config(experiment, point, requests, store), multirun=True))
         except Exception as exc:  # noqa: BLE001 - every failure becomes one line
-            ov = " ".join(overrides(experiment, point, None))
             raise FmoesimError(f"run {ov} failed: {one_line(exc)}") from None
         if requests is None:
             note = " (in the store)" if rows[-1].get("done_already") else ""
-            ov = " ".join(overrides(experiment, point, None))
             print(f"[run] {ov}: {format_line(rows[-1])}{note}", flush=True)
         if stops and all(_meets(rows[-1], s) for s in stops):
             break
@@ -307,15 +306,17 @@ def run_jobs(
     work = [(e, pts, stops, requests, into) for e, pts, stops in jobs_list]
     if jobs <= 1 or len(work) <= 1:
         return [row for w in work for row in _run_job(w)]
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     with ProcessPoolExecutor(min(jobs, len(work))) as ex:
         futures = [ex.submit(_run_job, w) for w in work]
         try:
-            return [row for f in futures for row in f.result()]
+            for f in as_completed(futures):
+                f.result()  # the first failure, as it happens
         except BaseException:  # a failed run or Ctrl-C: the queued jobs never start
             ex.shutdown(wait=True, cancel_futures=True)
             raise
+    return [row for f in futures for row in f.result()]
 
 
 #: at most this many worker processes by default (each holds its own runs' state)
