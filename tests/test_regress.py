@@ -72,6 +72,16 @@ def test_cli_update_then_check_then_catch_a_move(tmp_path):
     assert p.returncode == 1
     assert "MOVED" in p.stdout and "-1.000" in p.stdout
     assert "fmoesim-regress --update" in p.stderr
+    # updating one policy rewrites its rows and keeps the other policy's (a golden file
+    # cut down to the named policies, or lfu's row left moved, fails here)
+    extra = pd.DataFrame({"policy": ["aaa"], "budget_gb": [12.0], "hit_rate": [0.25]})
+    pd.concat([extra, df]).to_csv(golden, index=False)
+    p = run("--golden", str(golden), "--policies", "lfu", "--update")
+    assert p.returncode == 0, p.stderr
+    kept = pd.read_csv(golden)
+    assert list(kept.policy) == ["aaa", "lfu", "lfu", "lru", "lru"]
+    assert kept.hit_rate[0] == 0.25
+    assert run("--golden", str(golden), "--policies", "lru,lfu").returncode == 0
 
 
 def test_bad_golden_is_one_line(tmp_path):

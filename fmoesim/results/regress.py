@@ -11,6 +11,7 @@ Usage in any CI::
 
     fmoesim-regress                      # exit 1 and an old/new table when something moved
     fmoesim-regress --update             # accept the new numbers
+    fmoesim-regress --update --policies promoe   # ... of one policy, keeping the other rows
     fmoesim-regress --policies lru,lfu --golden my/golden.csv
 """
 
@@ -154,9 +155,17 @@ def _run(args: argparse.Namespace) -> int:
     policies = [p for p in args.policies.split(",") if p] or None
     new = compute_table(policies)
     if args.update:
+        rows = new
+        if policies and golden.exists():
+            # only the named policies' rows are replaced; the others stay as they were
+            import pandas as pd
+
+            old = read_golden(golden)
+            rows = pd.concat([old[~old.policy.isin(policies)], new], ignore_index=True)
+            rows = rows.sort_values(["policy", "budget_gb"], kind="stable", ignore_index=True)
         with atomic_file(golden) as tmp:
-            new.to_csv(tmp, index=False)
-        print(f"wrote {golden} ({len(new)} rows)")
+            rows.to_csv(tmp, index=False)
+        print(f"wrote {golden} ({len(new)} rows updated, {len(rows)} in all)")
         return 0
     old = read_golden(golden)
     if policies:
