@@ -37,10 +37,13 @@ class ProMoE(GuardedLRU):
     first; when ``l + d >= L`` it targets layer ``l + d - L`` of the next iteration, whose
     routing in the current iteration is already known.  Like a real ``d``-ahead
     predictor it is wrong where routing changes from token to token.  ``use_spec_next``
-    (default on): also prefetch the speculative top experts of layer ``l + 1`` first
+    (default off): also prefetch the speculative top experts of layer ``l + 1`` first
     (layer proximity, MoE-Infinity §5.1), because the engine offers that prediction and
-    a one-layer-ahead guess is the most accurate one (fMoE §6.5); this refinement is
-    ours, not ProMoE's, so ``false`` gives the pure stride reading.
+    a one-layer-ahead guess is the most accurate one (fMoE §6.5).  This refinement is
+    ours, not ProMoE's, and fMoE's prototype did without it: fMoE §6.2 gives
+    Mixtral-Offloading the highest hit rate of the baselines "because of its synchronous
+    speculative prefetching with a prefetch distance of 1", so ProMoE's distance was
+    not 1.  Off is the stride reading §6.1 describes.
     ``n`` per target = ``prefetch_experts`` or, if ``None``, the experts the current layer
     routed to (never below ``top_k``) for the speculative part and all of the remembered
     routing for the stride part; all capped by the room next to the current layer's
@@ -62,7 +65,7 @@ class ProMoE(GuardedLRU):
         self,
         stride: int = 3,
         prefetch_experts: int | None = None,
-        use_spec_next: bool = True,
+        use_spec_next: bool = False,
         cancel_stale: bool = True,
     ) -> None:
         if int(stride) < 1:

@@ -590,7 +590,7 @@ def test_promoe_cancels_stale_prefetches_of_both_distances():
     history).  Gate 1 routes expert 3: 6 is stale.  Gate 2 routes expert 1: 9 was
     needed, 11 is stale."""
     m = small_model(4, 4, 1)
-    p = ProMoE(stride=2)
+    p = ProMoE(stride=2, use_spec_next=True)
     p.reset(context(m, 16))
     p.on_gate(2, gate(2, [0, 3, 0, 1]))
     assert pf(p.on_gate(0, gate(0, [1, 0, 0, 0], [0.1, 0.1, 0.7, 0.1]))) == [
@@ -607,7 +607,7 @@ def test_promoe_cancels_stale_prefetches_of_both_distances():
 
 def test_promoe_prefetches_next_layer_by_spec_and_stride_layer_by_history():
     m = small_model(4, 4, 1)
-    p = ProMoE(stride=2)
+    p = ProMoE(stride=2, use_spec_next=True)
     p.reset(context(m, 16))
     assert pf(p.on_gate(2, gate(2, [0, 3, 0, 1]))) == []  # layer 0's history is empty
     a = p.on_gate(0, gate(0, [1, 0, 0, 0], [0.1, 0.1, 0.7, 0.1]))
@@ -623,7 +623,7 @@ def test_promoe_prefetches_next_layer_by_spec_and_stride_layer_by_history():
 
 def test_promoe_stride_one_uses_history_only_without_speculation():
     m = small_model(4, 4, 1)
-    p = ProMoE(stride=1)
+    p = ProMoE(stride=1, use_spec_next=True)
     p.reset(context(m, 16))
     p.on_gate(0, gate(0, [0, 0, 1, 0], [0.1, 0.1, 0.1, 0.7]))
     assert pf(p.on_gate(0, gate(0, [0, 0, 1, 0], [0.1, 0.1, 0.1, 0.7]))) == [(7, 1.0)]
@@ -631,6 +631,9 @@ def test_promoe_stride_one_uses_history_only_without_speculation():
     with pytest.raises(ValueError, match="stride"):
         ProMoE(stride=5).reset(context(m, 16))
     assert ProMoE().stride == 3  # fMoE §6.1's prefetch distance
+    # fMoE §6.2: Mixtral-Offloading alone prefetches at distance 1, so by default the
+    # stride reading only (no speculative guess for layer l + 1)
+    assert ProMoE().use_spec_next is False
 
 
 # -- MoE-Infinity Fig. 6 (003 §5.1) ------------------------------------------------------
@@ -878,8 +881,14 @@ SPECULATIVE = ["mixtral-offloading", "adapmoe", "pregated", "promoe"]
 ALL = ["deepspeed", "dependency", "brainstorm", *SPECULATIVE]
 
 
+#: ProMoE's preset guesses by history only (the stride reading, fMoE §6.1-§6.2); these
+#: tests are about speculation, so it runs with its speculative guess of layer l + 1
+SPECULATING = {"promoe": {"use_spec_next": True}}
+
+
 def preset(name: str) -> Policy:
-    policy = instantiate(OmegaConf.load(CONF_DIR / "policy" / f"{name}.yaml"))
+    cfg = OmegaConf.load(CONF_DIR / "policy" / f"{name}.yaml")
+    policy = instantiate(OmegaConf.merge(cfg, SPECULATING.get(name, {})))
     assert isinstance(policy, Policy)
     return policy
 
@@ -899,6 +908,22 @@ def test_prefetching_policies_beat_on_demand_loading(smoke_runs: dict[str, dict]
     assert s["prefetch_bytes"] > base["prefetch_bytes"]
     assert s["hit_rate"] > base["hit_rate"] + 0.1
     assert s["accesses"] == base["accesses"]
+
+
+def test_promoe_preset_guesses_by_history_below_its_speculative_reading(
+    synthetic: Trace, smoke_runs: dict[str, dict]
+):
+    # the preset as shipped (use_spec_next=false): the stride-3 guess from the routing the
+    # target layer had last time, which on this accurate-speculation trace hits more than
+    # on-demand loading and less than adding the speculative guess of layer l + 1 (a
+    # preset that speculated again, or guessed nothing, fails one side)
+    cfg = OmegaConf.load(CONF_DIR / "policy" / "promoe.yaml")
+    budget = 20 * SMOKE.expert_size_bytes
+    s = simulate(
+        synthetic, SMOKE, TINY_HW, instantiate(cfg), budget, timing=False, landing="next_step"
+    ).summary
+    assert s["prefetch_bytes"] > 0
+    assert smoke_runs["deepspeed"]["hit_rate"] < s["hit_rate"] < smoke_runs["promoe"]["hit_rate"]
 
 
 def test_speculation_prefetches_less_than_whole_layers(smoke_runs: dict[str, dict]):
