@@ -650,6 +650,15 @@ class Policy(ABC):
         top segment holds (0 = not split); read when a segment is loaded."""
         return 0.0
 
+    def fetches_whole_layers(self) -> bool:
+        """True: every expert of a layer is fetched on demand when the layer runs, routed
+        or not (DeepSpeed-Inference's expert-agnostic layer-wise offloading).  The
+        engine then loads the layer's experts missing from the cache in expert order,
+        admitted like on-demand loads; the layer waits for all of them, computes only the
+        routed ones and counts an access only for those.  Read once, at the start of a
+        run."""
+        return False
+
     def report(self) -> dict[str, np.ndarray] | None:
         """The policy's own table of the run (equal-length columns), e.g. fMoE's
         per-iteration similarity scores; None (the default) when it keeps none.  The

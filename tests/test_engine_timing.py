@@ -103,6 +103,37 @@ def test_a_hit_costs_no_stall(tmp_path):
     )
 
 
+def test_whole_layer_fetch_waits_for_the_layer_and_ranks_unused_experts_first(tmp_path):
+    # DeepSpeed-Inference fetches every expert of a layer when it runs (fMoE §6.1,
+    # MoE-Infinity §2).  TINY: 2 layers x 4 experts, top-1; every token routes layer 0 to
+    # expert 1 and layer 1 to expert 2 (keys 1 and 6); the budget holds 5 experts.
+    # Iteration 0, layer 0 loads keys 0-3 in expert order and waits for the fourth: 4 t_x.
+    # Layer 1 loads 4-7: 4 fits, then 5, 6, 7 evict the never-used 0, 2, 3 (oldest fetch
+    # first), so the used key 1 stays, and from then on each routed expert hits while the
+    # layer's three others load: 3 t_x a layer.  Ranked by admission (plain LRU order),
+    # 5, 6, 7 would evict 0, 1, 2 and every access would miss; loading only the routed
+    # experts (the other reading) gives one load in all after the cold start.
+    from policies.deepspeed import DeepSpeedInference
+
+    p, n = 2, 4
+    tr = write_trace(tmp_path / "t", TINY, [Req(0, p, [[[1], [2]]] * n)])
+    r = simulate(tr, TINY, TINY_HW, DeepSpeedInference(), 5 * SIZE)
+    s = r.summary
+    assert (s["hits"], s["late"], s["misses"]) == ((n - 1) * L, 0, L)
+    assert s["transfers"] == 4 * L + 3 * L * (n - 1)
+    assert s["on_demand_bytes"] == s["pcie_bytes"] == s["transfers"] * SIZE
+    assert [t.key for t in r.transfers[:8]] == list(range(8))
+    assert [t.key for t in r.transfers[8:14]] == [0, 2, 3, 4, 5, 7]
+    compute = sum(L * pre_gate_s(C, [(p, j)]) + C.lm_head_s(1) for j in range(n))
+    assert s["simulated_s"] == pytest.approx(
+        compute + 4 * L * T_X + 3 * L * (n - 1) * T_X, rel=1e-9
+    )  # the routed experts compute while the layer's other loads run (23 us < t_x)
+    assert list(r.caches[0].entries) == [1, 6, 4, 5, 7]  # layer 1's unused fetches last
+    exact = simulate(tr, TINY, TINY_HW, DeepSpeedInference(whole_layer=False), 5 * SIZE)
+    assert exact.summary["transfers"] == L  # the routed experts only: LRU's decisions
+    assert exact.summary["hits"] == (n - 1) * L
+
+
 # -- 2. SimLink ---------------------------------------------------------------------------
 MB = 1_000_000
 BW = 1e9  # 1 GB/s: 1 MB takes 1 ms

@@ -93,6 +93,9 @@ class Runner:
         self._want_spec = policy.uses_spec and trace.spec_probs is not None
         self._want_req = policy.uses_request_gates
         self.segments = policy.uses_segments
+        # every expert of a layer fetched when it runs (DeepSpeed-Inference), not only
+        # the routed ones
+        self.whole_layer = policy.fetches_whole_layers()
         self.n_keys = self.L * self.E
         self.max_key = 3 * self.n_keys if self.segments else self.n_keys
         self._want_req_probs = self._want_req and self._want_probs
@@ -125,6 +128,7 @@ class Runner:
             and not self.segments
             and caches[0].group_of is None
             and not caches[0].release_after_use  # the closed form keeps what it loads
+            and not self.whole_layer  # the closed form loads the routed misses only
             and backend.closed_form_demand
         )
         self.log: dict[str, list[Any]] | None = None
@@ -599,7 +603,25 @@ class Runner:
                 policy.on_access(key, outcome)
             if log is not None:
                 self._log_access(step, layer, e, g, outcome, be.now())
+        if self.whole_layer:
+            self._add_unrouted(layer, experts, missing)
         self._finish_layer(layer, ready, pending, missing, tokens, actions)
+
+    def _add_unrouted(
+        self, layer: int, experts: list[int], missing: list[tuple[int, int, int, float]]
+    ) -> None:
+        """A whole-layer fetch (:meth:`Policy.fetches_whole_layers`): the experts of
+        ``layer`` the gate did not route to and no cache holds join ``missing`` with no
+        tokens (loaded and waited for, never computed, never an access), and the layer's
+        loads go in expert order, as a fetch that does not know the routing issues them."""
+        caches, N, E = self.caches, self.N, self.E
+        base = layer * E
+        routed = set(experts)
+        for e in range(E):
+            g = e % N if N > 1 else 0
+            if e not in routed and base + e not in caches[g].entries:
+                missing.append((g, base + e, 0, 1.0))
+        missing.sort(key=lambda x: x[1])
 
     def _finish_layer(
         self,
@@ -620,8 +642,9 @@ class Runner:
         for x in missing:  # on-demand loads jump the link's queue
             if self._load(x[0], x[1], ON_DEMAND, "on_demand", pin=True):
                 pending.append(x)
-            else:
+            elif x[2]:
                 deferred.append(x)
+            # else: a whole-layer fetch's unrouted expert finds no room: nothing needs it
         if actions is not NO_ACTIONS:  # after the layer's own experts are pinned and loading
             self.apply(actions, aborted=True)
         be.begin_experts(layer, tokens)  # shared experts, then each GPU's expert phase
@@ -946,7 +969,8 @@ class Runner:
             else:
                 keys = [x[1] for x in pending]  # distinct: one entry per expert or segment
                 x = pending.pop(keys.index(be.wait_any(g, keys)))
-            be.expert(g, x[1], x[2], x[3])
+            if x[2]:  # an unrouted expert of a whole-layer fetch computes nothing
+                be.expert(g, x[1], x[2], x[3])
             cache.unpin(x[1])
             if self.segments and x[1] < self.n_keys:
                 self._split_whole(g, layer, x[1])

@@ -344,8 +344,8 @@ def _blocking_bandwidth(
 
 
 def mi_tab23(df: Any, plt: Any) -> tuple[Any, str]:
-    """Blocking time and bandwidth normalised to on-demand (deepspeed)."""
-    return _blocking_bandwidth(df, plt, "deepspeed", "moe-infinity-tab2-3", "on-demand")
+    """Blocking time and bandwidth normalised to on-demand fetching (lru)."""
+    return _blocking_bandwidth(df, plt, "lru", "moe-infinity-tab2-3", "on-demand")
 
 
 def mi_tab4(df: Any, plt: Any) -> tuple[Any, str]:
