@@ -27,11 +27,12 @@ class DeepSpeedInference(LRU):
     of them and computes the routed ones; the cache is a global LRU over all layers'
     experts under the byte budget, because LRU is the cache MoE-Infinity names for
     DeepSpeed-Inference, ranked by use: an expert the layer fetched and did not route to
-    has never been used, so it goes before every used one (the oldest fetch first).
-    Ranked by admission instead, the unrouted experts would push the routed ones out and
-    decoding, a cycle over the layers longer than the cache, would never hit (0.0% on
-    Fig. 9's Mixtral-8x7B point, where the paper's fMoE improves DeepSpeed-Inference's
-    hit rate by 147%, so it hit something).  ``whole_layer=False``
+    has never been used, so it goes before every used one (the oldest fetch first),
+    because "least recently used" ranks by use.  Ranked by admission instead, the
+    unrouted experts would push the routed ones out and decoding, a cycle over the layers
+    longer than the cache, would never hit (0.0% on Fig. 9's Mixtral-8x7B point; the
+    paper's DeepSpeed-Inference hits, since fMoE improves its hit rate by 147%).
+    ``whole_layer=False``
     loads only the routed experts: exact on-demand fetching, the decisions of
     :class:`policies.lru.LRU`.  Whole-layer prefetching of the next layer (MoE-Infinity's
     "dependency-based prefetching, used in DeepSpeed-Inference", §7.2) is the separate
