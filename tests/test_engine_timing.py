@@ -133,6 +133,12 @@ def test_whole_layer_fetch_waits_for_the_layer_and_ranks_unused_experts_first(tm
     assert exact.summary["transfers"] == L  # the routed experts only: LRU's decisions
     assert exact.summary["hits"] == (n - 1) * L
 
+    class Split(DeepSpeedInference):
+        uses_segments = True
+
+    with pytest.raises(ValueError, match="cannot split"):
+        simulate(tr, TINY, TINY_HW, Split(), 5 * SIZE)
+
 
 # -- 2. SimLink ---------------------------------------------------------------------------
 MB = 1_000_000

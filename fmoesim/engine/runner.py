@@ -96,6 +96,11 @@ class Runner:
         # every expert of a layer fetched when it runs (DeepSpeed-Inference), not only
         # the routed ones
         self.whole_layer = policy.fetches_whole_layers()
+        if self.whole_layer and self.segments:
+            raise ValueError(
+                f"policy {policy.name!r}: a whole-layer fetch loads whole experts, "
+                "so it cannot split them (uses_segments)"
+            )
         self.n_keys = self.L * self.E
         self.max_key = 3 * self.n_keys if self.segments else self.n_keys
         self._want_req_probs = self._want_req and self._want_probs
