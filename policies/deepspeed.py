@@ -32,11 +32,10 @@ class DeepSpeedInference(LRU):
     unrouted experts would push the routed ones out and decoding, a cycle over the layers
     longer than the cache, would never hit (0.0% on Fig. 9's Mixtral-8x7B point; the
     paper's DeepSpeed-Inference hits, since fMoE improves its hit rate by 147%).
-    ``whole_layer=False``
-    loads only the routed experts: exact on-demand fetching, the decisions of
-    :class:`policies.lru.LRU`.  Whole-layer prefetching of the next layer (MoE-Infinity's
-    "dependency-based prefetching, used in DeepSpeed-Inference", §7.2) is the separate
-    ``dependency`` policy (:mod:`policies.dependency`).
+    ``whole_layer=False`` loads only the routed experts: exact on-demand fetching, the
+    decisions of :class:`policies.lru.LRU`.  Whole-layer prefetching of the next layer
+    (MoE-Infinity's "dependency-based prefetching, used in DeepSpeed-Inference", §7.2) is
+    the separate ``dependency`` policy (:mod:`policies.dependency`).
     """
 
     name = "deepspeed"
