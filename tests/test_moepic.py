@@ -117,7 +117,7 @@ def test_reconfiguration_moves_budget_and_keeps_the_total(trace):
     assert pol.configurations >= 2
     rep = pol.report()
     assert (rep["configurations"] == pol.configurations).all()  # reported per run
-    V_e = (budget - 2 * K * size) / size  # the default buffer: 2K experts
+    V_e = (budget - K * size) / size  # the default buffer: K experts (§4.1)
     assert rep["budget_experts"].sum() == pytest.approx(V_e)
     assert (rep["budget_experts"] > 0).all()
     reasons = {t.reason for t in r.transfers}
