@@ -55,14 +55,16 @@ class MoEpic(Policy):
     groups of ``C_i`` tops of ``round(θ_i S)`` bytes.  The buffer (``buffer_experts``)
     holds ``K`` whole experts, as §4.1 sets it; the prefetch of layer ``i + 1`` shares it
     with the parts layer ``i`` computes from, so a guess that finds no room is dropped
-    (twice that, over 24 requests, gave a 0.1% higher TPOT on Mixtral-8x7B at 2 bits and
-    160 experts and a 1.4% higher one on Qwen1.5-MoE at 6 GB: a smaller cache, and no
-    fewer misses).  The paper's buffer sits beside the budget ``V_e`` that MoEpic shares
-    with the baselines (eq. 8, ``V_e = V - U_n - U_b``); here it is inside the run's
-    budget, the one number every policy of a sweep gets, so MoEpic caches ``K`` experts'
-    worth less than the paper's at the same budget (2 of Mixtral's 96 at §4.1's
-    default).  ``θ = 0`` caches nothing (prefetch only), ``θ = 1`` with
-    ``prefetch="none"`` caches whole experts per layer (cache only), as §2.3 says.
+    (on MoEpic's testbed twice that, over 24 requests, gave a 0.1% higher TPOT on
+    Mixtral-8x7B at 2 bits and 160 experts and a 1.4% higher one on Qwen1.5-MoE at 6 GB:
+    a smaller cache, and no fewer misses; on fMoE's, bf16 Mixtral-8x7B over six GPUs at
+    24 GB, K gives 471 ms against 386 ms, a prompt's misses queueing for the buffer).
+    The paper's buffer sits beside the budget ``V_e`` that MoEpic shares with the
+    baselines (eq. 8, ``V_e = V - U_n - U_b``); here it is inside the run's budget, the
+    one number every policy of a sweep gets, so MoEpic caches ``K`` experts' worth less
+    than the paper's at the same budget (2 of Mixtral's 96 at §4.1's default).  ``θ = 0``
+    caches nothing (prefetch only), ``θ = 1`` with ``prefetch="none"`` caches whole
+    experts per layer (cache only), as §2.3 says.
 
     Speculative prefetcher (§3.2, eq. 3).  paper: feed ``h_i`` to the next layer's router,
     prefetch one by one in descending predicted score (only the bottom when the top is
