@@ -937,3 +937,23 @@ def test_holding_claims_still_hold(paper: str) -> None:
     scores = recheck(claims, requests=REGRESS_REQUESTS, jobs=default_jobs())
     broken = [f"{s.claim.id}: {s.fmoesim_value} ({s.detail})" for s in scores if s.holds != YES]
     assert not broken, "claims that no longer hold at small scale:\n" + "\n".join(broken)
+
+
+def test_run_queue_keeps_the_items_order_and_names_the_failing_one():
+    # the one queue of fmoesim-plot --run and fmoesim-reproduce --run: results in the
+    # items' order whatever finishes first, on_result per item, and a failing item
+    # raised through on_error with its index (a queue that lost the order, reported
+    # another item, or swallowed the failure fails here), on workers and in process
+    from fmoesim.cli.workers import run_queue
+
+    def named(i: int, e: BaseException) -> BaseException:
+        return RuntimeError(f"item {i}: {type(e).__name__}")
+
+    for jobs in (1, 2):
+        seen: list[int] = []
+        assert run_queue(abs, [-3, 1, -2], jobs, lambda i, r, s=seen: s.append(i)) == [3, 1, 2]
+        assert sorted(seen) == [0, 1, 2]
+        with pytest.raises(RuntimeError, match="item 1: ValueError"):
+            run_queue(int, ["1", "x", "3"], jobs, on_error=named)
+        with pytest.raises(ValueError):
+            run_queue(int, ["1", "x"], jobs)

@@ -103,9 +103,8 @@ def run_experiments(experiments: list[str], store: Path, jobs: int, root: Path) 
     a point runs as ``fmoesim experiment=<name> <point>`` would, and its store row is the
     same.  One progress line per point as it finishes; the first failing point stops
     the rest, with one line naming it."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
     from fmoesim.cli.main import experiment_points
+    from fmoesim.cli.workers import run_queue
 
     t0 = time.perf_counter()
     points: list[list[str]] = []
@@ -119,36 +118,17 @@ def run_experiments(experiments: list[str], store: Path, jobs: int, root: Path) 
     print(f"runs: {n} points of {len(experiments)} experiments on {jobs} processes", flush=True)
     done = [0]
 
-    def report(point: list[str], out: tuple[str, bool]) -> None:
+    def report(k: int, out: tuple[str, bool]) -> None:
         done[0] += 1
         note = " (in the store)" if out[1] else ""
-        print(f"[run {done[0]}/{n}] {' '.join(point)}: {out[0]}{note}", flush=True)
+        print(f"[run {done[0]}/{n}] {' '.join(points[k])}: {out[0]}{note}", flush=True)
 
-    def failed(point: list[str], exc: BaseException) -> FmoesimError:
+    def failed(k: int, exc: BaseException) -> FmoesimError:
         from fmoesim.config.build import one_line
 
-        return FmoesimError(f"run {' '.join(point)} failed: {one_line(exc)}")
+        return FmoesimError(f"run {' '.join(points[k])} failed: {one_line(exc)}")
 
-    if jobs == 1:
-        for point in points:
-            try:
-                out = _run_point([*point, into])
-            except Exception as exc:  # noqa: BLE001 - every failure becomes one line
-                raise failed(point, exc) from None
-            report(point, out)
-        return time.perf_counter() - t0
-    with ProcessPoolExecutor(jobs) as ex:
-        futures = {ex.submit(_run_point, [*pt, into]): k for k, pt in enumerate(points)}
-        try:
-            for f in as_completed(futures):
-                point = points[futures[f]]
-                error = f.exception()
-                if error is not None:
-                    raise failed(point, error) from None
-                report(point, f.result())
-        except BaseException:  # a failed point or Ctrl-C: the queued points never start
-            ex.shutdown(wait=True, cancel_futures=True)
-            raise
+    run_queue(_run_point, [[*pt, into] for pt in points], jobs, report, failed)
     return time.perf_counter() - t0
 
 

@@ -303,20 +303,10 @@ def run_jobs(
                 prepare_inputs(experiment, PROJECT_ROOT)
             traces.add(sig)
             _trace_path(build_run(_config(experiment, _trace_keys(point), requests, into)))
-    work = [(e, pts, stops, requests, into) for e, pts, stops in jobs_list]
-    if jobs <= 1 or len(work) <= 1:
-        return [row for w in work for row in _run_job(w)]
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from fmoesim.cli.workers import run_queue
 
-    with ProcessPoolExecutor(min(jobs, len(work))) as ex:
-        futures = [ex.submit(_run_job, w) for w in work]
-        try:
-            for f in as_completed(futures):
-                f.result()  # the first failure, as it happens
-        except BaseException:  # a failed run or Ctrl-C: the queued jobs never start
-            ex.shutdown(wait=True, cancel_futures=True)
-            raise
-    return [row for f in futures for row in f.result()]
+    work = [(e, pts, stops, requests, into) for e, pts, stops in jobs_list]
+    return [row for rows in run_queue(_run_job, work, jobs) for row in rows]
 
 
 #: at most this many worker processes by default (each holds its own runs' state)
