@@ -730,16 +730,16 @@ def test_full_runs_are_the_presets_own_and_stop_where_the_plan_says(tmp_path) ->
     from fmoesim.results.store import load_results
 
     exp = "moe-infinity-tab5-switch"
-    work: list[Job] = [(exp, [{"policy": "deepspeed"}, {"policy": "belady"}], [("hit_rate", 1.0)])]
+    work: list[Job] = [(exp, [{"policy": "lru"}, {"policy": "belady"}], [("hit_rate", 1.0)])]
     rows = run_jobs(work, None, jobs=1, store=tmp_path)
-    assert [r["policy"] for r in rows] == ["deepspeed"]  # hit rate <= 1: stop after it
+    assert [r["policy"] for r in rows] == ["lru"]  # hit rate <= 1: stop after it
     assert len(load_results(tmp_path)) == 1
     again = run_config(
-        compose_config([f"experiment={exp}", "policy=deepspeed", f"store.dir={tmp_path}"]),
+        compose_config([f"experiment={exp}", "policy=lru", f"store.dir={tmp_path}"]),
         multirun=True,
     )
     assert again.get("done_already") and again["config_hash"] == rows[0]["config_hash"]
-    bad: list[Job] = [(exp, [{"policy": "deepspeed", "cache.budget_gb": -1}], [])]
+    bad: list[Job] = [(exp, [{"policy": "lru", "cache.budget_gb": -1}], [])]
     with pytest.raises(FmoesimError, match=r"run experiment=moe-infinity-tab5-switch .*budget"):
         run_jobs(bad, None, jobs=1, store=tmp_path)
 

@@ -57,7 +57,4 @@ def run_queue(
         except BaseException:  # a failed item or Ctrl-C: the queued items never start
             ex.shutdown(wait=True, cancel_futures=True)
             raise
-    results: list[R] = [None] * len(items)  # type: ignore[list-item]
-    for f, i in futures.items():
-        results[i] = f.result()
-    return results
+    return [f.result() for f in futures]  # submitted, so keyed, in the items' order
