@@ -140,10 +140,18 @@ def grid_runs(
     crossover: bool = True,
     factors: Sequence[int] = CROSSOVER_FACTORS,
     hardware: str = "h100-pcie5",
+    budgets_gb: Sequence[float] | None = None,
 ) -> list[Run]:
     """Every run, most important first: per model, batch 1 at every budget, then online,
-    then the crossover (batch 1, the smaller budget, each compute factor)."""
+    then the crossover (batch 1, the smaller budget, each compute factor).  ``budgets_gb``
+    keeps only those of each model's budgets (None: all)."""
     runs: list[Run] = []
+    if budgets_gb is not None:
+        keep = set(budgets_gb)
+        grid = [
+            dataclasses.replace(g, budgets_gb=tuple(b for b in g.budgets_gb if b in keep))
+            for g in grid
+        ]
     for g in grid:
         base = (f"model={g.model}", f"workload={g.workload}", f"hardware={hardware}", *LENGTHS,
                 *g.extra)  # fmt: skip
@@ -328,7 +336,14 @@ def run_replays(
 
 # -- scoring -------------------------------------------------------------------------------
 def read_replays(paths: Sequence[Path]) -> list[dict[str, Any]]:
-    """The rows of one or more replay.csv files (numbers parsed; later files win)."""
+    """The runs of one or more replay.csv files (numbers parsed), one row per run.
+
+    Rows with the same key are repeats of one run: its ``replay_*`` numbers are their
+    means, ``replay_repeats`` counts them, and ``replay_tpot_min_s``, ``replay_tpot_max_s``
+    and ``replay_tpot_cv`` (sample standard deviation over mean; NaN for one repeat) give
+    the spread of TPOT.  The other columns come from the first repeat.  Runs come in the
+    grid's order: model, mode, budget, compute factor, policy (names the grid does not
+    know after the ones it does, in the order they were read)."""
     import pandas as pd
 
     frames = []
@@ -341,8 +356,26 @@ def read_replays(paths: Sequence[Path]) -> list[dict[str, Any]]:
     missing = [k for k in (*KEY, "overrides") if k not in df.columns]
     if missing:
         raise FmoesimError(f"{paths[0]}: column {missing[0]!r} is missing (rule: {KEY})")
-    df = df.drop_duplicates(subset=list(KEY), keep="last")
-    return df.to_dict("records")  # type: ignore[no-any-return]
+    means = [c for c in df.columns
+             if c.startswith("replay_") and pd.api.types.is_numeric_dtype(df[c])]  # fmt: skip
+    g = df.groupby(list(KEY), sort=False)
+    out = g.first()
+    out[means] = g[means].mean()
+    out["replay_repeats"] = g.size()
+    if "replay_tpot_mean_s" in df.columns:
+        tpot = g["replay_tpot_mean_s"]
+        out["replay_tpot_min_s"], out["replay_tpot_max_s"] = tpot.min(), tpot.max()
+        out["replay_tpot_cv"] = tpot.std(ddof=1) / tpot.mean()
+    records = out.reset_index().to_dict("records")
+    names = {"model": [g.model for g in GRID], "mode": list(MODES), "policy": list(POLICIES)}
+    order = {k: {v: i for i, v in enumerate(vs)} for k, vs in names.items()}
+
+    def rank(r: dict[str, Any]) -> tuple[Any, ...]:
+        return (order["model"].get(r["model"], len(GRID)), order["mode"].get(r["mode"], len(MODES)),
+                float(r["budget_gb"]), int(r["compute_repeat"]),
+                order["policy"].get(r["policy"], len(POLICIES)))  # fmt: skip
+
+    return sorted(records, key=rank)  # stable: unknown names keep the order read
 
 
 def simulate_row(row: dict[str, Any], hardware: str) -> dict[str, Any]:
@@ -382,7 +415,9 @@ def score_rows(rows: Sequence[dict[str, Any]], hardware: str) -> list[dict[str, 
 
 def per_policy(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Mean |TPOT| and |TTFT| relative error and the largest hit-rate gap (points) per
-    policy over the grid's runs (compute factor 1), and whether the targets are met."""
+    policy over the grid's runs (compute factor 1), whether the targets are met, and the
+    replay's own TPOT spread: the mean coefficient of variation over the runs replayed
+    more than once (NaN where none was)."""
     import numpy as np
 
     out = []
@@ -391,9 +426,11 @@ def per_policy(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         tpot = float(np.nanmean([abs(r["err_tpot_mean_s"]) for r in rs]))
         ttft = float(np.nanmean([abs(r["err_ttft_mean_s"]) for r in rs]))
         hit = float(np.nanmax([100 * abs(r["err_hit_rate"]) for r in rs]))
+        cvs = [r.get("replay_tpot_cv", math.nan) for r in rs]
+        cv = float(np.nanmean(cvs)) if any(c == c for c in cvs) else math.nan
         out.append({
             "policy": pol, "runs": len(rs), "tpot_err": tpot, "ttft_err": ttft,
-            "hit_gap_points": hit,
+            "hit_gap_points": hit, "tpot_cv": cv,
             "met": tpot <= TARGETS["tpot"] and ttft <= TARGETS["ttft"]
             and hit <= TARGETS["hit_points"],
         })  # fmt: skip
@@ -406,12 +443,35 @@ def _fmt(key: str, v: float, scale: float, unit: str) -> str:
 
 def _targets_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["| policy | runs | mean abs TPOT error | mean abs TTFT error | "
-             "largest hit-rate gap | met |", "|---|---|---|---|---|---|"]  # fmt: skip
+             "largest hit-rate gap | met | replay's TPOT CV |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for p in per_policy(rows):
+        cv = "n/a" if p["tpot_cv"] != p["tpot_cv"] else f"{100 * p['tpot_cv']:.1f}%"
         lines.append(
             f"| {p['policy']} | {p['runs']} | {100 * p['tpot_err']:.1f}% | "
             f"{100 * p['ttft_err']:.1f}% | {p['hit_gap_points']:.2f} pt | "
-            f"{'yes' if p['met'] else 'no'} |"
+            f"{'yes' if p['met'] else 'no'} | {cv} |"
+        )
+    return lines
+
+
+def _repeats_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The runs replayed more than once: their TPOT's mean, range and CV."""
+    rep = [r for r in rows if r.get("replay_repeats", 1) > 1]
+    if not rep:
+        return []
+    lines = ["", "## Repeatability of the replay", "",
+             "Runs replayed more than once (each repeat a fresh process on the same machine): "
+             "their TPOT's mean, range and coefficient of variation (sample standard "
+             "deviation over mean); the errors above are against the mean.", "",
+             "| model | budget | mode | n | policy | repeats | TPOT mean | min | max | CV |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rep:
+        lines.append(
+            f"| {r['model']} | {r['budget_gb']:g} GB | {r['mode']} | {int(r['compute_repeat'])} "
+            f"| {r['policy']} | {int(r['replay_repeats'])} | "
+            f"{1e3 * r['replay_tpot_mean_s']:.2f} ms | {1e3 * r['replay_tpot_min_s']:.2f} ms | "
+            f"{1e3 * r['replay_tpot_max_s']:.2f} ms | {100 * r['replay_tpot_cv']:.1f}% |"
         )
     return lines
 
@@ -422,8 +482,9 @@ def report_markdown(
     by_profile: dict[str, list[dict[str, Any]]] | None = None,
 ) -> str:
     """The report: meta, targets per policy (under each profile of ``by_profile``, in
-    order, when given), every run under ``rows``' profile, TPOT per run under each
-    profile, where the replay's time goes, the crossover."""
+    order, when given; under ``rows``' profile also per serving mode where there are
+    several), every run under ``rows``' profile, TPOT per run under each profile, where
+    the replay's time goes, the repeats' spread, the crossover."""
     lines = [f"# Simulator vs replay on {meta['device']}", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items() if k != "device"]
     target = (f"Mean |relative error| over the grid's runs: TPOT <= {TARGETS['tpot']:.0%}, "
@@ -436,6 +497,13 @@ def report_markdown(
         for i, (hw, rs) in enumerate(by_profile.items()):
             when = "before" if i == 0 else "after" if i == len(by_profile) - 1 else "then"
             lines += [f"### {when}: `{hw}`", "", *_targets_table(rs), ""]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    if len(modes) > 1:
+        for mode in modes:
+            rs = [r for r in rows if r["mode"] == mode]
+            lines += [f"### {mode} runs only{'' if by_profile is None else ' (the last profile)'}",
+                      "", *_targets_table(rs), ""]  # fmt: skip
+    if by_profile is not None:
         lines += ["## TPOT per run under each profile", "",
                   "Replayed TPOT, then each profile's simulated TPOT (relative error) and "
                   "hit-rate gap in points.", "",
@@ -486,6 +554,7 @@ def report_markdown(
             f"{wall:.0f} | {comp:.0f} | {hooks:.0f} | {wall - comp - hooks:.0f} | "
             f"{r['sim_gpu_busy_s'] / n * 1e6:.0f} |"
         )
+    lines += _repeats_table(rows)
     cross = [r for r in rows if r["mode"] == "batch1" and r["policy"] in CROSSOVER_POLICIES]
     factors = sorted({int(r["compute_repeat"]) for r in rows})
     if len(factors) > 1:
@@ -665,6 +734,26 @@ def fit_host(
     return engine, means
 
 
+def host_costs_of(
+    preset: str, fit_model: str
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """The host costs a profile holds, as :func:`fit_host` returns them: the engine's
+    from ``fit_model``'s entry, the decisions per model."""
+    from fmoesim.config.build import load_preset
+    from fmoesim.engine.host import HOST_KEYS
+    from fmoesim.specs import HardwareSpec
+
+    measured = load_preset("hardware", preset, HardwareSpec).measured or {}
+    m = measured.get(fit_model) or {}
+    if not all(k in m for k in HOST_KEYS):
+        raise FmoesimError(f"--host-from {preset}: no host costs for {fit_model} "
+                           f"(rule: {', '.join(HOST_KEYS)})")  # fmt: skip
+    engine = {k: float(m[k]) for k in HOST_KEYS}
+    decisions = {model: {p: float(v) for p, v in (c.get("host_decision_s") or {}).items()}
+                 for model, c in measured.items() if model != "link"}  # fmt: skip
+    return engine, decisions
+
+
 def write_host_profile(
     base: str,
     engine: dict[str, float],
@@ -703,6 +792,8 @@ def main(argv: list[str] | None = None) -> None:
     rp.add_argument("--models", default=",".join(g.model for g in GRID))
     rp.add_argument("--policies", default=",".join(POLICIES))
     rp.add_argument("--modes", default=",".join(MODES))
+    rp.add_argument("--budgets", default=None,
+                    help="comma-separated budgets in GB to keep (default: all)")  # fmt: skip
     rp.add_argument("--no-crossover", action="store_true")
     rp.add_argument("--hardware", default="h100-pcie5",
                     help="hardware preset whose chunk size the replay uses")  # fmt: skip
@@ -715,11 +806,15 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--out", required=True, help="report directory")
     sp.add_argument("--device", default=None, help="the GPU the replays ran on (for titles)")
     hp = sub.add_parser("host-fit", help="measure the host model from stored replays")
-    hp.add_argument("replays", nargs="+", help="replay.csv files or their directories")
+    hp.add_argument("replays", nargs="*", help="replay.csv files or their directories "
+                    "(none with --host-from)")  # fmt: skip
     hp.add_argument("--base", required=True, help="measured profile without host costs")
     hp.add_argument("--fit-model", required=True, help="model whose batch-1 runs fit the "
                     "engine's costs (the other models' runs stay out of the fit)")  # fmt: skip
     hp.add_argument("--out", required=True, help="the new profile's YAML path")
+    hp.add_argument("--host-from", default=None,
+                    help="take the host costs of this profile (another machine's) instead "
+                    "of fitting them: an out-of-sample check")  # fmt: skip
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     run_or_exit(PROG, _run, args)
 
@@ -736,16 +831,35 @@ def _run(args: argparse.Namespace) -> None:
         for m in modes:
             if m not in MODES:
                 raise FmoesimError(f"--modes {m}: unknown (valid: {', '.join(MODES)})")
+        budgets = None
+        if args.budgets is not None:
+            try:
+                budgets = [float(b) for b in args.budgets.split(",") if b]
+            except ValueError:
+                msg = f"--budgets {args.budgets}: not comma-separated numbers"
+                raise FmoesimError(msg) from None
+            known_b = sorted({b for g in grid for b in g.budgets_gb})
+            for b in budgets:
+                if b not in known_b:
+                    known = ", ".join(f"{k:g}" for k in known_b)
+                    raise FmoesimError(f"--budgets {b:g}: not in the grid's budgets ({known})")
         runs = grid_runs(grid, [p for p in args.policies.split(",") if p], modes,
-                         not args.no_crossover, hardware=args.hardware)  # fmt: skip
+                         not args.no_crossover, hardware=args.hardware,
+                         budgets_gb=budgets)  # fmt: skip
         n = run_replays(runs, args.device, Path(args.out), args.deadline_s)
         print(f"replayed {n} runs -> {Path(args.out) / 'replay.csv'}")
         return
     if args.cmd == "host-fit":
-        rows = score_rows(read_replays([Path(p) for p in args.replays]), args.base)
-        engine, decisions = fit_host(rows, args.fit_model)
-        note = (f"host costs fitted by {PROG} host-fit on {args.fit_model}'s batch-1 replays "
-                f"(engine) and every run's policy-hook timers (decisions)")  # fmt: skip
+        if args.host_from is not None:
+            engine, decisions = host_costs_of(args.host_from, args.fit_model)
+            note = f"host costs of {args.host_from} (measured on another machine)"
+        elif not args.replays:
+            raise FmoesimError("host-fit: no replay.csv named (or --host-from PROFILE)")
+        else:
+            rows = score_rows(read_replays([Path(p) for p in args.replays]), args.base)
+            engine, decisions = fit_host(rows, args.fit_model)
+            note = (f"host costs fitted by {PROG} host-fit on {args.fit_model}'s batch-1 "
+                    f"replays (engine) and every run's policy-hook timers (decisions)")  # fmt: skip
         path = write_host_profile(args.base, engine, decisions, Path(args.out), note)
         print(", ".join(f"{k} {1e6 * v:.1f} us" for k, v in engine.items()))
         print(f"wrote {path}")

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU validation in one command (docs/validation.md): the measured profile, the
 # host/contention diagnostics, `pytest -m gpu`, then the grid's replays until the time
-# is up (each finished run is appended to replay.csv at once).  SKIP_PROFILE=1 and
-# SKIP_TESTS=1 skip the first two steps (a second call that resumes the replays).  Run from the repository
-# root on a machine with a CUDA GPU and torch:
+# is up (each finished run is appended to replay.csv at once; every step's output goes to
+# run.log).  SKIP_PROFILE=1 and SKIP_TESTS=1 skip the first two steps (a second call that
+# resumes the replays); PROFILE_BASE names the hardware preset whose unmeasured terms the
+# profile keeps (default h100-pcie5).  Run from the repository root on a machine with a
+# CUDA GPU and torch:
 #   bash replay/gpu_validation.sh OUT_DIR [SECONDS] [--models a,b] [more replay flags]
 set -uo pipefail
 out=${1:?usage: gpu_validation.sh OUT_DIR [SECONDS] [replay flags]}
@@ -17,17 +19,17 @@ if [ -z "${SKIP_PROFILE:-}" ]; then
   { nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv || true
     python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])"
     nproc; free -g; } > "$out/machine.txt" 2>&1
-  python3 -m replay.profile --device "$device" --base h100-pcie5 \
+  python3 -m replay.profile --device "$device" --base "${PROFILE_BASE:-h100-pcie5}" \
     --model "${PROFILE_MODELS:-mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b}" \
-    --out "$out/profile.yaml" --diagnostics "$out/diagnostics.csv" 2>&1 | tee "$out/profile.log"
+    --out "$out/profile.yaml" --diagnostics "$out/diagnostics.csv" 2>&1 | tee -a "$out/run.log"
 fi
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors tests \
     > "$out/pytest-gpu.log" 2>&1
-  tail -n 3 "$out/pytest-gpu.log"
+  tail -n 3 "$out/pytest-gpu.log" | tee -a "$out/run.log"
 fi
 left=$(( budget_s - (SECONDS - start) ))
-echo "profile and tests took $((SECONDS - start)) s; replays get $left s"
+echo "profile and tests took $((SECONDS - start)) s; replays get $left s" | tee -a "$out/run.log"
 python3 -m replay.campaign replay --device "$device" --out "$out" --deadline-s "$left" "$@" 2>&1 \
-  | tee "$out/replay.log"
-echo "total $((SECONDS - start)) s"
+  | tee -a "$out/run.log"
+echo "total $((SECONDS - start)) s" | tee -a "$out/run.log"

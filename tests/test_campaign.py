@@ -87,16 +87,30 @@ def test_per_policy_errors_and_the_crossover_ratios_by_hand():
     assert ratios[2] == pytest.approx((8.0 / 9.0, 0.5 / 1.0))
 
 
-def test_read_replays_names_a_missing_column_and_later_files_win(tmp_path):
+def test_read_replays_names_a_missing_column_and_averages_repeats(tmp_path):
+    """Two files holding the same run are two repeats: TPOT 1.0 and 2.0 ms give a mean of
+    1.5, min 1, max 2 and a CV of 0.7071 / 1.5 = 0.4714; a run replayed once keeps its
+    number and a NaN CV.  Red if a later file replaces an earlier one (2.0), if repeats
+    of one run are summed, or if another run's row joins the mean."""
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
-    header = [*C.KEY, "overrides", "replay_tpot_mean_s"]
-    for path, tpot in ((a, 1.0), (b, 2.0)):
+    header = [*C.KEY, "overrides", "replay_tpot_mean_s", "replay_hit_rate"]
+    for path, tpot, hit in ((a, 1.0, 0.5), (b, 2.0, 0.6)):
         with path.open("w", newline="") as f:
             w = csv.writer(f)
             w.writerow(header)
-            w.writerow(["m", 1.0, "batch1", "lru", 1, "x", tpot])
-    rows = C.read_replays([a, b])
-    assert len(rows) == 1 and rows[0]["replay_tpot_mean_s"] == 2.0
+            w.writerow(["m", 1.0, "batch1", "lru", 1, "x", tpot, hit])
+            if path == a:
+                w.writerow(["m", 1.0, "batch1", "fmoe", 1, "x", 7.0, 0.9])
+    rows = {r["policy"]: r for r in C.read_replays([a, b])}
+    assert len(rows) == 2
+    lru = rows["lru"]
+    assert lru["replay_tpot_mean_s"] == pytest.approx(1.5)
+    assert lru["replay_hit_rate"] == pytest.approx(0.55)
+    assert lru["replay_repeats"] == 2
+    assert (lru["replay_tpot_min_s"], lru["replay_tpot_max_s"]) == (1.0, 2.0)
+    assert lru["replay_tpot_cv"] == pytest.approx(0.5**0.5 / 1.5)
+    assert rows["fmoe"]["replay_tpot_mean_s"] == 7.0 and rows["fmoe"]["replay_repeats"] == 1
+    assert rows["fmoe"]["replay_tpot_cv"] != rows["fmoe"]["replay_tpot_cv"]  # NaN
     bad = tmp_path / "bad.csv"
     bad.write_text("model,policy\nm,lru\n")
     with pytest.raises(FmoesimError, match="budget_gb"):
@@ -290,3 +304,69 @@ def test_a_host_profile_keeps_the_base_and_adds_every_models_costs(tmp_path, mon
     assert spec.measured["link"] == {"h2d_1_s": 1.0}
     assert spec.measured["tiny"]["expert_a_s"] == 1e-4
     assert HostModel.from_specs(TINY, spec, "lru") == HostModel(1e-5, 2e-5, 3e-5, 4e-5)
+
+
+def test_host_costs_of_another_profile_round_trip_and_a_profile_without_them_is_refused(
+    tmp_path, monkeypatch
+):
+    """The out-of-sample profile takes another machine's host costs as they are: written
+    by write_host_profile, read back by host_costs_of, written again onto a second base.
+    Red if an engine key is dropped or renamed, if the decisions of one model land on
+    another, or if a profile with no host costs passes silently."""
+    from fmoesim.config import build
+    from fmoesim.specs import HardwareSpec
+    from replay.profile import write_profile
+
+    conf = tmp_path / "conf"
+    (conf / "hardware").mkdir(parents=True)
+    for name in ("a", "b"):
+        spec = HardwareSpec(name=name, measured={"tiny": {"expert_a_s": 1e-4}, "other": {}})
+        write_profile(spec, conf / "hardware" / f"{name}.yaml")
+    monkeypatch.setattr(build, "CONF_DIR", conf)
+    engine = {"host_layer_s": 1e-5, "host_access_s": 2e-5, "host_transfer_s": 3e-5}
+    decisions = {"tiny": {"lru": 4e-5}, "other": {"fmoe": 5e-5}}
+    C.write_host_profile("a", engine, decisions, conf / "hardware" / "a-host.yaml", "fitted")
+    got_engine, got_decisions = C.host_costs_of("a-host", "tiny")
+    assert got_engine == engine
+    assert got_decisions == decisions
+    C.write_host_profile("b", got_engine, got_decisions, conf / "hardware" / "b-a.yaml", "x")
+    b = build.load_preset("hardware", "b-a", HardwareSpec)
+    assert b.measured["other"]["host_decision_s"] == {"fmoe": 5e-5}
+    assert b.measured["tiny"]["host_transfer_s"] == 3e-5
+    with pytest.raises(FmoesimError, match="--host-from a: no host costs for tiny"):
+        C.host_costs_of("a", "tiny")
+
+
+def test_budgets_keep_only_those_runs_and_an_unknown_budget_is_refused(tmp_path):
+    """--budgets 6.4 keeps the grid's 6.4 GB runs; the crossover stays at its own budget
+    (3.2 GB) with its factor-1 baseline.  Red if --budgets drops the crossover, keeps the
+    grid's other budget, or accepts a budget the grid does not have."""
+    runs = C.grid_runs(C.GRID[:1], ("lru", "fmoe"), ("batch1",), True, budgets_gb=[6.4])
+    assert [(r.budget_gb, r.policy) for r in runs if r.budget_gb == 6.4] == [
+        (6.4, "lru"), (6.4, "fmoe")]  # fmt: skip
+    assert {(r.compute_repeat, r.policy) for r in runs if r.budget_gb == 3.2} == {
+        (n, p) for n in C.CROSSOVER_FACTORS for p in C.CROSSOVER_POLICIES}  # fmt: skip
+    with pytest.raises(SystemExit):
+        C.main(["replay", "--device", "cpu", "--out", str(tmp_path / "o"),
+                "--models", "olmoe-1b-7b", "--budgets", "5"])  # fmt: skip
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_replays_own_spread_is_averaged_over_repeated_runs_only():
+    """A policy's TPOT CV is the mean over its runs replayed more than once (0.1 and 0.3
+    give 0.2; a single replay's NaN stays out); a policy never repeated shows n/a; the
+    repeatability table lists the repeated runs alone.  Red if a single replay's NaN
+    poisons the mean, if a CV is shown where no run was repeated, or if a run replayed
+    once is listed as repeated."""
+    rows = [_row("lru", 1.0, 1.0, 0.5, 0.5, budget=b) for b in (1.0, 2.0, 3.0)]
+    rows.append(_row("promoe", 1.0, 1.0, 0.5, 0.5))
+    for r, (n, cv) in zip(rows[:3], ((3, 0.1), (2, 0.3), (1, float("nan"))), strict=True):
+        r.update(replay_repeats=n, replay_tpot_cv=cv, replay_tpot_min_s=0.9,
+                 replay_tpot_max_s=1.1)  # fmt: skip
+    got = {p["policy"]: p for p in C.per_policy(rows)}
+    assert got["lru"]["tpot_cv"] == pytest.approx(0.2)
+    assert got["promoe"]["tpot_cv"] != got["promoe"]["tpot_cv"]  # NaN
+    table = C._targets_table(rows)
+    assert table[2].endswith("| 20.0% |") and table[3].endswith("| n/a |")
+    rep = [line for line in C._repeats_table(rows) if line.startswith("| m |")]
+    assert [line.split(" | ")[5] for line in rep] == ["3", "2"]
