@@ -203,6 +203,36 @@ def time_hooks(policy: Any) -> dict[str, float]:
     return acc
 
 
+#: the replay's host-side calls ``replay --host-timers`` times (inclusive: a submission's
+#: time holds the pump it calls, a pump's the copies it issues and the landings it sees)
+HOST_TIMERS = {
+    "backend": ("pre_gate", "submit", "wait_any", "expert", "escalate", "abort", "cancel"),
+    "link": ("pump", "_issue", "_on_done"),
+}
+
+
+def time_calls(obj: Any, names: Sequence[str], prefix: str = "") -> dict[str, list[float]]:
+    """Wrap ``obj``'s callables ``names`` (instance attributes shadowing them) so each
+    one's host seconds and calls add up in the returned ``{prefix + name: [s, calls]}``."""
+    acc: dict[str, list[float]] = {}
+    for name in names:
+        fn = getattr(obj, name, None)
+        if not callable(fn):
+            continue
+        cell = acc.setdefault(prefix + name.lstrip("_"), [0.0, 0])
+
+        def timed(*args: Any, _fn: Any = fn, _cell: list[float] = cell, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                _cell[0] += time.perf_counter() - t0
+                _cell[1] += 1
+
+        setattr(obj, name, timed)
+    return acc
+
+
 def _summary_row(s: dict[str, Any], prefix: str) -> dict[str, Any]:
     row = {f"{prefix}{k}": s.get(k, float("nan")) for k, *_ in METRICS if k != "miss_rate"}
     acc = s.get("accesses") or 0
@@ -214,8 +244,11 @@ def _summary_row(s: dict[str, Any], prefix: str) -> dict[str, Any]:
     return row
 
 
-def replay_one(run: Run, device: str, depth: int = 2) -> dict[str, Any]:
-    """Replay one run; its replay.csv row."""
+def replay_one(run: Run, device: str, depth: int = 2, host_timers: bool = False) -> dict[str, Any]:
+    """Replay one run; its replay.csv row.  ``host_timers`` adds the host's seconds and
+    calls in the backend's and the link scheduler's entry points (:data:`HOST_TIMERS`;
+    columns ``replay_host_<name>_s`` and ``replay_host_<name>_calls``), at a cost of a
+    timer around each call."""
     from hydra.utils import instantiate
 
     from fmoesim.cli.main import _trace_path, compose_config
@@ -228,6 +261,18 @@ def replay_one(run: Run, device: str, depth: int = 2) -> dict[str, Any]:
     trace = read_trace(_trace_path(spec))
     policy = instantiate(cfg.policy)
     hooks = time_hooks(policy)
+    make = replay_backend(
+        spec.model, spec.hardware, device, seed=spec.seed, depth=depth,
+        compute_repeat=run.compute_repeat,
+    )  # fmt: skip
+    timers: dict[str, list[float]] = {}
+
+    def make_timed(caches: list[Any]) -> Any:
+        backend = make(caches)
+        timers.update(time_calls(backend, HOST_TIMERS["backend"]))
+        timers.update(time_calls(backend.link, HOST_TIMERS["link"], "link_"))
+        return backend
+
     t0 = time.perf_counter()
     res = simulate_spec(
         spec,
@@ -236,20 +281,16 @@ def replay_one(run: Run, device: str, depth: int = 2) -> dict[str, Any]:
         timing=True,
         access_log=False,
         progress=False,
-        make_backend=replay_backend(
-            spec.model,
-            spec.hardware,
-            device,
-            seed=spec.seed,
-            depth=depth,
-            compute_repeat=run.compute_repeat,
-        ),  # fmt: skip
+        make_backend=make_timed if host_timers else make,
     )
     row: dict[str, Any] = {k: getattr(run, k) for k in KEY}
     row.update(_summary_row(res.summary, "replay_"))
     row["replay_policy_host_s"] = hooks["s"]
     row["replay_policy_calls"] = int(hooks["calls"])
     row["replay_run_s"] = time.perf_counter() - t0
+    for name, (secs, calls) in timers.items():
+        row[f"replay_host_{name}_s"] = secs
+        row[f"replay_host_{name}_calls"] = int(calls)
     row["overrides"] = " ".join(run.overrides)
     return row
 
@@ -271,8 +312,19 @@ def _done_keys(path: Path) -> set[tuple[str, ...]]:
 
 
 def _append(path: Path, row: dict[str, Any]) -> None:
-    """Append one row (a header first when the file is new), flushed to disk."""
+    """Append one row (a header first when the file is new), flushed to disk; a file
+    whose header has other columns is refused (a replay with ``--host-timers`` and one
+    without go to different directories)."""
     new = not path.exists()
+    if not new:
+        with path.open(newline="") as f:
+            header = next(csv.reader(f), [])
+        if header != list(row):
+            other = sorted(set(header) ^ set(row)) or ["(their order)"]
+            raise FmoesimError(
+                f"{path}: its columns differ from this run's at {other[0]} "
+                "(rule: one replay.csv holds runs of one kind; pick another --out)"
+            )
     with path.open("a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(row))
         if new:
@@ -289,12 +341,21 @@ def run_replays(
     deadline_s: float = math.inf,
     skip_done: bool = True,
     log: Callable[[str], None] = print,
+    host_timers: bool = False,
 ) -> int:
     """Replay ``runs`` in order, appending to ``out/replay.csv``; stop starting new runs
     once ``deadline_s`` seconds have passed (a run's measured length, the longest so far,
     must fit before it).  Returns the number of runs replayed."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "replay.csv"
+    if path.exists():
+        with path.open(newline="") as f:
+            timed = any(c.startswith("replay_host_") for c in next(csv.reader(f), []))
+        if timed != host_timers:
+            have, want = ("has", "has none") if timed else ("has no", "has")
+            raise FmoesimError(
+                f"{path}: {have} host-timer columns, this replay {want} (pick another --out)"
+            )
     done = _done_keys(path) if skip_done else set()
     t_start = time.perf_counter()
     longest = 0.0
@@ -308,7 +369,7 @@ def run_replays(
             # the host weights: replayed once and not recorded
             warm.add(run.model)
             try:
-                replay_one(run, device)
+                replay_one(run, device, host_timers=host_timers)
             except Exception as exc:  # noqa: BLE001 - reported by the run itself below
                 log(f"warm-up {run.model}: {type(exc).__name__}: {exc}")
             _free_device(device)
@@ -317,7 +378,7 @@ def run_replays(
             log(f"deadline: {len([r for r in runs if r.key() not in done]) - n} runs left")
             break
         try:
-            row = replay_one(run, device)
+            row = replay_one(run, device, host_timers=host_timers)
         except Exception as exc:  # noqa: BLE001 - one failed run must not end the grid
             log(f"{' '.join(run.key())}: failed: {type(exc).__name__}: {exc}")
             continue
@@ -455,6 +516,32 @@ def _targets_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _host_timers_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The runs replayed with ``--host-timers``: each timed call's host microseconds per
+    MoE layer step, and the calls per step."""
+    names = [f"link_{n.lstrip('_')}" if part == "link" else n
+             for part, ns in HOST_TIMERS.items() for n in ns]  # fmt: skip
+    timed = [r for r in rows if r.get("replay_host_link_pump_calls", math.nan) == r.get(
+        "replay_host_link_pump_calls", math.nan)]  # fmt: skip
+    if not timed:
+        return []
+    lines = ["", "## The replay's host calls", "",
+             "Runs replayed with `--host-timers`: host microseconds per MoE layer step in "
+             "each call (inclusive: a submission holds the pump it calls, a pump the copies "
+             "it issues and the landings it sees), calls per step in brackets.", "",
+             "| model | budget | mode | n | policy | " + " | ".join(names) + " |",
+             "|---|---|---|---|---|" + "---|" * len(names)]  # fmt: skip
+    for r in timed:
+        steps = r["replay_layer_steps"]
+        cells = [r["model"], f"{r['budget_gb']:g} GB", r["mode"], str(int(r["compute_repeat"])),
+                 r["policy"]]  # fmt: skip
+        for n in names:
+            sec, calls = r.get(f"replay_host_{n}_s", math.nan), r.get(f"replay_host_{n}_calls")
+            cells.append("n/a" if sec != sec else f"{1e6 * sec / steps:.0f} ({calls / steps:.2f})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _repeats_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The runs replayed more than once: their TPOT's mean, range and CV."""
     rep = [r for r in rows if r.get("replay_repeats", 1) > 1]
@@ -554,6 +641,7 @@ def report_markdown(
             f"{wall:.0f} | {comp:.0f} | {hooks:.0f} | {wall - comp - hooks:.0f} | "
             f"{r['sim_gpu_busy_s'] / n * 1e6:.0f} |"
         )
+    lines += _host_timers_table(rows)
     lines += _repeats_table(rows)
     cross = [r for r in rows if r["mode"] == "batch1" and r["policy"] in CROSSOVER_POLICIES]
     factors = sorted({int(r["compute_repeat"]) for r in rows})
@@ -797,6 +885,9 @@ def main(argv: list[str] | None = None) -> None:
     rp.add_argument("--no-crossover", action="store_true")
     rp.add_argument("--hardware", default="h100-pcie5",
                     help="hardware preset whose chunk size the replay uses")  # fmt: skip
+    rp.add_argument("--host-timers", action="store_true",
+                    help="time the backend's and link scheduler's host calls (columns "
+                    "replay_host_*; a timer around each call)")  # fmt: skip
     rp.add_argument("--deadline-s", type=float, default=math.inf,
                     help="start no run that would end after this many seconds")  # fmt: skip
     sp = sub.add_parser("score", help="score stored replays against the simulator")
@@ -846,7 +937,8 @@ def _run(args: argparse.Namespace) -> None:
         runs = grid_runs(grid, [p for p in args.policies.split(",") if p], modes,
                          not args.no_crossover, hardware=args.hardware,
                          budgets_gb=budgets)  # fmt: skip
-        n = run_replays(runs, args.device, Path(args.out), args.deadline_s)
+        n = run_replays(runs, args.device, Path(args.out), args.deadline_s,
+                        host_timers=args.host_timers)  # fmt: skip
         print(f"replayed {n} runs -> {Path(args.out) / 'replay.csv'}")
         return
     if args.cmd == "host-fit":

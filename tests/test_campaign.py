@@ -155,6 +155,19 @@ def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
     text = (out / "report.md").read_text()
     assert "## Targets per policy" in text and "## Where the replay's time goes" in text
     assert (out / "validation.png").is_file() and (out / "validation.pdf").is_file()
+    # host timers: LRU submits each of its transfers once, and every submission pumps
+    # the link scheduler, which issues each one-chunk transfer once and lands it once
+    with pytest.raises(FmoesimError, match="has no host-timer columns"):
+        C.run_replays(two[:1], "cpu", tmp_path / "rep", log=logs.append, host_timers=True)
+    assert C.run_replays(two[:1], "cpu", tmp_path / "t", log=logs.append, host_timers=True) == 1
+    (t,) = csv.DictReader((tmp_path / "t" / "replay.csv").open())
+    n = int(t["replay_transfers"])
+    assert n > 0 and int(t["replay_host_submit_calls"]) == n
+    assert int(t["replay_host_link_issue_calls"]) == int(t["replay_host_link_on_done_calls"]) == n
+    assert int(t["replay_host_link_pump_calls"]) >= n
+    assert 0 < float(t["replay_host_submit_s"]) < float(t["replay_wall_s"])
+    rep = C.score([tmp_path / "t"], "h100-pcie5", tmp_path / "tr", {"device": "cpu"})
+    assert "## The replay's host calls" in (rep / "report.md").read_text()
 
 
 def test_compute_repeat_runs_every_compute_operator_n_times(monkeypatch):
