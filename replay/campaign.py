@@ -110,7 +110,7 @@ METRICS = (
 TARGETS = {"tpot": 0.05, "ttft": 0.10, "hit_points": 1.0}
 #: the files ``score`` writes (and may replace)
 REPORT_FILES = ("report.md", "validation.csv", "validation.png", "validation.pdf")
-#: the hooks a policy may implement (timed from outside in the replay)
+#: the hooks a policy may implement (timed from outside in the replay, :func:`time_calls`)
 HOOKS = (
     "on_request_start", "on_iteration_start", "on_gate", "on_access", "on_insert",
     "on_evict", "victim", "on_iteration_end", "on_request_end",
@@ -179,30 +179,6 @@ def grid_runs(
     return out
 
 
-def time_hooks(policy: Any) -> dict[str, float]:
-    """Wrap the policy object's hooks (instance attributes shadowing its methods) so the
-    host seconds spent inside them add up in the returned dict's ``"s"``; the policy
-    itself reads no clock."""
-    acc = {"s": 0.0, "calls": 0.0}
-
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                acc["s"] += time.perf_counter() - t0
-                acc["calls"] += 1
-
-        return timed
-
-    for name in HOOKS:
-        fn = getattr(policy, name, None)
-        if callable(fn):
-            setattr(policy, name, wrap(fn))
-    return acc
-
-
 #: the replay's host-side calls ``replay --host-timers`` times (inclusive: a submission's
 #: time holds the pump it calls, a pump's the copies it issues and the landings it sees)
 HOST_TIMERS = {
@@ -211,15 +187,19 @@ HOST_TIMERS = {
 }
 
 
-def time_calls(obj: Any, names: Sequence[str], prefix: str = "") -> dict[str, list[float]]:
+def time_calls(
+    obj: Any, names: Sequence[str], prefix: str = "", into: str | None = None
+) -> dict[str, list[float]]:
     """Wrap ``obj``'s callables ``names`` (instance attributes shadowing them) so each
-    one's host seconds and calls add up in the returned ``{prefix + name: [s, calls]}``."""
+    one's host seconds and calls add up in the returned ``{prefix + name: [s, calls]}``
+    (all of them in ``{into: [s, calls]}`` when ``into`` is given); the wrapped object
+    itself reads no clock."""
     acc: dict[str, list[float]] = {}
     for name in names:
         fn = getattr(obj, name, None)
         if not callable(fn):
             continue
-        cell = acc.setdefault(prefix + name.lstrip("_"), [0.0, 0])
+        cell = acc.setdefault(into or prefix + name.lstrip("_"), [0.0, 0])
 
         def timed(*args: Any, _fn: Any = fn, _cell: list[float] = cell, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -260,7 +240,7 @@ def replay_one(run: Run, device: str, depth: int = 2, host_timers: bool = False)
     spec = build_run(cfg)
     trace = read_trace(_trace_path(spec))
     policy = instantiate(cfg.policy)
-    hooks = time_hooks(policy)
+    hooks = time_calls(policy, HOOKS, into="hooks").get("hooks", [0.0, 0])
     make = replay_backend(
         spec.model, spec.hardware, device, seed=spec.seed, depth=depth,
         compute_repeat=run.compute_repeat,
@@ -285,8 +265,8 @@ def replay_one(run: Run, device: str, depth: int = 2, host_timers: bool = False)
     )
     row: dict[str, Any] = {k: getattr(run, k) for k in KEY}
     row.update(_summary_row(res.summary, "replay_"))
-    row["replay_policy_host_s"] = hooks["s"]
-    row["replay_policy_calls"] = int(hooks["calls"])
+    row["replay_policy_host_s"] = hooks[0]
+    row["replay_policy_calls"] = int(hooks[1])
     row["replay_run_s"] = time.perf_counter() - t0
     for name, (secs, calls) in timers.items():
         row[f"replay_host_{name}_s"] = secs
@@ -311,14 +291,19 @@ def _done_keys(path: Path) -> set[tuple[str, ...]]:
         return {tuple(r[k] for k in KEY) for r in csv.DictReader(f)}
 
 
+def _header(path: Path) -> list[str]:
+    """The column names of an existing CSV file."""
+    with path.open(newline="") as f:
+        return next(csv.reader(f), [])
+
+
 def _append(path: Path, row: dict[str, Any]) -> None:
     """Append one row (a header first when the file is new), flushed to disk; a file
     whose header has other columns is refused (a replay with ``--host-timers`` and one
     without go to different directories)."""
     new = not path.exists()
     if not new:
-        with path.open(newline="") as f:
-            header = next(csv.reader(f), [])
+        header = _header(path)
         if header != list(row):
             other = sorted(set(header) ^ set(row)) or ["(their order)"]
             raise FmoesimError(
@@ -349,8 +334,7 @@ def run_replays(
     out.mkdir(parents=True, exist_ok=True)
     path = out / "replay.csv"
     if path.exists():
-        with path.open(newline="") as f:
-            timed = any(c.startswith("replay_host_") for c in next(csv.reader(f), []))
+        timed = any(c.startswith("replay_host_") for c in _header(path))
         if timed != host_timers:
             have, want = ("has", "has none") if timed else ("has no", "has")
             raise FmoesimError(
@@ -521,8 +505,7 @@ def _host_timers_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     MoE layer step, and the calls per step."""
     names = [f"link_{n.lstrip('_')}" if part == "link" else n
              for part, ns in HOST_TIMERS.items() for n in ns]  # fmt: skip
-    timed = [r for r in rows if r.get("replay_host_link_pump_calls", math.nan) == r.get(
-        "replay_host_link_pump_calls", math.nan)]  # fmt: skip
+    timed = [r for r in rows if r.get("replay_host_link_pump_s", math.nan) >= 0.0]  # NaN: not timed
     if not timed:
         return []
     lines = ["", "## The replay's host calls", "",

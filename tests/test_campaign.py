@@ -34,8 +34,9 @@ def test_the_default_grid_has_every_run_once_most_important_first():
     assert all(r.mode == "batch1" for r in runs if r.compute_repeat > 1)
 
 
-def test_time_hooks_adds_up_the_hooks_host_time_and_keeps_their_results():
-    """Red if a wrapped hook drops its return value, or its time or calls go uncounted."""
+def test_time_calls_adds_up_the_hooks_host_time_and_keeps_their_results():
+    """Red if a wrapped hook drops its return value, or its time or calls go uncounted,
+    or if ``into`` does not gather every hook into one total."""
 
     class Slow:
         def on_gate(self, layer, gate):
@@ -46,10 +47,15 @@ def test_time_hooks_adds_up_the_hooks_host_time_and_keeps_their_results():
             return min(candidates)
 
     p = Slow()
-    acc = C.time_hooks(p)
+    acc = C.time_calls(p, C.HOOKS, into="hooks")
     assert p.on_gate(3, None) == ("actions", 3)
     assert p.victim([5, 2], 9) == 2
-    assert acc["calls"] == 2 and acc["s"] >= 0.01
+    assert list(acc) == ["hooks"] and acc["hooks"][1] == 2 and acc["hooks"][0] >= 0.01
+    q = Slow()
+    each = C.time_calls(q, ("on_gate", "victim", "absent"), prefix="p_")
+    q.victim([1], 2)
+    assert sorted(each) == ["p_on_gate", "p_victim"]  # a missing name is skipped
+    assert each["p_on_gate"] == [0.0, 0] and each["p_victim"][1] == 1
 
 
 def _row(policy, sim_tpot, rep_tpot, sim_hit, rep_hit, n=1, model="m", budget=1.0):
