@@ -503,11 +503,12 @@ def _targets_table(rows: Sequence[dict[str, Any]]) -> list[str]:
 def _host_timers_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The runs replayed with ``--host-timers``: each timed call's host microseconds per
     MoE layer step, and the calls per step."""
-    names = [f"link_{n.lstrip('_')}" if part == "link" else n
-             for part, ns in HOST_TIMERS.items() for n in ns]  # fmt: skip
     timed = [r for r in rows if r.get("replay_host_link_pump_s", math.nan) >= 0.0]  # NaN: not timed
     if not timed:
         return []
+    # the timers' names as replay_one wrote their columns: replay_host_<name>_s
+    names = [c[len("replay_host_") : -len("_s")] for c in timed[0]
+             if c.startswith("replay_host_") and c.endswith("_s")]  # fmt: skip
     lines = ["", "## The replay's host calls", "",
              "Runs replayed with `--host-timers`: host microseconds per MoE layer step in "
              "each call (inclusive: a submission holds the pump it calls, a pump the copies "
