@@ -501,6 +501,10 @@ class FMoE(Policy):
         self._heap: list[tuple[float, int, int]] = []
         self._top: dict[int, tuple[float, int, int]] = {}
         self._dirty: set[int] = set()
+        # entries taken off the heap because their key was no candidate (in flight or
+        # pinned) at a victim call: they wait here, not re-pushed, until a call finds
+        # their key a candidate again (or the entry stale)
+        self._parked: list[tuple[float, int, int]] = []
         self._guided = self.cache == "fmoe"  # the rank reads _guide
         self._rank = self._ranker()
         self._pending: dict[int, float] = {}  # prefetched key -> its map probability p
@@ -838,13 +842,27 @@ class FMoE(Policy):
         visit only raises a rank and pushes nothing; a rank that may have dropped (a
         new key, a new ``p``, a released hold) is pushed at the next call.  The top
         entry is exact, or re-pushed at its current rank; the first exact top that is a
-        candidate is the victim (pinned and in-flight keys are set aside and put back).
+        candidate is the victim.  A key met on the way that is no candidate (pinned or
+        in flight) parks its entry off the heap; each call first puts back the parked
+        entries whose keys are candidates now, so a prefetch in flight is passed over
+        once, not at every call until it lands.
         When that key is held (every candidate is: they then rank by score alone), or
         no candidate is found, every candidate is scored."""
         if not candidates:
             raise ValueError("FMoE.victim called with no candidates")
         heap, top, rank = self._heap, self._top, self._rank
         push = heapq.heappush
+        parked = self._parked
+        if parked:  # back to the heap: the parked keys that are candidates now
+            still = []
+            for e in parked:
+                key = e[2]
+                if top.get(key) is e:
+                    if key in candidates:
+                        push(heap, e)
+                    else:
+                        still.append(e)
+            self._parked = parked = still
         if self._dirty:
             for key in self._dirty & self._in:
                 r = rank(key)
@@ -856,8 +874,8 @@ class FMoE(Policy):
             if len(heap) > 2 * len(top) + 64:  # drop the stale entries
                 heap[:] = top.values()
                 heapq.heapify(heap)
+                parked.clear()  # their entries are in the heap again
         pop, replace = heapq.heappop, heapq.heapreplace
-        aside = []
         found = -1
         while heap:
             e = heap[0]
@@ -874,9 +892,7 @@ class FMoE(Policy):
                     found = key
                 break
             else:
-                aside.append(pop(heap))
-        for e in aside:
-            push(heap, e)
+                parked.append(pop(heap))
         return found if found >= 0 else self._victim_scan(candidates)
 
     def _ranker(self) -> Callable[[int], tuple[float, int, int]]:

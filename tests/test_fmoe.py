@@ -557,3 +557,36 @@ def test_store_updates_reusing_search_scores_equal_plain_rdy(one_token_trace):
             plain.add(m, e)
         assert pol.store is not None and len(seen) > 7
         np.testing.assert_allclose(pol.store.maps(), plain.maps())
+
+
+class _CheckedVictim(FMoE):
+    """FMoE whose every victim is checked against the scan of every candidate, with a
+    count of the calls made while a prefetch was in flight (a parked key)."""
+
+    def reset(self, ctx):
+        super().reset(ctx)
+        self.checked = 0
+        self.with_parked = 0
+
+    def victim(self, candidates, incoming):
+        want = self._victim_scan(candidates)
+        got = super().victim(candidates, incoming)
+        assert got == want, (got, want, sorted(candidates))
+        self.checked += 1
+        self.with_parked += bool(self._parked)
+        return got
+
+
+@pytest.mark.parametrize("cache", ["fmoe", "lru", "lfu"])
+def test_victim_heap_with_parked_keys_equals_the_scan(one_token_trace, cache):
+    """The victim heap parks the keys it meets that are no candidates (in flight, in
+    use): every victim of a timed run, with prefetches on a slow link and three GPUs
+    sharing one policy, equals the scan of every candidate.  Red when a parked key that
+    has landed is not put back (a newer, higher-ranked candidate goes instead) or a
+    stale parked entry returns."""
+    hw = dataclasses.replace(TINY_HW, pcie_gbps=TINY_HW.pcie_gbps / 8)  # prefetches wait
+    for gpus, budget in ((1, 10), (3, 4)):
+        pol = _CheckedVictim(prefetch_distance=2, cache=cache)
+        hw_n = dataclasses.replace(hw, num_gpus=gpus)
+        simulate(one_token_trace, MODEL, hw_n, pol, budget * MODEL.expert_size_bytes)
+        assert pol.checked > 50 and pol.with_parked > 2, (gpus, pol.checked, pol.with_parked)
