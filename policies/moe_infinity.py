@@ -167,7 +167,7 @@ class EAMCQuery:
         if k < self.n:
             # perf: partition out the k best (O(n)), then order only those
             kth = np.partition(score, self.n - k)[self.n - k]
-            cand = np.flatnonzero(score >= kth)  # ascending slots; ties at kth included
+            cand = (score >= kth).nonzero()[0]  # ascending slots; ties at kth included
         else:
             cand = np.arange(self.n)
         cs = score[cand]
@@ -448,14 +448,14 @@ class MoEInfinity(Policy):
         if self._query is not None:
             self._query.observe(layer, counts)
         base = layer * E
-        hit = np.flatnonzero(counts) + base  # (r,) keys the gate routes to
+        hit = counts.nonzero()[0] + base  # (r,) keys the gate routes to
         routed = set(hit.tolist())
         pmask = self._prot_mask
         # case (ii) and passed layers: predictions for this layer the gate did not route
         # to, and anything left from earlier layers, go back to their cache priority
         past = pmask[: base + E].copy()  # (base + E,)
         past[hit] = False
-        cancel = self._unprotect(np.flatnonzero(past))
+        cancel = self._unprotect(past.nonzero()[0])
         if layer + 1 >= L:
             return Actions(cancel=cancel) if cancel else NO_ACTIONS
         probs = self.predict(layer)  # (L, E)
@@ -467,7 +467,7 @@ class MoEInfinity(Policy):
         # case (iii): prefetched experts no longer in the top-K
         left = pmask.copy()  # (L E,)
         left[keys] = False
-        cancel += self._unprotect(np.flatnonzero(left))
+        cancel += self._unprotect(left.nonzero()[0])
         # in priority order: predictions in flight (or landed) are re-ranked if still
         # queued, the rest not in the buffer are loaded; the rest already in the buffer
         # skip the load and keep their slot (protected from here on)
@@ -517,7 +517,7 @@ class MoEInfinity(Policy):
         neg = -flat
         if take < len(flat):
             kth = np.partition(neg, take - 1)[take - 1]
-            cand = np.flatnonzero(neg <= kth)  # ascending ids; ties at the k-th included
+            cand = (neg <= kth).nonzero()[0]  # ascending ids; ties at the k-th included
         else:
             cand = np.arange(len(flat))
         idx = cand[np.argsort(neg[cand], kind="stable")[:take]]
@@ -557,7 +557,7 @@ class MoEInfinity(Policy):
         E, N, protected, cprio = self._E, self._N, self._protected, self._cprio
         inbuf, adm, heaps = self._in, self._admitted, self._heaps
         take = self._in_mask[keys]  # (n,) re-ranked, then also the loads admitted
-        cand = np.flatnonzero(~take)  # (m,) positions of the loads, in priority order
+        cand = (~take).nonzero()[0]  # (m,) positions of the loads, in priority order
         if len(cand):
             free = [self._slots - u for u in self._used]
             for k in routed:  # this layer's misses are loaded (on demand) before prefetches
