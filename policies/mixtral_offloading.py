@@ -38,6 +38,17 @@ class MixtralOffloading(Policy, LayerGuard):
     (the public code has no speculation at all); ``first_layer_spec=True`` prefetches it
     at the last layer's gate from the prediction the engine gives there (the previous
     token's last hidden state fed to router 0, as AdapMoE does).
+
+    Synchronous prefetching.  paper: fMoE (``000``) §4.3 counts Mixtral-Offloading among
+    the systems that "predict and prefetch experts synchronously during inference", and
+    its §6.2 credits the baseline's hit rate and blames its latency on "its synchronous
+    speculative prefetching with a prefetch distance of 1"; the Mixtral-Offloading
+    report does not say.  here: asynchronous by default (a guess still on the link when
+    its layer runs is LATE and costs only what is left of its transfer);
+    ``synchronous=True`` makes a layer compute no expert before every transfer in flight
+    on its GPU has landed (:meth:`Policy.waits_for_prefetches`), so its guesses of the
+    next layer are resident there and the wait is stall.  fMoE's presets run that
+    variant (``policy=mixtral-offloading-sync``, ``label`` naming it in results).
     """
 
     name = "mixtral-offloading"
@@ -48,13 +59,22 @@ class MixtralOffloading(Policy, LayerGuard):
         prefetch_experts: int | None = None,
         layer_slots: int | None = None,
         first_layer_spec: bool = False,
+        synchronous: bool = False,
+        label: str | None = None,
     ) -> None:
+        if label is not None:
+            self.name = str(label)  # type: ignore[misc]  # a variant's name in results
         self.first_layer_spec = bool(first_layer_spec)
+        self.synchronous = bool(synchronous)
         for knob, v in (("prefetch_experts", prefetch_experts), ("layer_slots", layer_slots)):
             if v is not None and int(v) < 1:
                 raise ValueError(f"{knob} must be >= 1 or None, got {v}")
         self.prefetch_experts = None if prefetch_experts is None else int(prefetch_experts)
         self.layer_slots = None if layer_slots is None else int(layer_slots)
+
+    def waits_for_prefetches(self) -> bool:
+        """``synchronous``: a layer waits for its guesses of the next layer to land."""
+        return self.synchronous
 
     # -- state ------------------------------------------------------------------------
     def reset(self, ctx: PolicyContext) -> None:

@@ -305,6 +305,15 @@ class MoEInfinity(Policy):
     finished request to the collections; ``eamc_path`` pre-fills them from a file saved
     by :meth:`save` ("offline" mode; so does ``serving.held_in_fraction`` through
     :meth:`learn`).  ``label`` names a variant in results (Table 4's ablation presets).
+
+    Synchronous prefetching.  paper: MoE-Infinity's own §5.1 issues prefetches to a
+    queue served beside the computation; fMoE (``000``) §4.3 says of its codebase that
+    "MoE-Infinity cannot compute forward functions before finishing expert prediction
+    and prefetching at every MoE layer", and §6.1 runs it with "synchronous expert
+    prediction and prefetching".  here: asynchronous by default, as MoE-Infinity's paper
+    describes it; ``synchronous=True`` makes a layer compute no expert before every
+    transfer in flight on its GPU has landed (:meth:`Policy.waits_for_prefetches`), the
+    reading of fMoE's presets (``policy=moe-infinity-sync``).
     """
 
     name = "moe-infinity"
@@ -321,7 +330,9 @@ class MoEInfinity(Policy):
         learn_online: bool = True,
         eamc_path: str | None = None,
         label: str | None = None,
+        synchronous: bool = False,
     ) -> None:
+        self.synchronous = bool(synchronous)
         if label is not None:
             self.name = str(label)  # type: ignore[misc]  # an ablation's name in results
         if int(eamc_capacity) < 1:
@@ -338,6 +349,10 @@ class MoEInfinity(Policy):
         if eamc_path and not Path(eamc_path).is_file():
             raise ConfigError("policy.eamc_path", eamc_path, "file not found")
         self.eamc_path = eamc_path
+
+    def waits_for_prefetches(self) -> bool:
+        """``synchronous``: a layer waits for the prefetches its gate issued to land."""
+        return self.synchronous
 
     # -- run lifecycle ------------------------------------------------------------------
     def reset(self, ctx: PolicyContext) -> None:

@@ -9,6 +9,7 @@ speculative probabilities checks that the speculative policies beat on-demand lo
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import pickle
@@ -947,6 +948,32 @@ def test_timed_runs_complete_with_every_baseline(synthetic: Trace):
     for name in ALL:
         s = simulate(synthetic, SMOKE, TINY_HW, preset(name), budget).summary
         assert s["hits"] + s["late"] + s["misses"] == s["accesses"] > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "base"),
+    [("mixtral-offloading-sync", "mixtral-offloading"), ("moe-infinity-sync", "moe-infinity")],
+)
+def test_synchronous_presets_leave_nothing_in_flight(synthetic: Trace, name: str, base: str):
+    """fMoE's reading of Mixtral-Offloading and MoE-Infinity (000 §4.3): a layer waits
+    for every prefetch in flight before it computes, so no access finds its expert on
+    the link, on a link slow enough that the asynchronous presets meet late experts; the
+    waits are stall, so the run is slower.  Red when the preset or the knob does not
+    make the policy synchronous, or the engine skips the wait."""
+    from policies.moe_infinity import MoEInfinity
+
+    budget = 20 * SMOKE.expert_size_bytes
+    slow = dataclasses.replace(TINY_HW, pcie_gbps=TINY_HW.pcie_gbps / 20)
+    sync, plain = preset(name), preset(base)
+    assert sync.waits_for_prefetches() and not plain.waits_for_prefetches()
+    assert sync.name == name and plain.name == base
+    s = simulate(synthetic, SMOKE, slow, sync, budget).summary
+    a = simulate(synthetic, SMOKE, slow, plain, budget).summary
+    assert a["late"] > 0 and s["late"] == 0 and s["prefetch_bytes"] > 0
+    assert s["stall_s"] > a["stall_s"] and s["simulated_s"] > a["simulated_s"]
+    assert (
+        not MoEInfinity().waits_for_prefetches() and not MixtralOffloading().waits_for_prefetches()
+    )
 
 
 # -- presets -----------------------------------------------------------------------------

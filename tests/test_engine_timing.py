@@ -593,6 +593,40 @@ def test_prefetch_for_next_layer_overlaps_compute(tmp_path, factor):
     assert s["simulated_s"] == pytest.approx(compute + 2 * t_x + extra, rel=1e-12)
 
 
+class _SyncPrefetch(ScheduledPrefetch):
+    """:class:`ScheduledPrefetch` whose prefetching is synchronous."""
+
+    def waits_for_prefetches(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.5])
+def test_synchronous_prefetch_blocks_the_layer_until_it_lands(tmp_path, factor):
+    """The setting of test_prefetch_for_next_layer_overlaps_compute, prefetching
+    synchronously (:meth:`Policy.waits_for_prefetches`): layer 0 computes its hit only
+    after the prefetch of layer 1's expert has landed, so the whole transfer ``t_x`` is
+    layer 0's stall, whatever its length against the compute that would have hidden it,
+    and layer 1 finds the expert resident (HIT, no stall).  Red when the wait is skipped
+    (stall ``max(0, t_x - gap)`` at layer 1, LATE when ``t_x > gap``) or taken after the
+    layer's compute (a stall of ``t_x - expert_s``)."""
+    p = 1
+    gap = C.expert_s(1) + pre_gate_s(C, [(p, 1)])
+    ov = 1e-5
+    t_x = factor * gap
+    hw = replace(TINY_HW, transfer_overhead_s=ov, pcie_gbps=SIZE / (t_x - ov) / 1e9)
+    tr = write_trace(tmp_path / "t", TINY, [Req(0, p, [[[0], [0]], [[0], [1]]])])
+    key = 1 * TINY.num_experts + 1
+    r = simulate(tr, TINY, hw, _SyncPrefetch({2: [key]}), 4 * SIZE, access_log=True)
+    s = r.summary
+    assert (s["hits"], s["late"], s["misses"]) == (2, 0, 2)
+    assert r.accesses["outcome"][-1] == Outcome.HIT
+    np.testing.assert_allclose(r.metrics.stall_per_layer_s, [2 * t_x, t_x], rtol=1e-9)
+    compute = prefill_compute_s(C, p) + decode_compute_s(C, p, 1)
+    assert s["simulated_s"] == pytest.approx(compute + 3 * t_x, rel=1e-12)
+    pf = next(t for t in r.transfers if t.reason == "prefetch")
+    assert pf.used and not pf.escalated
+
+
 # -- 4. ready-first: the hit computes while the miss loads ---------------------------------
 @pytest.mark.parametrize(
     "hw",

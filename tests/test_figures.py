@@ -177,8 +177,9 @@ def test_missing_runs_and_bad_names_are_one_line(tmp_path):
 @pytest.mark.parametrize("exp", preset_names("experiment"))
 def test_experiment_presets_take_effect(exp):
     """An experiment's settings beat conf/config.yaml's (it comes after _self_) and every
-    preset feeds a figure."""
+    preset feeds a figure or is a scoreboard claim's floor (every expert resident)."""
     from fmoesim.cli.main import compose_config
+    from fmoesim.reproduce.claims import PAPERS, load_catalog
 
     raw = yaml.safe_load((CONF_DIR / "experiment" / f"{exp}.yaml").read_text())
     c = compose_config([f"experiment={exp}"])
@@ -186,7 +187,8 @@ def test_experiment_presets_take_effect(exp):
     for section in ("serving", "engine", "output"):
         for key, value in (raw.get(section) or {}).items():
             assert c[section][key] == value, f"{exp}: {section}.{key}"
-    assert exp in {f.experiment for f in FIGURES.values()}
+    floors = {c.floor for paper in PAPERS for c in load_catalog(paper) if c.floor}
+    assert exp in {f.experiment for f in FIGURES.values()} | floors
 
 
 def test_experiment_points_are_the_presets_sweep():

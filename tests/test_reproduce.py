@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
+from fmoesim.cli.main import compose_config
 from fmoesim.config.schema import CONF_DIR, PROJECT_ROOT
 from fmoesim.errors import FmoesimError
 from fmoesim.plots.figures import sweep_params
@@ -38,7 +39,7 @@ from fmoesim.reproduce.score import (
     score_claim,
     scoreboard,
 )
-from fmoesim.reproduce.smallscale import default_jobs, holding, points, recheck
+from fmoesim.reproduce.smallscale import default_jobs, holding, plan, points, recheck
 
 SCOREBOARD_DIR = PROJECT_ROOT / "results" / "reproduction"
 #: requests per run of the regression check, and its time limit
@@ -69,6 +70,13 @@ def test_catalog_rows_complete(paper: str) -> None:
         else:
             assert (CONF_DIR / "experiment" / f"{c.experiment}.yaml").is_file(), c.id
             assert c.metrics, c.id
+        if c.floor is not None:  # the floor serves what the claim's preset serves
+            assert (CONF_DIR / "experiment" / f"{c.floor}.yaml").is_file(), c.id
+            assert c.experiment is not None, c.id
+            if c.per is not None:
+                want = sweep_params(c.experiment)[c.per]
+                assert sorted(sweep_params(c.floor)[c.per]) == sorted(want), c.id
+            assert compose_config([f"experiment={c.floor}"]).cache.preload, c.id
 
 
 def same(value: object, swept: str) -> bool:
@@ -317,6 +325,55 @@ def test_per_model_by_hand() -> None:
     assert score_claim(every, df).fmoesim_value == pytest.approx(-10.0)
     one = claim(a={"policy": "fmoe", "model": "m2"}, b={"policy": "fmoe", "model": "m1"})
     assert score_claim(one, df).fmoesim_value == pytest.approx(100 * (0.12 / 0.9 - 1))
+
+
+def test_floor_by_hand() -> None:
+    """A latency claim with a ``floor``: every expert resident, the change A would show
+    against B, per model then the mean (and the mean of a mean_relative claim's pairs).
+    Made-up runs: m1 B 1.0 s, floor 0.6 s (-40%); m2 B 0.2 s, floor 0.15 s (-25%); mean
+    -32.5%.  Red when the floor is set against A instead of B, pooled over the models, or
+    read from another model's run; a missing floor leaves the claim's own number."""
+    rows, floors = [], []
+    for model, (f, d, fl) in {"m1": (0.9, 1.0, 0.6), "m2": (0.12, 0.2, 0.15)}.items():
+        rows += [{"policy": "fmoe", "model.name": model, "tpot_mean_s": f, "ttft_mean_s": 2 * f},
+                 {"policy": "deepspeed", "model.name": model, "tpot_mean_s": d,
+                  "ttft_mean_s": 4 * d}]  # fmt: skip
+        floors.append({"policy": "lru", "model.name": model, "tpot_mean_s": fl,
+                       "ttft_mean_s": fl})  # fmt: skip
+    df = pd.concat([store_rows("fmoe-fig9", rows), store_rows("fmoe-resident", floors)])
+    c = claim(per="model", paper_value=-50.0, floor="fmoe-resident")
+    s = score_claim(c, df)
+    assert s.fmoesim_value == pytest.approx((-10.0 + -40.0) / 2) and s.holds == YES
+    assert s.resident == pytest.approx((-40.0 + -25.0) / 2)
+    assert s.detail.endswith("every expert resident: m1 -40.0%, m2 -25.0%")
+    pairs = (
+        Pair("tpot_mean_s", {"policy": "deepspeed"}),
+        Pair("ttft_mean_s", {"policy": "deepspeed"}),
+    )
+    mean = claim(per="model", kind="mean_relative", metric=None, pairs=pairs, floor="fmoe-resident")
+    # m1: (0.6/1.0 - 1, 0.6/4.0 - 1) = (-40, -85); m2: (0.15/0.2 - 1, 0.15/0.8 - 1) = (-25, -81.25)
+    assert score_claim(mean, df).resident == pytest.approx(((-40 - 85) / 2 + (-25 - 81.25) / 2) / 2)
+    alone = score_claim(c, store_rows("fmoe-fig9", rows))
+    assert alone.fmoesim_value == s.fmoesim_value and alone.resident is None
+    assert "no floor: " in alone.detail and "fmoe-resident" in alone.detail
+    assert "every expert resident: -32.5%" in to_markdown([s])
+    with pytest.raises(FmoesimError, match="floor goes with relative and mean_relative, lower"):
+        claim(floor="fmoe-resident", metric="hit_rate", direction="higher").check()
+    with pytest.raises(FmoesimError, match="floor needs latency metrics"):
+        claim(floor="fmoe-resident", metric="hit_rate").check()
+
+
+def test_plan_runs_the_floors_and_the_small_check_does_not() -> None:
+    """Red when ``--run`` leaves a claim's floor runs out (its column would stay empty)
+    or the small check runs them for nothing."""
+    claims = [c for c in load_catalog("fmoe") if c.floor is not None]
+    assert len(claims) >= 13
+    full = {(e, tuple(sorted(p.items()))) for e, pts, _ in plan(claims) for p in pts}
+    floor = {(e, k) for e, k in full if e == "fmoe-resident"}
+    models = {dict(k)["model"] for _, k in floor}
+    assert models == {"mixtral-8x7b", "qwen1.5-moe-a2.7b", "phi-3.5-moe"} and len(floor) == 3
+    small = {e for e, _, _ in plan(claims, floors=False)}
+    assert "fmoe-resident" not in small and full - floor
 
 
 def test_bound_by_hand() -> None:

@@ -101,6 +101,8 @@ class Runner:
                 f"policy {policy.name!r}: a whole-layer fetch loads whole experts, "
                 "so it cannot split them (uses_segments)"
             )
+        # synchronous prefetching: a layer step ends when every transfer has landed
+        self.sync_prefetch = policy.waits_for_prefetches()
         self.n_keys = self.L * self.E
         self.max_key = 3 * self.n_keys if self.segments else self.n_keys
         self._want_req_probs = self._want_req and self._want_probs
@@ -941,6 +943,12 @@ class Runner:
         """GPU ``g``'s expert phase: resident experts (and segments) compute while the
         others load."""
         be, cache = self.backend, self.caches[g]
+        if self.sync_prefetch:
+            # synchronous prefetching: no expert computes before every transfer in flight
+            # on this GPU (the gate's prefetches, the layer's own loads) has landed
+            flying = [k for k, e in cache.entries.items() if not e.resident]
+            while flying:
+                flying.remove(be.wait_any(g, flying))
         if ready:
             be.experts(
                 g,

@@ -15,6 +15,13 @@ model preset's shape (``model``: a ``conf/model/`` name; ``metric``: one of
 :data:`MODEL_METRICS`), arithmetic on the configuration rather than a serving result.  A
 claim that no preset computes has no ``experiment`` and says why in ``reason``.  The
 kinds of comparison are defined in :mod:`fmoesim.reproduce.score`.
+
+A latency claim (``relative`` or ``mean_relative``, A lower than B) may name a
+``floor``: an experiment preset that serves the same requests on the same testbed with
+every expert resident (one run per value of the claim's ``per`` key, or one run).  Its
+latency is what no policy can beat there, so ``floor`` against B is the largest change
+any policy could show: a paper's number beyond it cannot be reached on that testbed,
+whatever the policy's hit rate (:func:`fmoesim.reproduce.score.resident_effect`).
 """
 
 from __future__ import annotations
@@ -106,6 +113,7 @@ class Claim:
     b_layers: str | None = None
     model: str | None = None
     tolerance: float | None = None
+    floor: str | None = None
     reason: str = ""
     note: str = ""
 
@@ -196,6 +204,13 @@ class Claim:
             raise FmoesimError(f"{bad}: b_layers without layers")
         if self.layers is not None and self.kind not in ("relative", "every_point", *BOUNDS):
             raise FmoesimError(f"{bad}: layers goes with relative, every_point and bounds")
+        if self.floor is not None:
+            from fmoesim.reproduce.score import is_latency
+
+            if self.kind not in ("relative", "mean_relative") or self.direction != "lower":
+                raise FmoesimError(f"{bad}: floor goes with relative and mean_relative, lower")
+            if not all(is_latency(m) for m in self.metrics) or self.layers is not None:
+                raise FmoesimError(f"{bad}: floor needs latency metrics, without layers")
 
 
 def _claim(paper: str, raw: dict[str, Any]) -> Claim:

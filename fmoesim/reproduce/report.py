@@ -19,7 +19,8 @@ from fmoesim.reproduce.score import YES, Score
 #: the CSV's columns, in order
 COLUMNS = (
     "paper", "id", "where", "claim", "quote", "setting", "paper_value", "paper_unit",
-    "fmoesim_value", "fmoesim_unit", "holds", "ratio", "preset", "metric", "detail", "note",
+    "fmoesim_value", "fmoesim_unit", "holds", "ratio", "resident_value", "preset", "metric",
+    "detail", "note",
 )  # fmt: skip
 
 
@@ -46,6 +47,7 @@ def csv_rows(scores: Sequence[Score]) -> list[dict[str, str]]:
                 "fmoesim_unit": s.unit if s.fmoesim_value is not None else "",
                 "holds": s.holds,
                 "ratio": _num(s.ratio, 2),
+                "resident_value": _num(s.resident, 2),
                 "preset": _preset(c),
                 "metric": (c.metric or "") if c.kind == "model" else ",".join(c.metrics),
                 "detail": s.detail,
@@ -84,6 +86,8 @@ def _fmoesim_cell(s: Score) -> str:
         return f"{s.fmoesim_value:.0f}% of points"
     if s.unit != "% change":  # a bound, in the paper's unit: 4 significant digits
         return f"{s.fmoesim_value:.4g} {s.unit}"
+    if s.resident is not None:
+        return f"{s.fmoesim_value:+.1f}% (every expert resident: {s.resident:+.1f}%)"
     return f"{s.fmoesim_value:+.1f}%"
 
 
@@ -139,7 +143,10 @@ def page(paper: str, scores: Sequence[Score]) -> str:
             "",
             "fmoesim's number is the relative change of A against B in percent (the",
             "paper's unit); 'holds' says whether it has the paper's sign; 'ratio' is",
-            f"fmoesim's change over the paper's. Regenerate: `fmoesim-reproduce {paper} --run`.",
+            "fmoesim's change over the paper's. 'Every expert resident' (latency claims",
+            "with a floor preset) is the change A would show with no expert ever loaded:",
+            "the most any policy could show on that testbed.",
+            f"Regenerate: `fmoesim-reproduce {paper} --run`.",
             "",
             to_markdown(scores),
             "",

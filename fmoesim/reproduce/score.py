@@ -64,6 +64,12 @@ models") is scored for each value of that key on its own rows, then combined:
 the mean of the effects (``relative``, ``mean_relative``, ``at_point``), the least
 favourable (``every_point``, ``trend``) or the mean share (``most_points``).
 
+A latency claim with a ``floor`` (an experiment preset with every expert resident, run
+under the same requests and testbed) also gets :attr:`Score.resident`: the change A would
+show against B at that floor, formed as the claim's own number
+(:func:`resident_effect`).  It is the most any policy could show there; the direction and
+the ratio do not read it.
+
 The direction holds ("yes") when the effect has the claimed sign (strictly below 0 for
 ``lower``, above 0 for ``higher``; above 50% for ``most_points``), "no" otherwise, and
 "n.a." when fmoesim has no number.  The magnitude ratio is fmoesim's effect divided by
@@ -82,7 +88,7 @@ from pathlib import Path
 from typing import Any
 
 from fmoesim.errors import FmoesimError
-from fmoesim.reproduce.claims import BOUNDS, Claim, Filter, sides_of
+from fmoesim.reproduce.claims import BOUNDS, Claim, Filter, Pair, sides_of
 
 YES, NO, NA = "yes", "no", "n.a."
 
@@ -98,6 +104,9 @@ class Score:
     holds: str
     ratio: float | None
     detail: str = ""
+    #: with the claim's ``floor``: the change A would show against B with every expert
+    #: resident (:func:`resident_effect`), percent; None without a floor or its runs
+    resident: float | None = None
 
     @property
     def unit(self) -> str:
@@ -501,6 +510,32 @@ def is_latency(metric: str) -> bool:
     return metric in TIME_COLUMNS or metric in LIST_TIME_COLUMNS
 
 
+def resident_effect(claim: Claim, df: Any, floor_df: Any) -> tuple[float, str]:
+    """The change (percent) A would show against B if A had every expert resident: the
+    ``floor`` preset's latency (``floor_df``, one run per value of ``per``) against side
+    B's, formed as :func:`effect` forms the claim's number (per value of ``per``, then
+    the mean; a ``mean_relative`` claim's pairs averaged).  No policy can do better on
+    that testbed, so a paper's number beyond it is out of reach whatever the hit rate.
+    Returns it and, with ``per``, a detail of each value's."""
+    what = f"claim {claim.id}: floor {claim.floor}"
+    keys = [None] if claim.per is None else _over_values(df, claim.per)
+    pairs = claim.pairs or (Pair(claim.metric or "", claim.b),)  # type: ignore[arg-type]
+    values = []
+    for v in keys:
+        rows = df if v is None else select(df, {claim.per: v})
+        floor_rows = floor_df if v is None else select(floor_df, {claim.per: v})
+        if len(floor_rows) != 1:
+            raise FmoesimError(f"{what}: {len(floor_rows)} runs match where one is needed")
+        parts = []
+        for p in pairs:
+            floor = float(floor_rows[p.metric].iloc[0])
+            b = side_value(rows, p.b, p.metric, claim.b_agg, what)
+            parts.append(relative_pct(floor, b, what))
+        values.append(sum(parts) / len(parts))
+    detail = ", ".join(f"{_num(k)} {_fmt(x)}" for k, x in zip(keys, values, strict=True))
+    return sum(values) / len(values), "" if claim.per is None else detail
+
+
 def score_claim(claim: Claim, results: Any) -> Score:
     """fmoesim's :class:`Score` for ``claim`` from the store's DataFrame ``results``:
     the rows of its experiment from the running code version
@@ -523,7 +558,18 @@ def score_claim(claim: Claim, results: Any) -> Score:
     except FmoesimError as exc:
         return Score(claim, None, NA, None, str(exc))
     ratio = magnitude_ratio(value, claim.paper_value) if claim.kind in _RATIO_KINDS else None
-    return Score(claim, value, YES if holds else NO, ratio, detail)
+    resident = None
+    if claim.floor is not None:
+        try:
+            floor_df, _ = experiment_rows(
+                results, claim.floor, timed=True, what=f"claim {claim.id}"
+            )
+            resident, per_value = resident_effect(claim, df, floor_df)
+            if per_value:
+                detail = "; ".join(filter(None, [detail, f"every expert resident: {per_value}"]))
+        except FmoesimError as exc:  # the claim's own number stands without its floor
+            detail = "; ".join(filter(None, [detail, f"no floor: {exc}"]))
+    return Score(claim, value, YES if holds else NO, ratio, detail, resident)
 
 
 def model_statistic(model: str, metric: str) -> tuple[float, str]:
@@ -575,8 +621,8 @@ _RATIO_KINDS = ("relative", "mean_relative", "min_budget", "best_reached", "at_p
 
 
 def experiments_of(claims: Sequence[Claim]) -> list[str]:
-    """The experiment presets the claims read, in catalog order."""
-    return list(dict.fromkeys(c.experiment for c in claims if c.experiment))
+    """The experiment presets the claims read (their floors too), in catalog order."""
+    return list(dict.fromkeys(e for c in claims for e in (c.experiment, c.floor) if e))
 
 
 def ensure_runs(claims: Sequence[Claim], store: Path, jobs: int) -> None:

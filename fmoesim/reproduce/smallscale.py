@@ -76,6 +76,17 @@ def points(claim: Claim) -> list[dict[str, Any]]:
     return _side_points(claim.experiment, sides)
 
 
+def floor_points(claim: Claim) -> list[dict[str, Any]]:
+    """The sweep points of a claim's ``floor`` preset (every expert resident): all of
+    them, under the policies it sweeps; none without a floor."""
+    from fmoesim.plots.figures import sweep_params
+
+    if claim.floor is None:
+        return []
+    policies = sweep_params(claim.floor).get("policy")
+    return _side_points(claim.floor, [{"policy": list(policies)} if policies else {}])
+
+
 def _side_points(experiment: str, sides: Sequence[Filter]) -> list[dict[str, Any]]:
     """The sweep points of ``experiment`` that filters ``sides`` read, without repeats."""
     from fmoesim.plots.figures import sweep_params
@@ -118,8 +129,9 @@ def _chain(claim: Claim, side: Filter) -> list[dict[str, Any]] | None:
     return [p for _, p in sorted(zip(values, pts, strict=True), key=lambda vp: vp[0])]
 
 
-def plan(claims: Sequence[Claim]) -> list[Job]:
-    """The jobs that score ``claims``: every point a claim reads, each once.
+def plan(claims: Sequence[Claim], floors: bool = True) -> list[Job]:
+    """The jobs that score ``claims``: every point a claim reads, each once, and with
+    ``floors`` the points of the claims' ``floor`` presets (:func:`floor_points`).
 
     A ``min_budget`` claim reads, on each side, the smallest swept value whose metric
     meets its target (else the largest one), so a side that sweeps ``over`` becomes a
@@ -148,6 +160,9 @@ def plan(claims: Sequence[Claim]) -> list[Job]:
         for p in points(c):
             if _point_key(p) not in chained:
                 plain.setdefault((c.experiment, _point_key(p)), (c.experiment, p))
+        if floors and c.floor is not None:
+            for p in floor_points(c):
+                plain.setdefault((c.floor, _point_key(p)), (c.floor, p))
     seen: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}
     for (exp, pkeys), _ in chains.items():
         for k in pkeys:
@@ -338,6 +353,6 @@ def recheck(claims: Sequence[Claim], requests: int = SMALL_REQUESTS, jobs: int =
     on ``jobs``)."""
     import pandas as pd
 
-    rows = run_jobs(plan(claims), requests, jobs)
+    rows = run_jobs(plan(claims, floors=False), requests, jobs)  # the floors hold nothing
     results = pd.DataFrame(rows) if rows else pd.DataFrame()
     return [score_claim(c, results) for c in claims]
