@@ -47,8 +47,8 @@ What the protocol offers beyond these events:
   :func:`bottom_key`), budget groups (:meth:`Policy.cache_groups`), and
   :attr:`Actions.budgets` / :attr:`Actions.evict` / :attr:`Prefetch.reason` for cache
   reconfiguration (MoEpic);
-- synchronous prefetching (:meth:`Policy.waits_for_prefetches`: a layer step ends only
-  when every transfer in flight has landed) and whole-layer fetches
+- synchronous prefetching (:meth:`Policy.waits_for_prefetches`: no expert of a layer
+  computes before every transfer in flight on its GPU has landed) and whole-layer fetches
   (:meth:`Policy.fetches_whole_layers`);
 - :meth:`Policy.report`: a policy's own per-iteration table.
 """
@@ -663,10 +663,11 @@ class Policy(ABC):
         return False
 
     def waits_for_prefetches(self) -> bool:
-        """True: prefetching is synchronous.  A layer step does not end until every
-        transfer in flight on each GPU has landed, so the prefetches its gate issued are
-        resident when the next layer runs, and the GPU is blocked (stalled) while it
-        waits, whether the guesses were right or not.  Read once, at the start of a run."""
+        """True: prefetching is synchronous.  On each GPU, no expert of a layer computes
+        before every transfer in flight there (the gate's prefetches and the layer's own
+        loads) has landed, so what the gate prefetched is resident when the next layer
+        runs, and the GPU is blocked (stalled) while it waits, whether the guesses were
+        right or not.  Read once, at the start of a run."""
         return False
 
     def report(self) -> dict[str, np.ndarray] | None:

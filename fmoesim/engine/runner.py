@@ -101,7 +101,8 @@ class Runner:
                 f"policy {policy.name!r}: a whole-layer fetch loads whole experts, "
                 "so it cannot split them (uses_segments)"
             )
-        # synchronous prefetching: a layer step ends when every transfer has landed
+        # synchronous prefetching: a layer's experts compute only once every transfer in
+        # flight on their GPU has landed (_experts_on)
         self.sync_prefetch = policy.waits_for_prefetches()
         self.n_keys = self.L * self.E
         self.max_key = 3 * self.n_keys if self.segments else self.n_keys
