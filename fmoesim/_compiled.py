@@ -33,9 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The modules compiled, relative to :data:`ROOT`: the Runner, the cache, the simulator
-#: backend, the policy protocol, the classic caches and the prefetching
-#: baselines.  MoE-Infinity, fMoE and MoEpic stay interpreted (most of
-#: their time is numpy calls) and run on the compiled engine.
+#: backend, the policy protocol, the classic caches, the prefetching baselines, fMoE,
+#: MoE-Infinity and MoEpic.
 MODULES = (
     "fmoesim/engine/backend.py",
     "fmoesim/engine/cache.py",
@@ -59,6 +58,10 @@ MODULES = (
     "policies/adapmoe.py",
     "policies/pregated.py",
     "policies/promoe.py",
+    "policies/fmoe.py",
+    "policies/moe_infinity.py",
+    "policies/moepic_config.py",
+    "policies/moepic.py",
 )
 
 #: Source hashes of the last build, relative to :data:`ROOT` (ignored by git).

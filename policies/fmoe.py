@@ -170,9 +170,9 @@ class ExpertMapStore:
         e = np.atleast_2d(np.asarray(embeddings, dtype=np.float32))
         stored = self._emb[: self.size]
         if len(e) == 1:  # perf: one matrix-vector product and a scalar norm
-            n = math.sqrt(float(e[0] @ e[0]))
-            return (stored @ (e[0] / n))[None] if n > 0 else np.zeros((1, self.size), np.float32)
-        n = np.sqrt(np.einsum("bd,bd->b", e, e))[:, None]
+            n1 = math.sqrt(float(e[0] @ e[0]))
+            return (stored @ (e[0] / n1))[None] if n1 > 0 else np.zeros((1, self.size), np.float32)
+        n = np.sqrt(np.einsum("bd,bd->b", e, e))[:, None]  # (B, 1)
         e = np.divide(e, n, out=np.zeros_like(e), where=n > 0)
         return e @ stored.T
 
@@ -496,8 +496,9 @@ class FMoE(Policy):
         self._in_layer: list[set[int]] = [set() for _ in range(L)]  # _in by layer
         # victim order (see victim): a heap of ranks (score, or inf while held; admission;
         # key) holding, for every key in _in, its entry _top[key], a lower bound of its
-        # rank (entries of a key other than _top[key] are stale); keys whose rank may
-        # have dropped wait in _dirty until the next victim call
+        # rank (entries of a key not equal to _top[key] are stale: compared by value,
+        # since the compiled build boxes these tuples anew on every read); keys whose rank
+        # may have dropped wait in _dirty until the next victim call
         self._heap: list[tuple[float, int, int]] = []
         self._top: dict[int, tuple[float, int, int]] = {}
         self._dirty: set[int] = set()
@@ -857,7 +858,7 @@ class FMoE(Policy):
             still = []
             for e in parked:
                 key = e[2]
-                if top.get(key) is e:
+                if top.get(key) == e:
                     if key in candidates:
                         push(heap, e)
                     else:
@@ -880,7 +881,7 @@ class FMoE(Policy):
         while heap:
             e = heap[0]
             key = e[2]
-            if top.get(key) is not e:
+            if top.get(key) != e:
                 pop(heap)
                 continue
             r = rank(key)
