@@ -4,10 +4,12 @@ budgets, serving modes and policies, in two steps.
 1. ``replay`` (on the GPU): every run of the grid is replayed
    (:class:`replay.backend.GpuBackend`); each finished run appends one row to
    ``<out>/replay.csv`` at once, so a run cut short keeps what it measured and a second
-   call resumes it (runs already in the file are skipped).  Beside the run's summary, a
-   row keeps the host's time
+   call resumes it (runs already in the file are skipped; ``--repeats`` replays every
+   run several times, in rounds).  Beside the run's summary, a row keeps the host's time
    inside the policy's hooks (``policy_host_s``, measured around the hooks, never inside
-   the policy) and the compute repeat factor of the crossover runs.
+   the policy), the compute repeat factor of the crossover runs, and the host's state
+   during the run (:class:`HostWatch`, :func:`host_probe_s`): the replay is host-bound,
+   and its host's speed drifts.
 2. ``score`` (anywhere, no GPU): the simulator runs every row's configuration with a
    measured hardware profile (``--hardware measured/<name>``; a crossover row's compute
    times scaled by its factor, :func:`fmoesim.plots.crossover.scale_hardware`) and
@@ -213,22 +215,119 @@ def time_calls(
     return acc
 
 
+#: the pure-Python work :func:`host_probe_s` times (a fixed loop of about 10 ms)
+PROBE_LOOPS = 200_000
+
+
+def host_probe_s(loops: int = PROBE_LOOPS, times: int = 3) -> float:
+    """The host's speed at Python now: the median seconds of ``times`` runs of a fixed
+    loop of integer arithmetic (no allocation beyond small ints, no I/O).  Its spread
+    across a replay's rows is the spread of the host itself."""
+    out = []
+    for _ in range(times):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(loops):
+            acc = (acc + i * i) & 0xFFFF
+        out.append(time.perf_counter() - t0)
+    return sorted(out)[len(out) // 2]
+
+
+def _proc_stat_steal_s() -> float:
+    """The machine's stolen CPU seconds so far, summed over its CPUs (``/proc/stat``;
+    NaN where that file or its steal field is missing)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+class HostWatch:
+    """What the host did during a block: ``result`` holds ``cpu_s`` (this process's
+    user + system CPU seconds), ``steal_s`` (the machine's stolen CPU seconds, all CPUs:
+    a virtual machine's CPUs that the hypervisor gave to others), ``vcsw`` and ``ivcsw``
+    (voluntary and involuntary context switches), ``gc_s`` and ``gc_collections`` (the
+    garbage collector's pauses and collections) and ``gc_off`` (1 when the collector was
+    disabled for the block: ``gc_off=True`` collects once before and disables it)."""
+
+    def __init__(self, gc_off: bool = False) -> None:
+        self.gc_off = gc_off
+        self.result: dict[str, float] = {}
+        self._gc = [0.0, 0, 0.0]  # pause seconds, collections, start of the current one
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc[2] = time.perf_counter()
+        else:
+            self._gc[0] += time.perf_counter() - self._gc[2]
+            self._gc[1] += 1
+
+    def __enter__(self) -> HostWatch:
+        import gc
+        import resource
+
+        if self.gc_off:
+            gc.collect()
+            gc.disable()
+        gc.callbacks.append(self._on_gc)
+        self._ru = resource.getrusage(resource.RUSAGE_SELF)
+        self._cpu = time.process_time()
+        self._steal = _proc_stat_steal_s()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gc
+        import resource
+
+        cpu = time.process_time() - self._cpu
+        steal = _proc_stat_steal_s() - self._steal
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        gc.callbacks.remove(self._on_gc)
+        if self.gc_off:
+            gc.enable()
+        self.result = {
+            "cpu_s": cpu,
+            "steal_s": steal,
+            "vcsw": ru.ru_nvcsw - self._ru.ru_nvcsw,
+            "ivcsw": ru.ru_nivcsw - self._ru.ru_nivcsw,
+            "gc_s": self._gc[0],
+            "gc_collections": self._gc[1],
+            "gc_off": int(self.gc_off),
+        }
+
+
 def _summary_row(s: dict[str, Any], prefix: str) -> dict[str, Any]:
     row = {f"{prefix}{k}": s.get(k, float("nan")) for k, *_ in METRICS if k != "miss_rate"}
     acc = s.get("accesses") or 0
     row[f"{prefix}miss_rate"] = s["misses"] / acc if acc else float("nan")
     for k in ("accesses", "hits", "late", "misses", "transfers", "tpot_p50_s", "tpot_p99_s",
               "e2e_mean_s", "gpu_busy_s", "link_busy_s", "wall_s", "requests", "iterations",
-              "layer_steps", "prefetch_bytes", "on_demand_bytes", "simulated_s"):  # fmt: skip
+              "layer_steps", "prefetch_bytes", "on_demand_bytes", "simulated_s",
+              "cancelled_transfers"):  # fmt: skip
         row[f"{prefix}{k}"] = s.get(k, float("nan"))
     return row
 
 
-def replay_one(run: Run, device: str, depth: int = 2, host_timers: bool = False) -> dict[str, Any]:
-    """Replay one run; its replay.csv row.  ``host_timers`` adds the host's seconds and
-    calls in the backend's and the link scheduler's entry points (:data:`HOST_TIMERS`;
-    columns ``replay_host_<name>_s`` and ``replay_host_<name>_calls``), at a cost of a
-    timer around each call."""
+def replay_one(
+    run: Run,
+    device: str,
+    depth: int = 2,
+    host_timers: bool = False,
+    gc_off: bool = False,
+    repeat: int = 0,
+) -> dict[str, Any]:
+    """Replay one run; its replay.csv row (``repeat``: which repeat of the run it is).
+
+    Every row says how the host fared during the run (:class:`HostWatch`: process CPU
+    seconds, the machine's steal time, context switches, the garbage collector's pauses)
+    and ``replay_probe_s``, :func:`host_probe_s` before and after the run (their mean): the
+    replay is host-bound, so these tell a slow host from a slow policy.  ``gc_off``
+    disables Python's garbage collector during the run.  ``host_timers`` adds the host's
+    seconds and calls in the backend's and the link scheduler's entry points
+    (:data:`HOST_TIMERS`; columns ``replay_host_<name>_s`` and ``replay_host_<name>_calls``),
+    at a cost of a timer around each call."""
     from hydra.utils import instantiate
 
     from fmoesim.cli.main import _trace_path, compose_config
@@ -253,21 +352,27 @@ def replay_one(run: Run, device: str, depth: int = 2, host_timers: bool = False)
         timers.update(time_calls(backend.link, HOST_TIMERS["link"], "link_"))
         return backend
 
-    t0 = time.perf_counter()
-    res = simulate_spec(
-        spec,
-        trace,
-        policy=policy,
-        timing=True,
-        access_log=False,
-        progress=False,
-        make_backend=make_timed if host_timers else make,
-    )
+    probe_before_s = host_probe_s()
+    with HostWatch(gc_off=gc_off) as watch:
+        t0 = time.perf_counter()
+        res = simulate_spec(
+            spec,
+            trace,
+            policy=policy,
+            timing=True,
+            access_log=False,
+            progress=False,
+            make_backend=make_timed if host_timers else make,
+        )
+        run_s = time.perf_counter() - t0
     row: dict[str, Any] = {k: getattr(run, k) for k in KEY}
+    row["repeat"] = repeat
     row.update(_summary_row(res.summary, "replay_"))
     row["replay_policy_host_s"] = hooks[0]
     row["replay_policy_calls"] = int(hooks[1])
-    row["replay_run_s"] = time.perf_counter() - t0
+    row["replay_run_s"] = run_s
+    row["replay_probe_s"] = 0.5 * (probe_before_s + host_probe_s())
+    row.update({f"replay_{k}": v for k, v in watch.result.items()})
     for name, (secs, calls) in timers.items():
         row[f"replay_host_{name}_s"] = secs
         row[f"replay_host_{name}_calls"] = int(calls)
@@ -284,11 +389,15 @@ def _free_device(device: str) -> None:
     gc.collect()
 
 
-def _done_keys(path: Path) -> set[tuple[str, ...]]:
-    if not path.exists():
-        return set()
-    with path.open(newline="") as f:
-        return {tuple(r[k] for k in KEY) for r in csv.DictReader(f)}
+def _done_counts(path: Path) -> dict[tuple[str, ...], int]:
+    """How many rows of each run ``path`` holds (none when it does not exist)."""
+    counts: dict[tuple[str, ...], int] = {}
+    if path.exists():
+        with path.open(newline="") as f:
+            for r in csv.DictReader(f):
+                k = tuple(r[k] for k in KEY)
+                counts[k] = counts.get(k, 0) + 1
+    return counts
 
 
 def _header(path: Path) -> list[str]:
@@ -327,10 +436,17 @@ def run_replays(
     skip_done: bool = True,
     log: Callable[[str], None] = print,
     host_timers: bool = False,
+    repeats: int = 1,
+    gc_off: bool = False,
 ) -> int:
-    """Replay ``runs`` in order, appending to ``out/replay.csv``; stop starting new runs
-    once ``deadline_s`` seconds have passed (a run's measured length, the longest so far,
-    must fit before it).  Returns the number of runs replayed."""
+    """Replay ``runs`` ``repeats`` times each, appending to ``out/replay.csv``: in rounds
+    (every run once, then every run again), so a drift of the host's speed spreads over
+    all runs alike.  A run the file already holds ``repeats`` times is skipped (a second
+    call resumes).  Stop starting new runs once ``deadline_s`` seconds have passed (a run's
+    measured length, the longest so far, must fit before it).  ``gc_off`` disables
+    Python's garbage collector during each run.  Returns the number of runs replayed."""
+    if repeats < 1:
+        raise FmoesimError(f"--repeats {repeats}: must be >= 1")
     out.mkdir(parents=True, exist_ok=True)
     path = out / "replay.csv"
     if path.exists():
@@ -340,29 +456,28 @@ def run_replays(
             raise FmoesimError(
                 f"{path}: {have} host-timer columns, this replay {want} (pick another --out)"
             )
-    done = _done_keys(path) if skip_done else set()
+    done = _done_counts(path) if skip_done else {}
+    todo = [(run, i) for i in range(repeats) for run in runs if done.get(run.key(), 0) <= i]
     t_start = time.perf_counter()
     longest = 0.0
     n = 0
     warm: set[str] = set()
-    for run in runs:
-        if run.key() in done:
-            continue
+    for run, i in todo:
         if run.model not in warm:
             # a first run pays CUDA's and cuBLAS's lazy start, the allocator's growth and
             # the host weights: replayed once and not recorded
             warm.add(run.model)
             try:
-                replay_one(run, device, host_timers=host_timers)
+                replay_one(run, device, host_timers=host_timers, gc_off=gc_off)
             except Exception as exc:  # noqa: BLE001 - reported by the run itself below
                 log(f"warm-up {run.model}: {type(exc).__name__}: {exc}")
             _free_device(device)
         elapsed = time.perf_counter() - t_start
         if elapsed + longest > deadline_s:
-            log(f"deadline: {len([r for r in runs if r.key() not in done]) - n} runs left")
+            log(f"deadline: {len(todo) - n} runs left")
             break
         try:
-            row = replay_one(run, device, host_timers=host_timers)
+            row = replay_one(run, device, host_timers=host_timers, gc_off=gc_off, repeat=i)
         except Exception as exc:  # noqa: BLE001 - one failed run must not end the grid
             log(f"{' '.join(run.key())}: failed: {type(exc).__name__}: {exc}")
             continue
@@ -372,23 +487,26 @@ def run_replays(
         _append(path, row)
         n += 1
         log(
-            f"{run.model} {run.budget_gb:g} GB {run.mode} x{run.compute_repeat} {run.policy}: "
-            f"TPOT {1e3 * row['replay_tpot_mean_s']:.2f} ms, hit "
-            f"{100 * row['replay_hit_rate']:.1f}% ({row['replay_run_s']:.1f} s)"
+            f"{run.model} {run.budget_gb:g} GB {run.mode} x{run.compute_repeat} {run.policy}"
+            f"{f' #{i}' if repeats > 1 else ''}: TPOT {1e3 * row['replay_tpot_mean_s']:.2f} ms, "
+            f"hit {100 * row['replay_hit_rate']:.1f}% ({row['replay_run_s']:.1f} s; probe "
+            f"{1e3 * row['replay_probe_s']:.1f} ms, steal {row['replay_steal_s']:.2f} s, "
+            f"gc {1e3 * row['replay_gc_s']:.0f} ms)"
         )
     return n
 
 
 # -- scoring -------------------------------------------------------------------------------
-def read_replays(paths: Sequence[Path]) -> list[dict[str, Any]]:
+def read_replays(paths: Sequence[Path], merge: bool = True) -> list[dict[str, Any]]:
     """The runs of one or more replay.csv files (numbers parsed), one row per run.
 
     Rows with the same key are repeats of one run: its ``replay_*`` numbers are their
     means, ``replay_repeats`` counts them, and ``replay_tpot_min_s``, ``replay_tpot_max_s``
     and ``replay_tpot_cv`` (sample standard deviation over mean; NaN for one repeat) give
-    the spread of TPOT.  The other columns come from the first repeat.  Runs come in the
-    grid's order: model, mode, budget, compute factor, policy (names the grid does not
-    know after the ones it does, in the order they were read)."""
+    the spread of TPOT.  The other columns come from the first repeat.  ``merge=False``
+    keeps every repeat as its own row instead.  Runs come in the grid's order: model,
+    mode, budget, compute factor, policy (names the grid does not know after the ones it
+    does, in the order they were read)."""
     import pandas as pd
 
     frames = []
@@ -401,17 +519,20 @@ def read_replays(paths: Sequence[Path]) -> list[dict[str, Any]]:
     missing = [k for k in (*KEY, "overrides") if k not in df.columns]
     if missing:
         raise FmoesimError(f"{paths[0]}: column {missing[0]!r} is missing (rule: {KEY})")
-    means = [c for c in df.columns
-             if c.startswith("replay_") and pd.api.types.is_numeric_dtype(df[c])]  # fmt: skip
-    g = df.groupby(list(KEY), sort=False)
-    out = g.first()
-    out[means] = g[means].mean()
-    out["replay_repeats"] = g.size()
-    if "replay_tpot_mean_s" in df.columns:
-        tpot = g["replay_tpot_mean_s"]
-        out["replay_tpot_min_s"], out["replay_tpot_max_s"] = tpot.min(), tpot.max()
-        out["replay_tpot_cv"] = tpot.std(ddof=1) / tpot.mean()
-    records = out.reset_index().to_dict("records")
+    if merge:
+        means = [c for c in df.columns
+                 if c.startswith("replay_") and pd.api.types.is_numeric_dtype(df[c])]  # fmt: skip
+        g = df.groupby(list(KEY), sort=False)
+        out = g.first()
+        out[means] = g[means].mean()
+        out["replay_repeats"] = g.size()
+        if "replay_tpot_mean_s" in df.columns:
+            tpot = g["replay_tpot_mean_s"]
+            out["replay_tpot_min_s"], out["replay_tpot_max_s"] = tpot.min(), tpot.max()
+            out["replay_tpot_cv"] = tpot.std(ddof=1) / tpot.mean()
+        records = out.reset_index().to_dict("records")
+    else:
+        records = df.to_dict("records")
     names = {"model": [g.model for g in GRID], "mode": list(MODES), "policy": list(POLICIES)}
     order = {k: {v: i for i, v in enumerate(vs)} for k, vs in names.items()}
 
@@ -421,6 +542,50 @@ def read_replays(paths: Sequence[Path]) -> list[dict[str, Any]]:
                 order["policy"].get(r["policy"], len(POLICIES)))  # fmt: skip
 
     return sorted(records, key=rank)  # stable: unknown names keep the order read
+
+
+#: a host profile's key: the median host probe (:func:`host_probe_s`) of the runs its
+#: host costs were fitted on; scoring scales them by each run's own probe
+HOST_PROBE_KEY = "host_probe_s"
+
+
+def reference_probe_s(rows: Sequence[dict[str, Any]], fit_model: str) -> float:
+    """The median host probe of ``fit_model``'s batch-1 rows (:func:`fit_host` passes
+    the runs it fits the engine's costs on)."""
+    import numpy as np
+
+    probes = [r.get("replay_probe_s", math.nan) for r in rows
+              if r["model"] == fit_model and r["mode"] == "batch1"
+              and int(r["compute_repeat"]) == 1]  # fmt: skip
+    probes = [p for p in probes if p == p]
+    if not probes:
+        raise FmoesimError(f"--host-speed: no {fit_model} batch-1 run records its host "
+                           "probe (rule: replay column replay_probe_s)")  # fmt: skip
+    return float(np.median(probes))
+
+
+def host_speed_hardware(hw: Any, probe_s: float) -> Any:
+    """``hw`` with every model's host costs (engine and decisions) scaled by ``probe_s``
+    over the profile's reference probe: the host ran that much slower (or faster) than
+    when the costs were measured.  Unchanged where the profile has no reference probe or
+    the run none (NaN)."""
+    from fmoesim.engine.host import HOST_KEYS, HOST_SUBMIT_KEY
+
+    if not (probe_s == probe_s and probe_s > 0):
+        return hw
+    keys = (*HOST_KEYS, HOST_SUBMIT_KEY)
+    measured = {}
+    for model, coeffs in (hw.measured or {}).items():
+        ref = coeffs.get(HOST_PROBE_KEY) if isinstance(coeffs, dict) else None
+        if not ref:
+            measured[model] = coeffs
+            continue
+        f = probe_s / float(ref)
+        c = {k: float(v) * f if k in keys else v for k, v in coeffs.items()}
+        decisions = coeffs.get("host_decision_s") or {}
+        c["host_decision_s"] = {p: float(v) * f for p, v in decisions.items()}
+        measured[model] = c
+    return dataclasses.replace(hw, measured=measured)
 
 
 def simulate_row(row: dict[str, Any], hardware: str) -> dict[str, Any]:
@@ -436,6 +601,9 @@ def simulate_row(row: dict[str, Any], hardware: str) -> dict[str, Any]:
     n = int(row["compute_repeat"])
     if n != 1:
         spec = dataclasses.replace(spec, hardware=scale_hardware(spec.hardware, n, 1.0))
+    spec = dataclasses.replace(
+        spec, hardware=host_speed_hardware(spec.hardware, row.get("replay_probe_s", math.nan))
+    )
     trace = read_trace(_trace_path(spec))
     res = simulate_spec(spec, trace, timing=True, access_log=False, progress=False)
     return _summary_row(res.summary, "sim_")
@@ -767,8 +935,30 @@ def score(
     return out
 
 
+def _submissions(r: dict[str, Any]) -> float:
+    """Transfers a replayed run queued: its submit calls (``--host-timers``), else the
+    transfers it moved plus those it cancelled; NaN where the row records neither."""
+    calls = r.get("replay_host_submit_calls", math.nan)
+    if calls == calls:
+        return float(calls)
+    cancelled = r.get("replay_cancelled_transfers", math.nan)
+    return float(r["replay_transfers"] + cancelled)
+
+
+def repeat_rows(paths: Sequence[Path], hardware: str) -> list[dict[str, Any]]:
+    """Every repeat of the replayed runs in ``paths`` as its own row, with the
+    simulator's numbers on ``hardware`` (``sim_*``, one simulation per run: the simulator
+    is deterministic)."""
+    scored = score_rows(read_replays(paths), hardware)
+    sim = {
+        tuple(str(r[k]) for k in KEY): {k: v for k, v in r.items() if k.startswith("sim_")}
+        for r in scored
+    }
+    return [{**r, **sim[tuple(str(r[k]) for k in KEY)]} for r in read_replays(paths, merge=False)]
+
+
 def fit_host(
-    rows: Sequence[dict[str, Any]], fit_model: str
+    rows: Sequence[dict[str, Any]], fit_model: str, host_speed: bool = False
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """The host model of :mod:`fmoesim.engine.host` from scored replays (scored on a
     profile without host costs).
@@ -776,31 +966,84 @@ def fit_host(
     Engine costs: least squares over ``fit_model``'s batch-1 runs of the time no
     measured component explains, per MoE layer step, ``(replay wall - policy hooks -
     simulated compute) / layer steps = host_layer_s + host_access_s * accesses / steps +
-    host_transfer_s * transfers / steps``.  Decision costs: each (model, policy)'s hooks'
-    measured seconds per layer step, averaged over its runs.  Returns (engine costs,
+    host_submit_s * queued / steps + host_transfer_s * transfers / steps`` (queued: every
+    transfer submitted, cancelled ones too; transfers: those the link started).
+
+    - Where the runs carry the link scheduler's host timers (``replay --host-timers``),
+      ``host_transfer_s`` is measured, not fitted: the seconds the host spent issuing
+      copies and landing them, over the copies it issued; the fit takes the rest.  (A fit
+      of it is biased: a slower host both stretches a run and lets more prefetches start
+      before they are cancelled.)
+    - Where some runs count their queued transfers, the others stay out of the fit.
+    - Where none does (replays older than that count), every moved transfer stands for
+      one submission: ``host_submit_s`` is fitted per moved transfer and
+      ``host_transfer_s`` is 0.
+
+    Decision costs: each (model, policy)'s hooks' measured seconds per layer step,
+    averaged over its runs.  ``host_speed``: every run's host seconds are first brought
+    to the reference speed (times :func:`reference_probe_s` over the run's own probe), and
+    the engine costs hold that reference as ``host_probe_s``.  Returns (engine costs,
     model -> policy -> decision seconds)."""
     import numpy as np
 
     from replay.profile import fit_linear
 
-    base = [r for r in rows if r["model"] == fit_model and r["mode"] == "batch1"
+    runs = [r for r in rows if r["model"] == fit_model and r["mode"] == "batch1"
             and int(r["compute_repeat"]) == 1]  # fmt: skip
-    if len(base) < 3:
-        raise FmoesimError(f"--fit-model {fit_model}: {len(base)} batch-1 runs, need 3 or more")
+    base = [r for r in runs if _submissions(r) == _submissions(r)]
+    counted = bool(base)
+    if not counted:
+        # no run counts its queued transfers: every moved transfer stands for one
+        # submission, and the per-transfer cost is charged there (host_submit_s)
+        base = runs
+    if len(base) < 3 + counted:
+        raise FmoesimError(
+            f"--fit-model {fit_model}: {len(base)} batch-1 runs, need {3 + counted} or more"
+            + (" that count their queued transfers" if counted else "")
+        )
     X = np.array([(r["replay_accesses"] / r["replay_layer_steps"],
+                   (_submissions(r) if counted else r["replay_transfers"])
+                   / r["replay_layer_steps"],
                    r["replay_transfers"] / r["replay_layer_steps"]) for r in base])  # fmt: skip
+    ref = reference_probe_s(base, fit_model) if host_speed else math.nan
+
+    def speed(r: dict[str, Any]) -> float:
+        """The factor that brings ``r``'s host seconds to the reference speed."""
+        if not host_speed:
+            return 1.0
+        probe = r.get("replay_probe_s", math.nan)
+        if not probe > 0:
+            raise FmoesimError(
+                f"--host-speed: the {r['model']} {r['policy']} run records no host probe "
+                "(rule: every replay named has the column replay_probe_s)"
+            )
+        return ref / probe
+
     y = np.array([
-        (r["replay_wall_s"] - r["replay_policy_host_s"] - r["sim_gpu_busy_s"])
+        (r["replay_wall_s"] - r["replay_policy_host_s"] - r["sim_gpu_busy_s"]) * speed(r)
         / r["replay_layer_steps"]
         for r in base
     ])  # fmt: skip
-    layer, access, transfer = fit_linear(X, y)
-    engine = {"host_layer_s": layer, "host_access_s": access, "host_transfer_s": transfer}
+    issue = [((r["replay_host_link_issue_s"] + r["replay_host_link_on_done_s"]) * speed(r),
+              r["replay_host_link_issue_calls"]) for r in base
+             if r.get("replay_host_link_issue_calls", math.nan) > 0]  # fmt: skip
+    if not counted:
+        layer, access, submit = fit_linear(X[:, :2], y)
+        transfer = 0.0
+    elif issue:
+        transfer = sum(s for s, _ in issue) / sum(n for _, n in issue)
+        layer, access, submit = fit_linear(X[:, :2], y - transfer * X[:, 2])
+    else:
+        layer, access, submit, transfer = fit_linear(X, y)
+    engine = {"host_layer_s": layer, "host_access_s": access, "host_submit_s": submit,
+              "host_transfer_s": transfer}  # fmt: skip
+    if host_speed:
+        engine[HOST_PROBE_KEY] = ref
     decisions: dict[str, dict[str, list[float]]] = {}
     for r in rows:
         if int(r["compute_repeat"]) != 1:
             continue
-        per = r["replay_policy_host_s"] / r["replay_layer_steps"]
+        per = r["replay_policy_host_s"] * speed(r) / r["replay_layer_steps"]
         decisions.setdefault(r["model"], {}).setdefault(r["policy"], []).append(per)
     means = {m: {p: float(np.mean(v)) for p, v in d.items()} for m, d in decisions.items()}
     return engine, means
@@ -812,7 +1055,7 @@ def host_costs_of(
     """The host costs a profile holds, as :func:`fit_host` returns them: the engine's
     from ``fit_model``'s entry, the decisions per model."""
     from fmoesim.config.build import load_preset
-    from fmoesim.engine.host import HOST_KEYS
+    from fmoesim.engine.host import HOST_KEYS, HOST_SUBMIT_KEY
     from fmoesim.specs import HardwareSpec
 
     measured = load_preset("hardware", preset, HardwareSpec).measured or {}
@@ -821,6 +1064,8 @@ def host_costs_of(
         raise FmoesimError(f"--host-from {preset}: no host costs for {fit_model} "
                            f"(rule: {', '.join(HOST_KEYS)})")  # fmt: skip
     engine = {k: float(m[k]) for k in HOST_KEYS}
+    if HOST_SUBMIT_KEY in m:
+        engine[HOST_SUBMIT_KEY] = float(m[HOST_SUBMIT_KEY])
     decisions = {model: {p: float(v) for p, v in (c.get("host_decision_s") or {}).items()}
                  for model, c in measured.items() if model != "link"}  # fmt: skip
     return engine, decisions
@@ -874,6 +1119,10 @@ def main(argv: list[str] | None = None) -> None:
                     "replay_host_*; a timer around each call)")  # fmt: skip
     rp.add_argument("--deadline-s", type=float, default=math.inf,
                     help="start no run that would end after this many seconds")  # fmt: skip
+    rp.add_argument("--repeats", type=int, default=1,
+                    help="replay each run this many times, in rounds (default 1)")  # fmt: skip
+    rp.add_argument("--no-gc", action="store_true",
+                    help="disable Python's garbage collector during each run")  # fmt: skip
     sp = sub.add_parser("score", help="score stored replays against the simulator")
     sp.add_argument("replays", nargs="+", help="replay.csv files or their directories")
     sp.add_argument("--hardware", required=True, help="hardware presets, comma-separated "
@@ -890,6 +1139,9 @@ def main(argv: list[str] | None = None) -> None:
     hp.add_argument("--host-from", default=None,
                     help="take the host costs of this profile (another machine's) instead "
                     "of fitting them: an out-of-sample check")  # fmt: skip
+    hp.add_argument("--host-speed", action="store_true",
+                    help="record the fitted runs' median host probe (host_probe_s), so "
+                    "scoring scales the host costs by each replayed run's own probe")  # fmt: skip
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     run_or_exit(PROG, _run, args)
 
@@ -922,7 +1174,8 @@ def _run(args: argparse.Namespace) -> None:
                          not args.no_crossover, hardware=args.hardware,
                          budgets_gb=budgets)  # fmt: skip
         n = run_replays(runs, args.device, Path(args.out), args.deadline_s,
-                        host_timers=args.host_timers)  # fmt: skip
+                        host_timers=args.host_timers, repeats=args.repeats,
+                        gc_off=args.no_gc)  # fmt: skip
         print(f"replayed {n} runs -> {Path(args.out) / 'replay.csv'}")
         return
     if args.cmd == "host-fit":
@@ -932,10 +1185,17 @@ def _run(args: argparse.Namespace) -> None:
         elif not args.replays:
             raise FmoesimError("host-fit: no replay.csv named (or --host-from PROFILE)")
         else:
-            rows = score_rows(read_replays([Path(p) for p in args.replays]), args.base)
-            engine, decisions = fit_host(rows, args.fit_model)
+            rows = repeat_rows([Path(p) for p in args.replays], args.base)
+            engine, decisions = fit_host(rows, args.fit_model, args.host_speed)
             note = (f"host costs fitted by {PROG} host-fit on {args.fit_model}'s batch-1 "
-                    f"replays (engine) and every run's policy-hook timers (decisions)")  # fmt: skip
+                    f"replays, every repeat a point (engine), and every run's policy-hook "
+                    f"timers (decisions)")  # fmt: skip
+            if args.host_speed:
+                note += (", at the runs' median host probe; scoring scales them by each "
+                         "run's own probe")  # fmt: skip
+        if args.host_speed and args.host_from is not None:
+            raise FmoesimError("--host-speed: needs replays to take the probe from, not "
+                               "--host-from")  # fmt: skip
         path = write_host_profile(args.base, engine, decisions, Path(args.out), note)
         print(", ".join(f"{k} {1e6 * v:.1f} us" for k, v in engine.items()))
         print(f"wrote {path}")

@@ -125,6 +125,73 @@ def test_read_replays_names_a_missing_column_and_averages_repeats(tmp_path):
         C.read_replays([tmp_path / "nowhere"])
 
 
+#: a tiny OLMoE-shaped grid whose runs replay on a CPU in about a second
+TINY_GRID = C.ModelGrid(
+    "olmoe-1b-7b", "synthetic", (0.05,), {"batch1": 1}, 0.05,
+    extra=("model.num_layers=3", "model.num_experts=8", "model.top_k=2",
+           "model.hidden_size=256", "model.expert_intermediate_size=128",
+           "workload.synthetic.output_tokens_max=6",
+           "workload.synthetic.prompt_tokens_max=8"),
+)  # fmt: skip
+
+
+def test_repeats_run_in_rounds_and_resume_by_count(tmp_path):
+    """``repeats``: every run once, then every run again (rows numbered by ``repeat``);
+    a later call with more repeats replays only the missing rounds, and scoring reads
+    the rows of one run as its repeats.  Every row carries the host's record (probe, CPU
+    seconds, the collector's pauses; none with the collector off).  Red if repeats are
+    run back to back, counted wrongly on resume, or the host's record is missing."""
+    pytest.importorskip("torch", reason="the replay needs torch")
+    runs = C.grid_runs([TINY_GRID], ["lru", "lfu"], ["batch1"], crossover=False)
+    logs: list[str] = []
+    out = tmp_path / "rep"
+    assert C.run_replays(runs, "cpu", out, log=logs.append, repeats=2, gc_off=True) == 4
+    rows = list(csv.DictReader((out / "replay.csv").open()))
+    assert [(r["policy"], r["repeat"]) for r in rows] == [
+        ("lru", "0"), ("lfu", "0"), ("lru", "1"), ("lfu", "1"),
+    ]  # fmt: skip
+    for r in rows:
+        assert float(r["replay_probe_s"]) > 0 and float(r["replay_cpu_s"]) > 0
+        assert r["replay_gc_off"] == "1" and r["replay_gc_collections"] == "0"
+    assert C.run_replays(runs, "cpu", out, log=logs.append, repeats=3) == 2
+    rows = list(csv.DictReader((out / "replay.csv").open()))
+    assert [(r["policy"], r["repeat"], r["replay_gc_off"]) for r in rows[4:]] == [
+        ("lru", "2", "0"), ("lfu", "2", "0"),
+    ]  # fmt: skip
+    assert C.run_replays(runs, "cpu", out, log=logs.append, repeats=3) == 0
+    got = {r["policy"]: r["replay_repeats"] for r in C.read_replays([out])}
+    assert got == {"lru": 3, "lfu": 3}
+    with pytest.raises(FmoesimError, match="--repeats 0: must be >= 1"):
+        C.run_replays(runs, "cpu", out, repeats=0)
+    # every repeat as its own row, each with its run's one simulation
+    reps = C.repeat_rows([out], "h100-pcie5")
+    assert sorted((r["policy"], r["repeat"]) for r in reps) == [
+        ("lfu", 0), ("lfu", 1), ("lfu", 2), ("lru", 0), ("lru", 1), ("lru", 2),
+    ]  # fmt: skip
+    for r in reps:
+        assert r["sim_hits"] == r["replay_hits"] > 0  # demand-only: the same decisions
+
+
+def test_host_watch_records_the_collector_and_cpu_time():
+    """A block that allocates many containers triggers collections that HostWatch
+    counts and times; with ``gc_off`` it counts none and the collector is on again
+    afterwards; CPU seconds cover a busy loop.  Red if the callback is not removed, the
+    collector stays disabled, or the counts come from outside the block."""
+    import gc
+
+    with C.HostWatch() as on:
+        junk = [[i] for i in range(300_000)]
+    assert on.result["gc_collections"] > 0 and on.result["gc_s"] > 0
+    assert on.result["gc_off"] == 0
+    with C.HostWatch(gc_off=True) as off:
+        junk = [[i] for i in range(300_000)]
+        C.host_probe_s(loops=100_000, times=1)
+    del junk
+    assert off.result["gc_collections"] == 0 and off.result["gc_off"] == 1
+    assert gc.isenabled() and off._on_gc not in gc.callbacks
+    assert off.result["cpu_s"] > 0
+
+
 def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
     """Two tiny runs replayed on the CPU (a copy thread stands in for the copy stream),
     then scored: LRU's hits, misses and PCIe bytes are the simulator's exactly (a
@@ -133,14 +200,7 @@ def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
     budget, trace or model shape), or if a run's row loses its metrics."""
     pytest.importorskip("torch", reason="the replay needs torch")
     pytest.importorskip("matplotlib", reason="the report draws a figure")
-    grid = C.ModelGrid(
-        "olmoe-1b-7b", "synthetic", (0.05,), {"batch1": 1}, 0.05,
-        extra=("model.num_layers=3", "model.num_experts=8", "model.top_k=2",
-               "model.hidden_size=256", "model.expert_intermediate_size=128",
-               "workload.synthetic.output_tokens_max=6",
-               "workload.synthetic.prompt_tokens_max=8"),
-    )  # fmt: skip
-    runs = C.grid_runs([grid], ["lru"], ["batch1"], crossover=True, factors=(1, 2))
+    runs = C.grid_runs([TINY_GRID], ["lru"], ["batch1"], crossover=True, factors=(1, 2))
     # the crossover adds its prefetching policies at factor 1 too, then factor 2
     assert [(r.policy, r.compute_repeat) for r in runs] == [
         ("lru", 1), ("promoe", 1), ("fmoe", 1), ("moe-infinity", 1),
@@ -269,35 +329,67 @@ def test_a_trace_unreadable_by_an_old_pyarrow_says_which_version_reads_it(tmp_pa
 
 
 def test_fit_host_recovers_the_engine_costs_and_averages_the_decisions(tmp_path):
-    """Rows built from known costs (12 us a step, 110 us an access, 266 us a transfer):
-    the fit returns them, uses only the fit model's batch-1 runs (an online row with
-    other costs would bias it), and each policy's decision cost is its hooks' mean time
-    per step.  Red on a fit over the wrong rows, a forgotten hooks' subtraction, or
-    decisions per run instead of per policy."""
-    layer, access, transfer = 12e-6, 110e-6, 266e-6
+    """Rows built from known costs (12 us a step, 110 us an access, 9 us a queued
+    transfer, 108 us a started one): the fit returns them, uses only the fit model's
+    batch-1 runs that count their queued transfers (an online row with other costs, or
+    a row without the count, would bias it), and each policy's decision cost is its
+    hooks' mean time per step.  Red on a fit over the wrong rows, a forgotten hooks'
+    subtraction, cancelled transfers left out of the queued ones, or decisions per run
+    instead of per policy."""
+    layer, access, submit, transfer = 12e-6, 110e-6, 9e-6, 108e-6
 
-    def row(policy, acc, xfer, hooks_per_step, mode="batch1", model="m", steps=1000):
-        per = layer + access * acc + transfer * xfer
+    def row(policy, acc, xfer, cancelled, hooks_per_step, mode="batch1", model="m",
+            steps=1000):  # fmt: skip
+        per = layer + access * acc + submit * (xfer + cancelled) + transfer * xfer
         sim = 5e-4 * steps
         return {"model": model, "mode": mode, "policy": policy, "compute_repeat": 1,
                 "replay_layer_steps": steps, "replay_accesses": acc * steps,
                 "replay_transfers": xfer * steps,
+                "replay_cancelled_transfers": cancelled * steps,
                 "replay_policy_host_s": hooks_per_step * steps, "sim_gpu_busy_s": sim,
                 "replay_wall_s": sim + hooks_per_step * steps + per * steps}  # fmt: skip
 
-    rows = [row("lru", 8, 1, 20e-6), row("lru", 9, 3, 40e-6), row("fmoe", 10, 2, 300e-6),
-            row("fmoe", 12, 5, 100e-6), row("lru", 30, 30, 0.0, mode="online"),
-            row("lru", 8, 1, 1e-3, model="other")]  # fmt: skip
-    rows[4]["replay_wall_s"] *= 3  # the online run is no part of the fit
+    rows = [row("lru", 8, 1, 0, 20e-6), row("lru", 9, 3, 0, 40e-6),
+            row("brainstorm", 10, 20, 40, 300e-6), row("fmoe", 12, 5, 2, 100e-6),
+            row("fmoe", 11, 4, 7, 100e-6),
+            row("lru", 30, 30, 0, 0.0, mode="online"),
+            row("lru", 8, 1, 0, 1e-3, model="other")]  # fmt: skip
+    rows[5]["replay_wall_s"] *= 3  # the online run is no part of the fit
+    no_count = row("lru", 8, 2, 0, 0.0)
+    del no_count["replay_cancelled_transfers"]
+    no_count["replay_wall_s"] *= 3  # a row that cannot be fitted stays out
+    rows.append(no_count)
     engine, decisions = C.fit_host(rows, "m")
     assert engine["host_layer_s"] == pytest.approx(layer, rel=1e-6)
     assert engine["host_access_s"] == pytest.approx(access, rel=1e-6)
+    assert engine["host_submit_s"] == pytest.approx(submit, rel=1e-6)
     assert engine["host_transfer_s"] == pytest.approx(transfer, rel=1e-6)
-    assert decisions["m"]["fmoe"] == pytest.approx(200e-6)
-    assert decisions["m"]["lru"] == pytest.approx((20e-6 + 40e-6 + 0.0) / 3)
+    assert decisions["m"]["fmoe"] == pytest.approx(100e-6)
+    assert decisions["m"]["lru"] == pytest.approx((20e-6 + 40e-6 + 0.0 + 0.0) / 4)
     assert decisions["other"] == {"lru": pytest.approx(1e-3)}
-    with pytest.raises(FmoesimError, match="need 3"):
+    # host-timed rows count their queued transfers by their submit calls
+    timed = [dict(r, replay_host_submit_calls=r["replay_transfers"]
+                  + r.pop("replay_cancelled_transfers")) for r in rows[:5]]  # fmt: skip
+    assert C.fit_host(timed, "m")[0]["host_submit_s"] == pytest.approx(submit, rel=1e-6)
+    # the link's host timers measure the issue cost: it is taken, not fitted (here 2x
+    # what the walls imply, so a fit would not return it), and the rest is fitted
+    for r in timed:
+        r["replay_host_link_issue_calls"] = r["replay_transfers"]
+        r["replay_host_link_issue_s"] = 1.5 * transfer * r["replay_transfers"]
+        r["replay_host_link_on_done_s"] = 0.5 * transfer * r["replay_transfers"]
+    measured = C.fit_host(timed, "m")[0]
+    assert measured["host_transfer_s"] == pytest.approx(2 * transfer, rel=1e-9)
+    assert measured["host_submit_s"] != pytest.approx(submit, rel=1e-3)
+    with pytest.raises(FmoesimError, match="need 4 or more that count their queued"):
         C.fit_host(rows, "other")
+    # replays that count no queued transfers: the per-transfer cost is a submission's
+    old = [row("lru", 8, 1, 0, 20e-6), row("lru", 9, 3, 0, 40e-6), row("lfu", 10, 2, 0, 0.0)]
+    for r in old:
+        del r["replay_cancelled_transfers"]
+    legacy = C.fit_host(old, "m")[0]
+    assert legacy["host_submit_s"] == pytest.approx(submit + transfer, rel=1e-6)
+    assert legacy["host_transfer_s"] == 0.0
+    assert legacy["host_layer_s"] == pytest.approx(layer, rel=1e-6)
 
 
 def test_a_host_profile_keeps_the_base_and_adds_every_models_costs(tmp_path, monkeypatch):
@@ -389,3 +481,65 @@ def test_the_replays_own_spread_is_averaged_over_repeated_runs_only():
     assert table[2].endswith("| 20.0% |") and table[3].endswith("| n/a |")
     rep = [line for line in C._repeats_table(rows) if line.startswith("| m |")]
     assert [line.split(" | ")[5] for line in rep] == ["3", "2"]
+
+
+def test_host_speed_scales_a_profiles_host_costs_by_the_runs_probe():
+    """A profile with a reference probe: a run whose probe took 1.5x as long gets 1.5x
+    every host cost (engine and decisions); a profile without one, or a run without a
+    probe, is left alone; the reference is the fit model's batch-1 median.  Red if the
+    ratio is inverted, the decisions are not scaled, or other models' rows set it."""
+    from fmoesim.specs import HardwareSpec
+
+    costs = {"host_layer_s": 1e-6, "host_access_s": 2e-6, "host_submit_s": 3e-6,
+             "host_transfer_s": 4e-6, "host_decision_s": {"lru": 5e-6},
+             "expert_a_s": 7e-6}  # fmt: skip
+    hw = HardwareSpec(name="x", measured={"m": {**costs, C.HOST_PROBE_KEY: 0.010},
+                                          "n": dict(costs)})  # fmt: skip
+    fast = C.host_speed_hardware(hw, 0.015).measured
+    for k in ("host_layer_s", "host_access_s", "host_submit_s", "host_transfer_s"):
+        assert fast["m"][k] == pytest.approx(1.5 * costs[k])
+    assert fast["m"]["host_decision_s"] == {"lru": pytest.approx(7.5e-6)}
+    assert fast["m"]["expert_a_s"] == 7e-6  # the GPU's costs are not the host's
+    assert fast["n"] == costs
+    assert C.host_speed_hardware(hw, float("nan")) is hw
+
+    def row(model, mode, probe_s):
+        return {"model": model, "mode": mode, "compute_repeat": 1, "replay_probe_s": probe_s}
+
+    rows = [row("m", "batch1", p) for p in (0.01, 0.02, 0.05)]
+    rows += [row("o", "batch1", 9.0), row("m", "online", 9.0)]
+    assert C.reference_probe_s(rows, "m") == pytest.approx(0.02)
+    with pytest.raises(FmoesimError, match="no z batch-1 run records its host probe"):
+        C.reference_probe_s(rows, "z")
+
+
+def test_fit_host_at_the_reference_speed_undoes_each_runs_probe():
+    """Runs whose host ran 1x, 2x and 0.5x as long as the median (their probes say so)
+    are brought to the median speed before the fit: the costs come back as set, with the
+    median probe recorded; a run with no probe is refused.  Red if the factor is
+    inverted or left out (the costs would come out skewed by the slow runs)."""
+    layer, access, submit, transfer = 10e-6, 40e-6, 20e-6, 100e-6
+    ref = 0.014
+
+    def row(policy, xfer, cancelled, hooks, f, acc=9):
+        per = (layer + access * acc + submit * (xfer + cancelled) + transfer * xfer) * f
+        return {"model": "m", "mode": "batch1", "policy": policy, "compute_repeat": 1,
+                "replay_layer_steps": 100, "replay_accesses": acc * 100,
+                "replay_transfers": xfer * 100, "replay_cancelled_transfers": cancelled * 100,
+                "replay_policy_host_s": hooks * f * 100, "sim_gpu_busy_s": 0.05,
+                "replay_wall_s": 0.05 + (hooks * f + per) * 100,
+                "replay_probe_s": ref * f}  # fmt: skip
+
+    rows = [row("lru", 3, 0, 1e-6, 1.0), row("fmoe", 5, 1, 5e-6, 2.0),
+            row("brainstorm", 19, 40, 3e-6, 0.5), row("lru", 3, 0, 1e-6, 2.0, acc=12),
+            row("fmoe", 5, 1, 5e-6, 1.0, acc=7)]  # fmt: skip
+    engine, decisions = C.fit_host(rows, "m", host_speed=True)
+    assert engine[C.HOST_PROBE_KEY] == pytest.approx(ref)
+    for k, v in (("host_layer_s", layer), ("host_access_s", access),
+                 ("host_submit_s", submit), ("host_transfer_s", transfer)):  # fmt: skip
+        assert engine[k] == pytest.approx(v, rel=1e-6), k
+    assert decisions["m"] == {"lru": pytest.approx(1e-6), "fmoe": pytest.approx(5e-6),
+                              "brainstorm": pytest.approx(3e-6)}  # fmt: skip
+    del rows[1]["replay_probe_s"]
+    with pytest.raises(FmoesimError, match="the m fmoe run records no host probe"):
+        C.fit_host(rows, "m", host_speed=True)

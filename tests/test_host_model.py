@@ -99,3 +99,46 @@ def test_a_profile_without_host_costs_keeps_the_gpu_bound_backend(tmp_path, monk
     simulate(tr, HAND, _hw(HOST), LFU(), 8 * 49_152)
     assert seen == [True]
     assert HostBoundSimBackend.closed_form_demand is False
+
+
+def test_queued_transfers_pay_their_submission_and_started_ones_their_issue():
+    """By hand on the backend: a transfer the idle link starts at once costs submission +
+    issue; one queued behind it costs its submission, and its issue at the first host
+    point after the link starts it; a cancelled one costs its submission only; one the
+    link starts while the GPU waits costs no issue (the waiting host issues it).  Red if
+    the issue is charged per submission (BrainStorm's cancelled prefetches would cost a
+    copy each), twice, or never."""
+    from fmoesim.engine.cache import ExpertCache
+    from fmoesim.engine.compute import ComputeModel
+
+    class Keep:  # the cache's policy: nothing is evicted in this test
+        def on_insert(self, key):
+            pass
+
+    S, T, A = 0.2e-6, 1e-6, 0.5e-6  # each well under a copy (20 us)
+    size = HAND.expert_size_bytes
+    cache = ExpertCache(8 * size, Keep())
+    be = HostBoundSimBackend(
+        HAND_HW, ComputeModel.from_specs(HAND, HAND_HW), [cache],
+        HostModel(access_s=A, transfer_s=T, submit_s=S),
+    )  # fmt: skip
+
+    def submit(key):
+        assert cache.admit(key, size, "prefetch")
+        cache.entries[key].record = be.submit(0, key, size, 1.0, "prefetch")
+
+    submit(0)  # the idle link starts it at once
+    assert be.host_s == pytest.approx(S + T)
+    submit(1)
+    submit(2)  # both queued behind 0
+    assert be.host_s == pytest.approx(3 * S + T)
+    assert be.cancel(0, 1)
+    be.idle_until(21e-6)  # 0 landed at 20.2 us and 2 started (it lands at 40.2 us)
+    be.pre_gate(0, 1, 1, 1)  # 14 us of compute; then the host pays the issue of 2
+    assert be.host_s == pytest.approx(3 * S + 2 * T)
+    submit(3)  # queued behind 2
+    be.begin_experts(0, 1)
+    assert be.wait_any(0, [3]) == 3  # 2 lands and 3 starts during the wait
+    be.expert(0, 3, 1)
+    assert be.host_s == pytest.approx(4 * S + 2 * T + A)
+    assert be.links[0].started == 3

@@ -5,17 +5,20 @@ host work, not the GPU, sets the pace.
 modelled compute plus its transfer stalls, and the host is free.  A host-bound engine (a
 Python serving loop at batch 1, such as this project's own replay) also spends host time
 at every step, while the GPU idles: reading the gate's output back, the runner's and the
-cache's bookkeeping, the policy's decision, issuing each expert's kernels and each
-transfer.  :class:`HostModel` holds those costs, and :class:`HostBoundSimBackend` adds
-them to the simulated clock, in order with the compute, as a host that issues everything
-itself does: the gate's cost after attention and router, one access cost before each
-expert's FFN, one transfer cost when a transfer is submitted.  The link keeps moving
-while the host works.
+cache's bookkeeping, the policy's decision, issuing each expert's kernels, queueing each
+transfer and issuing each copy.  :class:`HostModel` holds those costs, and
+:class:`HostBoundSimBackend` adds them to the simulated clock, in order with the
+compute, as a host that issues everything itself does: the gate's cost after attention
+and router, one access cost before each expert's FFN, one submission cost when a
+transfer is queued, and one issue cost for every transfer the link starts (the host
+issues the copy; a transfer cancelled while queued costs its submission only).  The link
+keeps moving while the host works.
 
 The costs come from a measured hardware profile (``hardware.measured[<model name>]``:
-``host_layer_s``, ``host_access_s``, ``host_transfer_s`` and ``host_decision_s``, a map
-from policy name to seconds per MoE layer step); a profile without them keeps the
-GPU-bound :class:`SimBackend`.  ``fmoesim-validate-grid host-fit`` measures them.
+``host_layer_s``, ``host_access_s``, ``host_submit_s``, ``host_transfer_s`` and
+``host_decision_s``, a map from policy name to seconds per MoE layer step); a profile
+without them keeps the GPU-bound :class:`SimBackend`.  ``fmoesim-validate-grid host-fit``
+measures them.
 """
 
 from __future__ import annotations
@@ -32,17 +35,21 @@ from fmoesim.specs.model import ModelSpec
 
 #: the keys of ``hardware.measured[<model>]`` the host model reads
 HOST_KEYS = ("host_layer_s", "host_access_s", "host_transfer_s")
+#: an optional key: host seconds per transfer queued (0 where a profile lacks it)
+HOST_SUBMIT_KEY = "host_submit_s"
 
 
 @dataclass(frozen=True)
 class HostModel:
     """Host seconds of one engine: per MoE layer step (``layer_s``, plus the policy's
-    ``decision_s``), per routed-expert access and per transfer submitted."""
+    ``decision_s``), per routed-expert access, per transfer queued (``submit_s``) and per
+    transfer the link starts (``transfer_s``: the host issues the copy and sees it land)."""
 
     layer_s: float = 0.0
     access_s: float = 0.0
     transfer_s: float = 0.0
     decision_s: float = 0.0
+    submit_s: float = 0.0
 
     @classmethod
     def from_specs(cls, model: ModelSpec, hw: HardwareSpec, policy: str) -> HostModel | None:
@@ -57,6 +64,7 @@ class HostModel:
             access_s=float(m.get("host_access_s", 0.0)),
             transfer_s=float(m.get("host_transfer_s", 0.0)),
             decision_s=float(decisions.get(policy, 0.0)),
+            submit_s=float(m.get(HOST_SUBMIT_KEY, 0.0)),
         )
 
     @property
@@ -83,10 +91,32 @@ class HostBoundSimBackend(SimBackend):
         super().__init__(hw, compute, caches, preempt)
         self.host = host
         self.host_s = 0.0  # host seconds added to the clock
+        self._issued = [0] * self.num_gpus  # per GPU: the link's starts already charged
+
+    def _spend(self, gpu: int, d: float) -> None:
+        """``d`` host seconds now: on ``gpu``'s timeline inside the expert phase, else on
+        the forward pass's clock."""
+        if self._in_experts:
+            self._gpu_s[gpu] += d
+        else:
+            self.clock_s += d
+        self.host_s += d
+
+    def _issue_started(self, gpu: int) -> None:
+        """The issue cost of every transfer ``gpu``'s link started since the last host
+        point: the host issued those copies on its way here."""
+        started = self.links[gpu].started
+        new = started - self._issued[gpu]
+        if new:
+            self._issued[gpu] = started
+            self._spend(gpu, new * self.host.transfer_s)
 
     def pre_gate(self, layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
         """Attention + router, then the host reads the gate and decides, then sync."""
         self._run(self._pre_gate_s(tokens, kv_tokens, pairs))
+        self.sync()  # the copies started meanwhile were issued during attention
+        for gpu in range(self.num_gpus):
+            self._issue_started(gpu)
         g = self.host.gate_s
         self.clock_s += g
         self.host_s += g
@@ -94,6 +124,7 @@ class HostBoundSimBackend(SimBackend):
 
     def expert(self, gpu: int, key: int, tokens: int, fraction: float = 1.0) -> None:
         """The host issues the expert, then its FFN runs."""
+        self._issue_started(gpu)
         self._gpu_s[gpu] += self.host.access_s
         self.host_s += self.host.access_s
         super().expert(gpu, key, tokens, fraction)
@@ -106,6 +137,7 @@ class HostBoundSimBackend(SimBackend):
         keys: list[int] | None = None,
     ) -> None:
         """The host issues each expert; their FFNs run."""
+        self._issue_started(gpu)
         d = self.host.access_s * len(tokens)
         self._gpu_s[gpu] += d
         self.host_s += d
@@ -120,12 +152,17 @@ class HostBoundSimBackend(SimBackend):
         reason: str,
         delay_s: float = 0.0,
     ) -> TransferRecord:
-        """Queue the transfer, then the host spends its issue cost."""
+        """Queue the transfer, then the host spends its submission cost, and the issue
+        cost if the link started it at once."""
         rec = super().submit(gpu, key, size_bytes, priority, reason, delay_s)
-        d = self.host.transfer_s
-        if self._in_experts:
-            self._gpu_s[gpu] += d
-        else:
-            self.clock_s += d
-        self.host_s += d
+        self._spend(gpu, self.host.submit_s)
+        self._issue_started(gpu)
         return rec
+
+    def wait_any(self, gpu: int, keys: list[int]) -> int:
+        """Wait as :class:`SimBackend` does; the copies the link started during the wait
+        were issued by a host with nothing else to do (their cost overlaps the wait)."""
+        self._issue_started(gpu)
+        k = super().wait_any(gpu, keys)
+        self._issued[gpu] = self.links[gpu].started
+        return k

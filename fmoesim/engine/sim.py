@@ -120,6 +120,7 @@ class SimLink:
         self._data_start_s = 0.0  # when the current run of the job starts moving bytes
         self._done_at_start = 0  # bytes of the job already moved when this run started
         self.busy_s = 0.0
+        self.started = 0  # transfers started so far (first starts; resumptions not counted)
 
     # -- the event loop ---------------------------------------------------------------
     def advance(self, t_s: float) -> None:
@@ -193,6 +194,7 @@ class SimLink:
         if job.start_s != job.start_s:  # NaN: the first start pays the fixed cost
             job.start_s = t_s
             overhead = self.overhead_s
+            self.started += 1
         self.cur = job
         self._pausing = False
         self._aborting = False
@@ -604,6 +606,7 @@ class SimBackend(Backend):
         transfers += records
         link._seq = seq
         link.busy_s = busy
+        link.started += len(records)
         return records
 
     def drain(self) -> None:
