@@ -190,29 +190,83 @@ HOST_TIMERS = {
 
 
 def time_calls(
-    obj: Any, names: Sequence[str], prefix: str = "", into: str | None = None
+    obj: Any,
+    names: Sequence[str],
+    prefix: str = "",
+    into: str | None = None,
+    multi: Callable[[], bool] | None = None,
 ) -> dict[str, list[float]]:
     """Wrap ``obj``'s callables ``names`` (instance attributes shadowing them) so each
     one's host seconds and calls add up in the returned ``{prefix + name: [s, calls]}``
-    (all of them in ``{into: [s, calls]}`` when ``into`` is given); the wrapped object
-    itself reads no clock."""
+    (all of them in ``{into: [s, calls]}`` when ``into`` is given); with ``multi``, the
+    calls made while it returns True also add up in ``{prefix + name + "_multi": ...}``.
+    The wrapped object itself reads no clock."""
     acc: dict[str, list[float]] = {}
     for name in names:
         fn = getattr(obj, name, None)
         if not callable(fn):
             continue
-        cell = acc.setdefault(into or prefix + name.lstrip("_"), [0.0, 0])
+        key = into or prefix + name.lstrip("_")
+        cell = acc.setdefault(key, [0.0, 0])
+        part = acc.setdefault(key + "_multi", [0.0, 0]) if multi is not None else cell
 
-        def timed(*args: Any, _fn: Any = fn, _cell: list[float] = cell, **kwargs: Any) -> Any:
+        def timed(
+            *args: Any, _fn: Any = fn, _cell: list[float] = cell, _part: list[float] = part,
+            **kwargs: Any,
+        ) -> Any:  # fmt: skip
             t0 = time.perf_counter()
             try:
                 return _fn(*args, **kwargs)
             finally:
-                _cell[0] += time.perf_counter() - t0
+                d = time.perf_counter() - t0
+                _cell[0] += d
                 _cell[1] += 1
+                if multi is not None and multi():
+                    _part[0] += d
+                    _part[1] += 1
 
         setattr(obj, name, timed)
     return acc
+
+
+class StepPhase:
+    """Which layer steps carry more than one token (at batch 1: the prefill's), told by
+    the backend's ``pre_gate`` (its ``tokens``): :meth:`wrap` it first, then time the
+    backend's calls with ``multi=phase.multi``.  ``steps_multi`` adds up the wall seconds
+    and the number of such layer steps, each from its gate to the next layer's gate (or
+    to :meth:`close`)."""
+
+    def __init__(self) -> None:
+        self._multi = False
+        self._t: float | None = None
+        self.steps_multi = [0.0, 0]
+
+    def multi(self) -> bool:
+        """Whether the current layer step carries more than one token."""
+        return self._multi
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        if self._t is not None and self._multi:
+            self.steps_multi[0] += now - self._t
+        self._t = now
+
+    def wrap(self, backend: Any) -> None:
+        """Shadow ``backend.pre_gate`` so each layer step's phase is known from its gate on."""
+        fn = backend.pre_gate
+
+        def pre_gate(layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
+            self._tick()
+            self._multi = tokens > 1
+            self.steps_multi[1] += self._multi
+            fn(layer, tokens, kv_tokens, pairs)
+
+        backend.pre_gate = pre_gate
+
+    def close(self) -> None:
+        """End the last layer step (the run is over)."""
+        self._tick()
+        self._multi = False
 
 
 #: the pure-Python work :func:`host_probe_s` times (a fixed loop of about 10 ms)
@@ -345,11 +399,13 @@ def replay_one(
         compute_repeat=run.compute_repeat,
     )  # fmt: skip
     timers: dict[str, list[float]] = {}
+    phase = StepPhase()
 
     def make_timed(caches: list[Any]) -> Any:
         backend = make(caches)
-        timers.update(time_calls(backend, HOST_TIMERS["backend"]))
-        timers.update(time_calls(backend.link, HOST_TIMERS["link"], "link_"))
+        phase.wrap(backend)
+        timers.update(time_calls(backend, HOST_TIMERS["backend"], multi=phase.multi))
+        timers.update(time_calls(backend.link, HOST_TIMERS["link"], "link_", multi=phase.multi))
         return backend
 
     probe_before_s = host_probe_s()
@@ -365,6 +421,9 @@ def replay_one(
             make_backend=make_timed if host_timers else make,
         )
         run_s = time.perf_counter() - t0
+    if host_timers:
+        phase.close()
+        timers["steps_multi"] = phase.steps_multi
     row: dict[str, Any] = {k: getattr(run, k) for k in KEY}
     row["repeat"] = repeat
     row.update(_summary_row(res.summary, "replay_"))
@@ -670,25 +729,42 @@ def _targets_table(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def _host_timers_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The runs replayed with ``--host-timers``: each timed call's host microseconds per
-    MoE layer step, and the calls per step."""
+    MoE layer step, and the calls per step; then the same over the layer steps of more
+    than one token alone (at batch 1, the prefill), where the runs split them."""
     timed = [r for r in rows if r.get("replay_host_link_pump_s", math.nan) >= 0.0]  # NaN: not timed
     if not timed:
         return []
     # the timers' names as replay_one wrote their columns: replay_host_<name>_s
-    names = [c[len("replay_host_") : -len("_s")] for c in timed[0]
-             if c.startswith("replay_host_") and c.endswith("_s")]  # fmt: skip
+    cols = [c[len("replay_host_") : -len("_s")] for c in timed[0]
+            if c.startswith("replay_host_") and c.endswith("_s")]  # fmt: skip
+    names = [n for n in cols if not n.endswith("_multi")]
     lines = ["", "## The replay's host calls", "",
              "Runs replayed with `--host-timers`: host microseconds per MoE layer step in "
              "each call (inclusive: a submission holds the pump it calls, a pump the copies "
-             "it issues and the landings it sees), calls per step in brackets.", "",
-             "| model | budget | mode | n | policy | " + " | ".join(names) + " |",
+             "it issues and the landings it sees), calls per step in brackets.", ""]  # fmt: skip
+    lines += _timers_rows(timed, names, "", "replay_layer_steps")
+    split = [r for r in timed if r.get("replay_host_steps_multi_calls", 0) > 0]
+    if split:
+        note = ("The same over the layer steps of more than one token (at batch 1, the "
+                "prefill), each step's wall from its gate to the next gate first:")  # fmt: skip
+        lines += ["", note, ""]
+        lines += _timers_rows(split, ["steps", *names], "_multi", "replay_host_steps_multi_calls")
+    return lines
+
+
+def _timers_rows(
+    rows: Sequence[dict[str, Any]], names: Sequence[str], suffix: str, steps_key: str
+) -> list[str]:
+    """A table of timers ``replay_host_<name><suffix>_s`` per step (``rows[steps_key]``)."""
+    lines = ["| model | budget | mode | n | policy | " + " | ".join(names) + " |",
              "|---|---|---|---|---|" + "---|" * len(names)]  # fmt: skip
-    for r in timed:
-        steps = r["replay_layer_steps"]
+    for r in rows:
+        steps = r[steps_key]
         cells = [r["model"], f"{r['budget_gb']:g} GB", r["mode"], str(int(r["compute_repeat"])),
                  r["policy"]]  # fmt: skip
         for n in names:
-            sec, calls = r.get(f"replay_host_{n}_s", math.nan), r.get(f"replay_host_{n}_calls")
+            sec = r.get(f"replay_host_{n}{suffix}_s", math.nan)
+            calls = r.get(f"replay_host_{n}{suffix}_calls", math.nan)
             cells.append("n/a" if sec != sec else f"{1e6 * sec / steps:.0f} ({calls / steps:.2f})")
         lines.append("| " + " | ".join(cells) + " |")
     return lines

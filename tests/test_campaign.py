@@ -232,8 +232,16 @@ def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
     assert int(t["replay_host_link_issue_calls"]) == int(t["replay_host_link_on_done_calls"]) == n
     assert int(t["replay_host_link_pump_calls"]) >= n
     assert 0 < float(t["replay_host_submit_s"]) < float(t["replay_wall_s"])
+    # the prefill's layer steps apart: one request of a multi-token prompt, 3 MoE layers
+    # (its prompt is one iteration; a decode step carries one token)
+    assert int(t["replay_host_steps_multi_calls"]) == 3
+    assert int(t["replay_host_pre_gate_multi_calls"]) == 3
+    assert int(t["replay_host_pre_gate_calls"]) == int(t["replay_layer_steps"])
+    assert 0 < float(t["replay_host_steps_multi_s"]) < float(t["replay_wall_s"])
+    assert int(t["replay_host_submit_multi_calls"]) <= int(t["replay_host_submit_calls"])
     rep = C.score([tmp_path / "t"], "h100-pcie5", tmp_path / "tr", {"device": "cpu"})
-    assert "## The replay's host calls" in (rep / "report.md").read_text()
+    text = (rep / "report.md").read_text()
+    assert "## The replay's host calls" in text and "more than one token" in text
 
 
 def test_compute_repeat_runs_every_compute_operator_n_times(monkeypatch):
