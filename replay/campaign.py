@@ -562,7 +562,8 @@ def read_replays(paths: Sequence[Path], merge: bool = True) -> list[dict[str, An
     Rows with the same key are repeats of one run: its ``replay_*`` numbers are their
     means, ``replay_repeats`` counts them, and ``replay_tpot_min_s``, ``replay_tpot_max_s``
     and ``replay_tpot_cv`` (sample standard deviation over mean; NaN for one repeat) give
-    the spread of TPOT.  The other columns come from the first repeat.  ``merge=False``
+    the spread of TPOT (``replay_probe_min_s`` and ``replay_probe_max_s`` that of the host
+    probe).  The other columns come from the first repeat.  ``merge=False``
     keeps every repeat as its own row instead.  Runs come in the grid's order: model,
     mode, budget, compute factor, policy (names the grid does not know after the ones it
     does, in the order they were read)."""
@@ -589,6 +590,9 @@ def read_replays(paths: Sequence[Path], merge: bool = True) -> list[dict[str, An
             tpot = g["replay_tpot_mean_s"]
             out["replay_tpot_min_s"], out["replay_tpot_max_s"] = tpot.min(), tpot.max()
             out["replay_tpot_cv"] = tpot.std(ddof=1) / tpot.mean()
+        if "replay_probe_s" in df.columns:
+            probe = g["replay_probe_s"]
+            out["replay_probe_min_s"], out["replay_probe_max_s"] = probe.min(), probe.max()
         records = out.reset_index().to_dict("records")
     else:
         records = df.to_dict("records")
@@ -771,22 +775,28 @@ def _timers_rows(
 
 
 def _repeats_table(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The runs replayed more than once: their TPOT's mean, range and CV."""
+    """The runs replayed more than once: their TPOT's mean, range and CV, and the range of
+    their host probes (n/a for replays that record none)."""
     rep = [r for r in rows if r.get("replay_repeats", 1) > 1]
     if not rep:
         return []
     lines = ["", "## Repeatability of the replay", "",
-             "Runs replayed more than once (each repeat a fresh process on the same machine): "
-             "their TPOT's mean, range and coefficient of variation (sample standard "
-             "deviation over mean); the errors above are against the mean.", "",
-             "| model | budget | mode | n | policy | repeats | TPOT mean | min | max | CV |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "Runs replayed more than once (in rounds within a process, or in fresh "
+             "processes): their TPOT's mean, range and coefficient of variation (sample "
+             "standard deviation over mean), and the range of the host probe around them "
+             "(the host's speed: a fixed Python loop, longer on a slower host); the errors "
+             "above are against the mean.", "",
+             "| model | budget | mode | n | policy | repeats | TPOT mean | min | max | CV "
+             "| probe |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rep:
+        lo, hi = r.get("replay_probe_min_s", math.nan), r.get("replay_probe_max_s", math.nan)
+        probe = "n/a" if lo != lo else f"{1e3 * lo:.1f}-{1e3 * hi:.1f} ms"
         lines.append(
             f"| {r['model']} | {r['budget_gb']:g} GB | {r['mode']} | {int(r['compute_repeat'])} "
             f"| {r['policy']} | {int(r['replay_repeats'])} | "
             f"{1e3 * r['replay_tpot_mean_s']:.2f} ms | {1e3 * r['replay_tpot_min_s']:.2f} ms | "
-            f"{1e3 * r['replay_tpot_max_s']:.2f} ms | {100 * r['replay_tpot_cv']:.1f}% |"
+            f"{1e3 * r['replay_tpot_max_s']:.2f} ms | {100 * r['replay_tpot_cv']:.1f}% | {probe} |"
         )
     return lines
 

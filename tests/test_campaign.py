@@ -159,8 +159,10 @@ def test_repeats_run_in_rounds_and_resume_by_count(tmp_path):
         ("lru", "2", "0"), ("lfu", "2", "0"),
     ]  # fmt: skip
     assert C.run_replays(runs, "cpu", out, log=logs.append, repeats=3) == 0
-    got = {r["policy"]: r["replay_repeats"] for r in C.read_replays([out])}
-    assert got == {"lru": 3, "lfu": 3}
+    merged = C.read_replays([out])
+    assert {r["policy"]: r["replay_repeats"] for r in merged} == {"lru": 3, "lfu": 3}
+    for r in merged:  # the host probe's spread over the repeats
+        assert 0 < r["replay_probe_min_s"] <= r["replay_probe_s"] <= r["replay_probe_max_s"]
     with pytest.raises(FmoesimError, match="--repeats 0: must be >= 1"):
         C.run_replays(runs, "cpu", out, repeats=0)
     # every repeat as its own row, each with its run's one simulation
