@@ -7,6 +7,10 @@
 # profile keeps (default h100-pcie5).  Run from the repository root on a machine with a
 # CUDA GPU and torch:
 #   bash replay/gpu_validation.sh OUT_DIR [SECONDS] [--models a,b] [more replay flags]
+# e.g. every policy in timed rounds at one budget, the host's drift spread over all of them
+# (docs/validation.md, "How to replay for a 5% target"):
+#   bash replay/gpu_validation.sh OUT_DIR 540 --models olmoe-1b-7b --modes batch1 \
+#     --budgets 3.2 --no-crossover --host-timers --repeats 5
 set -uo pipefail
 out=${1:?usage: gpu_validation.sh OUT_DIR [SECONDS] [replay flags]}
 budget_s=${2:-540}
