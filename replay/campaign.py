@@ -195,35 +195,47 @@ def time_calls(
     prefix: str = "",
     into: str | None = None,
     multi: Callable[[], bool] | None = None,
+    stack: list[list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Wrap ``obj``'s callables ``names`` (instance attributes shadowing them) so each
-    one's host seconds and calls add up in the returned ``{prefix + name: [s, calls]}``
-    (all of them in ``{into: [s, calls]}`` when ``into`` is given); with ``multi``, the
-    calls made while it returns True also add up in ``{prefix + name + "_multi": ...}``.
-    The wrapped object itself reads no clock."""
+    one's host seconds and calls add up in the returned ``{prefix + name: [s, calls,
+    self_s]}`` (all of them in ``{into: ...}`` when ``into`` is given); with ``multi``,
+    the calls made while it returns True also add up in ``{prefix + name + "_multi":
+    ...}``.  ``self_s`` leaves out the time spent in timed calls made from inside (those
+    wrapped by any :func:`time_calls` sharing ``stack``, a list that starts empty).  The
+    wrapped object itself reads no clock."""
     acc: dict[str, list[float]] = {}
+    nest: list[list[float]] = [] if stack is None else stack
     for name in names:
         fn = getattr(obj, name, None)
         if not callable(fn):
             continue
         key = into or prefix + name.lstrip("_")
-        cell = acc.setdefault(key, [0.0, 0])
-        part = acc.setdefault(key + "_multi", [0.0, 0]) if multi is not None else cell
+        cell = acc.setdefault(key, [0.0, 0, 0.0])
+        part = acc.setdefault(key + "_multi", [0.0, 0, 0.0]) if multi is not None else cell
 
         def timed(
             *args: Any, _fn: Any = fn, _cell: list[float] = cell, _part: list[float] = part,
             **kwargs: Any,
         ) -> Any:  # fmt: skip
+            inner = [0.0]  # seconds in timed calls made from this one
+            nest.append(inner)
             t0 = time.perf_counter()
             try:
                 return _fn(*args, **kwargs)
             finally:
                 d = time.perf_counter() - t0
+                nest.pop()
+                if nest:
+                    nest[-1][0] += d
+                own = d - inner[0]
                 _cell[0] += d
                 _cell[1] += 1
+                _cell[2] += own
                 if multi is not None and multi():
                     _part[0] += d
                     _part[1] += 1
+                    _part[2] += own
 
         setattr(obj, name, timed)
     return acc
@@ -404,8 +416,11 @@ def replay_one(
     def make_timed(caches: list[Any]) -> Any:
         backend = make(caches)
         phase.wrap(backend)
-        timers.update(time_calls(backend, HOST_TIMERS["backend"], multi=phase.multi))
-        timers.update(time_calls(backend.link, HOST_TIMERS["link"], "link_", multi=phase.multi))
+        nest: list[list[float]] = []  # backend and link timers nest in one another
+        timers.update(time_calls(backend, HOST_TIMERS["backend"], multi=phase.multi, stack=nest))
+        timers.update(
+            time_calls(backend.link, HOST_TIMERS["link"], "link_", multi=phase.multi, stack=nest)
+        )
         return backend
 
     probe_before_s = host_probe_s()
@@ -432,9 +447,11 @@ def replay_one(
     row["replay_run_s"] = run_s
     row["replay_probe_s"] = 0.5 * (probe_before_s + host_probe_s())
     row.update({f"replay_{k}": v for k, v in watch.result.items()})
-    for name, (secs, calls) in timers.items():
+    for name, (secs, calls, *own) in timers.items():
         row[f"replay_host_{name}_s"] = secs
         row[f"replay_host_{name}_calls"] = int(calls)
+        if own:
+            row[f"replay_host_{name}_self_s"] = own[0]
     row["overrides"] = " ".join(run.overrides)
     return row
 
@@ -583,16 +600,18 @@ def read_replays(paths: Sequence[Path], merge: bool = True) -> list[dict[str, An
         means = [c for c in df.columns
                  if c.startswith("replay_") and pd.api.types.is_numeric_dtype(df[c])]  # fmt: skip
         g = df.groupby(list(KEY), sort=False)
-        out = g.first()
-        out[means] = g[means].mean()
-        out["replay_repeats"] = g.size()
+        first = g.first()
+        extra = {"replay_repeats": g.size()}
         if "replay_tpot_mean_s" in df.columns:
             tpot = g["replay_tpot_mean_s"]
-            out["replay_tpot_min_s"], out["replay_tpot_max_s"] = tpot.min(), tpot.max()
-            out["replay_tpot_cv"] = tpot.std(ddof=1) / tpot.mean()
+            extra["replay_tpot_min_s"], extra["replay_tpot_max_s"] = tpot.min(), tpot.max()
+            extra["replay_tpot_cv"] = tpot.std(ddof=1) / tpot.mean()
         if "replay_probe_s" in df.columns:
             probe = g["replay_probe_s"]
-            out["replay_probe_min_s"], out["replay_probe_max_s"] = probe.min(), probe.max()
+            extra["replay_probe_min_s"], extra["replay_probe_max_s"] = probe.min(), probe.max()
+        # one concatenation, not a column at a time (a frame of many columns fragments)
+        out = pd.concat([first.drop(columns=means), g[means].mean(), pd.DataFrame(extra)],
+                        axis=1)[[*first.columns, *extra]].copy()  # fmt: skip
         records = out.reset_index().to_dict("records")
     else:
         records = df.to_dict("records")
@@ -741,11 +760,13 @@ def _host_timers_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     # the timers' names as replay_one wrote their columns: replay_host_<name>_s
     cols = [c[len("replay_host_") : -len("_s")] for c in timed[0]
             if c.startswith("replay_host_") and c.endswith("_s")]  # fmt: skip
-    names = [n for n in cols if not n.endswith("_multi")]
+    names = [n for n in cols if not n.endswith(("_multi", "_self"))]
     lines = ["", "## The replay's host calls", "",
              "Runs replayed with `--host-timers`: host microseconds per MoE layer step in "
              "each call (inclusive: a submission holds the pump it calls, a pump the copies "
-             "it issues and the landings it sees), calls per step in brackets.", ""]  # fmt: skip
+             "it issues and the landings it sees), then, where recorded, the same without "
+             "the timed calls made inside it (after the slash); calls per step in "
+             "brackets.", ""]  # fmt: skip
     lines += _timers_rows(timed, names, "", "replay_layer_steps")
     split = [r for r in timed if r.get("replay_host_steps_multi_calls", 0) > 0]
     if split:
@@ -768,8 +789,12 @@ def _timers_rows(
                  r["policy"]]  # fmt: skip
         for n in names:
             sec = r.get(f"replay_host_{n}{suffix}_s", math.nan)
+            own = r.get(f"replay_host_{n}{suffix}_self_s", math.nan)
             calls = r.get(f"replay_host_{n}{suffix}_calls", math.nan)
-            cells.append("n/a" if sec != sec else f"{1e6 * sec / steps:.0f} ({calls / steps:.2f})")
+            mine = "" if own != own else f" / {1e6 * own / steps:.0f}"
+            cells.append(
+                "n/a" if sec != sec else f"{1e6 * sec / steps:.0f}{mine} ({calls / steps:.2f})"
+            )
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

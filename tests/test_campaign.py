@@ -55,7 +55,30 @@ def test_time_calls_adds_up_the_hooks_host_time_and_keeps_their_results():
     each = C.time_calls(q, ("on_gate", "victim", "absent"), prefix="p_")
     q.victim([1], 2)
     assert sorted(each) == ["p_on_gate", "p_victim"]  # a missing name is skipped
-    assert each["p_on_gate"] == [0.0, 0] and each["p_victim"][1] == 1
+    assert each["p_on_gate"] == [0.0, 0, 0.0] and each["p_victim"][1] == 1
+    # nested timed calls sharing a stack: the outer one's own time leaves the inner out
+    nest: list[list[float]] = []
+
+    class Outer:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def run(self):
+            time.sleep(0.01)
+            return self.inner.wait()
+
+    class Inner:
+        def wait(self):
+            time.sleep(0.03)
+            return 7
+
+    inner = Inner()
+    outer = Outer(inner)
+    ti = C.time_calls(inner, ("wait",), stack=nest)
+    to = C.time_calls(outer, ("run",), stack=nest)
+    assert outer.run() == 7 and nest == []
+    assert to["run"][0] >= 0.04 and 0.01 <= to["run"][2] < 0.03
+    assert ti["wait"][2] == ti["wait"][0] >= 0.03
 
 
 def _row(policy, sim_tpot, rep_tpot, sim_hit, rep_hit, n=1, model="m", budget=1.0):
@@ -125,6 +148,12 @@ def test_read_replays_names_a_missing_column_and_averages_repeats(tmp_path):
         C.read_replays([tmp_path / "nowhere"])
 
 
+def _csv_rows(path):
+    """The rows of a CSV file, the file closed."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
 #: a tiny OLMoE-shaped grid whose runs replay on a CPU in about a second
 TINY_GRID = C.ModelGrid(
     "olmoe-1b-7b", "synthetic", (0.05,), {"batch1": 1}, 0.05,
@@ -146,7 +175,7 @@ def test_repeats_run_in_rounds_and_resume_by_count(tmp_path):
     logs: list[str] = []
     out = tmp_path / "rep"
     assert C.run_replays(runs, "cpu", out, log=logs.append, repeats=2, gc_off=True) == 4
-    rows = list(csv.DictReader((out / "replay.csv").open()))
+    rows = _csv_rows(out / "replay.csv")
     assert [(r["policy"], r["repeat"]) for r in rows] == [
         ("lru", "0"), ("lfu", "0"), ("lru", "1"), ("lfu", "1"),
     ]  # fmt: skip
@@ -154,7 +183,7 @@ def test_repeats_run_in_rounds_and_resume_by_count(tmp_path):
         assert float(r["replay_probe_s"]) > 0 and float(r["replay_cpu_s"]) > 0
         assert r["replay_gc_off"] == "1" and r["replay_gc_collections"] == "0"
     assert C.run_replays(runs, "cpu", out, log=logs.append, repeats=3) == 2
-    rows = list(csv.DictReader((out / "replay.csv").open()))
+    rows = _csv_rows(out / "replay.csv")
     assert [(r["policy"], r["repeat"], r["replay_gc_off"]) for r in rows[4:]] == [
         ("lru", "2", "0"), ("lfu", "2", "0"),
     ]  # fmt: skip
@@ -241,6 +270,11 @@ def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
     assert int(t["replay_host_pre_gate_calls"]) == int(t["replay_layer_steps"])
     assert 0 < float(t["replay_host_steps_multi_s"]) < float(t["replay_wall_s"])
     assert int(t["replay_host_submit_multi_calls"]) <= int(t["replay_host_submit_calls"])
+    # self time: a submission without the pump it calls, a pump without its copies and
+    # landings; a copy's start calls no timed call, so all its time is its own
+    assert 0 < float(t["replay_host_submit_self_s"]) < float(t["replay_host_submit_s"])
+    assert 0 < float(t["replay_host_link_pump_self_s"]) < float(t["replay_host_link_pump_s"])
+    assert float(t["replay_host_link_issue_self_s"]) == float(t["replay_host_link_issue_s"])
     rep = C.score([tmp_path / "t"], "h100-pcie5", tmp_path / "tr", {"device": "cpu"})
     text = (rep / "report.md").read_text()
     assert "## The replay's host calls" in text and "more than one token" in text
