@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from policies.base import (
     NO_ACTIONS,
@@ -342,6 +343,7 @@ class TrajectoryQuery:
         return np.divide(sim, norm, out=np.zeros_like(sim), where=norm > 0)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it
 class FMoE(Policy):
     """fMoE's map-guided prefetching and caching (``000`` §4).
 

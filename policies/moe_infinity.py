@@ -19,6 +19,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from fmoesim.atomic import save_npz_atomic
 from fmoesim.errors import ConfigError
@@ -254,6 +255,7 @@ def load_eamcs(
 PHASES = ("prefill", "decode")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it
 class MoEInfinity(Policy):
     """MoE-Infinity's activation-aware prefetching and caching (``003`` §4-§5).
 

@@ -11,6 +11,7 @@ import math
 from collections.abc import Collection
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from policies.base import (
     NO_ACTIONS,
@@ -43,6 +44,7 @@ def applied_split(
     return np.where(C > 0, top / S, np.asarray(theta, dtype=np.float64)), C
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it
 class MoEpic(Policy):
     """MoEpic (``002`` §3): experts split into a cached top and a prefetched bottom.
 

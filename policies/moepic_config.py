@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Timing:
                 raise ValueError(f"Timing.{k} must be finite and >= 0, got {v}")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it
 class LayerStats:
     """§3.4.2's statistics of every layer after ``q`` tokens.
 

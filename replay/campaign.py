@@ -316,7 +316,8 @@ class HostWatch:
     a virtual machine's CPUs that the hypervisor gave to others), ``vcsw`` and ``ivcsw``
     (voluntary and involuntary context switches), ``gc_s`` and ``gc_collections`` (the
     garbage collector's pauses and collections) and ``gc_off`` (1 when the collector was
-    disabled for the block: ``gc_off=True`` collects once before and disables it)."""
+    disabled for the block: ``gc_off=True`` collects once before, disables it, and leaves
+    it as it found it)."""
 
     def __init__(self, gc_off: bool = False) -> None:
         self.gc_off = gc_off
@@ -334,6 +335,7 @@ class HostWatch:
         import gc
         import resource
 
+        self._was_enabled = gc.isenabled()
         if self.gc_off:
             gc.collect()
             gc.disable()
@@ -351,7 +353,7 @@ class HostWatch:
         steal = _proc_stat_steal_s() - self._steal
         ru = resource.getrusage(resource.RUSAGE_SELF)
         gc.callbacks.remove(self._on_gc)
-        if self.gc_off:
+        if self.gc_off and self._was_enabled:
             gc.enable()
         self.result = {
             "cpu_s": cpu,
@@ -526,11 +528,19 @@ def run_replays(
     out.mkdir(parents=True, exist_ok=True)
     path = out / "replay.csv"
     if path.exists():
-        timed = any(c.startswith("replay_host_") for c in _header(path))
+        header = _header(path)
+        timed = any(c.startswith("replay_host_") for c in header)
         if timed != host_timers:
             have, want = ("has", "has none") if timed else ("has no", "has")
             raise FmoesimError(
                 f"{path}: {have} host-timer columns, this replay {want} (pick another --out)"
+            )
+        need = ("repeat", "replay_probe_s", *(("replay_host_link_pump_self_s",) * timed))
+        missing = next((c for c in need if c not in header), None)
+        if missing is not None:
+            raise FmoesimError(
+                f"{path}: no column {missing} (rule: one replay.csv holds runs of one kind; "
+                "pick another --out)"
             )
     done = _done_counts(path) if skip_done else {}
     todo = [(run, i) for i in range(repeats) for run in runs if done.get(run.key(), 0) <= i]
@@ -1082,11 +1092,15 @@ def fit_host(
 
     - Where the runs carry the link scheduler's host timers (``replay --host-timers``),
       ``host_transfer_s`` is measured, not fitted: the seconds the host spent issuing
-      copies and landing them, over the copies it issued; the fit takes the rest.  (A fit
-      of it is biased: a slower host both stretches a run and lets more prefetches start
-      before they are cancelled.)
+      copies (every chunk of them) and landing them, over the transfers moved; the fit
+      takes the rest.  (A fit of it is biased: a slower host both stretches a run and
+      lets more prefetches start before they are cancelled.)  The fit takes every
+      started copy's cost off the wall, the simulator charges none for a copy it starts
+      while the GPU waits: the replay's waits are short (its measured stall is near 0).
     - Where some runs count their queued transfers, the others stay out of the fit.
-    - Where none does (replays older than that count), every moved transfer stands for
+    - Where none does (no column ``replay_cancelled_transfers`` or
+      ``replay_host_submit_calls``), or where no run cancels any and none is timed (a
+      submission and a start then cannot be told apart), every moved transfer stands for
       one submission: ``host_submit_s`` is fitted per moved transfer and
       ``host_transfer_s`` is 0.
 
@@ -1112,6 +1126,9 @@ def fit_host(
             f"--fit-model {fit_model}: {len(base)} batch-1 runs, need {3 + counted} or more"
             + (" that count their queued transfers" if counted else "")
         )
+    timed = [r for r in base if r.get("replay_host_link_issue_calls", math.nan) > 0]
+    if counted and not timed and all(_submissions(r) == r["replay_transfers"] for r in base):
+        counted = False  # queued = started in every run: one cost, at submission
     X = np.array([(r["replay_accesses"] / r["replay_layer_steps"],
                    (_submissions(r) if counted else r["replay_transfers"])
                    / r["replay_layer_steps"],
@@ -1136,8 +1153,7 @@ def fit_host(
         for r in base
     ])  # fmt: skip
     issue = [((r["replay_host_link_issue_s"] + r["replay_host_link_on_done_s"]) * speed(r),
-              r["replay_host_link_issue_calls"]) for r in base
-             if r.get("replay_host_link_issue_calls", math.nan) > 0]  # fmt: skip
+              r["replay_transfers"]) for r in timed]  # fmt: skip
     if not counted:
         layer, access, submit = fit_linear(X[:, :2], y)
         transfer = 0.0

@@ -36,7 +36,8 @@ def test_the_default_grid_has_every_run_once_most_important_first():
 
 def test_time_calls_adds_up_the_hooks_host_time_and_keeps_their_results():
     """Red if a wrapped hook drops its return value, or its time or calls go uncounted,
-    or if ``into`` does not gather every hook into one total."""
+    or if ``into`` does not gather every hook into one total; red too if a call's own
+    time keeps the timed calls made inside it, or the shared stack is left non-empty."""
 
     class Slow:
         def on_gate(self, layer, gate):
@@ -194,6 +195,13 @@ def test_repeats_run_in_rounds_and_resume_by_count(tmp_path):
         assert 0 < r["replay_probe_min_s"] <= r["replay_probe_s"] <= r["replay_probe_max_s"]
     with pytest.raises(FmoesimError, match="--repeats 0: must be >= 1"):
         C.run_replays(runs, "cpu", out, repeats=0)
+    # a replay.csv without the host's record is refused before any run
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "replay.csv").write_text("model,budget_gb,mode,policy,compute_repeat\n")
+    with pytest.raises(FmoesimError, match="old/replay.csv: no column repeat"):
+        C.run_replays(runs, "cpu", old, log=logs.append)
+    assert (old / "replay.csv").read_text().count("\n") == 1
     # every repeat as its own row, each with its run's one simulation
     reps = C.repeat_rows([out], "h100-pcie5")
     assert sorted((r["policy"], r["repeat"]) for r in reps) == [
@@ -206,8 +214,9 @@ def test_repeats_run_in_rounds_and_resume_by_count(tmp_path):
 def test_host_watch_records_the_collector_and_cpu_time():
     """A block that allocates many containers triggers collections that HostWatch
     counts and times; with ``gc_off`` it counts none and the collector is on again
-    afterwards; CPU seconds cover a busy loop.  Red if the callback is not removed, the
-    collector stays disabled, or the counts come from outside the block."""
+    afterwards (and stays off where the caller had turned it off); CPU seconds cover a
+    busy loop.  Red if the callback is not removed, the collector is left in another
+    state than it was found, or the counts come from outside the block."""
     import gc
 
     with C.HostWatch() as on:
@@ -221,6 +230,13 @@ def test_host_watch_records_the_collector_and_cpu_time():
     assert off.result["gc_collections"] == 0 and off.result["gc_off"] == 1
     assert gc.isenabled() and off._on_gc not in gc.callbacks
     assert off.result["cpu_s"] > 0
+    gc.disable()  # a collector the caller turned off stays off
+    try:
+        with C.HostWatch(gc_off=True):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
@@ -284,6 +300,7 @@ def test_compute_repeat_runs_every_compute_operator_n_times(monkeypatch):
     """Red if the replay's crossover factor is ignored for expert FFNs or stand-ins."""
     pytest.importorskip("torch", reason="the replay needs torch")
     from fmoesim.engine.cache import ExpertCache
+    from policies.lru import LRU
     from replay.backend import GpuBackend
     from replay.weights import Executor
     from tests.test_policy_contract import MODEL
@@ -302,7 +319,7 @@ def test_compute_repeat_runs_every_compute_operator_n_times(monkeypatch):
 
     monkeypatch.setattr(Executor, "ffn", count_ffn)
     monkeypatch.setattr(Executor, "attention", count_attention)
-    cache = ExpertCache(4 * MODEL.expert_size_bytes, MODEL.num_layers * MODEL.num_experts)
+    cache = ExpertCache(4 * MODEL.expert_size_bytes, LRU())
     be = GpuBackend(MODEL, TINY_HW, [cache], "cpu", compute_repeat=3)
     try:
         be.pre_gate(0, 1, 4, 5)
@@ -417,13 +434,19 @@ def test_fit_host_recovers_the_engine_costs_and_averages_the_decisions(tmp_path)
     assert C.fit_host(timed, "m")[0]["host_submit_s"] == pytest.approx(submit, rel=1e-6)
     # the link's host timers measure the issue cost: it is taken, not fitted (here 2x
     # what the walls imply, so a fit would not return it), and the rest is fitted
-    for r in timed:
-        r["replay_host_link_issue_calls"] = r["replay_transfers"]
+    for r in timed:  # three chunks a transfer: the cost is per transfer, not per chunk
+        r["replay_host_link_issue_calls"] = 3 * r["replay_transfers"]
         r["replay_host_link_issue_s"] = 1.5 * transfer * r["replay_transfers"]
         r["replay_host_link_on_done_s"] = 0.5 * transfer * r["replay_transfers"]
     measured = C.fit_host(timed, "m")[0]
     assert measured["host_transfer_s"] == pytest.approx(2 * transfer, rel=1e-9)
     assert measured["host_submit_s"] != pytest.approx(submit, rel=1e-3)
+    # counted, untimed, and no run cancels: a submission and a start cannot be told apart
+    same = [row("lru", 8, 1, 0, 0.0), row("lru", 9, 3, 0, 0.0), row("lfu", 10, 2, 0, 0.0),
+            row("lcp", 12, 5, 0, 0.0)]  # fmt: skip
+    one = C.fit_host(same, "m")[0]
+    assert one["host_submit_s"] == pytest.approx(submit + transfer, rel=1e-6)
+    assert one["host_transfer_s"] == 0.0
     with pytest.raises(FmoesimError, match="need 4 or more that count their queued"):
         C.fit_host(rows, "other")
     # replays that count no queued transfers: the per-transfer cost is a submission's

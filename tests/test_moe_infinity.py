@@ -17,7 +17,7 @@ from fmoesim.errors import ConfigError
 from fmoesim.trace import read_trace
 from fmoesim.trace.reader import Trace
 from fmoesim.workload.synthetic import SyntheticConfig, generate
-from policies.base import BatchInfo, GateView, RequestInfo, RequestTrace
+from policies.base import BatchInfo, GateView, Outcome, RequestInfo, RequestTrace
 from policies.moe_infinity import (
     EAMC,
     MoEInfinity,
@@ -205,7 +205,7 @@ def test_top_k_is_the_free_slots_and_losers_are_cancelled():
     assert [x.key for x in acts.prefetch] == [e(2, 1), e(3, 2)]
     for k in (e(1, 1), e(2, 1), e(3, 2)):
         p.on_insert(k)
-    p.on_access(e(1, 1), 2)  # type: ignore[arg-type]
+    p.on_access(e(1, 1), Outcome.MISS)
     acts = p.on_gate(1, _gate(1, [0, 1]))  # routed E[2,2]: E[2,1] was mispredicted
     assert e(2, 1) in acts.cancel
     assert e(2, 1) not in p._protected

@@ -75,6 +75,27 @@ class RunSpec:
     preload: bool = False
 
 
+def unknown_argument(node: DictConfig) -> str | None:
+    """Why ``node``'s ``_target_`` class refuses its keys (Python's own words), or None.
+
+    A class with no ``__init__`` anywhere in its bases takes no arguments; compiled
+    (``make compiled``), it ignores them instead of refusing them, so that case is
+    checked here, before the class is built.  Every other refusal (an unknown keyword of
+    an ``__init__``, a class that cannot be imported) is instantiating's to report."""
+    from hydra.utils import get_class
+
+    keys = [str(k) for k in node if not str(k).startswith("_")]
+    if not keys:
+        return None
+    try:
+        cls = get_class(str(node.get("_target_")))
+    except Exception:  # noqa: BLE001 - instantiate reports it in one line
+        return None
+    if cls.__init__ is object.__init__:
+        return f"{cls.__name__}() takes no arguments"
+    return None
+
+
 def build_run(cfg: DictConfig) -> RunSpec:
     """Check every value of a composed config and instantiate the policy (no I/O)."""
     from hydra.utils import instantiate
@@ -109,6 +130,9 @@ def build_run(cfg: DictConfig) -> RunSpec:
         workload.synthetic.validate()
     if "_target_" not in cfg.policy:
         raise ConfigError("policy", OmegaConf.to_container(cfg.policy), "needs a _target_ class")
+    unknown = unknown_argument(cfg.policy)
+    if unknown is not None:
+        raise ConfigError("policy", cfg.policy.get("_target_"), unknown)
     try:
         policy = instantiate(cfg.policy)
     except Exception as exc:  # noqa: BLE001 - hydra wraps import/TypeError; report one line

@@ -56,7 +56,7 @@ class HostModel:
         """The host costs the profile measured for ``model`` (and ``policy``'s decision);
         None where it measured none."""
         m = (hw.measured or {}).get(model.name) or {}
-        if not any(k in m for k in HOST_KEYS):
+        if not any(k in m for k in (*HOST_KEYS, HOST_SUBMIT_KEY)):
             return None
         decisions = m.get("host_decision_s") or {}
         return cls(
@@ -78,8 +78,6 @@ class HostBoundSimBackend(SimBackend):
     docstring).  The demand-only closed form does not know them: every layer step takes
     the general path."""
 
-    closed_form_demand = False
-
     def __init__(
         self,
         hw: HardwareSpec,
@@ -89,6 +87,10 @@ class HostBoundSimBackend(SimBackend):
         preempt: bool = True,
     ) -> None:
         super().__init__(hw, compute, caches, preempt)
+        # set on the instance (no class attribute here): in the compiled build the Runner
+        # reads the compiled base's attribute, which a class attribute of this interpreted
+        # subclass would shadow for Python only
+        self.closed_form_demand = False
         self.host = host
         self.host_s = 0.0  # host seconds added to the clock
         self._issued = [0] * self.num_gpus  # per GPU: the link's starts already charged

@@ -401,10 +401,12 @@ class _TokenRecorder(SimBackend):
     """:class:`SimBackend` that keeps, per iteration (closed by its LM head), the stall,
     the bytes submitted to the link and the compute seconds."""
 
-    closed_form_demand = False
-
     def __init__(self, hw: Any, compute: ComputeModel, caches: Any) -> None:
         super().__init__(hw, compute, caches)
+        # set on the instance (no class attribute here): in the compiled build the Runner
+        # reads the compiled base's attribute, which a class attribute of this interpreted
+        # subclass would shadow for Python only
+        self.closed_form_demand = False
         self.stall_s: list[float] = []
         self.read_bytes: list[int] = []
         self.compute_s: list[float] = []
