@@ -661,11 +661,10 @@ def host_speed_hardware(hw: Any, probe_s: float) -> Any:
     over the profile's reference probe: the host ran that much slower (or faster) than
     when the costs were measured.  Unchanged where the profile has no reference probe or
     the run none (NaN)."""
-    from fmoesim.engine.host import HOST_KEYS, HOST_SUBMIT_KEY
+    from fmoesim.engine.host import HOST_COST_KEYS
 
     if not (probe_s == probe_s and probe_s > 0):
         return hw
-    keys = (*HOST_KEYS, HOST_SUBMIT_KEY)
     measured = {}
     for model, coeffs in (hw.measured or {}).items():
         ref = coeffs.get(HOST_PROBE_KEY) if isinstance(coeffs, dict) else None
@@ -673,7 +672,7 @@ def host_speed_hardware(hw: Any, probe_s: float) -> Any:
             measured[model] = coeffs
             continue
         f = probe_s / float(ref)
-        c = {k: float(v) * f if k in keys else v for k, v in coeffs.items()}
+        c = {k: float(v) * f if k in HOST_COST_KEYS else v for k, v in coeffs.items()}
         decisions = coeffs.get("host_decision_s") or {}
         c["host_decision_s"] = {p: float(v) * f for p, v in decisions.items()}
         measured[model] = c
@@ -1306,6 +1305,9 @@ def _run(args: argparse.Namespace) -> None:
         print(f"replayed {n} runs -> {Path(args.out) / 'replay.csv'}")
         return
     if args.cmd == "host-fit":
+        if args.host_speed and args.host_from is not None:
+            raise FmoesimError("--host-speed: needs replays to take the probe from, not "
+                               "--host-from")  # fmt: skip
         if args.host_from is not None:
             engine, decisions = host_costs_of(args.host_from, args.fit_model)
             note = f"host costs of {args.host_from} (measured on another machine)"
@@ -1320,9 +1322,6 @@ def _run(args: argparse.Namespace) -> None:
             if args.host_speed:
                 note += (", at the runs' median host probe; scoring scales them by each "
                          "run's own probe")  # fmt: skip
-        if args.host_speed and args.host_from is not None:
-            raise FmoesimError("--host-speed: needs replays to take the probe from, not "
-                               "--host-from")  # fmt: skip
         path = write_host_profile(args.base, engine, decisions, Path(args.out), note)
         print(", ".join(f"{k} {1e6 * v:.1f} us" for k, v in engine.items()))
         print(f"wrote {path}")

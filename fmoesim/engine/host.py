@@ -37,6 +37,8 @@ from fmoesim.specs.model import ModelSpec
 HOST_KEYS = ("host_layer_s", "host_access_s", "host_transfer_s")
 #: an optional key: host seconds per transfer queued (0 where a profile lacks it)
 HOST_SUBMIT_KEY = "host_submit_s"
+#: every engine cost the host model reads (any one of them turns it on)
+HOST_COST_KEYS = (*HOST_KEYS, HOST_SUBMIT_KEY)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class HostModel:
         """The host costs the profile measured for ``model`` (and ``policy``'s decision);
         None where it measured none."""
         m = (hw.measured or {}).get(model.name) or {}
-        if not any(k in m for k in (*HOST_KEYS, HOST_SUBMIT_KEY)):
+        if not any(k in m for k in HOST_COST_KEYS):
             return None
         decisions = m.get("host_decision_s") or {}
         return cls(
