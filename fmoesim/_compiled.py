@@ -4,7 +4,7 @@ fmoesim is a pure-Python package.  ``make compiled`` (``python fmoesim/_compiled
 build``) compiles the modules in :data:`MODULES` with mypyc, from the same sources,
 into extension modules next to them, which Python then imports instead of the
 ``.py`` files: the same decisions and the same modelled times (``tests/
-test_compiled.py``), about twice as fast (README "Speed").  ``make pure`` removes
+test_compiled.py``), 1.3x to 6x as fast (docs/performance.md).  ``make pure`` removes
 them again; ``python fmoesim/_compiled.py status`` says which build is active.
 
 A compiled module silently shadows its source, so an edit to the source would not

@@ -95,7 +95,10 @@ DOCS_RUN = {
         " --requests 1 --jobs 1 --out out/figures",
         "fmoesim-regress --policies lru,lfu",
     ],
-    "performance.md": ["python -m benchmarks.engine --policies lru --repeat 1 --skip-scaling"],
+    "performance.md": [
+        "python -m benchmarks.engine --policies lru --repeat 1 --skip-scaling",
+        ".venv/bin/python fmoesim/_compiled.py status",
+    ],
 }
 
 #: docs/ commands not run (regex on the command), with the reason; ``fmoesim`` commands
