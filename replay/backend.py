@@ -205,13 +205,19 @@ class GpuBackend(Backend):
         self.num_gpus = 1
         self.transfers: list[TransferRecord] = []
         self.busy_compute_s = 0.0
+        # the layer steps of more than one token (at batch 1, the prefill), from their
+        # attention on: the transfers submitted and the compute measured in them
+        self._multi = False
+        self.multi_transfers: list[TransferRecord] = []
+        self.busy_compute_multi_s = 0.0
         self.host = shared_host_experts(model, device, seed, checkpoint)
         self.exe = Executor(model, device, self.host.dtype, seed)
         if self.cuda:
             self._check_device_memory(caches[0].budget_bytes, max_tokens, max_kv)
         self._dev: dict[int, Any] = {}  # key -> device tensor (whole or segment rows)
         self._range: dict[int, tuple[int, int]] = {}  # key in flight -> host rows
-        self._spans: deque[tuple[Any, Any]] = deque()  # compute operators' marks, unfolded
+        # compute operators' marks, unfolded: (start, end, in a multi-token layer step)
+        self._spans: deque[tuple[Any, Any, bool]] = deque()
         self._layer_stall_s = 0.0
         self._final_s: float | None = None  # the clock when the run ended (drain)
         if self.cuda:
@@ -262,11 +268,15 @@ class GpuBackend(Backend):
         return True if not self.cuda else bool(mark.query())
 
     def _fold_spans(self, wait: bool = False) -> None:
-        """Add finished compute operators' measured time to ``busy_compute_s``."""
+        """Add finished compute operators' measured time to ``busy_compute_s`` (and to
+        ``busy_compute_multi_s``, those of the multi-token layer steps)."""
         spans, span_s = self._spans, self.copier.span_s
         while spans and (wait or self._mark_done(spans[0][1])):
-            a, b = spans.popleft()
-            self.busy_compute_s += span_s(a, b)
+            a, b, multi = spans.popleft()
+            d = span_s(a, b)
+            self.busy_compute_s += d
+            if multi:
+                self.busy_compute_multi_s += d
 
     def _host_s(self) -> float:
         return time.perf_counter() - self._t0
@@ -284,7 +294,7 @@ class GpuBackend(Backend):
         m0 = self._mark()
         for _ in range(self.repeat):
             fn(*args)
-        self._spans.append((m0, self._mark()))
+        self._spans.append((m0, self._mark(), self._multi))
         self.link.pump(self._host_s())
 
     def now(self) -> float:
@@ -357,6 +367,8 @@ class GpuBackend(Backend):
         if delay_s > 0.0:
             rec.release_s = t + delay_s
         self.transfers.append(rec)
+        if self._multi:
+            self.multi_transfers.append(rec)
         self.link.submit(rec, t)
         self.link.pump(t)
         return rec
@@ -397,7 +409,9 @@ class GpuBackend(Backend):
     # -- compute -------------------------------------------------------------------------
     def pre_gate(self, layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
         """Attention and router stand-ins; the host waits for the gate (sync); device
-        copies of evicted experts are freed."""
+        copies of evicted experts are freed.  A layer step of more than one token
+        (``tokens``) counts apart from here to the next one's attention."""
+        self._multi = tokens > 1
         self._compute(self.exe.attention, tokens, pairs)
         self._compute(self.exe.router, tokens)
         self.sync()

@@ -281,6 +281,36 @@ class StepPhase:
         self._multi = False
 
 
+def link_phases(transfers: Sequence[Any], multi: set[int]) -> dict[str, float]:
+    """The link in the layer steps of more than one token and in the others: for the
+    transfers submitted in each (``multi``: the ``id`` of those submitted in a
+    multi-token step; prefixes ``multi_`` and ``one_``), the copies that moved whole
+    without a pause (``copies``), their ``bytes`` and their summed start-to-end seconds
+    (``copy_s``; bytes over seconds is the link's rate), and ``gap_s``: the link's idle
+    seconds before a transfer started that could have started earlier, its
+    submission (or release) and the previous copy's end both behind it.  In the
+    simulator that gap is zero; in a replay it is the host issuing the copy late.
+    Cancelled transfers moved nothing and count nowhere."""
+    fields = ("copies", "bytes", "copy_s", "gap_s")
+    out = {f"{p}_{k}": 0.0 for p in ("multi", "one") for k in fields}
+    started = sorted(
+        (r for r in transfers if not r.cancelled and r.start_s == r.start_s),
+        key=lambda r: r.start_s,
+    )
+    link_free_s = -math.inf  # when the link finished every copy started so far
+    for r in started:
+        p = "multi_" if id(r) in multi else "one_"
+        ready = max(r.submit_s, r.release_s, link_free_s)
+        if r.start_s > ready:
+            out[p + "gap_s"] += r.start_s - ready
+        if not r.aborted and not r.preemptions:
+            out[p + "copies"] += 1
+            out[p + "bytes"] += r.size_bytes
+            out[p + "copy_s"] += r.end_s - r.start_s
+        link_free_s = max(link_free_s, r.end_s)
+    return out
+
+
 #: the pure-Python work :func:`host_probe_s` times (a fixed loop of about 10 ms)
 PROBE_LOOPS = 200_000
 
@@ -395,7 +425,10 @@ def replay_one(
     disables Python's garbage collector during the run.  ``host_timers`` adds the host's
     seconds and calls in the backend's and the link scheduler's entry points
     (:data:`HOST_TIMERS`; columns ``replay_host_<name>_s`` and ``replay_host_<name>_calls``),
-    at a cost of a timer around each call."""
+    at a cost of a timer around each call, and the link and the GPU in the layer steps of
+    more than one token against the others (:func:`link_phases`: ``replay_link_multi_*``
+    and ``replay_link_one_*``; ``replay_compute_multi_s``, the GPU's measured compute in
+    those steps)."""
     from hydra.utils import instantiate
 
     from fmoesim.cli.main import _trace_path, compose_config
@@ -414,9 +447,11 @@ def replay_one(
     )  # fmt: skip
     timers: dict[str, list[float]] = {}
     phase = StepPhase()
+    made: list[Any] = []  # the timed run's backend, read after the run
 
     def make_timed(caches: list[Any]) -> Any:
         backend = make(caches)
+        made.append(backend)
         phase.wrap(backend)
         nest: list[list[float]] = []  # backend and link timers nest in one another
         timers.update(time_calls(backend, HOST_TIMERS["backend"], multi=phase.multi, stack=nest))
@@ -438,9 +473,14 @@ def replay_one(
             make_backend=make_timed if host_timers else make,
         )
         run_s = time.perf_counter() - t0
+    phases: dict[str, float] = {}  # the link and the GPU in the multi-token layer steps
     if host_timers:
         phase.close()
         timers["steps_multi"] = phase.steps_multi
+        be = made[-1]
+        multi = {id(r) for r in be.multi_transfers}
+        phases = {f"link_{k}": v for k, v in link_phases(be.transfers, multi).items()}
+        phases["compute_multi_s"] = be.busy_compute_multi_s
     row: dict[str, Any] = {k: getattr(run, k) for k in KEY}
     row["repeat"] = repeat
     row.update(_summary_row(res.summary, "replay_"))
@@ -449,6 +489,7 @@ def replay_one(
     row["replay_run_s"] = run_s
     row["replay_probe_s"] = 0.5 * (probe_before_s + host_probe_s())
     row.update({f"replay_{k}": v for k, v in watch.result.items()})
+    row.update({f"replay_{k}": v for k, v in phases.items()})
     for name, (secs, calls, *own) in timers.items():
         row[f"replay_host_{name}_s"] = secs
         row[f"replay_host_{name}_calls"] = int(calls)
@@ -535,7 +576,8 @@ def run_replays(
             raise FmoesimError(
                 f"{path}: {have} host-timer columns, this replay {want} (pick another --out)"
             )
-        need = ("repeat", "replay_probe_s", *(("replay_host_link_pump_self_s",) * timed))
+        timed_need = ("replay_host_link_pump_self_s", "replay_link_multi_gap_s")
+        need = ("repeat", "replay_probe_s", *(timed_need if timed else ()))
         missing = next((c for c in need if c not in header), None)
         if missing is not None:
             raise FmoesimError(
@@ -783,6 +825,40 @@ def _host_timers_table(rows: Sequence[dict[str, Any]]) -> list[str]:
                 "prefill), each step's wall from its gate to the next gate first:")  # fmt: skip
         lines += ["", note, ""]
         lines += _timers_rows(split, ["steps", *names], "_multi", "replay_host_steps_multi_calls")
+        lines += _phases_table(split)
+    return lines
+
+
+def _phases_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Per multi-token layer step, of the runs that record it (:func:`link_phases`): the
+    step's wall, the copies moved whole and their rate there and in the one-token steps,
+    the link's idle time while a copy could have started, and the GPU's compute."""
+    rows = [r for r in rows if r.get("replay_link_multi_gap_s", math.nan) >= 0.0]
+    if not rows:
+        return []
+
+    def rate(r: dict[str, Any], p: str) -> str:
+        s = r[f"replay_link_{p}_copy_s"]
+        return "n/a" if not s > 0 else f"{r[f'replay_link_{p}_bytes'] / s / 1e9:.1f}"
+
+    lines = ["", "The link and the GPU in those steps, per step: its wall, the copies moved "
+             "whole without a pause and their rate (GB/s, there / in the one-token steps), "
+             "the link's idle time while a submitted copy could have started (the host "
+             "issuing it late; zero in the simulator), and the GPU's measured compute:", "",
+             "| model | budget | mode | n | policy | wall ms | copies | GB/s | link idle ms "
+             "| GPU compute ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        steps = r["replay_host_steps_multi_calls"]
+        lines.append(
+            f"| {r['model']} | {r['budget_gb']:g} GB | {r['mode']} | "
+            f"{int(r['compute_repeat'])} | {r['policy']} | "
+            f"{1e3 * r['replay_host_steps_multi_s'] / steps:.2f} | "
+            f"{r['replay_link_multi_copies'] / steps:.1f} | "
+            f"{rate(r, 'multi')} / {rate(r, 'one')} | "
+            f"{1e3 * r['replay_link_multi_gap_s'] / steps:.2f} | "
+            f"{1e3 * r['replay_compute_multi_s'] / steps:.2f} |"
+        )
     return lines
 
 

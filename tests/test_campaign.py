@@ -202,6 +202,12 @@ def test_repeats_run_in_rounds_and_resume_by_count(tmp_path):
     with pytest.raises(FmoesimError, match="old/replay.csv: no column repeat"):
         C.run_replays(runs, "cpu", old, log=logs.append)
     assert (old / "replay.csv").read_text().count("\n") == 1
+    # a timed one of the kind before the multi-token steps' link columns, likewise
+    timed = "model,budget_gb,mode,policy,compute_repeat,repeat,replay_probe_s,"
+    (old / "replay.csv").write_text(timed + "replay_host_link_pump_self_s\n")
+    with pytest.raises(FmoesimError, match="no column replay_link_multi_gap_s"):
+        C.run_replays(runs, "cpu", old, log=logs.append, host_timers=True)
+    assert (old / "replay.csv").read_text().count("\n") == 1
     # every repeat as its own row, each with its run's one simulation
     reps = C.repeat_rows([out], "h100-pcie5")
     assert sorted((r["policy"], r["repeat"]) for r in reps) == [
@@ -291,9 +297,49 @@ def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
     assert 0 < float(t["replay_host_submit_self_s"]) < float(t["replay_host_submit_s"])
     assert 0 < float(t["replay_host_link_pump_self_s"]) < float(t["replay_host_link_pump_s"])
     assert float(t["replay_host_link_issue_self_s"]) == float(t["replay_host_link_issue_s"])
+    # the link and the GPU in the prefill's steps: LRU moves every transfer whole, and
+    # the prefill (an empty cache) loads some of them; its compute is part of the GPU's
+    f = {k: float(v) for k, v in t.items() if k.startswith(("replay_link_", "replay_comp"))}
+    assert f["replay_link_multi_copies"] + f["replay_link_one_copies"] == n
+    assert f["replay_link_multi_copies"] > 0 and f["replay_link_one_copies"] > 0
+    assert f["replay_link_multi_bytes"] > 0 and f["replay_link_multi_copy_s"] > 0
+    assert f["replay_link_multi_gap_s"] >= 0 and f["replay_link_one_gap_s"] >= 0
+    assert 0 < f["replay_compute_multi_s"] < float(t["replay_gpu_busy_s"])
     rep = C.score([tmp_path / "t"], "h100-pcie5", tmp_path / "tr", {"device": "cpu"})
     text = (rep / "report.md").read_text()
     assert "## The replay's host calls" in text and "more than one token" in text
+    assert "The link and the GPU in those steps" in text
+
+
+def test_link_phases_splits_copies_and_the_links_idle_time_by_hand():
+    """:func:`link_phases` by hand: a copy queued while the link was busy and started
+    0.25 s after it freed counts 0.25 s of idle link; a delayed prefetch is ready at its
+    release, not its submission; cancelled transfers count nowhere; aborted or paused
+    ones count their wait but not in the rate; each goes to the phase it was submitted
+    in.  Red if the transfers are not taken in start order, the release is ignored, a
+    gap goes to the wrong phase or a cancelled transfer is counted."""
+    from fmoesim.engine.backend import TransferRecord
+
+    def rec(submit, start, end, size=100, **kw):
+        r = TransferRecord(0, 0, size, "on_demand", 0.0, submit)
+        r.start_s, r.end_s = start, end
+        for k, v in kw.items():
+            setattr(r, k, v)
+        return r
+
+    m1 = rec(0.0, 0.0, 1.0)  # multi: starts at once
+    m2 = rec(0.5, 1.25, 2.25)  # multi: queued at 0.5, the link free at 1.0: 0.25 idle
+    o1 = rec(3.0, 3.1, 3.6, size=50)  # one: submitted at 3.0 on an idle link: 0.1
+    gone = rec(3.2, 3.2, 3.2, cancelled=True)
+    o2 = rec(3.3, 4.0, 4.5, size=50, release_s=4.0)  # a delayed prefetch: no idle time
+    m3 = rec(4.4, 4.5, 4.7, aborted=True)  # waits nothing, moved part: not in the rate
+    o3 = rec(4.6, 5.0, 6.0, preemptions=1)  # 0.3 idle after m3; paused: not in the rate
+    got = C.link_phases([o3, m2, gone, o1, m3, m1, o2], {id(m1), id(m2), id(m3)})
+    want = {
+        "multi_copies": 2, "multi_bytes": 200, "multi_copy_s": 2.0, "multi_gap_s": 0.25,
+        "one_copies": 2, "one_bytes": 100, "one_copy_s": 1.0, "one_gap_s": 0.4,
+    }  # fmt: skip
+    assert got == pytest.approx(want)
 
 
 def test_compute_repeat_runs_every_compute_operator_n_times(monkeypatch):
