@@ -739,7 +739,10 @@ def simulate_row(row: dict[str, Any], hardware: str) -> dict[str, Any]:
     )
     trace = read_trace(_trace_path(spec))
     res = simulate_spec(spec, trace, timing=True, access_log=False, progress=False)
-    return _summary_row(res.summary, "sim_")
+    row = _summary_row(res.summary, "sim_")
+    link = link_phases(res.transfers, set())  # every copy in "one_"
+    row["sim_link_bytes"], row["sim_link_copy_s"] = link["one_bytes"], link["one_copy_s"]
+    return row
 
 
 def score_rows(rows: Sequence[dict[str, Any]], hardware: str) -> list[dict[str, Any]]:
@@ -837,14 +840,15 @@ def _phases_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
 
-    def rate(r: dict[str, Any], p: str) -> str:
-        s = r[f"replay_link_{p}_copy_s"]
-        return "n/a" if not s > 0 else f"{r[f'replay_link_{p}_bytes'] / s / 1e9:.1f}"
+    def rate(r: dict[str, Any], k: str) -> str:
+        s = r.get(f"{k}_copy_s", math.nan)
+        return "n/a" if not s > 0 else f"{r[f'{k}_bytes'] / s / 1e9:.1f}"
 
     lines = ["", "The link and the GPU in those steps, per step: its wall, the copies moved "
-             "whole without a pause and their rate (GB/s, there / in the one-token steps), "
-             "the link's idle time while a submitted copy could have started (the host "
-             "issuing it late; zero in the simulator), and the GPU's measured compute:", "",
+             "whole without a pause and their rate (GB/s, there / in the one-token steps / "
+             "the simulator's, all steps), the link's idle time while a submitted copy "
+             "could have started (the host issuing it late; zero in the simulator), and "
+             "the GPU's measured compute:", "",
              "| model | budget | mode | n | policy | wall ms | copies | GB/s | link idle ms "
              "| GPU compute ms |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -855,7 +859,8 @@ def _phases_table(rows: Sequence[dict[str, Any]]) -> list[str]:
             f"{int(r['compute_repeat'])} | {r['policy']} | "
             f"{1e3 * r['replay_host_steps_multi_s'] / steps:.2f} | "
             f"{r['replay_link_multi_copies'] / steps:.1f} | "
-            f"{rate(r, 'multi')} / {rate(r, 'one')} | "
+            f"{rate(r, 'replay_link_multi')} / {rate(r, 'replay_link_one')} / "
+            f"{rate(r, 'sim_link')} | "
             f"{1e3 * r['replay_link_multi_gap_s'] / steps:.2f} | "
             f"{1e3 * r['replay_compute_multi_s'] / steps:.2f} |"
         )

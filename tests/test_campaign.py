@@ -309,6 +309,12 @@ def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
     text = (rep / "report.md").read_text()
     assert "## The replay's host calls" in text and "more than one token" in text
     assert "The link and the GPU in those steps" in text
+    # the copies' rate: the prefill's / the decode's / the simulator's, all measured
+    (vrow,) = csv.DictReader((rep / "validation.csv").open())
+    assert float(vrow["sim_link_bytes"]) == float(vrow["replay_pcie_bytes"]) > 0
+    table = text[text.index("The link and the GPU in those steps") :]
+    rates = table.split("\n")[4].split(" | ")[7].split(" / ")
+    assert len(rates) == 3 and "n/a" not in rates, rates
 
 
 def test_link_phases_splits_copies_and_the_links_idle_time_by_hand():
@@ -340,6 +346,30 @@ def test_link_phases_splits_copies_and_the_links_idle_time_by_hand():
         "one_copies": 2, "one_bytes": 100, "one_copy_s": 1.0, "one_gap_s": 0.4,
     }  # fmt: skip
     assert got == pytest.approx(want)
+
+
+def test_the_simulators_link_never_idles_while_a_copy_waits():
+    """The report says the link's idle time is zero in the simulator: over a timed run
+    with prefetches queued, re-ranked, cancelled and paused by on-demand loads
+    (MoE-Infinity, 2 requests of the bundled trace), :func:`link_phases` finds none.
+    Red if the simulated link leaves a queued or released transfer waiting after the
+    previous copy ends."""
+    from hydra.utils import instantiate
+
+    from fmoesim.cli.main import _trace_path, compose_config
+    from fmoesim.config.build import build_run, simulate_spec
+    from fmoesim.trace.reader import read_trace
+
+    cfg = compose_config(["policy=moe-infinity", "serving.max_requests=2", "progress=false"])
+    spec = build_run(cfg)
+    res = simulate_spec(
+        spec, read_trace(_trace_path(spec)), policy=instantiate(cfg.policy), timing=True,
+        access_log=False, progress=False,
+    )  # fmt: skip
+    link = C.link_phases(res.transfers, set())
+    assert link["one_copies"] > 100 and res.summary["cancelled_transfers"] > 0
+    assert any(r.preemptions for r in res.transfers)
+    assert link["one_gap_s"] == 0.0
 
 
 def test_compute_repeat_runs_every_compute_operator_n_times(monkeypatch):
