@@ -205,9 +205,10 @@ class GpuBackend(Backend):
         self.num_gpus = 1
         self.transfers: list[TransferRecord] = []
         self.busy_compute_s = 0.0
-        # the layer steps of more than one token (at batch 1, the prefill), from their
-        # attention on: the transfers submitted and the compute measured in them
-        self._multi = False
+        # whether the current layer step carries more than one token (at batch 1, the
+        # prefill), from its attention on; the transfers submitted and the compute
+        # measured in such steps
+        self.multi_step = False
         self.multi_transfers: list[TransferRecord] = []
         self.busy_compute_multi_s = 0.0
         self.host = shared_host_experts(model, device, seed, checkpoint)
@@ -294,7 +295,7 @@ class GpuBackend(Backend):
         m0 = self._mark()
         for _ in range(self.repeat):
             fn(*args)
-        self._spans.append((m0, self._mark(), self._multi))
+        self._spans.append((m0, self._mark(), self.multi_step))
         self.link.pump(self._host_s())
 
     def now(self) -> float:
@@ -367,7 +368,7 @@ class GpuBackend(Backend):
         if delay_s > 0.0:
             rec.release_s = t + delay_s
         self.transfers.append(rec)
-        if self._multi:
+        if self.multi_step:
             self.multi_transfers.append(rec)
         self.link.submit(rec, t)
         self.link.pump(t)
@@ -411,7 +412,7 @@ class GpuBackend(Backend):
         """Attention and router stand-ins; the host waits for the gate (sync); device
         copies of evicted experts are freed.  A layer step of more than one token
         (``tokens``) counts apart from here to the next one's attention."""
-        self._multi = tokens > 1
+        self.multi_step = tokens > 1
         self._compute(self.exe.attention, tokens, pairs)
         self._compute(self.exe.router, tokens)
         self.sync()

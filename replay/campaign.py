@@ -242,43 +242,42 @@ def time_calls(
 
 
 class StepPhase:
-    """Which layer steps carry more than one token (at batch 1: the prefill's), told by
-    the backend's ``pre_gate`` (its ``tokens``): :meth:`wrap` it first, then time the
-    backend's calls with ``multi=phase.multi``.  ``steps_multi`` adds up the wall seconds
-    and the number of such layer steps, each from its gate to the next layer's gate (or
-    to :meth:`close`)."""
+    """The wall seconds and number of the layer steps that carry more than one token (at
+    batch 1: the prefill's), as the backend tells them (``multi_step``, set by its
+    ``pre_gate`` from its ``tokens``): :meth:`wrap` it first, then time the backend's
+    calls with ``multi=phase.multi``.  ``steps_multi`` adds up each such step from its
+    gate to the next layer's gate (or to :meth:`close`)."""
 
     def __init__(self) -> None:
-        self._multi = False
+        self.backend: Any = None  # the wrapped backend
         self._t: float | None = None
         self.steps_multi = [0.0, 0]
 
     def multi(self) -> bool:
         """Whether the current layer step carries more than one token."""
-        return self._multi
+        return self.backend is not None and bool(self.backend.multi_step)
 
     def _tick(self) -> None:
         now = time.perf_counter()
-        if self._t is not None and self._multi:
+        if self._t is not None and self.multi():
             self.steps_multi[0] += now - self._t
         self._t = now
 
     def wrap(self, backend: Any) -> None:
-        """Shadow ``backend.pre_gate`` so each layer step's phase is known from its gate on."""
+        """Shadow ``backend.pre_gate`` so each layer step is timed from its gate on."""
+        self.backend = backend
         fn = backend.pre_gate
 
         def pre_gate(layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
-            self._tick()
-            self._multi = tokens > 1
-            self.steps_multi[1] += self._multi
+            self._tick()  # the step before ends: its phase is still the backend's
             fn(layer, tokens, kv_tokens, pairs)
+            self.steps_multi[1] += self.multi()
 
         backend.pre_gate = pre_gate
 
     def close(self) -> None:
         """End the last layer step (the run is over)."""
         self._tick()
-        self._multi = False
 
 
 def link_phases(transfers: Sequence[Any], multi: set[int]) -> dict[str, float]:
@@ -447,11 +446,9 @@ def replay_one(
     )  # fmt: skip
     timers: dict[str, list[float]] = {}
     phase = StepPhase()
-    made: list[Any] = []  # the timed run's backend, read after the run
 
     def make_timed(caches: list[Any]) -> Any:
         backend = make(caches)
-        made.append(backend)
         phase.wrap(backend)
         nest: list[list[float]] = []  # backend and link timers nest in one another
         timers.update(time_calls(backend, HOST_TIMERS["backend"], multi=phase.multi, stack=nest))
@@ -477,7 +474,7 @@ def replay_one(
     if host_timers:
         phase.close()
         timers["steps_multi"] = phase.steps_multi
-        be = made[-1]
+        be = phase.backend
         multi = {id(r) for r in be.multi_transfers}
         phases = {f"link_{k}": v for k, v in link_phases(be.transfers, multi).items()}
         phases["compute_multi_s"] = be.busy_compute_multi_s
