@@ -680,18 +680,20 @@ def read_replays(paths: Sequence[Path], merge: bool = True) -> list[dict[str, An
 HOST_PROBE_KEY = "host_probe_s"
 
 
-def reference_probe_s(rows: Sequence[dict[str, Any]], fit_model: str) -> float:
-    """The median host probe of ``fit_model``'s batch-1 rows (:func:`fit_host` passes
-    the runs it fits the engine's costs on)."""
+def reference_probe_s(
+    rows: Sequence[dict[str, Any]], fit_model: str, modes: Sequence[str] = ("batch1",)
+) -> float:
+    """The median host probe of ``fit_model``'s rows in ``modes`` at compute factor 1
+    (:func:`fit_host` passes the runs it fits the engine's costs on)."""
     import numpy as np
 
     probes = [r.get("replay_probe_s", math.nan) for r in rows
-              if r["model"] == fit_model and r["mode"] == "batch1"
+              if r["model"] == fit_model and r["mode"] in modes
               and int(r["compute_repeat"]) == 1]  # fmt: skip
     probes = [p for p in probes if p == p]
     if not probes:
-        raise FmoesimError(f"--host-speed: no {fit_model} batch-1 run records its host "
-                           "probe (rule: replay column replay_probe_s)")  # fmt: skip
+        raise FmoesimError(f"--host-speed: no {fit_model} {'/'.join(modes)} run records "
+                           "its host probe (rule: replay column replay_probe_s)")  # fmt: skip
     return float(np.median(probes))
 
 
@@ -718,8 +720,10 @@ def host_speed_hardware(hw: Any, probe_s: float) -> Any:
     return dataclasses.replace(hw, measured=measured)
 
 
-def simulate_row(row: dict[str, Any], hardware: str) -> dict[str, Any]:
-    """The simulator's summary of one replayed run's configuration on ``hardware``."""
+def simulate_row(row: dict[str, Any], hardware: str, spec_hw: Any = None) -> dict[str, Any]:
+    """The simulator's summary of one replayed run's configuration on ``hardware`` (a
+    preset's name; ``spec_hw``, a :class:`fmoesim.specs.HardwareSpec`, replaces its
+    numbers where given)."""
     from fmoesim.cli.main import _trace_path, compose_config
     from fmoesim.config.build import build_run, simulate_spec
     from fmoesim.plots.crossover import scale_hardware
@@ -728,6 +732,8 @@ def simulate_row(row: dict[str, Any], hardware: str) -> dict[str, Any]:
     overrides = [o for o in str(row["overrides"]).split() if not o.startswith("hardware=")]
     cfg = compose_config([*overrides, f"hardware={hardware}", "progress=false"])
     spec = build_run(cfg)
+    if spec_hw is not None:
+        spec = dataclasses.replace(spec, hardware=spec_hw)
     n = int(row["compute_repeat"])
     if n != 1:
         spec = dataclasses.replace(spec, hardware=scale_hardware(spec.hardware, n, 1.0))
@@ -742,16 +748,18 @@ def simulate_row(row: dict[str, Any], hardware: str) -> dict[str, Any]:
     return row
 
 
-def score_rows(rows: Sequence[dict[str, Any]], hardware: str) -> list[dict[str, Any]]:
-    """Each replay row with the simulator's numbers and the errors added: relative
-    (NaN where the replay measured 0, as a replay's stall often is) or, for rates, the
-    difference."""
+def score_rows(
+    rows: Sequence[dict[str, Any]], hardware: str, spec_hw: Any = None
+) -> list[dict[str, Any]]:
+    """Each replay row with the simulator's numbers (:func:`simulate_row`) and the errors
+    added: relative (NaN where the replay measured 0, as a replay's stall often is) or,
+    for rates, the difference."""
     from replay.validate import rel_err
 
     out = []
     for r in rows:
         row = dict(r)
-        row.update(simulate_row(r, hardware))
+        row.update(simulate_row(r, hardware, spec_hw))
         for key, _, _, _, rel in METRICS:
             s, g = row[f"sim_{key}"], row[f"replay_{key}"]
             row[f"err_{key}"] = rel_err(s, g) if rel else s - g
@@ -929,7 +937,7 @@ def report_markdown(
               "point.")  # fmt: skip
     lines += ["", "## Targets per policy", "", target, ""]
     if by_profile is None:
-        lines += _targets_table(rows)
+        lines += [*_targets_table(rows), ""]
     else:
         for i, (hw, rs) in enumerate(by_profile.items()):
             when = "before" if i == 0 else "after" if i == len(by_profile) - 1 else "then"
@@ -1156,12 +1164,18 @@ def repeat_rows(paths: Sequence[Path], hardware: str) -> list[dict[str, Any]]:
 
 
 def fit_host(
-    rows: Sequence[dict[str, Any]], fit_model: str, host_speed: bool = False
+    rows: Sequence[dict[str, Any]],
+    fit_model: str,
+    host_speed: bool = False,
+    modes: Sequence[str] = ("batch1",),
+    leave_out: Sequence[str] = (),
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """The host model of :mod:`fmoesim.engine.host` from scored replays (scored on a
     profile without host costs).
 
-    Engine costs: least squares over ``fit_model``'s batch-1 runs of the time no
+    Engine costs: least squares over ``fit_model``'s runs in ``modes`` (batch 1 by
+    default), less the policies named in ``leave_out`` (whose runs then check the fit
+    out of sample), of the time no
     measured component explains, per MoE layer step, ``(replay wall - policy hooks -
     simulated compute) / layer steps = host_layer_s + host_access_s * accesses / steps +
     host_submit_s * queued / steps + host_transfer_s * transfers / steps`` (queued: every
@@ -1181,17 +1195,22 @@ def fit_host(
       one submission: ``host_submit_s`` is fitted per moved transfer and
       ``host_transfer_s`` is 0.
 
+    Batch-1 runs of one trace all make the same accesses per step, so they cannot tell
+    ``host_layer_s`` from ``host_access_s`` apart (least squares splits their sum by its
+    minimum norm); runs of another batch size (``modes`` with ``online``) can.
+
     Decision costs: each (model, policy)'s hooks' measured seconds per layer step,
-    averaged over its runs.  ``host_speed``: every run's host seconds are first brought
-    to the reference speed (times :func:`reference_probe_s` over the run's own probe), and
-    the engine costs hold that reference as ``host_probe_s``.  Returns (engine costs,
+    averaged over its runs (left-out policies too: they are measured, not fitted).
+    ``host_speed``: every run's host seconds are first brought to the reference speed
+    (times :func:`reference_probe_s` over the run's own probe), and the engine costs hold
+    that reference as ``host_probe_s``.  Returns (engine costs,
     model -> policy -> decision seconds)."""
     import numpy as np
 
     from replay.profile import fit_linear
 
-    runs = [r for r in rows if r["model"] == fit_model and r["mode"] == "batch1"
-            and int(r["compute_repeat"]) == 1]  # fmt: skip
+    runs = [r for r in rows if r["model"] == fit_model and r["mode"] in modes
+            and r["policy"] not in leave_out and int(r["compute_repeat"]) == 1]  # fmt: skip
     base = [r for r in runs if _submissions(r) == _submissions(r)]
     counted = bool(base)
     if not counted:
@@ -1200,7 +1219,9 @@ def fit_host(
         base = runs
     if len(base) < 3 + counted:
         raise FmoesimError(
-            f"--fit-model {fit_model}: {len(base)} batch-1 runs, need {3 + counted} or more"
+            f"--fit-model {fit_model}: {len(base)} runs in {', '.join(modes)}"
+            + (f" outside {', '.join(leave_out)}" if leave_out else "")
+            + f", need {3 + counted} or more"
             + (" that count their queued transfers" if counted else "")
         )
     timed = [r for r in base if r.get("replay_host_link_issue_calls", math.nan) > 0]
@@ -1210,7 +1231,7 @@ def fit_host(
                    (_submissions(r) if counted else r["replay_transfers"])
                    / r["replay_layer_steps"],
                    r["replay_transfers"] / r["replay_layer_steps"]) for r in base])  # fmt: skip
-    ref = reference_probe_s(base, fit_model) if host_speed else math.nan
+    ref = reference_probe_s(base, fit_model, modes) if host_speed else math.nan
 
     def speed(r: dict[str, Any]) -> float:
         """The factor that brings ``r``'s host seconds to the reference speed."""
@@ -1275,20 +1296,19 @@ def host_costs_of(
     return engine, decisions
 
 
-def write_host_profile(
+def host_profile(
     base: str,
     engine: dict[str, float],
     decisions: dict[str, dict[str, float]],
-    path: Path,
+    name: str,
     note: str,
-) -> Path:
+) -> Any:
     """``base`` (a hardware preset) with the host costs added to every model it
-    measured, written as a new preset at ``path``."""
+    measured: a :class:`fmoesim.specs.HardwareSpec` named ``name``."""
     import dataclasses
 
     from fmoesim.config.build import load_preset
     from fmoesim.specs import HardwareSpec
-    from replay.profile import write_profile
 
     spec = load_preset("hardware", base, HardwareSpec)
     measured = {k: dict(v) for k, v in spec.measured.items()}
@@ -1297,10 +1317,63 @@ def write_host_profile(
             continue
         coeffs.update(engine)
         coeffs["host_decision_s"] = dict(decisions.get(model, {}))
-    new = dataclasses.replace(
-        spec, name=path.stem, measured=measured, source=f"{spec.source}; {note}"
-    )
-    return write_profile(new, path)
+    return dataclasses.replace(spec, name=name, measured=measured, source=f"{spec.source}; {note}")
+
+
+def write_host_profile(
+    base: str,
+    engine: dict[str, float],
+    decisions: dict[str, dict[str, float]],
+    path: Path,
+    note: str,
+) -> Path:
+    """:func:`host_profile`, written as a new preset at ``path``."""
+    from replay.profile import write_profile
+
+    return write_profile(host_profile(base, engine, decisions, path.stem, note), path)
+
+
+def cross_check(
+    replays: Sequence[Path],
+    base: str,
+    fit_model: str,
+    out: Path,
+    meta: dict[str, str],
+    host_speed: bool = False,
+    modes: Sequence[str] = ("batch1",),
+) -> tuple[Path, dict[str, dict[str, float]]]:
+    """Score each replayed policy out of sample: the engine's host costs fitted
+    (:func:`fit_host`) on every other policy's runs, then that policy's runs simulated with
+    them (its own decision cost is measured, not fitted, so it stays).  Writes the report
+    of :func:`score` to ``out``; returns it and each policy's fitted engine costs."""
+    import pandas as pd
+
+    from fmoesim.atomic import atomic_dir
+
+    if out.exists():
+        other = sorted(p.name for p in out.iterdir() if p.name not in REPORT_FILES)
+        if other:
+            raise FmoesimError(f"--out {out}: holds {other[0]}, not a report (pick another)")
+    rows = repeat_rows(replays, base)
+    merged = read_replays(replays)
+    policies = list(dict.fromkeys(r["policy"] for r in merged))
+    scored: list[dict[str, Any]] = []
+    fits: dict[str, dict[str, float]] = {}
+    for p in policies:
+        engine, decisions = fit_host(rows, fit_model, host_speed, modes, leave_out=[p])
+        fits[p] = engine
+        hw = host_profile(base, engine, decisions, f"{base}-without-{p}", f"fitted without {p}")
+        scored += score_rows([r for r in merged if r["policy"] == p], base, hw)
+    scored = [r for p in policies for r in scored if r["policy"] == p]
+    fitted = " and ".join(modes)
+    meta = {"hardware profile": f"{base}, with host costs fitted on {fit_model}'s {fitted} "
+            "runs of every other policy (each policy out of sample)", **meta}  # fmt: skip
+    with atomic_dir(out, replace=True) as tmp:
+        (tmp / "report.md").write_text(report_markdown(scored, meta))
+        pd.DataFrame(scored).assign(hardware=base).to_csv(tmp / "validation.csv", index=False)
+        plot(scored, f"simulator (host costs out of sample) vs replay on {meta['device']}",
+             tmp / "validation")  # fmt: skip
+    return out, fits
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1343,11 +1416,34 @@ def main(argv: list[str] | None = None) -> None:
     hp.add_argument("--host-from", default=None,
                     help="take the host costs of this profile (another machine's) instead "
                     "of fitting them: an out-of-sample check")  # fmt: skip
+    hp.add_argument("--fit-modes", default="batch1",
+                    help="comma-separated modes whose runs fit the engine's costs (default "
+                    "batch1; add online to tell the cost per layer step from the cost per "
+                    "access)")  # fmt: skip
     hp.add_argument("--host-speed", action="store_true",
                     help="record the fitted runs' median host probe (host_probe_s), so "
                     "scoring scales the host costs by each replayed run's own probe")  # fmt: skip
+    cp = sub.add_parser("cross-check", help="score each policy with host costs fitted on "
+                        "the other policies' runs (out of sample)")  # fmt: skip
+    cp.add_argument("replays", nargs="+", help="replay.csv files or their directories")
+    cp.add_argument("--base", required=True, help="measured profile without host costs")
+    cp.add_argument("--fit-model", required=True, help="model whose runs fit the engine's "
+                    "costs")  # fmt: skip
+    cp.add_argument("--fit-modes", default="batch1", help="as host-fit's")
+    cp.add_argument("--host-speed", action="store_true", help="as host-fit's")
+    cp.add_argument("--out", required=True, help="report directory")
+    cp.add_argument("--device", default=None, help="the GPU the replays ran on (for titles)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     run_or_exit(PROG, _run, args)
+
+
+def _fit_modes(arg: str) -> list[str]:
+    """``--fit-modes``, checked against the grid's modes."""
+    modes = [m for m in arg.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            raise FmoesimError(f"--fit-modes {m}: unknown (valid: {', '.join(MODES)})")
+    return modes
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -1392,9 +1488,11 @@ def _run(args: argparse.Namespace) -> None:
         elif not args.replays:
             raise FmoesimError("host-fit: no replay.csv named (or --host-from PROFILE)")
         else:
+            modes = _fit_modes(args.fit_modes)
             rows = repeat_rows([Path(p) for p in args.replays], args.base)
-            engine, decisions = fit_host(rows, args.fit_model, args.host_speed)
-            note = (f"host costs fitted by {PROG} host-fit on {args.fit_model}'s batch-1 "
+            engine, decisions = fit_host(rows, args.fit_model, args.host_speed, modes)
+            fitted = " and ".join(modes)
+            note = (f"host costs fitted by {PROG} host-fit on {args.fit_model}'s {fitted} "
                     f"replays, every repeat a point (engine), and every run's policy-hook "
                     f"timers (decisions)")  # fmt: skip
             if args.host_speed:
@@ -1406,6 +1504,15 @@ def _run(args: argparse.Namespace) -> None:
         return
     device = args.device or "the replay's GPU"
     meta = {"device": device, "scored": dt.date.today().isoformat()}
+    if args.cmd == "cross-check":
+        modes = _fit_modes(args.fit_modes)
+        path, fits = cross_check([Path(p) for p in args.replays], args.base, args.fit_model,
+                                 Path(args.out), meta, args.host_speed, modes)  # fmt: skip
+        for p, engine in fits.items():
+            costs = ", ".join(f"{k} {1e6 * v:.1f} us" for k, v in engine.items())
+            print(f"without {p}: {costs}")
+        print(f"report     {path / 'report.md'}")
+        return
     hardware = [h for h in args.hardware.split(",") if h]
     path = score([Path(p) for p in args.replays], hardware, Path(args.out), meta)
     print(f"report     {path / 'report.md'}")

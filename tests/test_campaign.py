@@ -560,6 +560,97 @@ def test_a_host_profile_keeps_the_base_and_adds_every_models_costs(tmp_path, mon
     assert HostModel.from_specs(TINY, spec, "lru") == HostModel(1e-5, 2e-5, 3e-5, 4e-5)
 
 
+def test_batch1_runs_of_one_trace_cannot_split_the_step_cost_and_online_runs_can():
+    """Batch-1 runs of one trace make the same accesses per step: a fit on them alone
+    returns the right per-step total but not its split into ``host_layer_s`` and
+    ``host_access_s``; with ``modes`` adding the online runs (another batch size) both
+    come back.  Red if ``modes`` is ignored or the online runs are not fitted."""
+    layer, access, submit, transfer = 300e-6, 110e-6, 9e-6, 108e-6
+
+    def row(policy, acc, xfer, cancelled, mode):
+        per = layer + access * acc + submit * (xfer + cancelled) + transfer * xfer
+        return {"model": "m", "mode": mode, "policy": policy, "compute_repeat": 1,
+                "replay_layer_steps": 100, "replay_accesses": acc * 100,
+                "replay_transfers": xfer * 100, "replay_cancelled_transfers": cancelled * 100,
+                "replay_policy_host_s": 0.0, "sim_gpu_busy_s": 0.05,
+                "replay_wall_s": 0.05 + per * 100}  # fmt: skip
+
+    rows = [row("lru", 9, 3, 0, "batch1"), row("lfu", 9, 4, 1, "batch1"),
+            row("fmoe", 9, 5, 3, "batch1"), row("brainstorm", 9, 20, 40, "batch1"),
+            row("lru", 19, 15, 0, "online"), row("fmoe", 19, 9, 4, "online")]  # fmt: skip
+    one = C.fit_host(rows, "m")[0]
+    total = one["host_layer_s"] + 9 * one["host_access_s"]
+    assert total == pytest.approx(layer + 9 * access, rel=1e-6)
+    assert one["host_layer_s"] != pytest.approx(layer, rel=1e-2)
+    both = C.fit_host(rows, "m", modes=("batch1", "online"))[0]
+    assert both["host_layer_s"] == pytest.approx(layer, rel=1e-6)
+    assert both["host_access_s"] == pytest.approx(access, rel=1e-6)
+    with pytest.raises(FmoesimError, match="2 runs in online, need 4 or more"):
+        C.fit_host(rows, "m", modes=("online",))
+
+
+def test_cross_check_scores_each_policy_with_costs_fitted_without_its_runs(tmp_path, monkeypatch):
+    """Four policies' runs built from known host costs, except that "odd"'s walls are
+    doubled: the fit that leaves "odd" out returns the costs exactly, every other fit
+    (which holds "odd") does not, and each policy's runs are simulated with the costs
+    fitted without them, their own decision cost kept.  Red if the scored policy's runs
+    stay in its fit, or a policy is scored with another's fit."""
+    from fmoesim.config import build
+    from fmoesim.engine.host import HostModel
+    from fmoesim.specs import HardwareSpec
+    from replay.profile import write_profile
+    from tests.tiny import TINY
+
+    conf = tmp_path / "conf"
+    (conf / "hardware").mkdir(parents=True)
+    write_profile(HardwareSpec(name="b", measured={"tiny": {"expert_a_s": 1e-4}}),
+                  conf / "hardware" / "b.yaml")  # fmt: skip
+    monkeypatch.setattr(build, "CONF_DIR", conf)
+    layer, access, submit, transfer = 12e-6, 110e-6, 9e-6, 108e-6
+
+    def row(policy, acc, xfer, cancelled, hooks, mode="batch1"):
+        per = layer + access * acc + submit * (xfer + cancelled) + transfer * xfer
+        return {"model": "tiny", "mode": mode, "policy": policy, "compute_repeat": 1,
+                "replay_layer_steps": 100, "replay_accesses": acc * 100,
+                "replay_transfers": xfer * 100, "replay_cancelled_transfers": cancelled * 100,
+                "replay_policy_host_s": hooks * 100, "sim_gpu_busy_s": 0.05,
+                "replay_wall_s": 0.05 + (hooks + per) * 100}  # fmt: skip
+
+    rows = [row("lru", 8, 1, 0, 2e-5), row("lru", 9, 3, 0, 2e-5),
+            row("lfu", 10, 2, 1, 3e-5), row("lfu", 13, 6, 2, 3e-5),
+            row("fmoe", 12, 5, 2, 9e-5), row("fmoe", 11, 4, 7, 9e-5),
+            row("odd", 9, 2, 5, 5e-5), row("odd", 14, 8, 1, 5e-5)]  # fmt: skip
+    for r in rows[6:]:
+        r["replay_wall_s"] *= 2
+    policies = ["lru", "lfu", "fmoe", "odd"]
+    merged = [{"policy": p} for p in policies]
+    scored_with = {}
+
+    def score_rows(rs, hardware, spec_hw=None):
+        assert hardware == "b" and len(rs) == 1
+        scored_with[rs[0]["policy"]] = spec_hw
+        return [dict(rs[0])]
+
+    monkeypatch.setattr(C, "repeat_rows", lambda paths, base: rows)
+    monkeypatch.setattr(C, "read_replays", lambda paths: merged)
+    monkeypatch.setattr(C, "score_rows", score_rows)
+    monkeypatch.setattr(C, "report_markdown", lambda rs, meta: f"{len(rs)} runs")
+    monkeypatch.setattr(C, "plot", lambda rs, title, path: None)
+    out, fits = C.cross_check([tmp_path], "b", "tiny", tmp_path / "cc", {"device": "x"})
+    assert (out / "report.md").read_text() == "4 runs"
+    assert list(fits) == policies
+    exact = {"host_layer_s": layer, "host_access_s": access, "host_submit_s": submit,
+             "host_transfer_s": transfer}  # fmt: skip
+    assert fits["odd"] == pytest.approx(exact, rel=1e-6)
+    for p in ("lru", "lfu", "fmoe"):
+        assert fits[p]["host_access_s"] != pytest.approx(access, rel=1e-2), p
+    for p in policies:
+        host = HostModel.from_specs(TINY, scored_with[p], p)
+        assert host.access_s == pytest.approx(fits[p]["host_access_s"]), p
+        assert host.decision_s == pytest.approx({"lru": 2e-5, "lfu": 3e-5, "fmoe": 9e-5,
+                                                 "odd": 5e-5}[p]), p  # fmt: skip
+
+
 def test_host_costs_of_another_profile_round_trip_and_a_profile_without_them_is_refused(
     tmp_path, monkeypatch
 ):
@@ -652,7 +743,7 @@ def test_host_speed_scales_a_profiles_host_costs_by_the_runs_probe():
     rows = [row("m", "batch1", p) for p in (0.01, 0.02, 0.05)]
     rows += [row("o", "batch1", 9.0), row("m", "online", 9.0)]
     assert C.reference_probe_s(rows, "m") == pytest.approx(0.02)
-    with pytest.raises(FmoesimError, match="no z batch-1 run records its host probe"):
+    with pytest.raises(FmoesimError, match="no z batch1 run records its host probe"):
         C.reference_probe_s(rows, "z")
 
 
