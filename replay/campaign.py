@@ -1357,14 +1357,15 @@ def cross_check(
     rows = repeat_rows(replays, base)
     merged = read_replays(replays)
     policies = list(dict.fromkeys(r["policy"] for r in merged))
-    scored: list[dict[str, Any]] = []
+    by_run: dict[int, dict[str, Any]] = {}  # index in merged -> scored row
     fits: dict[str, dict[str, float]] = {}
     for p in policies:
         engine, decisions = fit_host(rows, fit_model, host_speed, modes, leave_out=[p])
         fits[p] = engine
         hw = host_profile(base, engine, decisions, f"{base}-without-{p}", f"fitted without {p}")
-        scored += score_rows([r for r in merged if r["policy"] == p], base, hw)
-    scored = [r for p in policies for r in scored if r["policy"] == p]
+        idx = [i for i, r in enumerate(merged) if r["policy"] == p]
+        by_run.update(zip(idx, score_rows([merged[i] for i in idx], base, hw), strict=True))
+    scored = [by_run[i] for i in range(len(merged))]  # the replays' order
     fitted = " and ".join(modes)
     meta = {"hardware profile": f"{base}, with host costs fitted on {fit_model}'s {fitted} "
             "runs of every other policy (each policy out of sample)", **meta}  # fmt: skip

@@ -593,8 +593,9 @@ def test_cross_check_scores_each_policy_with_costs_fitted_without_its_runs(tmp_p
     """Four policies' runs built from known host costs, except that "odd"'s walls are
     doubled: the fit that leaves "odd" out returns the costs exactly, every other fit
     (which holds "odd") does not, and each policy's runs are simulated with the costs
-    fitted without them, their own decision cost kept.  Red if the scored policy's runs
-    stay in its fit, or a policy is scored with another's fit."""
+    fitted without them, their own decision cost kept, and the report lists the runs in
+    the replays' order.  Red if the scored policy's runs stay in its fit, a policy is
+    scored with another's fit, or the runs come out grouped by fit."""
     from fmoesim.config import build
     from fmoesim.engine.host import HostModel
     from fmoesim.specs import HardwareSpec
@@ -623,21 +624,26 @@ def test_cross_check_scores_each_policy_with_costs_fitted_without_its_runs(tmp_p
     for r in rows[6:]:
         r["replay_wall_s"] *= 2
     policies = ["lru", "lfu", "fmoe", "odd"]
-    merged = [{"policy": p} for p in policies]
+    merged = [{"policy": p, "mode": m} for m in ("batch1", "online") for p in policies]
     scored_with = {}
 
     def score_rows(rs, hardware, spec_hw=None):
-        assert hardware == "b" and len(rs) == 1
+        assert hardware == "b" and [r["mode"] for r in rs] == ["batch1", "online"]
         scored_with[rs[0]["policy"]] = spec_hw
-        return [dict(rs[0])]
+        return [dict(r) for r in rs]
 
     monkeypatch.setattr(C, "repeat_rows", lambda paths, base: rows)
     monkeypatch.setattr(C, "read_replays", lambda paths: merged)
     monkeypatch.setattr(C, "score_rows", score_rows)
-    monkeypatch.setattr(C, "report_markdown", lambda rs, meta: f"{len(rs)} runs")
+
+    def names(rs):
+        return " ".join(f"{r['policy']}/{r['mode']}" for r in rs)
+
+    monkeypatch.setattr(C, "report_markdown", lambda rs, meta: names(rs))
     monkeypatch.setattr(C, "plot", lambda rs, title, path: None)
     out, fits = C.cross_check([tmp_path], "b", "tiny", tmp_path / "cc", {"device": "x"})
-    assert (out / "report.md").read_text() == "4 runs"
+    # the report keeps the replays' order (mode, then policy), not the fits' order
+    assert (out / "report.md").read_text() == names(merged)
     assert list(fits) == policies
     exact = {"host_layer_s": layer, "host_access_s": access, "host_submit_s": submit,
              "host_transfer_s": transfer}  # fmt: skip
