@@ -1280,7 +1280,7 @@ def host_costs_of(
     """The host costs a profile holds, as :func:`fit_host` returns them: the engine's
     from ``fit_model``'s entry, the decisions per model."""
     from fmoesim.config.build import load_preset
-    from fmoesim.engine.host import HOST_KEYS, HOST_SUBMIT_KEY
+    from fmoesim.engine.host import HOST_KEYS, HOST_LINK_DEPTH_KEY, HOST_SUBMIT_KEY
     from fmoesim.specs import HardwareSpec
 
     measured = load_preset("hardware", preset, HardwareSpec).measured or {}
@@ -1291,6 +1291,8 @@ def host_costs_of(
     engine = {k: float(m[k]) for k in HOST_KEYS}
     if HOST_SUBMIT_KEY in m:
         engine[HOST_SUBMIT_KEY] = float(m[HOST_SUBMIT_KEY])
+    if HOST_LINK_DEPTH_KEY in m:
+        engine[HOST_LINK_DEPTH_KEY] = int(m[HOST_LINK_DEPTH_KEY])
     decisions = {model: {p: float(v) for p, v in (c.get("host_decision_s") or {}).items()}
                  for model, c in measured.items() if model != "link"}  # fmt: skip
     return engine, decisions
@@ -1333,6 +1335,17 @@ def write_host_profile(
     return write_profile(host_profile(base, engine, decisions, path.stem, note), path)
 
 
+def with_link_depth(engine: dict[str, float], depth: int) -> dict[str, float]:
+    """``engine`` (host costs) with the link issued by the host, ``depth`` transfers at a
+    time (``host_link_depth``, :mod:`fmoesim.engine.host`); unchanged for 0.  The replay
+    keeps 2 (``LinkScheduler``'s default depth)."""
+    from fmoesim.engine.host import HOST_LINK_DEPTH_KEY
+
+    if depth < 0:
+        raise FmoesimError(f"--link-depth {depth}: must be 0 (off) or more")
+    return {**engine, HOST_LINK_DEPTH_KEY: depth} if depth else dict(engine)
+
+
 def cross_check(
     replays: Sequence[Path],
     base: str,
@@ -1341,11 +1354,13 @@ def cross_check(
     meta: dict[str, str],
     host_speed: bool = False,
     modes: Sequence[str] = ("batch1",),
+    link_depth: int = 0,
 ) -> tuple[Path, dict[str, dict[str, float]]]:
     """Score each replayed policy out of sample: the engine's host costs fitted
     (:func:`fit_host`) on every other policy's runs, then that policy's runs simulated with
-    them (its own decision cost is measured, not fitted, so it stays).  Writes the report
-    of :func:`score` to ``out``; returns it and each policy's fitted engine costs."""
+    them (its own decision cost is measured, not fitted, so it stays); ``link_depth`` as
+    :func:`with_link_depth`.  Writes the report of :func:`score` to ``out``; returns it
+    and each policy's fitted engine costs."""
     import pandas as pd
 
     from fmoesim.atomic import atomic_dir
@@ -1361,12 +1376,13 @@ def cross_check(
     fits: dict[str, dict[str, float]] = {}
     for p in policies:
         engine, decisions = fit_host(rows, fit_model, host_speed, modes, leave_out=[p])
+        engine = with_link_depth(engine, link_depth)
         fits[p] = engine
         hw = host_profile(base, engine, decisions, f"{base}-without-{p}", f"fitted without {p}")
         idx = [i for i, r in enumerate(merged) if r["policy"] == p]
         by_run.update(zip(idx, score_rows([merged[i] for i in idx], base, hw), strict=True))
     scored = [by_run[i] for i in range(len(merged))]  # the replays' order
-    fitted = " and ".join(modes)
+    fitted = _modes_text(modes)
     meta = {"hardware profile": f"{base}, with host costs fitted on {fit_model}'s {fitted} "
             "runs of every other policy (each policy out of sample)", **meta}  # fmt: skip
     with atomic_dir(out, replace=True) as tmp:
@@ -1421,6 +1437,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma-separated modes whose runs fit the engine's costs (default "
                     "batch1; add online to tell the cost per layer step from the cost per "
                     "access)")  # fmt: skip
+    hp.add_argument("--link-depth", type=int, default=0,
+                    help="the host issues every transfer, this many at a time (the "
+                    "replay's 2; default 0: the link starts each the moment it frees)")  # fmt: skip
     hp.add_argument("--host-speed", action="store_true",
                     help="record the fitted runs' median host probe (host_probe_s), so "
                     "scoring scales the host costs by each replayed run's own probe")  # fmt: skip
@@ -1432,10 +1451,22 @@ def main(argv: list[str] | None = None) -> None:
                     "costs")  # fmt: skip
     cp.add_argument("--fit-modes", default="batch1", help="as host-fit's")
     cp.add_argument("--host-speed", action="store_true", help="as host-fit's")
+    cp.add_argument("--link-depth", type=int, default=0, help="as host-fit's")
     cp.add_argument("--out", required=True, help="report directory")
     cp.add_argument("--device", default=None, help="the GPU the replays ran on (for titles)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     run_or_exit(PROG, _run, args)
+
+
+def _modes_text(modes: Sequence[str]) -> str:
+    """``modes`` in a profile's note: "batch-1 and online"."""
+    return " and ".join("batch-1" if m == "batch1" else m for m in modes)
+
+
+def _costs_text(engine: dict[str, float]) -> str:
+    """Host costs for the terminal: seconds in microseconds, counts as they are."""
+    return ", ".join(f"{k} {1e6 * v:.1f} us" if k.endswith("_s") else f"{k} {v:g}"
+                     for k, v in engine.items())  # fmt: skip
 
 
 def _fit_modes(arg: str) -> list[str]:
@@ -1492,15 +1523,18 @@ def _run(args: argparse.Namespace) -> None:
             modes = _fit_modes(args.fit_modes)
             rows = repeat_rows([Path(p) for p in args.replays], args.base)
             engine, decisions = fit_host(rows, args.fit_model, args.host_speed, modes)
-            fitted = " and ".join(modes)
+            fitted = _modes_text(modes)
             note = (f"host costs fitted by {PROG} host-fit on {args.fit_model}'s {fitted} "
                     f"replays, every repeat a point (engine), and every run's policy-hook "
                     f"timers (decisions)")  # fmt: skip
             if args.host_speed:
                 note += (", at the runs' median host probe; scoring scales them by each "
                          "run's own probe")  # fmt: skip
+        if args.link_depth:
+            note += f"; the host issues every transfer, {args.link_depth} at a time"
+        engine = with_link_depth(engine, args.link_depth)
         path = write_host_profile(args.base, engine, decisions, Path(args.out), note)
-        print(", ".join(f"{k} {1e6 * v:.1f} us" for k, v in engine.items()))
+        print(_costs_text(engine))
         print(f"wrote {path}")
         return
     device = args.device or "the replay's GPU"
@@ -1508,10 +1542,10 @@ def _run(args: argparse.Namespace) -> None:
     if args.cmd == "cross-check":
         modes = _fit_modes(args.fit_modes)
         path, fits = cross_check([Path(p) for p in args.replays], args.base, args.fit_model,
-                                 Path(args.out), meta, args.host_speed, modes)  # fmt: skip
+                                 Path(args.out), meta, args.host_speed, modes,
+                                 args.link_depth)  # fmt: skip
         for p, engine in fits.items():
-            costs = ", ".join(f"{k} {1e6 * v:.1f} us" for k, v in engine.items())
-            print(f"without {p}: {costs}")
+            print(f"without {p}: {_costs_text(engine)}")
         print(f"report     {path / 'report.md'}")
         return
     hardware = [h for h in args.hardware.split(",") if h]

@@ -662,8 +662,8 @@ def test_host_costs_of_another_profile_round_trip_and_a_profile_without_them_is_
 ):
     """The out-of-sample profile takes another machine's host costs as they are: written
     by write_host_profile, read back by host_costs_of, written again onto a second base.
-    Red if an engine key is dropped or renamed, if the decisions of one model land on
-    another, or if a profile with no host costs passes silently."""
+    Red if an engine key is dropped or renamed (the link's depth too), if the decisions of
+    one model land on another, or if a profile with no host costs passes silently."""
     from fmoesim.config import build
     from fmoesim.specs import HardwareSpec
     from replay.profile import write_profile
@@ -686,6 +686,18 @@ def test_host_costs_of_another_profile_round_trip_and_a_profile_without_them_is_
     assert b.measured["tiny"]["host_transfer_s"] == 3e-5
     with pytest.raises(FmoesimError, match="--host-from a: no host costs for tiny"):
         C.host_costs_of("a", "tiny")
+    # the host-issued link's depth travels with the costs, and is read as the model's
+    from fmoesim.engine.host import HostModel
+    from tests.tiny import TINY
+
+    deep = C.with_link_depth(engine, 2)
+    assert deep == {**engine, "host_link_depth": 2} and C.with_link_depth(engine, 0) == engine
+    with pytest.raises(FmoesimError, match="--link-depth -1: must be 0"):
+        C.with_link_depth(engine, -1)
+    C.write_host_profile("a", deep, decisions, conf / "hardware" / "a-deep.yaml", "fitted")
+    assert C.host_costs_of("a-deep", "tiny")[0] == deep
+    spec = build.load_preset("hardware", "a-deep", HardwareSpec)
+    assert HostModel.from_specs(TINY, spec, "lru").link_depth == 2
 
 
 def test_budgets_keep_only_those_runs_and_an_unknown_budget_is_refused(tmp_path):

@@ -152,3 +152,110 @@ def test_queued_transfers_pay_their_submission_and_started_ones_their_issue():
     be.expert(0, 3, 1)
     assert be.host_s == pytest.approx(4 * S + 2 * T + A)
     assert be.links[0].started == 3
+
+
+def _link(depth: int):
+    """A host-issued link of ``depth`` over which a transfer takes 20 us (10 us of fixed
+    cost and 10 us of bytes), landing into a collector."""
+    from fmoesim.engine.sim import SimLink
+
+    landed: list[int] = []
+    link = SimLink(HAND_HW.pcie_bytes_per_s, HAND_HW.transfer_overhead_s, HAND_HW.chunk_bytes,
+                   True, on_done=landed.append)  # fmt: skip
+    link.host_depth = depth
+    return link, landed
+
+
+def _record(key: int, t_s: float = 0.0):
+    from fmoesim.engine.backend import TransferRecord
+
+    return TransferRecord(key, 0, HAND.expert_size_bytes, "prefetch", 1.0, t_s)
+
+
+def test_a_host_issued_link_starts_a_transfer_only_when_the_host_issues_it():
+    """By hand, 20 us a transfer.  At 0 the idle link starts A at once, and the host
+    issues B behind it (depth 2: the copy engine holds the running transfer and one
+    more); C and D stay queued.  B, issued, can no longer be cancelled or re-ranked; D,
+    queued, can.  A lands at 20 and B starts at once; B lands at 40 and the link waits,
+    with C queued, for the host's next point at 55.  The same submissions on a link that
+    starts each transfer the moment it frees (depth 0) start C at 40.  Red if an issued
+    transfer waits for the host, a queued one does not, the depth is ignored, or an
+    issued one is cancelled."""
+    link, landed = _link(2)
+    a, b, c, d = (_record(k) for k in range(4))
+    for r in (a, b, c, d):
+        link.submit(r, 0.0)
+    link.host_point(0.0)
+    assert a.start_s == 0.0 and link.issued == [b]
+    assert not link.cancel(b)
+    link.reprioritize(b, 9.0)
+    assert b.link_priority == 1.0
+    assert link.cancel(d)
+    link.advance(50e-6)
+    assert landed == [0, 1] and b.start_s == pytest.approx(20e-6)
+    assert link.cur is None and c.start_s != c.start_s  # queued, not started (NaN)
+    link.host_point(55e-6)
+    assert c.start_s == pytest.approx(55e-6) and link.issued == []
+    link.host_depth = 0  # a draining host issues each as the last lands
+    link.advance(float("inf"))
+    assert landed == [0, 1, 2] and c.end_s == pytest.approx(75e-6)
+
+    free, _ = _link(0)
+    rs = [_record(k) for k in range(3)]
+    for r in rs:
+        free.submit(r, 0.0)
+    free.advance(float("inf"))
+    assert [r.start_s for r in rs] == pytest.approx([0.0, 20e-6, 40e-6])
+
+
+def test_with_a_link_depth_the_host_issues_transfers_at_its_own_points_by_hand():
+    """A host-bound backend whose profile has ``host_link_depth`` 2 (no host costs but
+    45 us a launch): three on-demand loads queued at 0 before the expert phase; A starts,
+    B is issued behind it (the submission is a host point), C waits.  The GPU computes
+    two resident experts (host points at each launch and after it), then waits for C.
+    The host issues C at its first point after B starts (20 us), when the copy engine
+    has room: here after the first launch (the shared expert's time plus 45 us), after B
+    landed at 40, so C starts there (at 40 on a link that does not wait for the host).
+    Red if the link starts C when B lands, or only when the wait begins."""
+    from fmoesim.engine.cache import ExpertCache
+    from fmoesim.engine.compute import ComputeModel
+
+    class Keep(Policy):
+        name = "keep"
+
+        def victim(self, candidates, incoming):
+            raise AssertionError("no eviction here")
+
+    size = HAND.expert_size_bytes
+    A = 45e-6
+    e = expert_s(1)
+
+    def run(depth):
+        cache = ExpertCache(8 * size, Keep())
+        be = HostBoundSimBackend(
+            HAND_HW, ComputeModel.from_specs(HAND, HAND_HW), [cache],
+            HostModel(access_s=A, link_depth=depth),
+        )  # fmt: skip
+        for key in (10, 11):  # resident
+            assert cache.admit(key, size, "prefetch")
+            cache.complete(key)
+        recs = []
+        for key in (0, 1, 2):
+            assert cache.admit(key, size, "on_demand")
+            recs.append(be.submit(0, key, size, 0.0, "on_demand"))
+            cache.entries[key].record = recs[-1]
+        be.begin_experts(0, 1)
+        be.expert(0, 10, 1)
+        be.expert(0, 11, 1)
+        assert be.wait_any(0, [2]) == 2
+        return recs
+
+    h = shared_s(1)  # the shared expert runs before the expert phase
+    points = [h, h + A, h + A + e, h + 2 * A + e, h + 2 * A + 2 * e]  # the wait's last
+    c_start = max(40e-6, next(p for p in points if p >= 20e-6))
+    host = run(2)
+    assert [r.start_s for r in host[:2]] == pytest.approx([0.0, 20e-6])
+    assert host[2].start_s == pytest.approx(c_start)
+    free = run(0)
+    assert free[2].start_s == pytest.approx(40e-6)
+    assert c_start > 40e-6  # the test separates the two

@@ -12,11 +12,15 @@ compute, as a host that issues everything itself does: the gate's cost after att
 and router, one access cost before each expert's FFN, one submission cost when a
 transfer is queued, and one issue cost for every transfer the link starts (the host
 issues the copy; a transfer cancelled while queued costs its submission only).  The link
-keeps moving while the host works.
+keeps moving while the host works.  With ``host_link_depth`` in the profile, the link
+also waits for the host: a queued transfer starts at the host's next point (the gate,
+an expert's launch, a submission, a wait), and at most that many transfers are issued
+to the copy engine at a time (:class:`fmoesim.engine.sim.SimLink`, ``host_depth``).
 
 The costs come from a measured hardware profile (``hardware.measured[<model name>]``:
-``host_layer_s``, ``host_access_s``, ``host_submit_s``, ``host_transfer_s`` and
-``host_decision_s``, a map from policy name to seconds per MoE layer step); a profile
+``host_layer_s``, ``host_access_s``, ``host_submit_s``, ``host_transfer_s``,
+``host_decision_s``, a map from policy name to seconds per MoE layer step, and
+``host_link_depth``); a profile
 without them keeps the GPU-bound :class:`SimBackend`.  ``fmoesim-validate-grid host-fit``
 measures them.
 """
@@ -39,19 +43,26 @@ HOST_KEYS = ("host_layer_s", "host_access_s", "host_transfer_s")
 HOST_SUBMIT_KEY = "host_submit_s"
 #: every engine cost the host model reads (any one of them turns it on)
 HOST_COST_KEYS = (*HOST_KEYS, HOST_SUBMIT_KEY)
+#: an optional key: how many transfers the host keeps issued to the copy engine, the
+#: running one included (the link waits for the host to issue each); absent or 0, the
+#: link starts every queued transfer the moment it frees
+HOST_LINK_DEPTH_KEY = "host_link_depth"
 
 
 @dataclass(frozen=True)
 class HostModel:
     """Host seconds of one engine: per MoE layer step (``layer_s``, plus the policy's
     ``decision_s``), per routed-expert access, per transfer queued (``submit_s``) and per
-    transfer the link starts (``transfer_s``: the host issues the copy and sees it land)."""
+    transfer the link starts (``transfer_s``: the host issues the copy and sees it land);
+    ``link_depth``, where >= 1, makes the host issue every transfer to the link
+    (:class:`fmoesim.engine.sim.SimLink`'s ``host_depth``)."""
 
     layer_s: float = 0.0
     access_s: float = 0.0
     transfer_s: float = 0.0
     decision_s: float = 0.0
     submit_s: float = 0.0
+    link_depth: int = 0
 
     @classmethod
     def from_specs(cls, model: ModelSpec, hw: HardwareSpec, policy: str) -> HostModel | None:
@@ -67,6 +78,7 @@ class HostModel:
             transfer_s=float(m.get("host_transfer_s", 0.0)),
             decision_s=float(decisions.get(policy, 0.0)),
             submit_s=float(m.get(HOST_SUBMIT_KEY, 0.0)),
+            link_depth=int(m.get(HOST_LINK_DEPTH_KEY, 0)),
         )
 
     @property
@@ -96,6 +108,15 @@ class HostBoundSimBackend(SimBackend):
         self.host = host
         self.host_s = 0.0  # host seconds added to the clock
         self._issued = [0] * self.num_gpus  # per GPU: the link's starts already charged
+        self._host_links = host.link_depth > 0
+        for link in self.links:
+            link.host_depth = host.link_depth
+
+    def _host_point(self, gpu: int) -> None:
+        """The host passes ``gpu``'s link now and issues what it can (a host-issued
+        link only)."""
+        if self._host_links:
+            self.links[gpu].host_point(self._gpu_s[gpu] if self._in_experts else self.clock_s)
 
     def _spend(self, gpu: int, d: float) -> None:
         """``d`` host seconds now: on ``gpu``'s timeline inside the expert phase, else on
@@ -117,20 +138,27 @@ class HostBoundSimBackend(SimBackend):
 
     def pre_gate(self, layer: int, tokens: int, kv_tokens: int, pairs: int) -> None:
         """Attention + router, then the host reads the gate and decides, then sync."""
+        for gpu in range(self.num_gpus):
+            self._host_point(gpu)  # the host launches attention and router
         self._run(self._pre_gate_s(tokens, kv_tokens, pairs))
         self.sync()  # the copies started meanwhile were issued during attention
         for gpu in range(self.num_gpus):
+            self._host_point(gpu)
             self._issue_started(gpu)
         g = self.host.gate_s
         self.clock_s += g
         self.host_s += g
         self.sync()
+        for gpu in range(self.num_gpus):
+            self._host_point(gpu)
 
     def expert(self, gpu: int, key: int, tokens: int, fraction: float = 1.0) -> None:
         """The host issues the expert, then its FFN runs."""
+        self._host_point(gpu)
         self._issue_started(gpu)
         self._gpu_s[gpu] += self.host.access_s
         self.host_s += self.host.access_s
+        self._host_point(gpu)  # after the launch
         super().expert(gpu, key, tokens, fraction)
 
     def experts(
@@ -141,10 +169,12 @@ class HostBoundSimBackend(SimBackend):
         keys: list[int] | None = None,
     ) -> None:
         """The host issues each expert; their FFNs run."""
+        self._host_point(gpu)
         self._issue_started(gpu)
         d = self.host.access_s * len(tokens)
         self._gpu_s[gpu] += d
         self.host_s += d
+        self._host_point(gpu)  # after the launches
         super().experts(gpu, tokens, fractions, keys)
 
     def submit(
@@ -159,14 +189,29 @@ class HostBoundSimBackend(SimBackend):
         """Queue the transfer, then the host spends its submission cost, and the issue
         cost if the link started it at once."""
         rec = super().submit(gpu, key, size_bytes, priority, reason, delay_s)
+        self._host_point(gpu)
         self._spend(gpu, self.host.submit_s)
         self._issue_started(gpu)
         return rec
 
     def wait_any(self, gpu: int, keys: list[int]) -> int:
         """Wait as :class:`SimBackend` does; the copies the link started during the wait
-        were issued by a host with nothing else to do (their cost overlaps the wait)."""
+        were issued by a host with nothing else to do (their cost overlaps the wait): on
+        a host-issued link, each starts as the one before it lands."""
+        self._host_point(gpu)
         self._issue_started(gpu)
-        k = super().wait_any(gpu, keys)
-        self._issued[gpu] = self.links[gpu].started
+        link = self.links[gpu]
+        depth = link.host_depth
+        link.host_depth = 0  # the waiting host issues each transfer as the last lands
+        try:
+            k = super().wait_any(gpu, keys)
+        finally:
+            link.host_depth = depth
+        self._issued[gpu] = link.started
         return k
+
+    def drain(self) -> None:
+        """Let every transfer land (the host issues each as the one before it lands)."""
+        for link in self.links:
+            link.host_depth = 0
+        super().drain()

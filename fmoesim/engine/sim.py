@@ -73,6 +73,15 @@ class SimLink:
     ``cur_end_s`` is the time of the link's next event: the end (or pause point) of the
     running transfer, or, while idle, the next release time (``inf`` when there is
     neither).
+
+    With ``host_depth`` n >= 1 the link is a host-issued one, as in an engine whose own
+    host thread feeds a copy stream (this project's replay: ``LinkScheduler`` with its
+    ``depth``): a queued transfer starts only when the host issues it
+    (:meth:`host_point`), and the copy engine holds the running transfer and at most
+    n - 1 issued ones, which start back to back in issue order.  So the link idles
+    between a transfer's end and the host's next point when nothing was issued behind
+    it.  A started transfer moves all its chunks back to back (the replay issues them
+    one by one: exact where an expert is one chunk).
     """
 
     def __init__(
@@ -121,6 +130,11 @@ class SimLink:
         self._done_at_start = 0  # bytes of the job already moved when this run started
         self.busy_s = 0.0
         self.started = 0  # transfers started so far (first starts; resumptions not counted)
+        # a host-issued link (:meth:`host_point`): 0 starts every queued transfer the
+        # moment the link frees; n >= 1 lets the host issue transfers to a copy engine
+        # that holds the running one and at most n - 1 more (``issued``, run in order)
+        self.host_depth = 0
+        self.issued: list[TransferRecord] = []
 
     # -- the event loop ---------------------------------------------------------------
     def advance(self, t_s: float) -> None:
@@ -128,7 +142,7 @@ class SimLink:
         while self.cur_end_s <= t_s:
             if self.cur is not None:
                 self._end_current()
-            elif self._delayed:
+            elif self._delayed and not self.host_depth:
                 self._start_next(self.cur_end_s)  # idle until a release
             else:
                 break
@@ -156,7 +170,35 @@ class SimLink:
                 self.cache.complete(job.key)
             elif self.on_done is not None:
                 self.on_done(job.key)
-        self._start_next(t)
+        if self.issued:  # the copy engine runs what the host issued, in order
+            self._start(self.issued.pop(0), t)
+        elif self.host_depth:
+            self.cur = None  # the next transfer waits for the host to issue it
+            self.cur_end_s = INF
+        else:
+            self._start_next(t)
+
+    def host_point(self, t_s: float) -> None:
+        """The host comes by at ``t_s`` (a host-issued link, ``host_depth`` >= 1): the
+        link's events up to then, then the host issues the best queued transfers, one to
+        start now if the link is free and more behind the running one up to the depth.
+        An issued transfer can no longer be cancelled or re-ranked."""
+        if self.cur_end_s <= t_s:
+            self.advance(t_s)
+        if self._delayed:
+            self._release(t_s)
+        if not self._queue:
+            return
+        if self.cur is None:
+            self._start_next(t_s)
+        issued = self.issued
+        while self._queue and len(issued) < self.host_depth - 1:
+            if self._dirty:
+                self._sort()
+            self._qkeys.pop()
+            job = self._queue.pop()
+            job.state = _RUNNING  # on the copy engine, behind the running transfer
+            issued.append(job)
 
     def _release(self, t_s: float) -> None:
         """Move the delayed transfers whose release time is ``<= t_s`` to the queue."""
@@ -567,7 +609,7 @@ class SimBackend(Backend):
         """Nothing moving on ``gpu``'s link and nothing queued or waiting for release
         (the release entries of cancelled delayed prefetches do not count)."""
         link = self.links[gpu]
-        return link.cur is None and link.cur_end_s == INF
+        return link.cur is None and link.cur_end_s == INF and not link._queue
 
     def demand_timing(self, tokens: int, kv_tokens: int, pairs: int) -> DemandTiming:
         """The closed form's constants for an iteration's layers (see
