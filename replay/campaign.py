@@ -678,6 +678,9 @@ def read_replays(paths: Sequence[Path], merge: bool = True) -> list[dict[str, An
 #: a host profile's key: the median host probe (:func:`host_probe_s`) of the runs its
 #: host costs were fitted on; scoring scales them by each run's own probe
 HOST_PROBE_KEY = "host_probe_s"
+#: a host profile's key: how the host costs follow the probe, ``cost ~ probe **
+#: exponent`` (1 where absent); :func:`probe_exponent` measures it from the host timers
+HOST_PROBE_EXPONENT_KEY = "host_probe_exponent"
 
 
 def reference_probe_s(
@@ -699,9 +702,10 @@ def reference_probe_s(
 
 def host_speed_hardware(hw: Any, probe_s: float) -> Any:
     """``hw`` with every model's host costs (engine and decisions) scaled by ``probe_s``
-    over the profile's reference probe: the host ran that much slower (or faster) than
-    when the costs were measured.  Unchanged where the profile has no reference probe or
-    the run none (NaN)."""
+    over the profile's reference probe, to the power of its probe exponent (1 where it
+    records none): the host ran that much slower (or faster) than when the costs were
+    measured.  Unchanged where the profile has no reference probe or the run none
+    (NaN)."""
     from fmoesim.engine.host import HOST_COST_KEYS
 
     if not (probe_s == probe_s and probe_s > 0):
@@ -712,7 +716,7 @@ def host_speed_hardware(hw: Any, probe_s: float) -> Any:
         if not ref:
             measured[model] = coeffs
             continue
-        f = probe_s / float(ref)
+        f = (probe_s / float(ref)) ** float(coeffs.get(HOST_PROBE_EXPONENT_KEY, 1.0))
         c = {k: float(v) * f if k in HOST_COST_KEYS else v for k, v in coeffs.items()}
         decisions = coeffs.get("host_decision_s") or {}
         c["host_decision_s"] = {p: float(v) * f for p, v in decisions.items()}
@@ -1163,12 +1167,53 @@ def repeat_rows(paths: Sequence[Path], hardware: str) -> list[dict[str, Any]]:
     return [{**r, **sim[tuple(str(r[k]) for k in KEY)]} for r in read_replays(paths, merge=False)]
 
 
+def probe_exponent(rows: Sequence[dict[str, Any]]) -> float:
+    """How the host's own costs follow its probe, measured on the runs timed with
+    ``--host-timers``: the slope of log cost on log probe, within each (policy, mode)
+    and each of two timed costs (a copy's issue and landing per transfer started, an
+    expert's launch per call), so that policies and modes of different costs do not
+    confound it.  ``cost ~ probe ** slope``; 1 would mean the probe's loop and the
+    host's serving work slow down alike.  Raises where fewer than two timed runs of one
+    (policy, mode) differ in probe."""
+    import numpy as np
+
+    groups: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
+    for r in rows:
+        probe = r.get("replay_probe_s", math.nan)
+        if not probe > 0:
+            continue
+        moved = r.get("replay_transfers", 0)
+        issue = r.get("replay_host_link_issue_s", math.nan) + r.get(
+            "replay_host_link_on_done_s", math.nan
+        )
+        if moved > 0 and issue > 0:
+            key = ("issue", r["policy"], r["mode"])
+            groups.setdefault(key, []).append((math.log(probe), math.log(issue / moved)))
+        calls = r.get("replay_host_expert_calls", 0)
+        launch = r.get("replay_host_expert_s", math.nan)
+        if calls > 0 and launch > 0:
+            key = ("launch", r["policy"], r["mode"])
+            groups.setdefault(key, []).append((math.log(probe), math.log(launch / calls)))
+    sxx = sxy = 0.0
+    for pts in groups.values():
+        a = np.array(pts)  # (runs, 2): log probe, log cost
+        dx, dy = a[:, 0] - a[:, 0].mean(), a[:, 1] - a[:, 1].mean()
+        sxx += float(dx @ dx)
+        sxy += float(dx @ dy)
+    if not sxx > 0:
+        raise FmoesimError("--probe-exponent: no two timed runs of one policy differ in "
+                           "their host probe (rule: replay --host-timers --repeats 2 or "
+                           "more)")  # fmt: skip
+    return sxy / sxx
+
+
 def fit_host(
     rows: Sequence[dict[str, Any]],
     fit_model: str,
     host_speed: bool = False,
     modes: Sequence[str] = ("batch1",),
     leave_out: Sequence[str] = (),
+    exponent: bool = False,
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """The host model of :mod:`fmoesim.engine.host` from scored replays (scored on a
     profile without host costs).
@@ -1202,8 +1247,10 @@ def fit_host(
     Decision costs: each (model, policy)'s hooks' measured seconds per layer step,
     averaged over its runs (left-out policies too: they are measured, not fitted).
     ``host_speed``: every run's host seconds are first brought to the reference speed
-    (times :func:`reference_probe_s` over the run's own probe), and the engine costs hold
-    that reference as ``host_probe_s``.  Returns (engine costs,
+    (times :func:`reference_probe_s` over the run's own probe; to the power of the
+    fitted runs' :func:`probe_exponent` with ``exponent``, recorded as
+    ``host_probe_exponent``), and the engine costs hold that reference as
+    ``host_probe_s``.  Returns (engine costs,
     model -> policy -> decision seconds)."""
     import numpy as np
 
@@ -1232,6 +1279,7 @@ def fit_host(
                    / r["replay_layer_steps"],
                    r["replay_transfers"] / r["replay_layer_steps"]) for r in base])  # fmt: skip
     ref = reference_probe_s(base, fit_model, modes) if host_speed else math.nan
+    power = probe_exponent(base) if host_speed and exponent else 1.0
 
     def speed(r: dict[str, Any]) -> float:
         """The factor that brings ``r``'s host seconds to the reference speed."""
@@ -1243,7 +1291,7 @@ def fit_host(
                 f"--host-speed: the {r['model']} {r['policy']} run records no host probe "
                 "(rule: every replay named has the column replay_probe_s)"
             )
-        return ref / probe
+        return (ref / probe) ** power
 
     y = np.array([
         (r["replay_wall_s"] - r["replay_policy_host_s"] - r["sim_gpu_busy_s"]) * speed(r)
@@ -1264,6 +1312,8 @@ def fit_host(
               "host_transfer_s": transfer}  # fmt: skip
     if host_speed:
         engine[HOST_PROBE_KEY] = ref
+        if exponent:
+            engine[HOST_PROBE_EXPONENT_KEY] = power
     decisions: dict[str, dict[str, list[float]]] = {}
     for r in rows:
         if int(r["compute_repeat"]) != 1:
@@ -1355,12 +1405,13 @@ def cross_check(
     host_speed: bool = False,
     modes: Sequence[str] = ("batch1",),
     link_depth: int = 0,
+    exponent: bool = False,
 ) -> tuple[Path, dict[str, dict[str, float]]]:
     """Score each replayed policy out of sample: the engine's host costs fitted
     (:func:`fit_host`) on every other policy's runs, then that policy's runs simulated with
     them (its own decision cost is measured, not fitted, so it stays); ``link_depth`` as
-    :func:`with_link_depth`.  Writes the report of :func:`score` to ``out``; returns it
-    and each policy's fitted engine costs."""
+    :func:`with_link_depth`, ``exponent`` as :func:`fit_host`'s.  Writes the report of
+    :func:`score` to ``out``; returns it and each policy's fitted engine costs."""
     import pandas as pd
 
     from fmoesim.atomic import atomic_dir
@@ -1375,7 +1426,7 @@ def cross_check(
     by_run: dict[int, dict[str, Any]] = {}  # index in merged -> scored row
     fits: dict[str, dict[str, float]] = {}
     for p in policies:
-        engine, decisions = fit_host(rows, fit_model, host_speed, modes, leave_out=[p])
+        engine, decisions = fit_host(rows, fit_model, host_speed, modes, [p], exponent)
         engine = with_link_depth(engine, link_depth)
         fits[p] = engine
         hw = host_profile(base, engine, decisions, f"{base}-without-{p}", f"fitted without {p}")
@@ -1440,6 +1491,9 @@ def main(argv: list[str] | None = None) -> None:
     hp.add_argument("--link-depth", type=int, default=0,
                     help="the host issues every transfer, this many at a time (the "
                     "replay's 2; default 0: the link starts each the moment it frees)")  # fmt: skip
+    hp.add_argument("--probe-exponent", action="store_true",
+                    help="with --host-speed: scale the host costs by the probe to the power "
+                    "the host timers measure (cost ~ probe ** exponent), not 1")  # fmt: skip
     hp.add_argument("--host-speed", action="store_true",
                     help="record the fitted runs' median host probe (host_probe_s), so "
                     "scoring scales the host costs by each replayed run's own probe")  # fmt: skip
@@ -1452,6 +1506,7 @@ def main(argv: list[str] | None = None) -> None:
     cp.add_argument("--fit-modes", default="batch1", help="as host-fit's")
     cp.add_argument("--host-speed", action="store_true", help="as host-fit's")
     cp.add_argument("--link-depth", type=int, default=0, help="as host-fit's")
+    cp.add_argument("--probe-exponent", action="store_true", help="as host-fit's")
     cp.add_argument("--out", required=True, help="report directory")
     cp.add_argument("--device", default=None, help="the GPU the replays ran on (for titles)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
@@ -1510,6 +1565,8 @@ def _run(args: argparse.Namespace) -> None:
                         gc_off=args.no_gc)  # fmt: skip
         print(f"replayed {n} runs -> {Path(args.out) / 'replay.csv'}")
         return
+    if args.cmd in ("host-fit", "cross-check") and args.probe_exponent and not args.host_speed:
+        raise FmoesimError("--probe-exponent: needs --host-speed (it scales by the probe)")
     if args.cmd == "host-fit":
         if args.host_speed and args.host_from is not None:
             raise FmoesimError("--host-speed: needs replays to take the probe from, not "
@@ -1522,7 +1579,8 @@ def _run(args: argparse.Namespace) -> None:
         else:
             modes = _fit_modes(args.fit_modes)
             rows = repeat_rows([Path(p) for p in args.replays], args.base)
-            engine, decisions = fit_host(rows, args.fit_model, args.host_speed, modes)
+            engine, decisions = fit_host(rows, args.fit_model, args.host_speed, modes,
+                                         exponent=args.probe_exponent)  # fmt: skip
             fitted = _modes_text(modes)
             note = (f"host costs fitted by {PROG} host-fit on {args.fit_model}'s {fitted} "
                     f"replays, every repeat a point (engine), and every run's policy-hook "
@@ -1530,6 +1588,8 @@ def _run(args: argparse.Namespace) -> None:
             if args.host_speed:
                 note += (", at the runs' median host probe; scoring scales them by each "
                          "run's own probe")  # fmt: skip
+                if args.probe_exponent:
+                    note += " to the power the host timers measure"
         if args.link_depth:
             note += f"; the host issues every transfer, {args.link_depth} at a time"
         engine = with_link_depth(engine, args.link_depth)
@@ -1543,7 +1603,7 @@ def _run(args: argparse.Namespace) -> None:
         modes = _fit_modes(args.fit_modes)
         path, fits = cross_check([Path(p) for p in args.replays], args.base, args.fit_model,
                                  Path(args.out), meta, args.host_speed, modes,
-                                 args.link_depth)  # fmt: skip
+                                 args.link_depth, args.probe_exponent)  # fmt: skip
         for p, engine in fits.items():
             print(f"without {p}: {_costs_text(engine)}")
         print(f"report     {path / 'report.md'}")

@@ -765,6 +765,35 @@ def test_host_speed_scales_a_profiles_host_costs_by_the_runs_probe():
         C.reference_probe_s(rows, "z")
 
 
+def test_the_probe_exponent_is_the_within_policy_slope_of_the_timed_costs():
+    """Timed runs whose copy issue and expert launch cost ``c * probe ** 0.5``, with a
+    different ``c`` per policy and per cost: the exponent comes back as 0.5 (the slope
+    within each policy and cost, so the policies' different levels do not bias it); an
+    untimed run is ignored; runs whose probes never differ within a policy are refused;
+    a profile's exponent scales its costs by the probe ratio to that power.  Red if the
+    levels are pooled (the slope across policies is -0.46 here), or the power is ignored."""
+    from fmoesim.specs import HardwareSpec
+
+    def row(policy, probe, c):
+        return {"policy": policy, "mode": "batch1", "replay_probe_s": probe,
+                "replay_transfers": 10, "replay_host_link_issue_s": 6 * c * probe**0.5,
+                "replay_host_link_on_done_s": 4 * c * probe**0.5,
+                "replay_host_expert_calls": 20,
+                "replay_host_expert_s": 20 * 3 * c * probe**0.5}  # fmt: skip
+
+    rows = [row("lru", 0.01, 1.0), row("lru", 0.04, 1.0),
+            row("fmoe", 0.02, 1e-4 / 0.02**1.5), row("fmoe", 0.08, 1e-4 / 0.02**1.5)]  # fmt: skip
+    rows.append({"policy": "lfu", "mode": "batch1", "replay_probe_s": 9.0,
+                 "replay_transfers": 3})  # untimed  # fmt: skip
+    assert C.probe_exponent(rows) == pytest.approx(0.5)
+    with pytest.raises(FmoesimError, match="no two timed runs of one policy differ"):
+        C.probe_exponent([rows[0], rows[2], rows[4]])
+    hw = HardwareSpec(name="x", measured={"m": {"host_access_s": 2e-6, C.HOST_PROBE_KEY: 0.01,
+                                                C.HOST_PROBE_EXPONENT_KEY: 0.5}})  # fmt: skip
+    slow = C.host_speed_hardware(hw, 0.04).measured["m"]
+    assert slow["host_access_s"] == pytest.approx(2 * 2e-6)  # (0.04 / 0.01) ** 0.5
+
+
 def test_fit_host_at_the_reference_speed_undoes_each_runs_probe():
     """Runs whose host ran 1x, 2x and 0.5x as long as the median (their probes say so)
     are brought to the median speed before the fit: the costs come back as set, with the
@@ -792,6 +821,20 @@ def test_fit_host_at_the_reference_speed_undoes_each_runs_probe():
         assert engine[k] == pytest.approx(v, rel=1e-6), k
     assert decisions["m"] == {"lru": pytest.approx(1e-6), "fmoe": pytest.approx(5e-6),
                               "brainstorm": pytest.approx(3e-6)}  # fmt: skip
+    # a host whose costs follow the probe to the power 0.5 (as its timers say): the fit
+    # with the exponent undoes that power and records it
+    half = [row("lru", 3, 0, 1e-6, 1.0), row("fmoe", 5, 1, 5e-6, 2.0**0.5),
+            row("brainstorm", 19, 40, 3e-6, 0.5**0.5), row("lru", 3, 0, 1e-6, 2.0**0.5, acc=12),
+            row("fmoe", 5, 1, 5e-6, 1.0, acc=7)]  # fmt: skip
+    for r, f in zip(half, (1.0, 2.0, 0.5, 2.0, 1.0), strict=True):
+        r["replay_probe_s"] = ref * f
+        r["replay_host_link_issue_s"] = 1e-4 * r["replay_transfers"] * f**0.5
+        r["replay_host_link_on_done_s"] = 0.0
+        r["replay_host_expert_calls"], r["replay_host_expert_s"] = 9, 9e-4 * f**0.5
+    engine = C.fit_host(half, "m", host_speed=True, exponent=True)[0]
+    assert engine[C.HOST_PROBE_EXPONENT_KEY] == pytest.approx(0.5)
+    assert engine["host_access_s"] == pytest.approx(access, rel=1e-6)
+    assert C.HOST_PROBE_EXPONENT_KEY not in C.fit_host(half, "m", host_speed=True)[0]
     del rows[1]["replay_probe_s"]
     with pytest.raises(FmoesimError, match="the m fmoe run records no host probe"):
         C.fit_host(rows, "m", host_speed=True)
