@@ -1125,24 +1125,38 @@ def score(
     last profile)."""
     import pandas as pd
 
-    from fmoesim.atomic import atomic_dir
-
     profiles = [hardware] if isinstance(hardware, str) else list(hardware)
-    if out.exists():
-        other = sorted(p.name for p in out.iterdir() if p.name not in REPORT_FILES)
-        if other:
-            raise FmoesimError(f"--out {out}: holds {other[0]}, not a report (pick another)")
+    _refuse_foreign_out(out)
     replayed = read_replays(replays)
     scored = {hw: score_rows(replayed, hw) for hw in profiles}
     last = profiles[-1]
     meta = {"hardware profile": ", ".join(profiles), **meta}
     text = report_markdown(scored[last], meta, scored if len(profiles) > 1 else None)
+    frames = [pd.DataFrame(rows).assign(hardware=hw) for hw, rows in scored.items()]
+    _write_report(out, text, pd.concat(frames, ignore_index=True), scored[last],
+                  f"simulator ({last}) vs replay on {meta['device']}")  # fmt: skip
+    return out
+
+
+def _refuse_foreign_out(out: Path) -> None:
+    """Refuse a report directory ``out`` that holds anything but a report's files."""
+    if out.exists():
+        other = sorted(p.name for p in out.iterdir() if p.name not in REPORT_FILES)
+        if other:
+            raise FmoesimError(f"--out {out}: holds {other[0]}, not a report (pick another)")
+
+
+def _write_report(
+    out: Path, text: str, table: Any, rows: Sequence[dict[str, Any]], title: str
+) -> None:
+    """Write a report to ``out`` at once: ``text`` as report.md, ``table`` (a frame) as
+    validation.csv, and the figure of ``rows``."""
+    from fmoesim.atomic import atomic_dir
+
     with atomic_dir(out, replace=True) as tmp:
         (tmp / "report.md").write_text(text)
-        frames = [pd.DataFrame(rows).assign(hardware=hw) for hw, rows in scored.items()]
-        pd.concat(frames, ignore_index=True).to_csv(tmp / "validation.csv", index=False)
-        plot(scored[last], f"simulator ({last}) vs replay on {meta['device']}", tmp / "validation")
-    return out
+        table.to_csv(tmp / "validation.csv", index=False)
+        plot(rows, title, tmp / "validation")
 
 
 def _submissions(r: dict[str, Any]) -> float:
@@ -1414,12 +1428,7 @@ def cross_check(
     :func:`score` to ``out``; returns it and each policy's fitted engine costs."""
     import pandas as pd
 
-    from fmoesim.atomic import atomic_dir
-
-    if out.exists():
-        other = sorted(p.name for p in out.iterdir() if p.name not in REPORT_FILES)
-        if other:
-            raise FmoesimError(f"--out {out}: holds {other[0]}, not a report (pick another)")
+    _refuse_foreign_out(out)
     rows = repeat_rows(replays, base)
     merged = read_replays(replays)
     policies = list(dict.fromkeys(r["policy"] for r in merged))
@@ -1436,11 +1445,9 @@ def cross_check(
     fitted = _modes_text(modes)
     meta = {"hardware profile": f"{base}, with host costs fitted on {fit_model}'s {fitted} "
             "runs of every other policy (each policy out of sample)", **meta}  # fmt: skip
-    with atomic_dir(out, replace=True) as tmp:
-        (tmp / "report.md").write_text(report_markdown(scored, meta))
-        pd.DataFrame(scored).assign(hardware=base).to_csv(tmp / "validation.csv", index=False)
-        plot(scored, f"simulator (host costs out of sample) vs replay on {meta['device']}",
-             tmp / "validation")  # fmt: skip
+    title = f"simulator (host costs out of sample) vs replay on {meta['device']}"
+    table = pd.DataFrame(scored).assign(hardware=base)
+    _write_report(out, report_markdown(scored, meta), table, scored, title)
     return out, fits
 
 

@@ -193,10 +193,7 @@ class SimLink:
             self._start_next(t_s)
         issued = self.issued
         while self._queue and len(issued) < self.host_depth - 1:
-            if self._dirty:
-                self._sort()
-            self._qkeys.pop()
-            job = self._queue.pop()
+            job = self._pop_next()
             job.state = _RUNNING  # on the copy engine, behind the running transfer
             issued.append(job)
 
@@ -222,13 +219,18 @@ class SimLink:
         if self._delayed:
             self._release(t_s)
         if self._queue:
-            if self._dirty:
-                self._sort()
-            self._qkeys.pop()
-            self._start(self._queue.pop(), t_s)
+            self._start(self._pop_next(), t_s)
             return
         self.cur = None
         self.cur_end_s = self._next_release_s() if self._delayed else INF
+
+    def _pop_next(self) -> TransferRecord:
+        """The queued transfer that goes next, taken off the queue (which is sorted first
+        where a re-ranking left it out of order)."""
+        if self._dirty:
+            self._sort()
+        self._qkeys.pop()
+        return self._queue.pop()
 
     def _start(self, job: TransferRecord, t_s: float) -> None:
         job.state = _RUNNING
