@@ -68,6 +68,15 @@ class MoEpic(Policy):
     caches nothing (prefetch only), ``θ = 1`` with ``prefetch="none"`` caches whole
     experts per layer (cache only), as §2.3 says.
 
+    Segment compute (§3.1).  paper: with both segments in VRAM the top and the bottom
+    are concatenated and computed as one expert; otherwise the top computes first and
+    the missing part once it lands.  here: each segment is its own computation.  The
+    GPU-bound simulator charges it its fraction of the whole expert, launches included
+    (as if concatenated, which leaves out a split computation's second launches); the
+    host-bound one, which models this project's replay (each segment launched as its own
+    FFN), charges every kernel's launch to each segment
+    (:meth:`fmoesim.engine.compute.ComputeModel.segment_s`).
+
     Speculative prefetcher (§3.2, eq. 3).  paper: feed ``h_i`` to the next layer's router,
     prefetch one by one in descending predicted score (only the bottom when the top is
     cached), stop when the router result arrives, then load what is missing while

@@ -10,9 +10,11 @@ it, but its numbers describe the CPU, and the profile says so):
 - for each ``--model``, the replay's own operators (:class:`replay.weights.Executor`),
   each timed as one call on an idle stream, as the replay issues them (the host's launch
   time counts where it dominates): the expert FFN against routed tokens
-  (``expert_a_s + expert_b_s * tokens``), the attention stand-in against new tokens and
-  score pairs (``attn_a_s + attn_b_s * tokens + attn_pair_s * pairs``), the router, the
-  LM head per sequence, and the shared experts and dense MLP where the model has them.
+  (``expert_a_s + expert_b_s * tokens``) and a half-width segment of it, whose fixed cost
+  tells the kernels' launches from the weights' read (``expert_launch_s``,
+  :func:`launch_share`), the attention stand-in against new tokens and score pairs
+  (``attn_a_s + attn_b_s * tokens + attn_pair_s * pairs``), the router, the LM head per
+  sequence, and the shared experts and dense MLP where the model has them.
 
 The fitted coefficients go into ``measured[<model name>]`` of a ``conf/hardware/`` YAML
 (:class:`fmoesim.engine.compute.ComputeModel` uses them instead of the roofline), with the
@@ -135,6 +137,15 @@ ATTENTION_POINTS = (
 LINK_SIZES = tuple(1 << k for k in range(16, 29, 2))
 
 
+def launch_share(whole_a_s: float, half_a_s: float) -> float:
+    """The part of an expert's fixed cost that a segment pays in full (``expert_launch_s``,
+    :meth:`fmoesim.engine.compute.ComputeModel.segment_s`), from the fixed costs of the
+    whole FFN and of its half-width segment: ``whole = launch + read`` and ``half = launch
+    + read / 2`` give ``launch = 2 * half - whole``, kept within ``[0, whole]`` (timing
+    noise)."""
+    return min(max(2.0 * half_a_s - whole_a_s, 0.0), whole_a_s)
+
+
 def model_coefficients(
     torch: Any,
     device: str,
@@ -160,6 +171,10 @@ def model_coefficients(
     out: dict[str, float] = {}
     exp = measure_ops(tokens, lambda t: exe.ffn(w, t), timer)
     out["expert_a_s"], out["expert_b_s"] = fit_linear(toks, np.asarray(exp))
+    half = w[: max(1, f // 2)]  # a segment: half the intermediate rows
+    seg = measure_ops(tokens, lambda t: exe.ffn(half, t), timer)
+    half_a_s = fit_linear(toks, np.asarray(seg))[0]
+    out["expert_launch_s"] = launch_share(out["expert_a_s"], half_a_s)
     att = measure_ops(attention_points, exe.attention, timer)
     # regressors as ComputeModel.attention_s takes them: new tokens and score pairs (the
     # stand-in reads a cache of pairs / tokens positions, so its KV term is in the pairs)

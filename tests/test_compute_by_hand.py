@@ -153,6 +153,33 @@ def test_expert_ffn_by_hand(tokens):
     assert C.expert_s(tokens) == pytest.approx(expert_s(tokens), rel=REL)
 
 
+def segment_s(tokens: int, fraction: float) -> float:
+    """A segment computed on its own: every launch, its share of the bytes and FLOPs."""
+    return op_s(EXPERT_LAUNCHES, fraction * EXPERT_BYTES, fraction * EXPERT_FLOPS * tokens)
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_a_segment_pays_every_launch_and_its_share_of_the_rest_by_hand(tokens):
+    """A 40% segment: 3 launches + 40% of the weights read + 40% of the FLOPs; at 100% the
+    whole expert.  A measured profile's ``expert_a_s`` without ``expert_launch_s``
+    leaves its fixed cost less the roofline's read of the weights as the launch share
+    (never below 0 nor above ``a``); a measured ``expert_launch_s`` is taken.  Red if a
+    segment pays only its fraction of the launches (0.4 x the whole expert), the read is
+    not taken off a measured ``a``, or the measured share is ignored."""
+    assert C.expert_launch_s == pytest.approx(EXPERT_LAUNCHES * K0, rel=REL)
+    assert C.segment_s(tokens, 0.4) == pytest.approx(segment_s(tokens, 0.4), rel=REL)
+    assert C.segment_s(tokens, 1.0) == pytest.approx(expert_s(tokens), rel=REL)
+    assert C.segment_s(tokens, 0.4) > 0.4 * expert_s(tokens)
+
+    def measured(**coeffs):
+        return ComputeModel.from_specs(HAND, replace(HAND_HW, measured={"hand": coeffs}))
+
+    assert measured(expert_a_s=1e-3).expert_launch_s == pytest.approx(1e-3 - EXPERT_BYTES / MEM)
+    assert measured(expert_a_s=1e-9).expert_launch_s == 0.0  # under the read: noise
+    assert measured(expert_a_s=1e-3, expert_launch_s=2e-4).expert_launch_s == 2e-4
+    assert measured(expert_a_s=1e-3, expert_launch_s=5e-3).expert_launch_s == 1e-3
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 4096])
 def test_shared_experts_by_hand(tokens):
     """All shared experts of a layer as one SwiGLU FFN of the total intermediate size

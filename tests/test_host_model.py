@@ -154,6 +154,38 @@ def test_queued_transfers_pay_their_submission_and_started_ones_their_issue():
     assert be.links[0].started == 3
 
 
+def test_the_host_bound_backend_computes_a_segment_with_every_launch_by_hand():
+    """The replay launches each segment of a split expert as its own FFN: on the
+    host-bound backend a 40% segment costs an access and
+    :func:`tests.test_compute_by_hand.segment_s`, alone or among whole experts, while the
+    GPU-bound backend keeps 40% of the whole expert.  Red if the host-bound backend
+    charges the segment its fraction of the launches, a whole expert pays a segment's
+    cost, or the GPU-bound backend changes."""
+    from fmoesim.engine.cache import ExpertCache
+    from fmoesim.engine.compute import ComputeModel
+    from fmoesim.engine.sim import SimBackend
+    from tests.test_compute_by_hand import segment_s
+
+    A = 0.5e-6
+    compute = ComputeModel.from_specs(HAND, HAND_HW)
+    host = HostBoundSimBackend(HAND_HW, compute, [ExpertCache(1, LRU())], HostModel(access_s=A))
+    gpu = SimBackend(HAND_HW, compute, [ExpertCache(1, LRU())])
+    for be in (host, gpu):
+        be.begin_experts(0, 1)
+    t0 = host._gpu_s[0]
+    host.expert(0, 0, 3, 0.4)
+    assert host._gpu_s[0] - t0 == pytest.approx(A + segment_s(3, 0.4), rel=REL)
+    t0 = host._gpu_s[0]
+    host.experts(0, [3, 2, 5], [1.0, 0.4, 0.6], [0, 1, 2])
+    want = 3 * A + expert_s(3) + segment_s(2, 0.4) + segment_s(5, 0.6)
+    assert host._gpu_s[0] - t0 == pytest.approx(want, rel=REL)
+    t0 = gpu._gpu_s[0]
+    gpu.expert(0, 0, 3, 0.4)
+    gpu.experts(0, [2, 5], [0.4, 0.6], [1, 2])
+    want = 0.4 * expert_s(3) + 0.4 * expert_s(2) + 0.6 * expert_s(5)
+    assert gpu._gpu_s[0] - t0 == pytest.approx(want, rel=REL)
+
+
 def _link(depth: int):
     """A host-issued link of ``depth`` over which a transfer takes 20 us (10 us of fixed
     cost and 10 us of bytes), landing into a collector."""

@@ -44,6 +44,7 @@ def test_a_cpu_profile_is_a_loadable_hardware_preset_the_compute_model_uses(tmp_
     assert set(coef) == {
         "expert_a_s",
         "expert_b_s",
+        "expert_launch_s",
         "attn_a_s",
         "attn_b_s",
         "attn_kv_s",
@@ -62,6 +63,19 @@ def test_a_cpu_profile_is_a_loadable_hardware_preset_the_compute_model_uses(tmp_
     assert dataclasses.asdict(loaded) == dataclasses.asdict(spec)
     c = ComputeModel.from_specs(TINY, loaded)
     assert (c.expert_a_s, c.expert_b_s) == (coef["expert_a_s"], coef["expert_b_s"])
+    assert c.expert_launch_s == coef["expert_launch_s"] <= coef["expert_a_s"]
     assert c.attention_s(1, 10, 11) == pytest.approx(
         coef["attn_a_s"] + coef["attn_b_s"] + 10 * coef["attn_kv_s"] + 11 * coef["attn_pair_s"]
     )
+
+
+def test_the_launch_share_is_twice_the_half_widths_fixed_cost_less_the_wholes():
+    """``whole = launch + read`` and ``half = launch + read / 2``: 100 and 60 us give 20 us
+    of launches; noise that would give less than 0 or more than the whole is kept
+    within them.  Red if the two fixed costs are swapped or the share is not clipped."""
+    from replay.profile import launch_share
+
+    assert launch_share(100e-6, 60e-6) == pytest.approx(20e-6)
+    assert launch_share(100e-6, 100e-6) == pytest.approx(100e-6)  # all launches
+    assert launch_share(100e-6, 40e-6) == 0.0
+    assert launch_share(100e-6, 120e-6) == 100e-6

@@ -2,9 +2,16 @@
 
 Every operator is a roofline-style sum of a memory term and a compute term plus a
 kernel-launch overhead, which makes an expert FFN exactly ``a + b * tokens`` as
-DESIGN.md asks: ``a`` = weights read from GPU memory, ``b`` = FLOPs per token.  A
-measured hardware profile (``hardware.measured[<model name>]``, written by the replay
-profiler) overrides any coefficient it provides.
+DESIGN.md asks: ``a`` = weights read from GPU memory plus the kernels' launches, ``b`` =
+FLOPs per token.  A measured hardware profile (``hardware.measured[<model name>]``,
+written by the replay profiler) overrides any coefficient it provides.
+
+``expert_launch_s`` is the share of ``a`` that does not shrink with the weights: the
+kernels' launches.  A segment of an expert (a slice of its intermediate dimension)
+computed on its own reads its share of the weights but launches every kernel, so it
+takes ``launch + fraction * (a - launch + b * tokens)``
+(:meth:`ComputeModel.segment_s`).  A measured profile without it leaves ``a`` less the
+roofline's weight read (never below 0).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ class ComputeModel:
     dense_b_s: float
     lm_head_a_s: float
     lm_head_b_s: float  # per sequence (only the last token's logits are computed)
+    expert_launch_s: float = 0.0  # the part of expert_a_s a segment pays in full
 
     @classmethod
     def from_specs(cls, model: ModelSpec, hw: HardwareSpec) -> ComputeModel:
@@ -50,6 +58,8 @@ class ComputeModel:
         def ffn(inter: int) -> tuple[float, float]:
             params = mats * h * inter
             return mats * k0 + params * bpe / mem, 2 * params / flops
+
+        expert_read_s = mats * h * model.expert_intermediate_size * bpe / mem
 
         exp_a, exp_b = ffn(model.expert_intermediate_size)
         sh_a, sh_b = (
@@ -86,11 +96,22 @@ class ComputeModel:
         )
         measured = (hw.measured or {}).get(model.name, {})
         values.update({k: float(v) for k, v in measured.items() if k in values})
-        return cls(**values)
+        a = values["expert_a_s"]
+        launch = measured.get("expert_launch_s")
+        if launch is None:
+            launch = a - expert_read_s if "expert_a_s" in measured else mats * k0
+        return cls(**values, expert_launch_s=min(max(float(launch), 0.0), a))
 
     def expert_s(self, tokens: int) -> float:
         """One routed expert's FFN over ``tokens`` tokens."""
         return self.expert_a_s + self.expert_b_s * tokens
+
+    def segment_s(self, tokens: int, fraction: float) -> float:
+        """A ``fraction`` of one routed expert's FFN (a segment) computed on its own over
+        ``tokens`` tokens: every kernel launched, its share of the weights read and of
+        the FLOPs; the whole expert at ``fraction`` 1."""
+        launch = self.expert_launch_s
+        return launch + fraction * (self.expert_a_s - launch + self.expert_b_s * tokens)
 
     def shared_s(self, tokens: int) -> float:
         """All always-on shared experts of one layer."""

@@ -11,7 +11,10 @@ transfer and issuing each copy.  :class:`HostModel` holds those costs, and
 compute, as a host that issues everything itself does: the gate's cost after attention
 and router, one access cost before each expert's FFN, one submission cost when a
 transfer is queued, and one issue cost for every transfer the link starts (the host
-issues the copy; a transfer cancelled while queued costs its submission only).  The link
+issues the copy; a transfer cancelled while queued costs its submission only).  The
+host launches each segment of a split expert as its own FFN, as the replay does, so a
+segment's compute pays every kernel's launch (``ComputeModel.segment_s``), where the
+GPU-bound :class:`SimBackend` charges its share of the whole expert.  The link
 keeps moving while the host works.  With ``host_link_depth`` in the profile, the link
 also waits for the host: a queued transfer starts at the host's next point (the gate,
 an expert's launch, a submission, a wait), and at most that many transfers are issued
@@ -153,13 +156,19 @@ class HostBoundSimBackend(SimBackend):
             self._host_point(gpu)
 
     def expert(self, gpu: int, key: int, tokens: int, fraction: float = 1.0) -> None:
-        """The host issues the expert, then its FFN runs."""
+        """The host issues the expert, then its FFN runs (a segment's as
+        :meth:`~fmoesim.engine.compute.ComputeModel.segment_s`)."""
         self._host_point(gpu)
         self._issue_started(gpu)
         self._gpu_s[gpu] += self.host.access_s
         self.host_s += self.host.access_s
         self._host_point(gpu)  # after the launch
-        super().expert(gpu, key, tokens, fraction)
+        if fraction == 1.0:
+            super().expert(gpu, key, tokens)
+            return
+        d = self.compute.segment_s(tokens, fraction)
+        self._gpu_s[gpu] += d
+        self.busy_compute_s += d
 
     def experts(
         self,
@@ -175,7 +184,16 @@ class HostBoundSimBackend(SimBackend):
         self._gpu_s[gpu] += d
         self.host_s += d
         self._host_point(gpu)  # after the launches
-        super().experts(gpu, tokens, fractions, keys)
+        if fractions is None:
+            super().experts(gpu, tokens, fractions, keys)
+            return
+        c = self.compute
+        a, b = c.expert_a_s, c.expert_b_s
+        d = 0.0
+        for t, f in zip(tokens, fractions, strict=True):
+            d += a + b * t if f == 1.0 else c.segment_s(t, f)
+        self._gpu_s[gpu] += d
+        self.busy_compute_s += d
 
     def submit(
         self,
