@@ -137,13 +137,15 @@ ATTENTION_POINTS = (
 LINK_SIZES = tuple(1 << k for k in range(16, 29, 2))
 
 
-def launch_share(whole_a_s: float, half_a_s: float) -> float:
+def launch_share(whole_a_s: float, part_a_s: float, fraction: float = 0.5) -> float:
     """The part of an expert's fixed cost that a segment pays in full (``expert_launch_s``,
     :meth:`fmoesim.engine.compute.ComputeModel.segment_s`), from the fixed costs of the
-    whole FFN and of its half-width segment: ``whole = launch + read`` and ``half = launch
-    + read / 2`` give ``launch = 2 * half - whole``, kept within ``[0, whole]`` (timing
-    noise)."""
-    return min(max(2.0 * half_a_s - whole_a_s, 0.0), whole_a_s)
+    whole FFN and of a segment of ``fraction`` of its rows: ``whole = launch + read`` and
+    ``part = launch + fraction * read`` give ``launch = (part - fraction * whole) / (1 -
+    fraction)`` (at a half, twice the half's less the whole's), kept within ``[0,
+    whole]`` (timing noise)."""
+    launch = (part_a_s - fraction * whole_a_s) / (1.0 - fraction)
+    return min(max(launch, 0.0), whole_a_s)
 
 
 def model_coefficients(
@@ -171,10 +173,11 @@ def model_coefficients(
     out: dict[str, float] = {}
     exp = measure_ops(tokens, lambda t: exe.ffn(w, t), timer)
     out["expert_a_s"], out["expert_b_s"] = fit_linear(toks, np.asarray(exp))
-    half = w[: max(1, f // 2)]  # a segment: half the intermediate rows
+    rows = max(1, f // 2)  # a segment: half the intermediate rows
+    half = w[:rows]
     seg = measure_ops(tokens, lambda t: exe.ffn(half, t), timer)
-    half_a_s = fit_linear(toks, np.asarray(seg))[0]
-    out["expert_launch_s"] = launch_share(out["expert_a_s"], half_a_s)
+    part_a_s = fit_linear(toks, np.asarray(seg))[0]
+    out["expert_launch_s"] = launch_share(out["expert_a_s"], part_a_s, rows / f)
     att = measure_ops(attention_points, exe.attention, timer)
     # regressors as ComputeModel.attention_s takes them: new tokens and score pairs (the
     # stand-in reads a cache of pairs / tokens positions, so its KV term is in the pairs)

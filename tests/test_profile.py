@@ -70,12 +70,15 @@ def test_a_cpu_profile_is_a_loadable_hardware_preset_the_compute_model_uses(tmp_
 
 
 def test_the_launch_share_is_twice_the_half_widths_fixed_cost_less_the_wholes():
-    """``whole = launch + read`` and ``half = launch + read / 2``: 100 and 60 us give 20 us
-    of launches; noise that would give less than 0 or more than the whole is kept
-    within them.  Red if the two fixed costs are swapped or the share is not clipped."""
+    """``whole = launch + read`` and ``part = launch + fraction * read``: 100 and 60 us at
+    a half give 20 us of launches, as do 100 and 40 us at a quarter; noise that would
+    give less than 0 or more than the whole is kept within them.  Red if the two fixed
+    costs are swapped, the fraction is ignored or the share is not clipped."""
     from replay.profile import launch_share
 
     assert launch_share(100e-6, 60e-6) == pytest.approx(20e-6)
     assert launch_share(100e-6, 100e-6) == pytest.approx(100e-6)  # all launches
     assert launch_share(100e-6, 40e-6) == 0.0
     assert launch_share(100e-6, 120e-6) == 100e-6
+    # a quarter of the rows: 20 us of launches and 80 of read give 40 us
+    assert launch_share(100e-6, 40e-6, 0.25) == pytest.approx(20e-6)
