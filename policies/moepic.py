@@ -68,13 +68,18 @@ class MoEpic(Policy):
     caches nothing (prefetch only), ``θ = 1`` with ``prefetch="none"`` caches whole
     experts per layer (cache only), as §2.3 says.
 
-    Segment compute (§3.1).  paper: with both segments in VRAM the top and the bottom
-    are concatenated and computed as one expert; otherwise the top computes first and
-    the missing part once it lands.  here: each segment is its own computation.  The
-    GPU-bound simulator charges it its fraction of the whole expert, launches included
-    (as if concatenated, which leaves out a split computation's second launches); the
-    host-bound one, which models this project's replay (each segment launched as its own
-    FFN), charges every kernel's launch to each segment
+    Segment compute (§3.1, Fig. 3).  paper: with both segments in VRAM the top and the
+    bottom are concatenated and computed as one expert; otherwise the top computes
+    first and the missing part once it lands, a segment of share ``f`` taking ``f`` of
+    the expert's time (Fig. 3(d); eq. 5-7 count computation per expert).  here: each
+    segment is its own computation.  The GPU-bound simulator charges it its fraction of
+    the whole expert, launches included, as the paper's figure and model do; a split
+    computation's second launches are left out (charged, on MoEpic's testbed, whose
+    calibration puts 93 us on every kernel, MoEpic's TPOT on Qwen1.5-MoE at 6 GB over 24
+    requests went from 110.9 to 114.9 ms and its hit rate from 4.1% to 15.1%, the
+    slower compute leaving its prefetches more time).  The host-bound one, which
+    models this project's replay (each segment launched as its own FFN, measured there:
+    2 launches an access), charges every kernel's launch to each segment
     (:meth:`fmoesim.engine.compute.ComputeModel.segment_s`).
 
     Speculative prefetcher (§3.2, eq. 3).  paper: feed ``h_i`` to the next layer's router,
