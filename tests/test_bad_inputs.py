@@ -319,12 +319,20 @@ def test_unknown_policy_in_a_sweep_list_is_refused_before_any_job(tmp_path):
 
 
 # -- 9. Ctrl-C: one line, 130, nothing half-written --------------------------------------
+def _default_sigint() -> None:
+    """In the child before it starts Python: Ctrl-C's default action.  A test run started
+    in the background of a non-interactive shell inherits SIGINT ignored, and Python
+    then installs no KeyboardInterrupt handler: the sweep would never see the signal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_in_a_sweep_one_line_exit_130_nothing_half_written(tmp_path):
     args = tiny(tmp_path, "engine.timing=false", "output.plot=false", "seed=range(0,200)",
                 f"hydra.sweep.dir={tmp_path}/sw")  # fmt: skip
     p = subprocess.Popen(
         [sys.executable, "-m", "fmoesim.cli.main", "-m", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        preexec_fn=_default_sigint,
     )  # fmt: skip
     try:
         assert p.stdout is not None
