@@ -144,6 +144,8 @@ def launch_share(whole_a_s: float, part_a_s: float, fraction: float = 0.5) -> fl
     ``part = launch + fraction * read`` give ``launch = (part - fraction * whole) / (1 -
     fraction)`` (at a half, twice the half's less the whole's), kept within ``[0,
     whole]`` (timing noise)."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"a segment's fraction of the rows must lie in (0, 1), got {fraction}")
     launch = (part_a_s - fraction * whole_a_s) / (1.0 - fraction)
     return min(max(launch, 0.0), whole_a_s)
 
@@ -173,11 +175,12 @@ def model_coefficients(
     out: dict[str, float] = {}
     exp = measure_ops(tokens, lambda t: exe.ffn(w, t), timer)
     out["expert_a_s"], out["expert_b_s"] = fit_linear(toks, np.asarray(exp))
-    rows = max(1, f // 2)  # a segment: half the intermediate rows
-    half = w[:rows]
-    seg = measure_ops(tokens, lambda t: exe.ffn(half, t), timer)
-    part_a_s = fit_linear(toks, np.asarray(seg))[0]
-    out["expert_launch_s"] = launch_share(out["expert_a_s"], part_a_s, rows / f)
+    rows = f // 2  # a segment: half the intermediate rows (none of a one-row FFN)
+    if rows:
+        half = w[:rows]
+        seg = measure_ops(tokens, lambda t: exe.ffn(half, t), timer)
+        part_a_s = fit_linear(toks, np.asarray(seg))[0]
+        out["expert_launch_s"] = launch_share(out["expert_a_s"], part_a_s, rows / f)
     att = measure_ops(attention_points, exe.attention, timer)
     # regressors as ComputeModel.attention_s takes them: new tokens and score pairs (the
     # stand-in reads a cache of pairs / tokens positions, so its KV term is in the pairs)

@@ -82,3 +82,5 @@ def test_the_launch_share_is_twice_the_half_widths_fixed_cost_less_the_wholes():
     assert launch_share(100e-6, 120e-6) == 100e-6
     # a quarter of the rows: 20 us of launches and 80 of read give 40 us
     assert launch_share(100e-6, 40e-6, 0.25) == pytest.approx(20e-6)
+    with pytest.raises(ValueError, match="must lie in"):
+        launch_share(100e-6, 40e-6, 1.0)  # no segment: the whole FFN
