@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from fmoesim.errors import FmoesimError, run_or_exit
+from replay.events import EventLog, EventRecorder, log_name, save_log
 
 PROG = "fmoesim-validate-grid"
 
@@ -414,6 +415,7 @@ def replay_one(
     host_timers: bool = False,
     gc_off: bool = False,
     repeat: int = 0,
+    events_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Replay one run; its replay.csv row (``repeat``: which repeat of the run it is).
 
@@ -427,7 +429,8 @@ def replay_one(
     at a cost of a timer around each call, and the link and the GPU in the layer steps of
     more than one token against the others (:func:`link_phases`: ``replay_link_multi_*``
     and ``replay_link_one_*``; ``replay_compute_multi_s``, the GPU's measured compute in
-    those steps)."""
+    those steps).  ``events_dir`` writes the run's event log there
+    (:mod:`replay.events`, :func:`replay.events.log_name`)."""
     from hydra.utils import instantiate
 
     from fmoesim.cli.main import _trace_path, compose_config
@@ -440,6 +443,10 @@ def replay_one(
     trace = read_trace(_trace_path(spec))
     policy = instantiate(cfg.policy)
     hooks = time_calls(policy, HOOKS, into="hooks").get("hooks", [0.0, 0])
+    # the event recorder wraps outside the timers: its work is in no timed call
+    rec = EventRecorder() if events_dir is not None else None
+    if rec is not None:
+        rec.wrap_policy(policy)
     make = replay_backend(
         spec.model, spec.hardware, device, seed=spec.seed, depth=depth,
         compute_repeat=run.compute_repeat,
@@ -449,12 +456,19 @@ def replay_one(
 
     def make_timed(caches: list[Any]) -> Any:
         backend = make(caches)
-        phase.wrap(backend)
-        nest: list[list[float]] = []  # backend and link timers nest in one another
-        timers.update(time_calls(backend, HOST_TIMERS["backend"], multi=phase.multi, stack=nest))
-        timers.update(
-            time_calls(backend.link, HOST_TIMERS["link"], "link_", multi=phase.multi, stack=nest)
-        )
+        if host_timers:
+            phase.wrap(backend)
+            nest: list[list[float]] = []  # backend and link timers nest in one another
+            timers.update(
+                time_calls(backend, HOST_TIMERS["backend"], multi=phase.multi, stack=nest)
+            )
+            timers.update(
+                time_calls(
+                    backend.link, HOST_TIMERS["link"], "link_", multi=phase.multi, stack=nest
+                )  # fmt: skip
+            )
+        if rec is not None:  # the host's clock: the backend's now() waits for the GPU
+            rec.wrap_backend(backend, clock=backend._host_s)
         return backend
 
     probe_before_s = host_probe_s()
@@ -467,9 +481,14 @@ def replay_one(
             timing=True,
             access_log=False,
             progress=False,
-            make_backend=make_timed if host_timers else make,
+            make_backend=make_timed if host_timers or rec is not None else make,
         )
         run_s = time.perf_counter() - t0
+    if rec is not None and events_dir is not None:
+        meta = {"source": "replay", "device": device, "repeat": repeat}
+        meta.update({k: str(getattr(run, k)) for k in KEY})
+        meta["overrides"] = " ".join(run.overrides)
+        save_log(events_dir / log_name(run.key(), repeat), rec.arrays(res.transfers), meta)
     phases: dict[str, float] = {}  # the link and the GPU in the multi-token layer steps
     if host_timers:
         phase.close()
@@ -554,13 +573,16 @@ def run_replays(
     host_timers: bool = False,
     repeats: int = 1,
     gc_off: bool = False,
+    event_logs: bool = False,
 ) -> int:
     """Replay ``runs`` ``repeats`` times each, appending to ``out/replay.csv``: in rounds
     (every run once, then every run again), so a drift of the host's speed spreads over
     all runs alike.  A run the file already holds ``repeats`` times is skipped (a second
     call resumes).  Stop starting new runs once ``deadline_s`` seconds have passed (a run's
     measured length, the longest so far, must fit before it).  ``gc_off`` disables
-    Python's garbage collector during each run.  Returns the number of runs replayed."""
+    Python's garbage collector during each run.  ``event_logs`` writes each run's first
+    repeat's event log to ``out/events/`` (:mod:`replay.events`).  Returns the number of
+    runs replayed."""
     if repeats < 1:
         raise FmoesimError(f"--repeats {repeats}: must be >= 1")
     out.mkdir(parents=True, exist_ok=True)
@@ -602,7 +624,9 @@ def run_replays(
             log(f"deadline: {len(todo) - n} runs left")
             break
         try:
-            row = replay_one(run, device, host_timers=host_timers, gc_off=gc_off, repeat=i)
+            events_dir = out / "events" if event_logs and i == 0 else None
+            row = replay_one(run, device, host_timers=host_timers, gc_off=gc_off, repeat=i,
+                             events_dir=events_dir)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - one failed run must not end the grid
             log(f"{' '.join(run.key())}: failed: {type(exc).__name__}: {exc}")
             continue
@@ -724,12 +748,13 @@ def host_speed_hardware(hw: Any, probe_s: float) -> Any:
     return dataclasses.replace(hw, measured=measured)
 
 
-def simulate_row(row: dict[str, Any], hardware: str, spec_hw: Any = None) -> dict[str, Any]:
-    """The simulator's summary of one replayed run's configuration on ``hardware`` (a
+def row_spec(row: dict[str, Any], hardware: str, spec_hw: Any = None) -> tuple[Any, Any]:
+    """The run spec and trace of one replayed run's configuration on ``hardware`` (a
     preset's name; ``spec_hw``, a :class:`fmoesim.specs.HardwareSpec`, replaces its
-    numbers where given)."""
+    numbers where given), compute scaled by the run's factor and host costs by its
+    probe."""
     from fmoesim.cli.main import _trace_path, compose_config
-    from fmoesim.config.build import build_run, simulate_spec
+    from fmoesim.config.build import build_run
     from fmoesim.plots.crossover import scale_hardware
     from fmoesim.trace.reader import read_trace
 
@@ -744,12 +769,123 @@ def simulate_row(row: dict[str, Any], hardware: str, spec_hw: Any = None) -> dic
     spec = dataclasses.replace(
         spec, hardware=host_speed_hardware(spec.hardware, row.get("replay_probe_s", math.nan))
     )
-    trace = read_trace(_trace_path(spec))
+    return spec, read_trace(_trace_path(spec))
+
+
+def simulate_row(row: dict[str, Any], hardware: str, spec_hw: Any = None) -> dict[str, Any]:
+    """The simulator's summary of one replayed run's configuration (:func:`row_spec`)."""
+    from fmoesim.config.build import simulate_spec
+
+    spec, trace = row_spec(row, hardware, spec_hw)
     res = simulate_spec(spec, trace, timing=True, access_log=False, progress=False)
     row = _summary_row(res.summary, "sim_")
     link = link_phases(res.transfers, set())  # every copy in "one_"
     row["sim_link_bytes"], row["sim_link_copy_s"] = link["one_bytes"], link["one_copy_s"]
     return row
+
+
+def simulate_events(
+    row: dict[str, Any], hardware: str, spec_hw: Any = None
+) -> tuple[EventLog, dict[str, Any]]:
+    """The simulator's event log of one replayed run's configuration (:func:`row_spec`),
+    every layer step through its gate (no closed-form steps: the same decisions and
+    times, :func:`fmoesim.engine.simulate.simulate`'s ``fast=False``), and the run's
+    summary."""
+    from fmoesim.config.build import simulate_spec
+    from fmoesim.engine.simulate import model_for_trace, sim_backend
+
+    spec, trace = row_spec(row, hardware, spec_hw)
+    rec = EventRecorder()
+    rec.wrap_policy(spec.policy)
+    model = model_for_trace(spec.model, trace)
+
+    def make(caches: list[Any]) -> Any:
+        be = sim_backend(spec.hardware, model, spec.policy.name, caches,
+                         preempt=spec.engine.preempt)  # fmt: skip
+        return rec.wrap_backend(be)
+
+    res = simulate_spec(spec, trace, timing=True, access_log=False, progress=False, fast=False,
+                        make_backend=make)  # fmt: skip
+    meta = {"source": "simulator", "hardware": hardware,
+            **{k: str(row[k]) for k in KEY}}  # fmt: skip
+    log = EventLog(rec.arrays(res.transfers), meta, f"simulated {' '.join(meta.values())}")
+    return log, res.summary
+
+
+#: the files ``events`` writes besides the timelines (``timeline-<run>.png``)
+EVENT_FILES = ("events.md", "events.csv")
+
+
+def events_report(
+    replays: Sequence[Path],
+    logs_source: Path | None,
+    hardware: str,
+    out: Path,
+    meta: dict[str, str],
+    window_steps: int = 32,
+    policies: Sequence[str] | None = None,
+    fit: dict[str, Any] | None = None,
+) -> Path:
+    """Compare each replayed run's event log (``logs_source``: the replay's ``events/``
+    or ``events.tar``) with the simulator's on ``hardware`` (:mod:`replay.events`); write
+    ``out``: events.md, events.csv (one row per run) and, unless ``window_steps`` is 0, a
+    timeline per run.  Without ``logs_source`` every repeat of every run is simulated
+    and set beside its replay.csv numbers.  ``policies`` keeps only those runs.  ``fit``
+    (:func:`fit_host`'s ``fit_model``, ``host_speed``, ``modes`` and ``exponent``, and
+    ``link_depth``) first refits ``hardware``'s host costs on the replays without each
+    run's policy, as :func:`cross_check` does, so each run is simulated out of sample."""
+    import pandas as pd
+
+    from fmoesim.atomic import atomic_dir
+    from replay.events import csv_summary, open_logs, report_markdown, timeline
+
+    if out.exists():
+        names = (p.name for p in out.iterdir())
+        other = sorted(n for n in names if n not in EVENT_FILES and not n.startswith("timeline-"))
+        if other:
+            raise FmoesimError(f"--out {out}: holds {other[0]}, not an events report (pick "
+                               "another)")  # fmt: skip
+    logs = open_logs(logs_source) if logs_source is not None else None
+    chosen = [r for r in read_replays(replays, merge=False)
+              if policies is None or r["policy"] in policies]  # fmt: skip
+    if logs is not None:
+        chosen = [r for r in chosen if _log_of(r) in logs]
+    if not chosen:
+        where = f"--logs {logs_source}: no event log matches" if logs is not None else "no"
+        raise FmoesimError(f"{where} run of the replays named"
+                           f"{'' if policies is None else ' among --policies'} (rule: files "
+                           f"named as '{PROG} replay --event-logs' writes them)")  # fmt: skip
+    profiles: dict[str, Any] = {}  # policy -> its out-of-sample hardware
+    if fit is not None:
+        rows = repeat_rows(replays, hardware)
+        for p in dict.fromkeys(r["policy"] for r in chosen):
+            engine, decisions = fit_host(rows, fit["fit_model"], fit["host_speed"],
+                                         fit["modes"], [p], fit["exponent"])  # fmt: skip
+            engine = with_link_depth(engine, fit["link_depth"])
+            profiles[p] = host_profile(hardware, engine, decisions, f"{hardware}-without-{p}",
+                                       f"fitted without {p}")  # fmt: skip
+    runs = []
+    for r in chosen:
+        name = _log_of(r)
+        sim, s = simulate_events(r, hardware, profiles.get(r["policy"]))
+        totals = {k: (1e3 * float(r[f"replay_{k}_mean_s"]), 1e3 * float(s[f"{k}_mean_s"]))
+                  for k in ("ttft", "tpot")}  # fmt: skip
+        replayed = logs[name] if logs is not None else csv_summary(r)
+        runs.append((name.removesuffix(".npz"), replayed, sim, totals))
+    if fit is not None:
+        meta = {**meta, "host costs": "fitted without each run's policy (out of sample)"}
+    text, table = report_markdown(runs, {"hardware profile": hardware, **meta})
+    with atomic_dir(out, replace=True) as tmp:
+        (tmp / "events.md").write_text(text)
+        pd.DataFrame(table).to_csv(tmp / "events.csv", index=False)
+        if window_steps > 0:
+            timeline(runs, tmp / "timeline", window_steps)
+    return out
+
+
+def _log_of(row: dict[str, Any]) -> str:
+    """The event log's file name of a replay.csv row (:func:`replay.events.log_name`)."""
+    return log_name(tuple(str(row[k]) for k in KEY), int(row.get("repeat", 0)))
 
 
 def score_rows(
@@ -1475,6 +1611,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="replay each run this many times, in rounds (default 1)")  # fmt: skip
     rp.add_argument("--no-gc", action="store_true",
                     help="disable Python's garbage collector during each run")  # fmt: skip
+    rp.add_argument("--event-logs", action="store_true",
+                    help="write each run's event log (its first repeat) to OUT/events/ "
+                    "(every transfer, access and layer step; compare with 'events')")  # fmt: skip
     sp = sub.add_parser("score", help="score stored replays against the simulator")
     sp.add_argument("replays", nargs="+", help="replay.csv files or their directories")
     sp.add_argument("--hardware", required=True, help="hardware presets, comma-separated "
@@ -1516,6 +1655,26 @@ def main(argv: list[str] | None = None) -> None:
     cp.add_argument("--probe-exponent", action="store_true", help="as host-fit's")
     cp.add_argument("--out", required=True, help="report directory")
     cp.add_argument("--device", default=None, help="the GPU the replays ran on (for titles)")
+    ep = sub.add_parser("events", help="compare the replay's event logs with the simulator's, "
+                        "step by step")  # fmt: skip
+    ep.add_argument("replays", nargs="+", help="replay.csv files or their directories")
+    ep.add_argument("--logs", default=None, help="the replay's event logs: its events/ "
+                    "directory or events.tar (default: none; every repeat of every run is "
+                    "simulated beside its replay.csv numbers)")  # fmt: skip
+    ep.add_argument("--hardware", required=True, help="one hardware profile, e.g. "
+                    "measured/h100-2-host-link")  # fmt: skip
+    ep.add_argument("--out", required=True, help="report directory")
+    ep.add_argument("--policies", default=None, help="comma-separated policies to keep")
+    ep.add_argument("--window-steps", type=int, default=32,
+                    help="layer steps per timeline figure (0: no figures)")  # fmt: skip
+    ep.add_argument("--device", default=None, help="the GPU the replays ran on (for titles)")
+    ep.add_argument("--fit-model", default=None, help="refit --hardware's host costs on the "
+                    "replays without each run's policy, on this model's runs (as "
+                    "cross-check; --hardware is then the profile without host costs)")  # fmt: skip
+    ep.add_argument("--fit-modes", default="batch1", help="as host-fit's")
+    ep.add_argument("--host-speed", action="store_true", help="as host-fit's")
+    ep.add_argument("--link-depth", type=int, default=0, help="as host-fit's")
+    ep.add_argument("--probe-exponent", action="store_true", help="as host-fit's")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     run_or_exit(PROG, _run, args)
 
@@ -1569,10 +1728,20 @@ def _run(args: argparse.Namespace) -> None:
                          budgets_gb=budgets)  # fmt: skip
         n = run_replays(runs, args.device, Path(args.out), args.deadline_s,
                         host_timers=args.host_timers, repeats=args.repeats,
-                        gc_off=args.no_gc)  # fmt: skip
+                        gc_off=args.no_gc, event_logs=args.event_logs)  # fmt: skip
         print(f"replayed {n} runs -> {Path(args.out) / 'replay.csv'}")
         return
-    if args.cmd in ("host-fit", "cross-check") and args.probe_exponent and not args.host_speed:
+    if args.cmd == "events" and args.fit_model is None:
+        opts = (("--host-speed", args.host_speed), ("--link-depth", args.link_depth),
+                ("--probe-exponent", args.probe_exponent))  # fmt: skip
+        given = next((f for f, on in opts if on), None)
+        if given is not None:
+            raise FmoesimError(f"{given}: needs --fit-model (it shapes the refitted host costs)")
+    if (
+        args.cmd in ("host-fit", "cross-check", "events")
+        and args.probe_exponent
+        and not args.host_speed
+    ):
         raise FmoesimError("--probe-exponent: needs --host-speed (it scales by the probe)")
     if args.cmd == "host-fit":
         if args.host_speed and args.host_from is not None:
@@ -1614,6 +1783,20 @@ def _run(args: argparse.Namespace) -> None:
         for p, engine in fits.items():
             print(f"without {p}: {_costs_text(engine)}")
         print(f"report     {path / 'report.md'}")
+        return
+    if args.cmd == "events":
+        if args.window_steps < 0:
+            raise FmoesimError(f"--window-steps {args.window_steps}: must be 0 (none) or more")
+        pols = None if args.policies is None else [p for p in args.policies.split(",") if p]
+        fit = None
+        if args.fit_model is not None:
+            fit = {"fit_model": args.fit_model, "host_speed": args.host_speed,
+                   "modes": _fit_modes(args.fit_modes), "exponent": args.probe_exponent,
+                   "link_depth": args.link_depth}  # fmt: skip
+        logs = None if args.logs is None else Path(args.logs)
+        path = events_report([Path(p) for p in args.replays], logs, args.hardware,
+                             Path(args.out), meta, args.window_steps, pols, fit)  # fmt: skip
+        print(f"report     {path / 'events.md'}")
         return
     hardware = [h for h in args.hardware.split(",") if h]
     path = score([Path(p) for p in args.replays], hardware, Path(args.out), meta)

@@ -11,6 +11,8 @@
 # (docs/validation.md, "How to replay for a 5% target"):
 #   bash replay/gpu_validation.sh OUT_DIR 540 --models olmoe-1b-7b --modes batch1 \
 #     --budgets 3.2 --no-crossover --host-timers --repeats 5
+# With --event-logs, the runs' event logs (OUT_DIR/events/) are bundled into
+# OUT_DIR/events.tar at the end (compare them with `fmoesim-validate-grid events`).
 set -uo pipefail
 out=${1:?usage: gpu_validation.sh OUT_DIR [SECONDS] [replay flags]}
 budget_s=${2:-540}
@@ -36,4 +38,8 @@ left=$(( budget_s - (SECONDS - start) ))
 echo "profile and tests took $((SECONDS - start)) s; replays get $left s" | tee -a "$out/run.log"
 python3 -m replay.campaign replay --device "$device" --out "$out" --deadline-s "$left" "$@" 2>&1 \
   | tee -a "$out/run.log"
+if [ -d "$out/events" ]; then  # --event-logs: one file back, not one per run
+  tar -cf "$out/events.tar" -C "$out" events && rm -rf "$out/events"
+  echo "event logs: $out/events.tar ($(du -h "$out/events.tar" | cut -f1))" | tee -a "$out/run.log"
+fi
 echo "total $((SECONDS - start)) s" | tee -a "$out/run.log"

@@ -124,9 +124,10 @@ NOT_RUN = [
     (r"^fmoesim-validate --device cuda ", "needs a CUDA GPU and a profile measured on it"),
     (r"^bash replay/gpu_validation\.sh ", "needs a CUDA GPU (and nine minutes of it)"),
     (
-        r"^fmoesim-validate-grid (score|host-fit|cross-check) ",
-        "two minutes of simulation; tests/test_campaign.py scores a CPU replay end to end "
-        "and cross-checks synthetic runs by hand",
+        r"^fmoesim-validate-grid (score|host-fit|cross-check|events) ",
+        "up to two minutes of simulation, or a GPU's replays; tests/test_campaign.py scores "
+        "a CPU replay end to end and cross-checks synthetic runs by hand, and "
+        "tests/test_events.py compares a CPU replay's event logs end to end",
     ),
     (
         r"^fmoesim-validate --device cpu ",

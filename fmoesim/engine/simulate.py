@@ -317,6 +317,30 @@ def _preload(
             cache.complete(key)
 
 
+def sim_backend(
+    hardware: HardwareSpec,
+    model: ModelSpec,
+    policy_name: str,
+    caches: list[ExpertCache],
+    timing: bool = True,
+    landing: str = "link",
+    preempt: bool = True,
+) -> Backend:
+    """The simulator's backend of a run (what :func:`simulate` uses without
+    ``make_backend``): timed, the GPU-bound :class:`SimBackend`, or the host-bound
+    :class:`HostBoundSimBackend` where ``hardware`` measures the host's costs for
+    ``model`` (:mod:`fmoesim.engine.host`); hit-rate-only, the backend of ``landing``."""
+    compute = ComputeModel.from_specs(model, hardware)
+    if timing:
+        host = HostModel.from_specs(model, hardware, policy_name)
+        if host is None:
+            return SimBackend(hardware, compute, caches, preempt)
+        return HostBoundSimBackend(hardware, compute, caches, host, preempt)
+    if landing == "next_step":
+        return InstantBackend(caches)
+    return LinkStepBackend(hardware, compute, caches)
+
+
 def simulate(
     trace: Trace,
     model: ModelSpec,
@@ -465,16 +489,8 @@ def simulate(
     backend: Backend
     if make_backend is not None:
         backend = make_backend(caches)
-    elif timing:
-        host = HostModel.from_specs(model, hardware, policy.name)
-        if host is None:
-            backend = SimBackend(hardware, compute, caches, preempt)
-        else:  # a measured profile with the host's costs (fmoesim.engine.host)
-            backend = HostBoundSimBackend(hardware, compute, caches, host, preempt)
-    elif landing == "next_step":
-        backend = InstantBackend(caches)
     else:
-        backend = LinkStepBackend(hardware, compute, caches)
+        backend = sim_backend(hardware, model, policy.name, caches, timing, landing, preempt)
     runner = Runner(
         trace,
         model,

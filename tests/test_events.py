@@ -1,0 +1,284 @@
+"""Event logs (``replay/events.py``): what a log says by hand, the step-by-step comparison
+by hand, reading and refusing files, and a CPU replay's logs compared end to end with the
+simulator's."""
+
+from __future__ import annotations
+
+import csv
+import math
+import tarfile
+
+import numpy as np
+import pytest
+
+from fmoesim.engine.backend import TransferRecord
+from fmoesim.errors import FmoesimError
+from replay import campaign as C
+from replay import events as E
+
+
+def _xfer(key, reason, submit, start, end, release=None, **flags):
+    r = TransferRecord(key, 0, 100, reason, 0.0, submit)
+    r.start_s, r.end_s = start, end
+    if release is not None:
+        r.release_s = release
+    for k, v in flags.items():
+        setattr(r, k, v)
+    return r
+
+
+def _log(layers, tokens, gates, accesses, transfers, name="hand"):
+    rec = E.EventRecorder()
+    rec.layers, rec.tokens, rec.gates_s = list(layers), list(tokens), list(gates)
+    for step, key, outcome in accesses:
+        rec.acc_step.append(step)
+        rec.acc_key.append(key)
+        rec.acc_outcome.append(outcome)
+    return E.EventLog(rec.arrays(transfers), {"format": E.FORMAT}, name)
+
+
+def _hand_log():
+    """Gates at 0 (a prefill step of 4 tokens), 1 and 3 (one token each).  Prefetches: a
+    submitted at 0.5 (step 0) starts at 0.7, before the next gate, and is used; b,
+    submitted at 0.6, starts at 1.5, after it; c, submitted at 0.6, is cancelled; d is
+    submitted at 1.1 (step 1) with a release at 1.4 and starts at 1.6.  An on-demand load
+    e, submitted at 1.0, the gate of step 1 (as the simulator submits one), starts at
+    1.3.  Copies last 0.2 s, e's is paused once."""
+    xfers = [
+        _xfer(1, "prefetch", 0.5, 0.7, 0.9, used=True),
+        _xfer(2, "prefetch", 0.6, 1.5, 1.7),
+        _xfer(3, "prefetch", 0.6, 0.6, 0.6, cancelled=True),
+        _xfer(4, "prefetch", 1.1, 1.6, 1.8, release=1.4, used=True),
+        _xfer(5, "on_demand", 1.0, 1.3, 1.5, used=True, preemptions=1),
+    ]
+    accesses = [(0, 1, 0), (0, 7, 2), (1, 5, 2), (1, 4, 1), (2, 2, 0), (2, 9, 0)]
+    return _log([0, 1, 0], [4, 1, 1], [0.0, 1.0, 3.0], accesses, xfers)
+
+
+def test_what_a_log_says_by_hand():
+    """Step times, outcome shares, each prefetch's fate, queue waits, copies and the
+    link's busy share of :func:`summarize`, computed by hand on :func:`_hand_log`.
+    Red if a transfer is placed in the wrong step (the gate at its submission counts),
+    if a prefetch that starts after the next gate counts as started in its step, if the
+    wait runs from the submission of a delayed prefetch instead of its release, if a
+    cancelled transfer counts as started or as link time, or if a paused copy's length
+    enters the copy time."""
+    s = E.summarize(_hand_log())
+    assert s["steps"] == 3 and s["multi_steps"] == 1
+    assert s["step_ms_multi"] == pytest.approx(1000.0)  # 0 -> 1
+    assert s["step_ms_one"] == pytest.approx(2000.0)  # 1 -> 3; the last step has no end
+    assert (s["hit"], s["late"], s["miss"]) == pytest.approx((3 / 6, 1 / 6, 2 / 6))
+    assert s["prefetch_submitted"] == pytest.approx(4 / 3)
+    # a: in its step (0.7 < 1); b: later (1.5 > 1); c: cancelled; d: in its step (1.6 < 3)
+    assert s["prefetch_started_in_step"] == pytest.approx(2 / 4)
+    assert s["prefetch_started_later"] == pytest.approx(1 / 4)
+    assert s["prefetch_cancelled"] == pytest.approx(1 / 4)
+    assert s["prefetch_used"] == pytest.approx(2 / 4)
+    # waits: a 0.2, b 0.9, d 0.2 (from its release at 1.4, not its submission at 1.1)
+    assert s["prefetch_wait_ms"] == pytest.approx(1e3 * (0.2 + 0.9 + 0.2) / 3)
+    assert s["prefetch_wait_ms_multi"] == pytest.approx(1e3 * (0.2 + 0.9) / 2)  # a, b
+    assert s["prefetch_wait_ms_one"] == pytest.approx(200.0)  # d
+    assert s["prefetch_copy_ms"] == pytest.approx(200.0)
+    assert s["on_demand_submitted"] == pytest.approx(1 / 3)
+    assert s["on_demand_wait_ms"] == pytest.approx(300.0)
+    assert math.isnan(s["on_demand_copy_ms"])  # paused: not a whole copy
+    assert s["on_demand_started_in_step"] == 1.0
+    # four copies of 0.2 s over the span from the first gate (0) to the last gate (3)
+    assert s["link_busy"] == pytest.approx(0.8 / 3.0)
+
+
+def test_the_comparison_matches_accesses_by_step_and_key_by_hand():
+    """:func:`compare`: the mean step difference per kind of step and the outcome matrix,
+    by hand, with the simulator's accesses logged in another order within a step and
+    one access only the replay made.  Red if accesses are matched by position, if the
+    matrix's rows and columns are swapped, or if logs whose steps differ are compared
+    step by step."""
+    rep = _hand_log()
+    # the simulator: steps of 1.5 s and 1 s (replay: 1 s and 2 s); its accesses found
+    # (step 0) key 7 hit, key 1 hit; (step 1) key 4 hit, key 5 miss; (step 2) key 2 hit
+    accesses = [(0, 7, 0), (0, 1, 0), (1, 4, 0), (1, 5, 2), (2, 2, 0)]
+    sim = _log([0, 1, 0], [4, 1, 1], [0.0, 1.5, 2.5], accesses, [])
+    c = E.compare(rep, sim)
+    assert c["aligned"]
+    assert c["step_diff_ms_multi"] == pytest.approx(500.0)
+    assert c["step_diff_ms_one"] == pytest.approx(-1000.0)
+    want = np.zeros((3, 3), dtype=int)
+    want[0, 0] = 2  # key 1 (step 0) and key 2 (step 2): hit in both
+    want[2, 0] = 1  # key 7: a miss in the replay, a hit in the simulator
+    want[2, 2] = 1  # key 5: missed in both
+    want[1, 0] = 1  # key 4: late in the replay, a hit in the simulator
+    assert np.array_equal(c["outcomes"], want)
+    assert c["agree"] == pytest.approx(3 / 5)
+    other = _log([0, 1], [4, 1], [0.0, 1.0], [], [])
+    assert E.compare(rep, other) == {"aligned": False}
+
+
+def test_logs_round_trip_through_a_directory_and_a_tar_and_bad_files_are_refused(tmp_path):
+    """A log saved and read back (from its directory and from a tar of it, as the GPU
+    script bundles them) holds the same arrays; a file without an array, with an access
+    outside the steps, with gates out of order or that is no log at all is refused in one
+    line naming the file, the array or row and the rule.  Red if a column is lost on the
+    way or a broken log is read as if whole."""
+    log = _hand_log()
+    d = tmp_path / "events"
+    E.save_log(d / "a_r0.npz", log.a, {"source": "test"})
+    with tarfile.open(tmp_path / "events.tar", "w") as tar:
+        tar.add(d, arcname="events")
+    for src in (d, tmp_path / "events.tar"):
+        (got,) = E.open_logs(src).values()
+        assert got.meta == {"format": E.FORMAT, "source": "test"}
+        for k in E.COLUMNS:
+            assert np.array_equal(got.a[k], log.a[k], equal_nan=True), k
+    bad = tmp_path / "bad"
+    arrays = dict(log.a)
+    del arrays["xfer_start_s"]
+    E.save_log(bad / "x.npz", arrays, {})
+    with pytest.raises(FmoesimError, match=r"x\.npz: no array 'xfer_start_s'"):
+        E.open_logs(bad)
+    arrays = dict(log.a, access_step=np.array([0, 0, 1, 1, 2, 3], dtype=np.int32))
+    E.save_log(bad / "x.npz", arrays, {})
+    with pytest.raises(FmoesimError, match=r"x\.npz: access_step row 5 is 3 .*3 layer steps"):
+        E.open_logs(bad)
+    arrays = dict(log.a, step_gate_s=np.array([0.0, 2.0, 1.0]))
+    E.save_log(bad / "x.npz", arrays, {})
+    with pytest.raises(FmoesimError, match=r"step_gate_s row 2 is earlier than row 1"):
+        E.open_logs(bad)
+    (bad / "x.npz").write_text("not a log")
+    with pytest.raises(FmoesimError, match=r"x\.npz: not an event log"):
+        E.open_logs(bad)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FmoesimError, match="holds no event log"):
+        E.open_logs(tmp_path / "empty")
+
+
+TINY = C.ModelGrid(
+    "olmoe-1b-7b", "synthetic", (0.05,), {"batch1": 1}, 0.05,
+    extra=("model.num_layers=3", "model.num_experts=8", "model.top_k=2",
+           "model.hidden_size=256", "model.expert_intermediate_size=128",
+           "workload.synthetic.output_tokens_max=6",
+           "workload.synthetic.prompt_tokens_max=8"),
+)  # fmt: skip
+
+
+def test_a_cpu_replays_event_logs_are_compared_with_the_simulators(tmp_path):
+    """LRU and fMoE replayed on the CPU twice with ``--event-logs``: only the first
+    repeat writes a log; each log's steps, hits and transfers are the replay's own
+    counts; the simulator's log of the same run is LRU's exactly where decisions do not
+    depend on timing (every access found the same), and recording it changes nothing
+    the simulator reports.  Red if a log is written per repeat, if the recorder drops or
+    misplaces a step or an access, if the simulator's logged run differs from its plain
+    run (the closed form skipped, a hook wrapped wrongly), or if the report loses a run."""
+    pytest.importorskip("torch", reason="the replay needs torch")
+    pytest.importorskip("matplotlib", reason="the report draws timelines")
+    runs = C.grid_runs([TINY], ["lru", "fmoe"], ["batch1"], crossover=False)
+    out = tmp_path / "rep"
+    assert C.run_replays(runs, "cpu", out, log=lambda _: None, repeats=2, event_logs=True) == 4
+    names = sorted(p.name for p in (out / "events").iterdir())
+    assert names == [
+        "olmoe-1b-7b_0.05GB_batch1_x1_fmoe_r0.npz", "olmoe-1b-7b_0.05GB_batch1_x1_lru_r0.npz",
+    ]  # fmt: skip
+    logs = E.open_logs(out / "events")
+    rows = {r["policy"]: r for r in C.read_replays([out], merge=False) if r["repeat"] == 0}
+    for pol, row in rows.items():
+        log = logs[f"olmoe-1b-7b_0.05GB_batch1_x1_{pol}_r0.npz"]
+        a = log.a
+        assert len(a["step_layer"]) == row["replay_layer_steps"]
+        assert len(a["access_key"]) == row["replay_accesses"]
+        assert int((a["access_outcome"] == 0).sum()) == row["replay_hits"]
+        moved = int((~a["xfer_cancelled"]).sum())
+        assert moved == row["replay_transfers"]
+        assert len(a["xfer_key"]) == moved + row["replay_cancelled_transfers"]
+        assert log.meta["source"] == "replay" and log.meta["policy"] == pol
+        sim, summary = C.simulate_events(row, "h100-pcie5")
+        plain = C.simulate_row(row, "h100-pcie5")
+        for k in ("hits", "late", "misses", "transfers", "tpot_mean_s", "ttft_mean_s"):
+            assert summary[k] == plain[f"sim_{k}"], (pol, k)
+        assert int((sim.a["access_outcome"] == 0).sum()) == summary["hits"]
+        assert E.aligned(log, sim)
+        if pol == "lru":
+            assert E.compare(log, sim)["agree"] == 1.0
+    rep = C.events_report([out], out / "events", "h100-pcie5", tmp_path / "ev", {"device": "cpu"})
+    text = (rep / "events.md").read_text()
+    assert "## olmoe-1b-7b_0.05GB_batch1_x1_lru_r0" in text and "Steps line up" in text
+    assert len(list(csv.DictReader((rep / "events.csv").open()))) == 2
+    assert len(list(rep.glob("timeline-*.png"))) == 2
+    # a directory of anything else is not overwritten
+    with pytest.raises(FmoesimError, match="not an events report"):
+        C.events_report([out], out / "events", "h100-pcie5", out, {})
+    # without logs: every repeat of every run, its replay column from replay.csv
+    rep = C.events_report([out], None, "h100-pcie5", tmp_path / "ev2", {}, window_steps=0)
+    table = list(csv.DictReader((rep / "events.csv").open()))
+    assert [r["run"] for r in table] == [
+        f"olmoe-1b-7b_0.05GB_batch1_x1_{p}_r{i}" for p in ("lru", "fmoe") for i in (0, 1)
+    ]
+    by_run = {(r["policy"], r["repeat"]): r for r in C.read_replays([out], merge=False)}
+    for t in table:
+        r = by_run[(t["run"].split("_")[4], int(t["run"][-1]))]
+        moved = r["replay_transfers"] / r["replay_layer_steps"]
+        assert float(t["replay_moved"]) == pytest.approx(moved)
+        assert float(t["replay_hit"]) == pytest.approx(r["replay_hit_rate"])
+        assert t["replay_step_ms_one"] == ""  # unknown without a log
+    assert not list(rep.glob("timeline-*.png"))
+
+
+def test_events_refit_the_host_costs_without_each_runs_policy(tmp_path, monkeypatch):
+    """``events --fit-model``: each run is simulated on host costs fitted without its own
+    policy's runs (as ``cross-check`` does), with the link depth asked for.  Red if a
+    run's policy stays in its fit, a run is simulated on another policy's fit, or the
+    depth is lost."""
+    rows = [
+        {"model": "m", "budget_gb": 1.0, "mode": "batch1", "policy": p, "compute_repeat": 1,
+         "repeat": 0, "replay_layer_steps": 3, "replay_hit_rate": 0.5, "replay_late_rate": 0.0,
+         "replay_miss_rate": 0.5, "replay_transfers": 3, "replay_cancelled_transfers": 0,
+         "replay_ttft_mean_s": 0.1, "replay_tpot_mean_s": 0.01}
+        for p in ("lru", "fmoe")
+    ]  # fmt: skip
+    left_out, simulated = [], {}
+
+    def fit_host(rs, fit_model, host_speed, modes, leave_out, exponent):
+        left_out.append((fit_model, list(leave_out)))
+        return {"host_access_s": 1e-4}, {}
+
+    def simulate_events(row, hardware, spec_hw=None):
+        simulated[row["policy"]] = spec_hw
+        return _hand_log(), {"ttft_mean_s": 0.1, "tpot_mean_s": 0.01}
+
+    monkeypatch.setattr(C, "read_replays", lambda paths, merge=True: rows)
+    monkeypatch.setattr(C, "repeat_rows", lambda paths, hardware: rows)
+    monkeypatch.setattr(C, "fit_host", fit_host)
+    monkeypatch.setattr(C, "host_profile", lambda base, engine, dec, name, note: (name, engine))
+    monkeypatch.setattr(C, "simulate_events", simulate_events)
+    fit = {"fit_model": "m", "host_speed": True, "modes": ["batch1"], "exponent": False,
+           "link_depth": 2}  # fmt: skip
+    C.events_report([tmp_path], None, "base", tmp_path / "ev", {}, 0, None, fit)
+    assert left_out == [("m", ["lru"]), ("m", ["fmoe"])]
+    for p in ("lru", "fmoe"):
+        name, engine = simulated[p]
+        assert name == f"base-without-{p}" and engine["host_link_depth"] == 2
+    assert "out of sample" in (tmp_path / "ev" / "events.md").read_text()
+
+
+def test_the_events_command_refuses_bad_arguments_in_one_line(tmp_path, capsys):
+    """``fmoesim-validate-grid events``: a negative window, a ``--logs`` that is neither
+    a directory nor a tar file, a refit option without ``--fit-model`` and the probe's
+    exponent without ``--host-speed`` are refused before anything is simulated or
+    written, in one line naming the option, exit status 2.  Red if one reaches the
+    simulator or leaves a report directory behind."""
+    rep = tmp_path / "replay.csv"
+    rep.write_text("model,budget_gb,mode,policy,compute_repeat,overrides\n")
+    plain = tmp_path / "plain.txt"
+    plain.write_text("no logs here")
+    cases = [
+        (["--logs", str(tmp_path), "--window-steps", "-1"], "--window-steps -1: must be 0"),
+        (["--logs", str(plain)], f"--logs {plain}: neither a directory nor a tar file"),
+        (["--link-depth", "2"], "--link-depth: needs --fit-model"),
+        (["--fit-model", "m", "--probe-exponent"], "--probe-exponent: needs --host-speed"),
+    ]
+    for extra, msg in cases:
+        with pytest.raises(SystemExit) as exc:
+            C.main(["events", str(rep), "--hardware", "h100-pcie5", "--out",
+                    str(tmp_path / "out"), *extra])  # fmt: skip
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and msg in err, err
+        assert not (tmp_path / "out").exists()
