@@ -15,6 +15,7 @@ from fmoesim.engine.backend import TransferRecord
 from fmoesim.errors import FmoesimError
 from replay import campaign as C
 from replay import events as E
+from tests.test_campaign import TINY_GRID
 
 
 def _xfer(key, reason, submit, start, end, release=None, **flags):
@@ -151,15 +152,6 @@ def test_logs_round_trip_through_a_directory_and_a_tar_and_bad_files_are_refused
         E.open_logs(tmp_path / "empty")
 
 
-TINY = C.ModelGrid(
-    "olmoe-1b-7b", "synthetic", (0.05,), {"batch1": 1}, 0.05,
-    extra=("model.num_layers=3", "model.num_experts=8", "model.top_k=2",
-           "model.hidden_size=256", "model.expert_intermediate_size=128",
-           "workload.synthetic.output_tokens_max=6",
-           "workload.synthetic.prompt_tokens_max=8"),
-)  # fmt: skip
-
-
 def test_a_cpu_replays_event_logs_are_compared_with_the_simulators(tmp_path):
     """LRU and fMoE replayed on the CPU twice with ``--event-logs``: only the first
     repeat writes a log; each log's steps, hits and transfers are the replay's own
@@ -170,7 +162,7 @@ def test_a_cpu_replays_event_logs_are_compared_with_the_simulators(tmp_path):
     run (the closed form skipped, a hook wrapped wrongly), or if the report loses a run."""
     pytest.importorskip("torch", reason="the replay needs torch")
     pytest.importorskip("matplotlib", reason="the report draws timelines")
-    runs = C.grid_runs([TINY], ["lru", "fmoe"], ["batch1"], crossover=False)
+    runs = C.grid_runs([TINY_GRID], ["lru", "fmoe"], ["batch1"], crossover=False)
     out = tmp_path / "rep"
     assert C.run_replays(runs, "cpu", out, log=lambda _: None, repeats=2, event_logs=True) == 4
     names = sorted(p.name for p in (out / "events").iterdir())
