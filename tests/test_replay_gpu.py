@@ -48,3 +48,29 @@ def test_profiler_on_the_gpu(tmp_path):
     assert spec.pcie_gbps > 1 and spec.gpu != "cpu"
     m = spec.measured[MODEL.name]
     assert m["expert_a_s"] + m["expert_b_s"] > 0
+
+
+def test_cuda_event_logs_share_the_hosts_clock(tmp_path):
+    """A CUDA replay with event logs (``replay --event-logs``): the log holds every layer
+    step, access and transfer the run counted, and its copy times (CUDA events) and host
+    times (submissions, gates) are on one clock: no copy starts before it was queued,
+    none ends before it starts, and every copy ends within the run.  Red if the CUDA
+    events' origin drifts from the host clock's, or the recorder misses a step."""
+    from replay import campaign as C
+    from replay import events as E
+    from tests.test_campaign import TINY_GRID
+
+    runs = C.grid_runs([TINY_GRID], ["lru", "fmoe"], ["batch1"], crossover=False)
+    out = tmp_path / "rep"
+    assert C.run_replays(runs, "cuda", out, log=lambda _: None, event_logs=True) == 2
+    logs = E.open_logs(out / "events")
+    for row in C.read_replays([out], merge=False):
+        a = logs[C._log_of(row)].a
+        assert len(a["step_layer"]) == row["replay_layer_steps"]
+        assert len(a["access_key"]) == row["replay_accesses"]
+        moved = ~a["xfer_cancelled"]
+        assert int(moved.sum()) == row["replay_transfers"] > 0
+        start, end = a["xfer_start_s"][moved], a["xfer_end_s"][moved]
+        assert (start >= a["xfer_submit_s"][moved] - 1e-3).all()
+        assert (end >= start).all()
+        assert end.max() <= row["replay_simulated_s"] + 1e-3
