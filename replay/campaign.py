@@ -468,7 +468,8 @@ def replay_one(
                 )  # fmt: skip
             )
         if rec is not None:  # the host's clock: the backend's now() waits for the GPU
-            rec.wrap_backend(backend, clock=backend._host_s)
+            totals = {"gpu_busy_s": lambda: backend.busy_compute_s, "policy_s": lambda: hooks[0]}
+            rec.wrap_backend(backend, clock=backend._host_s, totals=totals)
         return backend
 
     probe_before_s = host_probe_s()
@@ -802,7 +803,10 @@ def simulate_events(
     def make(caches: list[Any]) -> Any:
         be = sim_backend(spec.hardware, model, spec.policy.name, caches,
                          preempt=spec.engine.preempt)  # fmt: skip
-        return rec.wrap_backend(be)
+        totals = {"gpu_busy_s": lambda: be.busy_compute_s}
+        if hasattr(be, "host_s"):  # the host-bound backend: the host time it charged
+            totals["host_s"] = lambda: be.host_s
+        return rec.wrap_backend(be, totals=totals)
 
     res = simulate_spec(spec, trace, timing=True, access_log=False, progress=False, fast=False,
                         make_backend=make)  # fmt: skip

@@ -5,7 +5,11 @@ replay differ; its event log says *where*. An event log holds three tables:
 
 - the layer steps: each MoE layer step's ``layer``, ``tokens`` and ``gate_s``, the clock
   once its gate is known (after attention and the router: in the replay the host's clock
-  right after it synchronised with the router, in the simulator the modelled clock);
+  right after it synchronised with the router, in the simulator the modelled clock), and
+  three running totals read at the same moment (NaN where a run does not keep one):
+  ``gpu_busy_s``, the GPU's compute so far; ``policy_s``, the host's seconds inside the
+  policy's hooks so far (the replay times them); ``host_s``, the host seconds the
+  simulator's host model has charged so far;
 - the expert accesses: each access's ``step`` (an index into the steps), ``key`` and
   ``outcome`` (HIT 0, LATE 1, MISS 2), as the policy is told them (``on_access``);
 - the transfers: the backend's transfer log (:class:`fmoesim.engine.backend.TransferRecord`:
@@ -53,6 +57,9 @@ COLUMNS = {
     "step_layer": np.int32,
     "step_tokens": np.int32,
     "step_gate_s": np.float64,
+    "step_gpu_busy_s": np.float64,
+    "step_policy_s": np.float64,
+    "step_host_s": np.float64,
     "access_step": np.int32,
     "access_key": np.int64,
     "access_outcome": np.int8,
@@ -72,16 +79,20 @@ COLUMNS = {
 }
 
 
+#: the running totals a layer step records (``step_<name>``)
+TOTALS = ("gpu_busy_s", "policy_s", "host_s")
+
+
 class EventRecorder:
     """Records a run's layer steps and expert accesses from outside: :meth:`wrap_policy`
     before the run, :meth:`wrap_backend` on its backend (a ``make_backend`` of
-    :func:`fmoesim.engine.simulate.simulate`), :meth:`arrays` after it.  ``clock`` reads
-    the backend's time; None reads ``backend.now()``."""
+    :func:`fmoesim.engine.simulate.simulate`), :meth:`arrays` after it."""
 
     def __init__(self) -> None:
         self.layers: list[int] = []
         self.tokens: list[int] = []
         self.gates_s: list[float] = []
+        self.totals: dict[str, list[float]] = {name: [] for name in TOTALS}
         self.acc_step: list[int] = []
         self.acc_key: list[int] = []
         self.acc_outcome: list[int] = []
@@ -100,18 +111,33 @@ class EventRecorder:
 
         policy.on_access = on_access
 
-    def wrap_backend(self, backend: Any, clock: Callable[[], float] | None = None) -> Any:
+    def wrap_backend(
+        self,
+        backend: Any,
+        clock: Callable[[], float] | None = None,
+        totals: dict[str, Callable[[], float]] | None = None,
+    ) -> Any:
         """Shadow ``backend.pre_gate`` so each layer step is logged once its gate is
-        known (``clock()`` after ``pre_gate`` returns); returns ``backend``."""
+        known: ``clock()`` (None: ``backend.now()``) and each of ``totals`` (by a name
+        of :data:`TOTALS`; the others are NaN) after ``pre_gate`` returns.  Returns
+        ``backend``."""
         fn = backend.pre_gate
         read = backend.now if clock is None else clock
         layers, tokens, gates = self.layers, self.tokens, self.gates_s
+        given = totals or {}
+        unknown = set(given) - set(TOTALS)
+        if unknown:
+            raise ValueError(f"totals {sorted(unknown)}: not in {TOTALS}")
+        nan: Callable[[], float] = lambda: math.nan  # noqa: E731
+        reads = [(self.totals[name], given.get(name, nan)) for name in TOTALS]
 
         def pre_gate(layer: int, n: int, kv_tokens: int, pairs: int) -> None:
             fn(layer, n, kv_tokens, pairs)
             layers.append(layer)
             tokens.append(n)
             gates.append(read())
+            for cells, total in reads:
+                cells.append(total())
 
         backend.pre_gate = pre_gate
         self.backend = backend
@@ -126,6 +152,7 @@ class EventRecorder:
             "step_layer": self.layers,
             "step_tokens": self.tokens,
             "step_gate_s": self.gates_s,
+            **{f"step_{name}": cells for name, cells in self.totals.items()},
             "access_step": self.acc_step,
             "access_key": self.acc_key,
             "access_outcome": self.acc_outcome,
@@ -281,7 +308,9 @@ def summarize(log: EventLog) -> dict[str, float]:
     """What one log says, per layer step where it is a count:
 
     - ``steps``, ``multi_steps`` (steps of more than one token: at batch 1, the
-      prefill's), ``step_ms_multi`` and ``step_ms_one`` (mean gate-to-gate time);
+      prefill's), ``step_ms_multi`` and ``step_ms_one`` (mean gate-to-gate time), and
+      the same means of each running total's growth from gate to gate (``gpu_ms_*``,
+      ``policy_ms_*``, ``host_ms_*``; NaN where the log has none);
     - ``hit``, ``late``, ``miss``: shares of the accesses;
     - per reason (``prefetch_``, ``on_demand_``): ``submitted`` per step, and the shares
       ``cancelled``, ``started_in_step`` (started before the gate after its
@@ -305,6 +334,12 @@ def summarize(log: EventLog) -> dict[str, float]:
         "step_ms_multi": 1e3 * _mean(sec[multi]),
         "step_ms_one": 1e3 * _mean(sec[~multi]),
     }
+    for name in TOTALS:
+        grew = np.full(steps, np.nan)  # (S,) the total's growth to the next gate
+        grew[:-1] = np.diff(a[f"step_{name}"])
+        short = name.removesuffix("_s").removesuffix("_busy")
+        out[f"{short}_ms_multi"] = 1e3 * _mean(grew[multi])
+        out[f"{short}_ms_one"] = 1e3 * _mean(grew[~multi])
     n_acc = len(a["access_outcome"])
     for code, name in enumerate(OUTCOMES):
         out[name] = float((a["access_outcome"] == code).sum() / n_acc) if n_acc else math.nan
@@ -405,6 +440,12 @@ def compare(replay: EventLog, sim: EventLog) -> dict[str, Any]:
 TABLE_ROWS = (
     ("step_ms_multi", "layer step of > 1 token, ms", 1.0, "{:.3f}"),
     ("step_ms_one", "layer step of 1 token, ms", 1.0, "{:.3f}"),
+    ("gpu_ms_multi", "GPU busy a step of > 1 token, ms", 1.0, "{:.3f}"),
+    ("gpu_ms_one", "GPU busy a step of 1 token, ms", 1.0, "{:.3f}"),
+    ("policy_ms_multi", "policy's hooks a step of > 1 token, ms", 1.0, "{:.3f}"),
+    ("policy_ms_one", "policy's hooks a step of 1 token, ms", 1.0, "{:.3f}"),
+    ("host_ms_multi", "modelled host a step of > 1 token, ms", 1.0, "{:.3f}"),
+    ("host_ms_one", "modelled host a step of 1 token, ms", 1.0, "{:.3f}"),
     ("hit", "hit", 100.0, "{:.1f}%"),
     ("late", "late", 100.0, "{:.1f}%"),
     ("miss", "miss", 100.0, "{:.1f}%"),

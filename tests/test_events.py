@@ -28,9 +28,11 @@ def _xfer(key, reason, submit, start, end, release=None, **flags):
     return r
 
 
-def _log(layers, tokens, gates, accesses, transfers, name="hand"):
+def _log(layers, tokens, gates, accesses, transfers, name="hand", **totals):
     rec = E.EventRecorder()
     rec.layers, rec.tokens, rec.gates_s = list(layers), list(tokens), list(gates)
+    for t in E.TOTALS:
+        rec.totals[t] = list(totals.get(t, [math.nan] * len(gates)))
     for step, key, outcome in accesses:
         rec.acc_step.append(step)
         rec.acc_key.append(key)
@@ -53,13 +55,16 @@ def _hand_log():
         _xfer(5, "on_demand", 1.0, 1.3, 1.5, used=True, preemptions=1),
     ]
     accesses = [(0, 1, 0), (0, 7, 2), (1, 5, 2), (1, 4, 1), (2, 2, 0), (2, 9, 0)]
-    return _log([0, 1, 0], [4, 1, 1], [0.0, 1.0, 3.0], accesses, xfers)
+    # the GPU busy 0.4 s of the first step and 0.6 s of the second; the hooks 0.1 and 0.3
+    totals = {"gpu_busy_s": [0.0, 0.4, 1.0], "policy_s": [0.0, 0.1, 0.4]}
+    return _log([0, 1, 0], [4, 1, 1], [0.0, 1.0, 3.0], accesses, xfers, **totals)
 
 
 def test_what_a_log_says_by_hand():
     """Step times, outcome shares, each prefetch's fate, queue waits, copies and the
     link's busy share of :func:`summarize`, computed by hand on :func:`_hand_log`.
-    Red if a transfer is placed in the wrong step (the gate at its submission counts),
+    Red if a running total's growth is taken over the wrong steps, if a transfer is
+    placed in the wrong step (the gate at its submission counts),
     if a prefetch that starts after the next gate counts as started in its step, if the
     wait runs from the submission of a delayed prefetch instead of its release, if a
     cancelled transfer counts as started or as link time, or if a paused copy's length
@@ -68,6 +73,9 @@ def test_what_a_log_says_by_hand():
     assert s["steps"] == 3 and s["multi_steps"] == 1
     assert s["step_ms_multi"] == pytest.approx(1000.0)  # 0 -> 1
     assert s["step_ms_one"] == pytest.approx(2000.0)  # 1 -> 3; the last step has no end
+    assert (s["gpu_ms_multi"], s["gpu_ms_one"]) == pytest.approx((400.0, 600.0))
+    assert (s["policy_ms_multi"], s["policy_ms_one"]) == pytest.approx((100.0, 300.0))
+    assert math.isnan(s["host_ms_multi"]) and math.isnan(s["host_ms_one"])  # not recorded
     assert (s["hit"], s["late"], s["miss"]) == pytest.approx((3 / 6, 1 / 6, 2 / 6))
     assert s["prefetch_submitted"] == pytest.approx(4 / 3)
     # a: in its step (0.7 < 1); b: later (1.5 > 1); c: cancelled; d: in its step (1.6 < 3)
@@ -181,6 +189,13 @@ def test_a_cpu_replays_event_logs_are_compared_with_the_simulators(tmp_path):
         assert moved == row["replay_transfers"]
         assert len(a["xfer_key"]) == moved + row["replay_cancelled_transfers"]
         assert log.meta["source"] == "replay" and log.meta["policy"] == pol
+        # the GPU's compute and the policy's hooks so far, at each gate: they only grow,
+        # and the hooks' total stays within the run's timed hooks
+        for t in ("step_gpu_busy_s", "step_policy_s"):
+            assert (np.diff(a[t]) >= 0).all() and a[t][-1] > 0, t
+        assert a["step_policy_s"][-1] <= row["replay_policy_host_s"]
+        assert a["step_gpu_busy_s"][-1] <= row["replay_gpu_busy_s"]
+        assert np.isnan(a["step_host_s"]).all()
         sim, summary = C.simulate_events(row, "h100-pcie5")
         plain = C.simulate_row(row, "h100-pcie5")
         for k in ("hits", "late", "misses", "transfers", "tpot_mean_s", "ttft_mean_s"):
