@@ -11,8 +11,8 @@
 # (docs/validation.md, "How to replay for a 5% target"):
 #   bash replay/gpu_validation.sh OUT_DIR 540 --models olmoe-1b-7b --modes batch1 \
 #     --budgets 3.2 --no-crossover --host-timers --repeats 5
-# With --event-logs, the runs' event logs (OUT_DIR/events/) are bundled into
-# OUT_DIR/events.tar at the end (compare them with `fmoesim-validate-grid events`).
+# With --event-logs, the runs' event logs (OUT_DIR/events/) are added to OUT_DIR/events.tar
+# at the end (compare them with `fmoesim-validate-grid events`).
 set -uo pipefail
 out=${1:?usage: gpu_validation.sh OUT_DIR [SECONDS] [replay flags]}
 budget_s=${2:-540}
@@ -39,7 +39,8 @@ echo "profile and tests took $((SECONDS - start)) s; replays get $left s" | tee 
 python3 -m replay.campaign replay --device "$device" --out "$out" --deadline-s "$left" "$@" 2>&1 \
   | tee -a "$out/run.log"
 if [ -d "$out/events" ]; then  # --event-logs: one file back, not one per run
-  tar -cf "$out/events.tar" -C "$out" events && rm -rf "$out/events"
+  # appended: a second call that resumes the replays adds its runs' logs
+  tar -rf "$out/events.tar" -C "$out" events && rm -rf "$out/events"
   echo "event logs: $out/events.tar ($(du -h "$out/events.tar" | cut -f1))" | tee -a "$out/run.log"
 fi
 echo "total $((SECONDS - start)) s" | tee -a "$out/run.log"
