@@ -266,6 +266,8 @@ def open_logs(source: Path) -> dict[str, EventLog]:
     writes it, or ``events.tar`` as ``replay/gpu_validation.sh`` bundles it), by file
     name."""
     logs: dict[str, EventLog] = {}
+    if not source.exists():
+        raise FmoesimError(f"--logs {source}: no such file or directory")
     if source.is_dir():
         for p in sorted(source.glob("*.npz")):
             logs[p.name] = EventLog.read(p, str(p))
@@ -429,7 +431,7 @@ def compare(replay: EventLog, sim: EventLog) -> dict[str, Any]:
     scale = int(max(ra["access_key"].max(initial=0), sa["access_key"].max(initial=0))) + 1
     rid = ra["access_step"].astype(np.int64) * scale + ra["access_key"]
     sid = sa["access_step"].astype(np.int64) * scale + sa["access_key"]
-    both, ri, si = np.intersect1d(rid, sid, assume_unique=False, return_indices=True)
+    _, ri, si = np.intersect1d(rid, sid, assume_unique=False, return_indices=True)
     np.add.at(m, (ra["access_outcome"][ri], sa["access_outcome"][si]), 1)
     out["outcomes"] = m
     out["agree"] = float(np.trace(m) / m.sum()) if m.sum() else math.nan

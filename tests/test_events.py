@@ -267,10 +267,10 @@ def test_events_refit_the_host_costs_without_each_runs_policy(tmp_path, monkeypa
 
 def test_the_events_command_refuses_bad_arguments_in_one_line(tmp_path, capsys):
     """``fmoesim-validate-grid events``: a negative window, a ``--logs`` that is neither
-    a directory nor a tar file, a refit option without ``--fit-model`` and the probe's
-    exponent without ``--host-speed`` are refused before anything is simulated or
-    written, in one line naming the option, exit status 2.  Red if one reaches the
-    simulator or leaves a report directory behind."""
+    a directory nor a tar file or does not exist, a refit option without
+    ``--fit-model`` and the probe's exponent without ``--host-speed`` are refused before
+    anything is simulated or written, in one line naming the option, exit status 2.
+    Red if one reaches the simulator or leaves a report directory behind."""
     rep = tmp_path / "replay.csv"
     rep.write_text("model,budget_gb,mode,policy,compute_repeat,overrides\n")
     plain = tmp_path / "plain.txt"
@@ -278,6 +278,7 @@ def test_the_events_command_refuses_bad_arguments_in_one_line(tmp_path, capsys):
     cases = [
         (["--logs", str(tmp_path), "--window-steps", "-1"], "--window-steps -1: must be 0"),
         (["--logs", str(plain)], f"--logs {plain}: neither a directory nor a tar file"),
+        (["--logs", str(tmp_path / "gone")], "gone: no such file or directory"),
         (["--link-depth", "2"], "--link-depth: needs --fit-model"),
         (["--fit-model", "m", "--probe-exponent"], "--probe-exponent: needs --host-speed"),
     ]
