@@ -837,7 +837,8 @@ def events_report(
     and set beside its replay.csv numbers.  ``policies`` keeps only those runs.  ``fit``
     (:func:`fit_host`'s ``fit_model``, ``host_speed``, ``modes`` and ``exponent``, and
     ``link_depth``) first refits ``hardware``'s host costs on the replays without each
-    run's policy, as :func:`cross_check` does, so each run is simulated out of sample."""
+    run's policy (:func:`fit_without`, whose keyword arguments they are), as
+    :func:`cross_check` does, so each run is simulated out of sample."""
     import pandas as pd
 
     from fmoesim.atomic import atomic_dir
@@ -863,11 +864,7 @@ def events_report(
     if fit is not None:
         rows = repeat_rows(replays, hardware)
         for p in dict.fromkeys(r["policy"] for r in chosen):
-            engine, decisions = fit_host(rows, fit["fit_model"], fit["host_speed"],
-                                         fit["modes"], [p], fit["exponent"])  # fmt: skip
-            engine = with_link_depth(engine, fit["link_depth"])
-            profiles[p] = host_profile(hardware, engine, decisions, f"{hardware}-without-{p}",
-                                       f"fitted without {p}")  # fmt: skip
+            _, profiles[p] = fit_without(rows, hardware, p, **fit)
     runs = []
     for r in chosen:
         name = _log_of(r)
@@ -1550,6 +1547,26 @@ def with_link_depth(engine: dict[str, float], depth: int) -> dict[str, float]:
     return {**engine, HOST_LINK_DEPTH_KEY: depth} if depth else dict(engine)
 
 
+def fit_without(
+    rows: Sequence[dict[str, Any]],
+    base: str,
+    policy: str,
+    fit_model: str,
+    host_speed: bool,
+    modes: Sequence[str],
+    link_depth: int,
+    exponent: bool,
+) -> tuple[dict[str, float], Any]:
+    """The engine's host costs fitted (:func:`fit_host`) on ``rows`` without
+    ``policy``'s runs, the link depth added (:func:`with_link_depth`), and ``base`` with
+    them: the profile that simulates ``policy`` out of sample (its own decision cost is
+    measured, not fitted, so it stays)."""
+    engine, decisions = fit_host(rows, fit_model, host_speed, modes, [policy], exponent)
+    engine = with_link_depth(engine, link_depth)
+    name, note = f"{base}-without-{policy}", f"fitted without {policy}"
+    return engine, host_profile(base, engine, decisions, name, note)
+
+
 def cross_check(
     replays: Sequence[Path],
     base: str,
@@ -1575,10 +1592,8 @@ def cross_check(
     by_run: dict[int, dict[str, Any]] = {}  # index in merged -> scored row
     fits: dict[str, dict[str, float]] = {}
     for p in policies:
-        engine, decisions = fit_host(rows, fit_model, host_speed, modes, [p], exponent)
-        engine = with_link_depth(engine, link_depth)
-        fits[p] = engine
-        hw = host_profile(base, engine, decisions, f"{base}-without-{p}", f"fitted without {p}")
+        fits[p], hw = fit_without(rows, base, p, fit_model, host_speed, modes, link_depth,
+                                  exponent)  # fmt: skip
         idx = [i for i, r in enumerate(merged) if r["policy"] == p]
         by_run.update(zip(idx, score_rows([merged[i] for i in idx], base, hw), strict=True))
     scored = [by_run[i] for i in range(len(merged))]  # the replays' order

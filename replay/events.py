@@ -161,28 +161,19 @@ class EventRecorder:
         return {k: np.asarray(out[k], dtype=dt) for k, dt in COLUMNS.items()}
 
 
-def transfer_columns(transfers: Sequence[Any]) -> dict[str, list[Any]]:
-    """The ``xfer_*`` columns of a transfer log (one row per transfer, in submission
-    order; a reason :data:`REASONS` does not know is refused)."""
+def transfer_columns(transfers: Sequence[Any]) -> dict[str, np.ndarray]:
+    """The ``xfer_*`` columns of a transfer log
+    (:func:`fmoesim.engine.simulate.transfer_table`, its reasons as codes of
+    :data:`REASONS`; a reason it does not know is refused)."""
+    from fmoesim.engine.simulate import transfer_table
+
+    table = transfer_table(list(transfers))
     code = {r: i for i, r in enumerate(REASONS)}
-    cols: dict[str, list[Any]] = {k: [] for k in COLUMNS if k.startswith("xfer_")}
-    for t in transfers:
-        if t.reason not in code:
-            raise ValueError(f"transfer of key {t.key}: reason {t.reason!r} not in {REASONS}")
-        cols["xfer_key"].append(t.key)
-        cols["xfer_reason"].append(code[t.reason])
-        cols["xfer_size_bytes"].append(t.size_bytes)
-        cols["xfer_priority"].append(t.priority)
-        cols["xfer_submit_s"].append(t.submit_s)
-        cols["xfer_release_s"].append(t.release_s)
-        cols["xfer_start_s"].append(t.start_s)
-        cols["xfer_end_s"].append(t.end_s)
-        cols["xfer_used"].append(t.used)
-        cols["xfer_escalated"].append(t.escalated)
-        cols["xfer_preemptions"].append(t.preemptions)
-        cols["xfer_cancelled"].append(t.cancelled)
-        cols["xfer_aborted"].append(t.aborted)
-    return cols
+    bad = next((r for r in table["reason"].tolist() if r not in code), None)
+    if bad is not None:
+        raise ValueError(f"transfer reason {bad!r} not in {REASONS}")
+    table["reason"] = np.array([code[r] for r in table["reason"].tolist()], dtype=np.int8)
+    return {k: table[k.removeprefix("xfer_")] for k in COLUMNS if k.startswith("xfer_")}
 
 
 def log_name(key: Sequence[str], repeat: int = 0) -> str:

@@ -52,25 +52,32 @@ class RunResult:
     policy_log: dict[str, np.ndarray] | None = None  # the policy's own table (Policy.report)
 
     def transfer_table(self) -> dict[str, np.ndarray]:
-        """The transfer log as columns (one row per transfer, in submission order); its
-        times (``*_s``) are NaN in a hit-rate-only run, which has no clock."""
-        cols = (
-            "key", "gpu", "size_bytes", "reason", "priority", "submit_s", "release_s", "start_s",
-            "end_s",
-            "used", "escalated", "preemptions", "cancelled", "aborted", "moved_bytes",
-        )  # fmt: skip
-        timed = self.metrics.timing
-        return {
-            c: np.array([getattr(t, c) for t in self.transfers])
-            if timed or not c.endswith("_s")
-            else np.full(len(self.transfers), np.nan)
-            for c in cols
-        }
+        """The transfer log as columns (:func:`transfer_table`); its times (``*_s``) are
+        NaN in a hit-rate-only run, which has no clock."""
+        return transfer_table(self.transfers, self.metrics.timing)
 
     @property
     def hit_rate_per_layer(self) -> np.ndarray:
         """HIT / accesses per MoE layer."""
         return self.metrics.hit_rate_per_layer()
+
+
+#: the columns of a transfer log (:func:`transfer_table`), one per TransferRecord field
+TRANSFER_COLUMNS = (
+    "key", "gpu", "size_bytes", "reason", "priority", "submit_s", "release_s", "start_s",
+    "end_s", "used", "escalated", "preemptions", "cancelled", "aborted", "moved_bytes",
+)  # fmt: skip
+
+
+def transfer_table(transfers: list[TransferRecord], timed: bool = True) -> dict[str, np.ndarray]:
+    """A transfer log as columns (:data:`TRANSFER_COLUMNS`, one row per transfer, in
+    submission order); the times (``*_s``) NaN unless ``timed``."""
+    return {
+        c: np.array([getattr(t, c) for t in transfers])
+        if timed or not c.endswith("_s")
+        else np.full(len(transfers), np.nan)
+        for c in TRANSFER_COLUMNS
+    }
 
 
 def check_shapes(trace: Trace, model: ModelSpec) -> None:
