@@ -198,6 +198,9 @@ class MoEpic(Policy):
         self._at = np.zeros(n)  # clock at the last activation
         self._last = np.full(n, -1, dtype=np.int64)  # access seq (ties)
         self._seq = 0
+        # perf: LCP's rank of every expert, kept up to date by on_access (the only
+        # event that changes one), so a victim's choice reads ranks, computes none
+        self._ranks: list[tuple[float, int, int]] = [(-math.inf, -1, k) for k in range(n)]
         self._in: set[int] = set()  # keys admitted (full, top, bottom), not evicted
         self._ticket: dict[int, float] = {}  # cache="rnd": top key -> uniform draw
         self._pending: dict[int, int] = {}  # prefetched key -> target layer
@@ -236,10 +239,9 @@ class MoEpic(Policy):
 
     # -- LCP ----------------------------------------------------------------------------
     def _rank(self, key: int) -> tuple[float, int, int]:
-        """LCP's order (lowest first): ``log P`` up to a common term, last access, key."""
-        mu = self._mu[key]
-        s = math.log(mu) + self._at[key] * self._age if mu > 0 else -math.inf
-        return (s, int(self._last[key]), key)
+        """LCP's order (lowest first): ``log P`` up to a common term (``-inf`` before the
+        first activation), last access, key."""
+        return self._ranks[key]
 
     def priorities(self, layer: int) -> np.ndarray:
         """Eq. 4 for the experts of ``layer`` now ``(E,)``."""
@@ -330,7 +332,7 @@ class MoEpic(Policy):
         if self.prefetch == "none":
             return self._stop(cancel, []) if cancel else NO_ACTIONS
         if self.prefetch == "speculative":
-            order = sorted(range(E), key=lambda e: -float(spec[e]))  # stable: ties by id
+            order = np.argsort(-self._pred[target], kind="stable").tolist()  # ties by id
         else:
             order = self.ctx.rng.permutation(E).tolist()
         tb = round(float(self._theta[target]) * self._S)
@@ -372,6 +374,9 @@ class MoEpic(Policy):
         self._mu[key] += 1.0
         self._at[key] = self._clock
         self._last[key] = self._seq
+        # eq. 4's log P = log mu + (now - at) log(rho) / omega; less the term every
+        # expert shares (now log(rho) / omega), it is log mu + at * age, at = the clock
+        self._ranks[key] = (math.log(self._mu[key]) + self._clock * self._age, self._seq, key)
         self._seq += 1
 
     def on_insert(self, key: int) -> None:
@@ -392,11 +397,15 @@ class MoEpic(Policy):
         buffer: the oldest entry."""
         n = self._n
         if n <= incoming < 2 * n or (incoming < 0 and _first(candidates) >= n):
-            tops = [k for k in candidates if n <= k < 2 * n]
-            if tops:
-                if self.cache == "rnd":
+            if self.cache == "rnd":
+                tops = [k for k in candidates if n <= k < 2 * n]
+                if tops:
                     return min(tops, key=self._ticket.__getitem__)
-                return min(tops, key=lambda k: self._rank(k - n))
+            else:
+                ranks = self._ranks  # unique (the key is in each): the min is the victim
+                lowest = [ranks[k - n] for k in candidates if n <= k < 2 * n]
+                if lowest:
+                    return min(lowest)[2] + n
         first = -1
         for k in candidates:  # admission order: the oldest first, not the latest guesses
             if k not in self._protect:

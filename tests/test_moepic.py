@@ -3,6 +3,7 @@ cases against the plain policies, reconfiguration, and the ablation presets."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from fmoesim.engine.compute import ComputeModel
 from fmoesim.engine.simulate import simulate
 from fmoesim.trace import read_trace
 from fmoesim.trace.reader import Trace
+from policies.base import BatchInfo, GateView, PolicyContext
 from policies.lcp import LCP
 from policies.moepic import MoEpic, applied_split
 from policies.pregated import PreGated
@@ -158,6 +160,44 @@ def test_same_seed_same_run(trace):
     ]
     assert runs[0].summary["tpot_mean_s"] == runs[1].summary["tpot_mean_s"]
     assert [t.key for t in runs[0].transfers] == [t.key for t in runs[1].transfers]
+
+
+def test_kept_ranks_are_eq4s_order(trace):
+    """The ranks MoEpic keeps per expert (updated on each activation) are LCP's eq. 4
+    order at the end of a run: ``log mu + at log(1/rho) / omega`` recomputed from its
+    counters, and the same best expert per layer as :meth:`MoEpic.priorities` (eq. 4
+    itself).  A rank left stale by an activation, or a wrong term, fails it."""
+    pol = MoEpic(tau_tokens=30)
+    simulate(trace, MODEL, TINY_HW, pol, 12 * MODEL.expert_size_bytes)
+    n, E = MODEL.num_layers * MODEL.num_experts, MODEL.num_experts
+    assert (pol._mu > 0).sum() > n // 2
+    for k in range(n):
+        mu = pol._mu[k]
+        s = math.log(mu) + pol._at[k] * (-math.log(pol.rho) / pol.omega) if mu > 0 else -math.inf
+        assert pol._rank(k) == (s, int(pol._last[k]), k)
+    for layer in range(MODEL.num_layers):
+        prio = pol.priorities(layer)
+        if (prio == prio.max()).sum() == 1:
+            best = max(range(E), key=lambda e: pol._rank(layer * E + e))
+            assert best == int(prio.argmax())
+
+
+def test_speculative_prefetch_goes_by_probability_then_expert_id():
+    """The next layer's experts are prefetched in falling speculative probability, ties
+    by expert id, while the buffer has room (four experts here)."""
+    model = small_model(2, 8, 2)
+    pol = MoEpic(split_ratio=0.0, configurator=False, warm_start=False, buffer_experts=4)
+    pol.reset(
+        PolicyContext(
+            model=model, budget_bytes=6 * model.expert_size_bytes,
+            expert_size_bytes=model.expert_size_bytes, rng=np.random.default_rng(0),
+        )
+    )  # fmt: skip
+    pol.on_iteration_start(BatchInfo(1, (0,), (1,), 1, False))
+    spec = np.array([0.1, 0.3, 0.05, 0.3, 0.0, 0.2, 0.3, 0.05], dtype=np.float32)
+    acts = pol.on_gate(0, GateView(0, np.array([1, 1, 0, 0, 0, 0, 0, 0]), 1, None, spec))
+    E = model.num_experts
+    assert [p.key - E for p in acts.prefetch] == [1, 3, 6, 5]
 
 
 @pytest.mark.parametrize(
