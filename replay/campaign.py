@@ -185,7 +185,16 @@ def grid_runs(
 #: the replay's host-side calls ``replay --host-timers`` times (inclusive: a submission's
 #: time holds the pump it calls, a pump's the copies it issues and the landings it sees)
 HOST_TIMERS = {
-    "backend": ("pre_gate", "submit", "wait_any", "expert", "escalate", "abort", "cancel"),
+    "backend": (
+        "pre_gate",
+        "submit",
+        "wait_any",
+        "expert",
+        "escalate",
+        "reprioritize",
+        "abort",
+        "cancel",
+    ),
     "link": ("pump", "_issue", "_on_done"),
 }
 

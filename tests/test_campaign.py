@@ -284,6 +284,7 @@ def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
     assert n > 0 and int(t["replay_host_submit_calls"]) == n
     assert int(t["replay_host_link_issue_calls"]) == int(t["replay_host_link_on_done_calls"]) == n
     assert int(t["replay_host_link_pump_calls"]) >= n
+    assert int(t["replay_host_reprioritize_calls"]) == 0  # LRU re-ranks nothing
     assert 0 < float(t["replay_host_submit_s"]) < float(t["replay_wall_s"])
     # the prefill's layer steps apart: one request of a multi-token prompt, 3 MoE layers
     # (its prompt is one iteration; a decode step carries one token)
