@@ -196,10 +196,9 @@ class MoEpic(Policy):
         self._clock = 0  # passes begun
         self._mu = np.zeros(n)  # activations per expert
         self._at = np.zeros(n)  # clock at the last activation
-        self._last = np.full(n, -1, dtype=np.int64)  # access seq (ties)
-        self._seq = 0
-        # perf: LCP's rank of every expert, kept up to date by on_access (the only
-        # event that changes one), so a victim's choice reads ranks, computes none
+        self._seq = 0  # activations so far (the ranks' ties)
+        # LCP's rank of every expert (log P up to a common term, its last activation's
+        # seq, key), kept up to date by on_access, the only event that changes one
         self._ranks: list[tuple[float, int, int]] = [(-math.inf, -1, k) for k in range(n)]
         self._in: set[int] = set()  # keys admitted (full, top, bottom), not evicted
         self._ticket: dict[int, float] = {}  # cache="rnd": top key -> uniform draw
@@ -373,7 +372,6 @@ class MoEpic(Policy):
         """LCP: the expert is activated."""
         self._mu[key] += 1.0
         self._at[key] = self._clock
-        self._last[key] = self._seq
         # eq. 4's log P = log mu + (now - at) log(rho) / omega; less the term every
         # expert shares (now log(rho) / omega), it is log mu + at * age, at = the clock
         self._ranks[key] = (math.log(self._mu[key]) + self._clock * self._age, self._seq, key)

@@ -165,16 +165,21 @@ def test_same_seed_same_run(trace):
 def test_kept_ranks_are_eq4s_order(trace):
     """The ranks MoEpic keeps per expert (updated on each activation) are LCP's eq. 4
     order at the end of a run: ``log mu + at log(1/rho) / omega`` recomputed from its
-    counters, and the same best expert per layer as :meth:`MoEpic.priorities` (eq. 4
-    itself).  A rank left stale by an activation, or a wrong term, fails it."""
+    counters, a distinct activation number as the tie-break, and the same best expert
+    per layer as :meth:`MoEpic.priorities` (eq. 4 itself).  A rank left stale by an
+    activation, or a wrong term, fails it."""
     pol = MoEpic(tau_tokens=30)
     simulate(trace, MODEL, TINY_HW, pol, 12 * MODEL.expert_size_bytes)
     n, E = MODEL.num_layers * MODEL.num_experts, MODEL.num_experts
     assert (pol._mu > 0).sum() > n // 2
+    seqs = []
     for k in range(n):
         mu = pol._mu[k]
         s = math.log(mu) + pol._at[k] * (-math.log(pol.rho) / pol.omega) if mu > 0 else -math.inf
-        assert pol._rank(k) == (s, int(pol._last[k]), k)
+        rank = pol._rank(k)
+        assert rank[0] == s and rank[2] == k and (rank[1] >= 0) == (mu > 0)
+        seqs += [rank[1]] if mu > 0 else []
+    assert len(set(seqs)) == len(seqs) and max(seqs) == pol._seq - 1  # the latest activation
     for layer in range(MODEL.num_layers):
         prio = pol.priorities(layer)
         if (prio == prio.max()).sum() == 1:
