@@ -290,3 +290,26 @@ def test_the_events_command_refuses_bad_arguments_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and msg in err, err
         assert not (tmp_path / "out").exists()
+
+
+def test_the_stored_gpu_logs_read_and_the_simulator_makes_lrus_decisions_step_by_step():
+    """The replay's own event logs from an H100 (``results/validation/h100-3-measured``):
+    all 18 read and pass their checks, and the simulator, run on LRU's logged batch-1
+    configuration with that machine's profile, makes the same layer steps and finds the
+    same thing (hit or miss) at every one of the replay's 19,291 accesses.  Red if the
+    log format stops reading the stored files, or the runner, the cache or LRU decide
+    anything differently from what the GPU replay decided."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[1] / "results" / "validation" / "h100-3-measured"
+    logs = E.open_logs(here / "events.tar")
+    assert len(logs) == 18
+    for log in logs.values():
+        log.check()
+        assert log.meta["source"] == "replay" and log.meta["device"] == "cuda"
+    row = next(r for r in C.read_replays([here / "replay-batch1.csv"], merge=False)
+               if r["policy"] == "lru" and int(r["repeat"]) == 0)  # fmt: skip
+    sim, _ = C.simulate_events(row, "measured/h100-3")
+    cmp = E.compare(logs["olmoe-1b-7b_3.2GB_batch1_x1_lru_r0.npz"], sim)
+    assert cmp["aligned"]
+    assert cmp["outcomes"].sum() == 19291 and cmp["agree"] == 1.0

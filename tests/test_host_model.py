@@ -291,3 +291,44 @@ def test_with_a_link_depth_the_host_issues_transfers_at_its_own_points_by_hand()
     free = run(0)
     assert free[2].start_s == pytest.approx(40e-6)
     assert c_start > 40e-6  # the test separates the two
+
+
+def test_a_batch_of_experts_lets_the_host_issue_transfers_at_each_launch_by_hand():
+    """The same host-issued link (depth 2, 45 us a launch, 20 us a transfer), four
+    transfers queued at 0 and four resident experts computed as one batch
+    (``experts``), as the runner computes a layer's resident experts.  A starts at 0 and
+    B, issued behind it, at 20; B lands at 40.  A host that launches expert after expert
+    passes the link at each launch: the first launch ends at the shared expert's time
+    plus 45 us, where C starts and D is issued behind it (D starts as C lands).  The
+    batch takes four launches and four FFNs, as four single experts do.  Red if the host
+    passes the link only before and after the whole batch (C would wait for the fourth
+    launch), or the batch's time changes."""
+    from fmoesim.engine.cache import ExpertCache
+    from fmoesim.engine.compute import ComputeModel
+
+    class Keep(Policy):
+        name = "keep"
+
+        def victim(self, candidates, incoming):
+            raise AssertionError("no eviction here")
+
+    size = HAND.expert_size_bytes
+    A = 45e-6
+    cache = ExpertCache(16 * size, Keep())
+    be = HostBoundSimBackend(HAND_HW, ComputeModel.from_specs(HAND, HAND_HW), [cache],
+                             HostModel(access_s=A, link_depth=2))  # fmt: skip
+    resident = [10, 11, 12, 13]
+    for key in resident:
+        assert cache.admit(key, size, "prefetch")
+        cache.complete(key)
+    recs = []
+    for key in (0, 1, 2, 3):
+        assert cache.admit(key, size, "on_demand")
+        recs.append(be.submit(0, key, size, 0.0, "on_demand"))
+        cache.entries[key].record = recs[-1]
+    be.begin_experts(0, 1)
+    t0 = be._gpu_s[0]
+    be.experts(0, [1, 1, 1, 1], None, resident)
+    assert be._gpu_s[0] - t0 == pytest.approx(4 * A + 4 * expert_s(1), rel=REL)
+    c = shared_s(1) + A  # the first launch's end: B landed at 40, so the link is free
+    assert [r.start_s for r in recs] == pytest.approx([0.0, 20e-6, c, c + 20e-6])

@@ -177,7 +177,16 @@ class HostBoundSimBackend(SimBackend):
         fractions: list[float] | None = None,
         keys: list[int] | None = None,
     ) -> None:
-        """The host issues each expert; their FFNs run."""
+        """The host issues each expert; their FFNs run.  On a host-issued link the host
+        passes the link at each expert, its launch and its FFN one after the other
+        (:meth:`expert`), as a host that launches expert after expert feeds its copy
+        stream between launches: else the link would idle behind its issued transfers
+        for the whole batch's compute."""
+        if self._host_links:
+            for i, t in enumerate(tokens):
+                key = keys[i] if keys is not None else -1
+                self.expert(gpu, key, t, 1.0 if fractions is None else fractions[i])
+            return
         self._host_point(gpu)
         self._issue_started(gpu)
         d = self.host.access_s * len(tokens)
