@@ -16,6 +16,10 @@ it, but its numbers describe the CPU, and the profile says so):
   (``attn_a_s + attn_b_s * tokens + attn_pair_s * pairs``), the router, the LM head per
   sequence, and the shared experts and dense MLP where the model has them.
 
+All of it runs ``--passes`` times (3), one pass after the other; each copy's time and
+each coefficient is the median over the passes, so one slow stretch of a lent machine
+sets none of them.
+
 The fitted coefficients go into ``measured[<model name>]`` of a ``conf/hardware/`` YAML
 (:class:`fmoesim.engine.compute.ComputeModel` uses them instead of the roofline), with the
 device name and memory, the CUDA and torch versions and the date; ``--base PRESET`` keeps
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import os
 import sys
 import tempfile
@@ -137,6 +142,21 @@ ATTENTION_POINTS = (
 LINK_SIZES = tuple(1 << k for k in range(16, 29, 2))
 
 
+def median_keys(runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each key's median over ``runs`` (dicts with the same keys), in the first's order."""
+    return {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+
+
+def median_link(links: Sequence[dict[str, float]], sizes: Sequence[int]) -> dict[str, float]:
+    """:func:`measure_link`'s result from several passes: each copy's median seconds, and
+    the link fitted on those."""
+    h2d = [float(np.median([lk[f"h2d_{n}_s"] for lk in links])) for n in sizes]
+    overhead, per_byte = fit_linear(np.asarray(sizes), np.asarray(h2d))
+    out = {"transfer_overhead_s": overhead, "per_byte_s": per_byte}
+    out.update({f"h2d_{n}_s": t for n, t in zip(sizes, h2d, strict=True)})
+    return out
+
+
 def launch_share(whole_a_s: float, part_a_s: float, fraction: float = 0.5) -> float:
     """The part of an expert's fixed cost that a segment pays in full (``expert_launch_s``,
     :meth:`fmoesim.engine.compute.ComputeModel.segment_s`), from the fixed costs of the
@@ -211,11 +231,20 @@ def profile(
     attention_points: Sequence[tuple[int, int]] = ATTENTION_POINTS,
     name: str | None = None,
     base: HardwareSpec | None = None,
+    passes: int = 3,
+    log: Callable[[str], None] | None = None,
 ) -> HardwareSpec:
     """Measure the link and each model's operators and fit them; the result is
     ``base`` (or the defaults) with the measured link, the device's name and memory,
     ``measured[<model name>]`` holding each model's coefficients and
-    ``measured["link"]`` the seconds of each timed copy (``h2d_<bytes>_s``)."""
+    ``measured["link"]`` the seconds of each timed copy (``h2d_<bytes>_s``).
+
+    The whole measurement runs ``passes`` times, one pass after the other, and each
+    copy's seconds and each coefficient is the median over the passes (the link fitted
+    on the median copies): a lent machine's host and link can slow down for seconds at
+    a time, as long as one pass (an H100 profiled at 84 us an expert and 55 GB/s, then
+    at 177 us and 45 GB/s a minute later), and a median of three outlasts one slow pass.
+    ``log`` gets one line per pass: its link and each model's expert fixed cost."""
     import dataclasses
 
     try:
@@ -227,16 +256,29 @@ def profile(
     models = [models] if isinstance(models, ModelSpec) else list(models)
     from replay.weights import torch_dtype
 
-    timer = Timer(torch, device, repeats)
-    link = measure_link(torch, device, sizes_bytes, timer)
+    if passes < 1:
+        raise FmoesimError(f"--passes {passes}: must be >= 1")
     if any(m.name == "link" for m in models):
         raise FmoesimError("model name 'link': reserved for the link's table in measured")
-    measured: dict[str, Any] = {
-        m.name: model_coefficients(
-            torch, device, m, timer, torch_dtype(torch, m, device), tokens, attention_points
-        )
-        for m in models
-    }
+    timer = Timer(torch, device, repeats)
+    links: list[dict[str, float]] = []
+    runs: dict[str, list[dict[str, float]]] = {m.name: [] for m in models}
+    for i in range(passes):
+        links.append(measure_link(torch, device, sizes_bytes, timer))
+        for m in models:
+            runs[m.name].append(model_coefficients(
+                torch, device, m, timer, torch_dtype(torch, m, device), tokens,
+                attention_points,
+            ))  # fmt: skip
+        if log is not None:
+            per_byte = links[-1]["per_byte_s"]
+            gbps = 1e-9 / per_byte if per_byte > 0 else math.inf
+            experts = ", ".join(f"{n} expert {1e6 * r[-1]['expert_a_s']:.1f} us"
+                                for n, r in runs.items())  # fmt: skip
+            log(f"pass {i + 1}/{passes}: link {gbps:.1f} GB/s, "
+                f"{1e6 * links[-1]['transfer_overhead_s']:.1f} us a copy; {experts}")  # fmt: skip
+    link = median_link(links, sizes_bytes)
+    measured: dict[str, Any] = {n: median_keys(r) for n, r in runs.items()}
     measured["link"] = {k: v for k, v in link.items() if k.startswith("h2d_")}
     cuda = device.startswith("cuda")
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
@@ -386,6 +428,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="model presets whose shapes to time, comma-separated")  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--passes", type=int, default=3, help="whole measurements, one after "
+                    "the other; each number is the median over them")  # fmt: skip
     ap.add_argument("--out", required=True, help="destination YAML (conf/hardware/measured/)")
     ap.add_argument("--name", default=None)
     ap.add_argument("--diagnostics", default=None, help="also write the host and "
@@ -406,7 +450,8 @@ def _run(args: argparse.Namespace) -> None:
         raise FmoesimError("--model: give at least one model preset")
     models = [load_preset("model", n, ModelSpec) for n in names]
     base = load_preset("hardware", args.base, HardwareSpec) if args.base else None
-    spec = profile(models, args.device, repeats=args.repeats, name=args.name, base=base)
+    spec = profile(models, args.device, repeats=args.repeats, name=args.name, base=base,
+                   passes=args.passes, log=print)  # fmt: skip
     print(f"wrote {write_profile(spec, args.out)}")
     if args.diagnostics:
         import pandas as pd

@@ -10,6 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from fmoesim.engine.compute import ComputeModel
+from fmoesim.errors import FmoesimError
 from fmoesim.specs import HardwareSpec
 from replay.profile import fit_linear, profile, write_profile
 from tests.tiny import TINY
@@ -84,3 +85,41 @@ def test_the_launch_share_is_twice_the_half_widths_fixed_cost_less_the_wholes():
     assert launch_share(100e-6, 40e-6, 0.25) == pytest.approx(20e-6)
     with pytest.raises(ValueError, match="must lie in"):
         launch_share(100e-6, 40e-6, 1.0)  # no segment: the whole FFN
+
+
+def test_each_number_is_the_median_over_passes_so_one_slow_pass_sets_none(monkeypatch):
+    """Three passes by hand: the third finds the link at half its bandwidth, the second
+    every operator twice as slow (a lent machine's slow stretches).  The profile takes each
+    copy's and each coefficient's median, so it is the fast passes' numbers exactly, and
+    the log has one line per pass.  Red if a pass's numbers are averaged in, only the
+    last pass counts, or the link is fitted on one pass's copies."""
+    pytest.importorskip("torch", reason="the profiler needs torch")
+    import replay.profile as P
+
+    sizes = (1 << 16, 1 << 20, 1 << 24)
+    calls = {"link": 0, "model": 0}
+
+    def link(torch, device, sizes_bytes, timer):
+        calls["link"] += 1
+        slow = 2.0 if calls["link"] == 3 else 1.0
+        h2d = {f"h2d_{n}_s": slow * (1e-5 + n / 50e9) for n in sizes_bytes}
+        return {"transfer_overhead_s": slow * 1e-5, "per_byte_s": slow / 50e9, **h2d}
+
+    def model(torch, device, m, timer, dtype, tokens, points):
+        calls["model"] += 1
+        slow = 2.0 if calls["model"] == 2 else 1.0 + 0.01 * calls["model"]
+        return {"expert_a_s": slow * 80e-6, "expert_b_s": slow * 1e-7}
+
+    monkeypatch.setattr(P, "measure_link", link)
+    monkeypatch.setattr(P, "model_coefficients", model)
+    lines: list[str] = []
+    spec = P.profile(TINY, "cpu", sizes_bytes=sizes, passes=3, log=lines.append)
+    assert calls == {"link": 3, "model": 3} and len(lines) == 3
+    assert "pass 3/3: link 25.0 GB/s" in lines[2]
+    assert spec.pcie_gbps == pytest.approx(50.0)
+    assert spec.transfer_overhead_s == pytest.approx(1e-5)
+    assert spec.measured["link"]["h2d_16777216_s"] == pytest.approx(1e-5 + (1 << 24) / 50e9)
+    # the third pass (1.03x) is the median of 1.01x, 2x and 1.03x
+    assert spec.measured[TINY.name]["expert_a_s"] == pytest.approx(1.03 * 80e-6)
+    with pytest.raises(FmoesimError, match="--passes 0"):
+        P.profile(TINY, "cpu", sizes_bytes=sizes, passes=0)
