@@ -301,9 +301,12 @@ def summarize(log: EventLog) -> dict[str, float]:
     """What one log says, per layer step where it is a count:
 
     - ``steps``, ``multi_steps`` (steps of more than one token: at batch 1, the
-      prefill's), ``step_ms_multi`` and ``step_ms_one`` (mean gate-to-gate time), and
-      the same means of each running total's growth from gate to gate (``gpu_ms_*``,
-      ``policy_ms_*``, ``host_ms_*``; NaN where the log has none);
+      prefill's), ``step_ms_multi`` and ``step_ms_one`` (mean gate-to-gate time),
+      ``step_ms_first`` (of the first forward pass's layer steps: at batch 1 the first
+      request's prefill, which runs cold in the replay) and ``step_ms_multi_later`` (of
+      the steps of more than one token after that pass), and the same means of each
+      running total's growth from gate to gate (``gpu_ms_*``, ``policy_ms_*``,
+      ``host_ms_*``; NaN where the log has none);
     - ``hit``, ``late``, ``miss``: shares of the accesses;
     - per reason (``prefetch_``, ``on_demand_``): ``submitted`` per step, and the shares
       ``cancelled``, ``started_in_step`` (started before the gate after its
@@ -321,11 +324,15 @@ def summarize(log: EventLog) -> dict[str, float]:
     steps = len(a["step_layer"])
     sec = step_seconds(log)
     multi = a["step_tokens"] > 1
+    wrap = np.flatnonzero(np.diff(a["step_layer"]) <= 0)  # where the layers start over
+    first = np.arange(steps) < (int(wrap[0]) + 1 if len(wrap) else steps)  # (S,)
     out: dict[str, float] = {
         "steps": float(steps),
         "multi_steps": float(multi.sum()),
         "step_ms_multi": 1e3 * _mean(sec[multi]),
         "step_ms_one": 1e3 * _mean(sec[~multi]),
+        "step_ms_first": 1e3 * _mean(sec[first]),
+        "step_ms_multi_later": 1e3 * _mean(sec[multi & ~first]),
     }
     for name in TOTALS:
         grew = np.full(steps, np.nan)  # (S,) the total's growth to the next gate
@@ -433,6 +440,8 @@ def compare(replay: EventLog, sim: EventLog) -> dict[str, Any]:
 TABLE_ROWS = (
     ("step_ms_multi", "layer step of > 1 token, ms", 1.0, "{:.3f}"),
     ("step_ms_one", "layer step of 1 token, ms", 1.0, "{:.3f}"),
+    ("step_ms_first", "layer step of the first forward pass, ms", 1.0, "{:.3f}"),
+    ("step_ms_multi_later", "layer step of > 1 token after it, ms", 1.0, "{:.3f}"),
     ("gpu_ms_multi", "GPU busy a step of > 1 token, ms", 1.0, "{:.3f}"),
     ("gpu_ms_one", "GPU busy a step of 1 token, ms", 1.0, "{:.3f}"),
     ("policy_ms_multi", "policy's hooks a step of > 1 token, ms", 1.0, "{:.3f}"),

@@ -63,7 +63,8 @@ def _hand_log():
 def test_what_a_log_says_by_hand():
     """Step times, outcome shares, each prefetch's fate, queue waits, copies and the
     link's busy share of :func:`summarize`, computed by hand on :func:`_hand_log`.
-    Red if a running total's growth is taken over the wrong steps, if a transfer is
+    Red if a running total's growth is taken over the wrong steps, if the first forward
+    pass does not end where the layers start over, if a transfer is
     placed in the wrong step (the gate at its submission counts),
     if a prefetch that starts after the next gate counts as started in its step, if the
     wait runs from the submission of a delayed prefetch instead of its release, if a
@@ -73,6 +74,11 @@ def test_what_a_log_says_by_hand():
     assert s["steps"] == 3 and s["multi_steps"] == 1
     assert s["step_ms_multi"] == pytest.approx(1000.0)  # 0 -> 1
     assert s["step_ms_one"] == pytest.approx(2000.0)  # 1 -> 3; the last step has no end
+    assert s["step_ms_first"] == pytest.approx(1500.0)  # layers 0, 1; then layer 0 again
+    assert math.isnan(s["step_ms_multi_later"])  # the only multi-token step is the first
+    two = E.summarize(_log([0, 1, 0, 1], [4, 4, 3, 1], [0.0, 1.0, 3.0, 4.0], [], []))
+    assert two["step_ms_first"] == pytest.approx(1500.0)  # steps 0 and 1
+    assert two["step_ms_multi_later"] == pytest.approx(1000.0)  # step 2: 3 -> 4
     assert (s["gpu_ms_multi"], s["gpu_ms_one"]) == pytest.approx((400.0, 600.0))
     assert (s["policy_ms_multi"], s["policy_ms_one"]) == pytest.approx((100.0, 300.0))
     assert math.isnan(s["host_ms_multi"]) and math.isnan(s["host_ms_one"])  # not recorded
