@@ -335,17 +335,18 @@ class GpuBackend(Backend):
         r0, r1 = self._range[key]
         if lo == 0:
             self._free_evicted()  # keep device memory within the budget
-            shape = (r1 - r0, 3, self.model.hidden_size)
-            if self.cuda:
-                # allocated on the copy stream, which writes it first; compute's use is
-                # recorded on landing
-                with self.torch.cuda.stream(self.copier.stream):
-                    dst = self.torch.empty(shape, device=self.device, dtype=self.host.dtype)
-            else:
-                dst = self.torch.empty(shape, dtype=self.host.dtype)
-            self._dev[key] = dst
+            self._dev[key] = self._alloc((r1 - r0, 3, self.model.hidden_size))
         src = self.host.tensor(key)[r0 + lo : r0 + hi]
         return self.copier.copy(self._dev[key][lo:hi], src)
+
+    def _alloc(self, shape: tuple[int, int, int]) -> Any:
+        """The device tensor an expert's copy lands in (rows, 3, hidden): on a GPU
+        allocated on the copy stream, which writes it first (compute's use is recorded
+        on landing, ``_landed``)."""
+        if self.cuda:
+            with self.torch.cuda.stream(self.copier.stream):
+                return self.torch.empty(shape, device=self.device, dtype=self.host.dtype)
+        return self.torch.empty(shape, dtype=self.host.dtype)
 
     def _landed(self, rec: TransferRecord) -> None:
         del self._range[rec.key]

@@ -194,8 +194,11 @@ HOST_TIMERS = {
         "reprioritize",
         "abort",
         "cancel",
+        "_free_evicted",
+        "_alloc",
     ),
     "link": ("pump", "_issue", "_on_done"),
+    "copier": ("copy",),
 }
 
 
@@ -474,6 +477,17 @@ def replay_one(
             timers.update(
                 time_calls(
                     backend.link, HOST_TIMERS["link"], "link_", multi=phase.multi, stack=nest
+                )  # fmt: skip
+            )
+            # a copy's start apart: freeing evicted copies, allocating its tensor, and
+            # launching the copy between its timing events (inside link_issue)
+            timers.update(
+                time_calls(
+                    backend.copier,
+                    HOST_TIMERS["copier"],
+                    "copier_",
+                    multi=phase.multi,
+                    stack=nest,
                 )  # fmt: skip
             )
         if rec is not None:  # the host's clock: the backend's now() waits for the GPU

@@ -294,10 +294,19 @@ def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
     assert 0 < float(t["replay_host_steps_multi_s"]) < float(t["replay_wall_s"])
     assert int(t["replay_host_submit_multi_calls"]) <= int(t["replay_host_submit_calls"])
     # self time: a submission without the pump it calls, a pump without its copies and
-    # landings; a copy's start calls no timed call, so all its time is its own
+    # landings, a copy's start without allocating its tensor and launching the copy
+    # (each once per one-chunk transfer) and freeing evicted copies (there, and at each
+    # gate), which time nothing inside
     assert 0 < float(t["replay_host_submit_self_s"]) < float(t["replay_host_submit_s"])
     assert 0 < float(t["replay_host_link_pump_self_s"]) < float(t["replay_host_link_pump_s"])
-    assert float(t["replay_host_link_issue_self_s"]) == float(t["replay_host_link_issue_s"])
+    steps = int(t["replay_layer_steps"])
+    calls = {"free_evicted": n + steps, "alloc": n, "copier_copy": n}
+    for part, want in calls.items():
+        assert int(t[f"replay_host_{part}_calls"]) == want, part
+        assert float(t[f"replay_host_{part}_self_s"]) == float(t[f"replay_host_{part}_s"]) > 0
+    inner = float(t["replay_host_alloc_s"]) + float(t["replay_host_copier_copy_s"])
+    issue, own = float(t["replay_host_link_issue_s"]), float(t["replay_host_link_issue_self_s"])
+    assert 0 < own < issue - inner
     # the link and the GPU in the prefill's steps: LRU moves every transfer whole, and
     # the prefill (an empty cache) loads some of them; its compute is part of the GPU's
     f = {k: float(v) for k, v in t.items() if k.startswith(("replay_link_", "replay_comp"))}
