@@ -208,17 +208,20 @@ def time_calls(
     prefix: str = "",
     into: str | None = None,
     multi: Callable[[], bool] | None = None,
-    stack: list[list[float]] | None = None,
+    stack: list[list[Any]] | None = None,
+    within: dict[str, str] | None = None,
 ) -> dict[str, list[float]]:
     """Wrap ``obj``'s callables ``names`` (instance attributes shadowing them) so each
     one's host seconds and calls add up in the returned ``{prefix + name: [s, calls,
     self_s]}`` (all of them in ``{into: ...}`` when ``into`` is given); with ``multi``,
     the calls made while it returns True also add up in ``{prefix + name + "_multi":
     ...}``.  ``self_s`` leaves out the time spent in timed calls made from inside (those
-    wrapped by any :func:`time_calls` sharing ``stack``, a list that starts empty).  The
-    wrapped object itself reads no clock."""
+    wrapped by any :func:`time_calls` sharing ``stack``, a list that starts empty).
+    ``within`` maps a timer's name to another's: the calls made inside one of those
+    (at any depth, on the same ``stack``) also add up in ``{name + "_in_" + other:
+    ...}``.  The wrapped object itself reads no clock."""
     acc: dict[str, list[float]] = {}
-    nest: list[list[float]] = [] if stack is None else stack
+    nest: list[list[Any]] = [] if stack is None else stack  # [inner seconds, name]
     for name in names:
         fn = getattr(obj, name, None)
         if not callable(fn):
@@ -226,12 +229,15 @@ def time_calls(
         key = into or prefix + name.lstrip("_")
         cell = acc.setdefault(key, [0.0, 0, 0.0])
         part = acc.setdefault(key + "_multi", [0.0, 0, 0.0]) if multi is not None else cell
+        parent = (within or {}).get(key)
+        inside = acc.setdefault(f"{key}_in_{parent}", [0.0, 0, 0.0]) if parent else cell
 
         def timed(
             *args: Any, _fn: Any = fn, _cell: list[float] = cell, _part: list[float] = part,
+            _key: str = key, _parent: str | None = parent, _inside: list[float] = inside,
             **kwargs: Any,
         ) -> Any:  # fmt: skip
-            inner = [0.0]  # seconds in timed calls made from this one
+            inner: list[Any] = [0.0, _key]  # seconds in timed calls made from this one
             nest.append(inner)
             t0 = time.perf_counter()
             try:
@@ -249,6 +255,10 @@ def time_calls(
                     _part[0] += d
                     _part[1] += 1
                     _part[2] += own
+                if _parent is not None and any(e[1] == _parent for e in nest):
+                    _inside[0] += d
+                    _inside[1] += 1
+                    _inside[2] += own
 
         setattr(obj, name, timed)
     return acc
@@ -470,13 +480,20 @@ def replay_one(
         backend = make(caches)
         if host_timers:
             phase.wrap(backend)
-            nest: list[list[float]] = []  # backend and link timers nest in one another
+            nest: list[list[Any]] = []  # backend and link timers nest in one another
             timers.update(
                 time_calls(backend, HOST_TIMERS["backend"], multi=phase.multi, stack=nest)
             )
+            # the copies a submission starts and lands on its way apart (link_*_in_submit):
+            # a submission's own cost is its time less theirs
             timers.update(
                 time_calls(
-                    backend.link, HOST_TIMERS["link"], "link_", multi=phase.multi, stack=nest
+                    backend.link,
+                    HOST_TIMERS["link"],
+                    "link_",
+                    multi=phase.multi,
+                    stack=nest,
+                    within={"link_issue": "submit", "link_on_done": "submit"},
                 )  # fmt: skip
             )
             # a copy's start apart: freeing evicted copies, allocating its tensor, and

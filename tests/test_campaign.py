@@ -80,6 +80,16 @@ def test_time_calls_adds_up_the_hooks_host_time_and_keeps_their_results():
     assert outer.run() == 7 and nest == []
     assert to["run"][0] >= 0.04 and 0.01 <= to["run"][2] < 0.03
     assert ti["wait"][2] == ti["wait"][0] >= 0.03
+    # ``within``: the calls made inside another timed one add up apart too, at any depth
+    nest2: list[list[object]] = []
+    a, b = Inner(), Inner()
+    wrapper = Outer(a)
+    tw = C.time_calls(a, ("wait",), prefix="a_", stack=nest2, within={"a_wait": "run"})
+    C.time_calls(wrapper, ("run",), stack=nest2)
+    C.time_calls(b, ("wait",), prefix="b_", stack=nest2, within={"b_wait": "run"})
+    assert wrapper.run() == 7 and a.wait() == 7 and b.wait() == 7
+    assert tw["a_wait"][1] == 2 and tw["a_wait_in_run"][1] == 1  # one of two inside run
+    assert 0.03 <= tw["a_wait_in_run"][0] < tw["a_wait"][0]
 
 
 def _row(policy, sim_tpot, rep_tpot, sim_hit, rep_hit, n=1, model="m", budget=1.0):
@@ -307,6 +317,14 @@ def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
     inner = float(t["replay_host_alloc_s"]) + float(t["replay_host_copier_copy_s"])
     issue, own = float(t["replay_host_link_issue_s"]), float(t["replay_host_link_issue_self_s"])
     assert 0 < own < issue - inner
+    # the copies started (and landed) inside submissions: some of them, within their time
+    for part in ("issue", "on_done"):
+        k = f"replay_host_link_{part}"
+        assert 0 <= int(t[f"{k}_in_submit_calls"]) <= int(t[f"{k}_calls"])
+        assert 0 <= float(t[f"{k}_in_submit_s"]) <= float(t[f"{k}_s"])
+    assert int(t["replay_host_link_issue_in_submit_calls"]) > 0  # an idle link starts one
+    started = sum(float(t[f"replay_host_link_{p}_in_submit_s"]) for p in ("issue", "on_done"))
+    assert started < float(t["replay_host_submit_s"])
     # the link and the GPU in the prefill's steps: LRU moves every transfer whole, and
     # the prefill (an empty cache) loads some of them; its compute is part of the GPU's
     f = {k: float(v) for k, v in t.items() if k.startswith(("replay_link_", "replay_comp"))}
