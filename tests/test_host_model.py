@@ -119,15 +119,9 @@ def test_queued_transfers_pay_their_submission_and_started_ones_their_issue():
     from fmoesim.engine.cache import ExpertCache
     from fmoesim.engine.compute import ComputeModel
 
-    class Keep(Policy):  # the cache's policy: nothing is evicted in this test
-        name = "keep"
-
-        def victim(self, candidates, incoming):
-            raise AssertionError("no eviction here")
-
     S, T, A = 0.2e-6, 1e-6, 0.5e-6  # each well under a copy (20 us)
     size = HAND.expert_size_bytes
-    cache = ExpertCache(8 * size, Keep())
+    cache = ExpertCache(8 * size, _Keep())
     be = HostBoundSimBackend(
         HAND_HW, ComputeModel.from_specs(HAND, HAND_HW), [cache],
         HostModel(access_s=A, transfer_s=T, submit_s=S),
@@ -184,6 +178,15 @@ def test_the_host_bound_backend_computes_a_segment_with_every_launch_by_hand():
     gpu.experts(0, [2, 5], [0.4, 0.6], [1, 2])
     want = 0.4 * expert_s(3) + 0.4 * expert_s(2) + 0.6 * expert_s(5)
     assert gpu._gpu_s[0] - t0 == pytest.approx(want, rel=REL)
+
+
+class _Keep(Policy):
+    """A policy for caches that never fill: it has no victim."""
+
+    name = "keep"
+
+    def victim(self, candidates, incoming):
+        raise AssertionError("no eviction here")
 
 
 def _link(depth: int):
@@ -252,18 +255,12 @@ def test_with_a_link_depth_the_host_issues_transfers_at_its_own_points_by_hand()
     from fmoesim.engine.cache import ExpertCache
     from fmoesim.engine.compute import ComputeModel
 
-    class Keep(Policy):
-        name = "keep"
-
-        def victim(self, candidates, incoming):
-            raise AssertionError("no eviction here")
-
     size = HAND.expert_size_bytes
     A = 45e-6
     e = expert_s(1)
 
     def run(depth):
-        cache = ExpertCache(8 * size, Keep())
+        cache = ExpertCache(8 * size, _Keep())
         be = HostBoundSimBackend(
             HAND_HW, ComputeModel.from_specs(HAND, HAND_HW), [cache],
             HostModel(access_s=A, link_depth=depth),
@@ -306,15 +303,9 @@ def test_a_batch_of_experts_lets_the_host_issue_transfers_at_each_launch_by_hand
     from fmoesim.engine.cache import ExpertCache
     from fmoesim.engine.compute import ComputeModel
 
-    class Keep(Policy):
-        name = "keep"
-
-        def victim(self, candidates, incoming):
-            raise AssertionError("no eviction here")
-
     size = HAND.expert_size_bytes
     A = 45e-6
-    cache = ExpertCache(16 * size, Keep())
+    cache = ExpertCache(16 * size, _Keep())
     be = HostBoundSimBackend(HAND_HW, ComputeModel.from_specs(HAND, HAND_HW), [cache],
                              HostModel(access_s=A, link_depth=2))  # fmt: skip
     resident = [10, 11, 12, 13]
