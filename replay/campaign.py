@@ -1607,6 +1607,38 @@ def fit_without(
     return engine, host_profile(base, engine, decisions, name, note)
 
 
+#: the engine costs of :func:`fits_markdown`'s columns, with their headers
+FIT_COLUMNS = (
+    ("host_layer_s", "a layer step"),
+    ("host_access_s", "an access"),
+    ("host_submit_s", "a submission"),
+    ("host_transfer_s", "a started copy"),
+)
+
+
+def fits_markdown(fits: dict[str, dict[str, float]]) -> str:
+    """The host costs of each out-of-sample fit (:func:`cross_check`), a row per left-out
+    policy in microseconds, and their spread: where one row departs from the others, the
+    left-out policy's runs steer every other fit."""
+    head = " | ".join(f"{h}, us" for _, h in FIT_COLUMNS)
+    lines = ["## Host costs of each fit", "",
+             "Each policy is scored with the host costs fitted on the other policies' "
+             "runs. A row that departs from the others names the policy whose runs "
+             "steer every other fit; the spread is how far the runs leave the costs "
+             "undetermined.", "",
+             f"| fitted without | {head} |", "|---" * (len(FIT_COLUMNS) + 1) + "|"]  # fmt: skip
+    for policy, engine in fits.items():
+        cells = " | ".join(f"{1e6 * engine.get(k, 0.0):.1f}" for k, _ in FIT_COLUMNS)
+        lines.append(f"| {policy} | {cells} |")
+    if fits:
+        spread = []
+        for k, _ in FIT_COLUMNS:
+            v = [e.get(k, 0.0) for e in fits.values()]
+            spread.append(f"{1e6 * (max(v) - min(v)):.1f}")
+        lines.append(f"| spread (largest - smallest) | {' | '.join(spread)} |")
+    return "\n".join(lines) + "\n"
+
+
 def cross_check(
     replays: Sequence[Path],
     base: str,
@@ -1622,7 +1654,8 @@ def cross_check(
     (:func:`fit_host`) on every other policy's runs, then that policy's runs simulated with
     them (its own decision cost is measured, not fitted, so it stays); ``link_depth`` as
     :func:`with_link_depth`, ``exponent`` as :func:`fit_host`'s.  Writes the report of
-    :func:`score` to ``out``; returns it and each policy's fitted engine costs."""
+    :func:`score` to ``out``, each fit's costs after it (:func:`fits_markdown`); returns
+    it and each policy's fitted engine costs."""
     import pandas as pd
 
     _refuse_foreign_out(out)
@@ -1642,7 +1675,8 @@ def cross_check(
             "runs of every other policy (each policy out of sample)", **meta}  # fmt: skip
     title = f"simulator (host costs out of sample) vs replay on {meta['device']}"
     table = pd.DataFrame(scored).assign(hardware=base)
-    _write_report(out, report_markdown(scored, meta), table, scored, title)
+    text = report_markdown(scored, meta) + "\n" + fits_markdown(fits)
+    _write_report(out, text, table, scored, title)
     return out, fits
 
 

@@ -622,8 +622,9 @@ def test_cross_check_scores_each_policy_with_costs_fitted_without_its_runs(tmp_p
     doubled: the fit that leaves "odd" out returns the costs exactly, every other fit
     (which holds "odd") does not, and each policy's runs are simulated with the costs
     fitted without them, their own decision cost kept, and the report lists the runs in
-    the replays' order.  Red if the scored policy's runs stay in its fit, a policy is
-    scored with another's fit, or the runs come out grouped by fit."""
+    the replays' order, then each fit's costs in microseconds and their spread.  Red if
+    the scored policy's runs stay in its fit, a policy is scored with another's fit, the
+    runs come out grouped by fit, or a fit's row shows another fit's costs."""
     from fmoesim.config import build
     from fmoesim.engine.host import HostModel
     from fmoesim.specs import HardwareSpec
@@ -671,11 +672,22 @@ def test_cross_check_scores_each_policy_with_costs_fitted_without_its_runs(tmp_p
     monkeypatch.setattr(C, "plot", lambda rs, title, path: None)
     out, fits = C.cross_check([tmp_path], "b", "tiny", tmp_path / "cc", {"device": "x"})
     # the report keeps the replays' order (mode, then policy), not the fits' order
-    assert (out / "report.md").read_text() == names(merged)
+    text = (out / "report.md").read_text()
+    assert text.startswith(names(merged) + "\n## Host costs of each fit")
     assert list(fits) == policies
     exact = {"host_layer_s": layer, "host_access_s": access, "host_submit_s": submit,
              "host_transfer_s": transfer}  # fmt: skip
     assert fits["odd"] == pytest.approx(exact, rel=1e-6)
+    # each fit's row, in microseconds: "odd"'s is the costs the runs were built from
+    rows_md = {line.split(" | ")[0][2:]: line for line in text.splitlines()[3:]
+               if line.startswith("| ")}  # fmt: skip
+    assert rows_md["odd"] == "| odd | 12.0 | 110.0 | 9.0 | 108.0 |"
+    assert [k for k in rows_md if k != "fitted without"][:4] == policies
+    spread = [float(c) for c in rows_md["spread (largest - smallest)"].strip("| ").split(" | ")[1:]]
+    assert spread == [round(1e6 * (max(f[k] for f in fits.values())
+                                   - min(f[k] for f in fits.values())), 1)
+                      for k, _ in C.FIT_COLUMNS]  # fmt: skip
+    assert spread[1] > 1.0  # "odd" steers the other fits' access cost
     for p in ("lru", "lfu", "fmoe"):
         assert fits[p]["host_access_s"] != pytest.approx(access, rel=1e-2), p
     for p in policies:
