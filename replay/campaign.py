@@ -748,52 +748,117 @@ HOST_PROBE_KEY = "host_probe_s"
 HOST_PROBE_EXPONENT_KEY = "host_probe_exponent"
 
 
+#: a host profile's key, in place of :data:`HOST_PROBE_KEY`: the median seconds per FFN
+#: launch (:func:`launch_s`) of the runs its host costs were fitted on; scoring scales
+#: them by each run's own launch time
+HOST_LAUNCH_KEY = "host_launch_s"
+#: what ``--host-speed`` measures a run's host speed by (:func:`run_speed_s`)
+SPEED_MEASURES = ("probe", "launch")
+
+
+def launch_s(row: dict[str, Any]) -> float:
+    """Seconds the replay's host spent launching one expert FFN in ``row``'s run: the
+    backend's ``expert`` calls' own time over their count (``replay --host-timers``), the
+    link's pumps within them left out (they grow with the copies a run makes); NaN where
+    the run was not timed or its timers predate the calls' own time."""
+    calls = row.get("replay_host_expert_calls", math.nan)
+    own = row.get("replay_host_expert_self_s", math.nan)
+    return float(own) / float(calls) if calls == calls and calls > 0 and own == own else math.nan
+
+
+def run_speed_s(row: dict[str, Any], measure: str = "probe") -> float:
+    """The host-speed measure of ``row``'s run: its host probe (``probe``,
+    :func:`host_probe_s`) or its time per FFN launch (``launch``, :func:`launch_s`), in
+    seconds; NaN where the run has none."""
+    if measure == "launch":
+        return launch_s(row)
+    return float(row.get("replay_probe_s", math.nan))
+
+
+def _speed_rule(measure: str) -> str:
+    """What a run must record for ``measure`` (for error messages)."""
+    if measure == "launch":
+        return ("no FFN launch timers (rule: replay --host-timers; columns "
+                "replay_host_expert_self_s and replay_host_expert_calls)")  # fmt: skip
+    return "no host probe (rule: replay column replay_probe_s)"
+
+
 def reference_probe_s(
-    rows: Sequence[dict[str, Any]], fit_model: str, modes: Sequence[str] = ("batch1",)
+    rows: Sequence[dict[str, Any]],
+    fit_model: str,
+    modes: Sequence[str] = ("batch1",),
+    measure: str = "probe",
 ) -> float:
-    """The median host probe of ``fit_model``'s rows in ``modes`` at compute factor 1
-    (:func:`fit_host` passes the runs it fits the engine's costs on)."""
+    """The median host-speed measure (:func:`run_speed_s`: the probe by default) of
+    ``fit_model``'s rows in ``modes`` at compute factor 1 (:func:`fit_host` passes the
+    runs it fits the engine's costs on)."""
     import numpy as np
 
-    probes = [r.get("replay_probe_s", math.nan) for r in rows
+    probes = [run_speed_s(r, measure) for r in rows
               if r["model"] == fit_model and r["mode"] in modes
               and int(r["compute_repeat"]) == 1]  # fmt: skip
     probes = [p for p in probes if p == p]
     if not probes:
+        what = "its host probe (rule: replay column replay_probe_s)"
+        if measure == "launch":
+            what = "its FFN launches' time (rule: replay --host-timers)"
         raise FmoesimError(f"--host-speed: no {fit_model} {'/'.join(modes)} run records "
-                           "its host probe (rule: replay column replay_probe_s)")  # fmt: skip
+                           f"{what}")  # fmt: skip
     return float(np.median(probes))
 
 
-def host_speed_hardware(hw: Any, probe_s: float) -> Any:
-    """``hw`` with every model's host costs (engine and decisions) scaled by ``probe_s``
-    over the profile's reference probe, to the power of its probe exponent (1 where it
-    records none): the host ran that much slower (or faster) than when the costs were
-    measured.  Unchanged where the profile has no reference probe or the run none
-    (NaN)."""
+def host_speed_hardware(hw: Any, probe_s: float, launch: float = math.nan) -> Any:
+    """``hw`` with every model's host costs (engine and decisions) scaled by the run's
+    host-speed measure over the profile's reference: ``launch`` (seconds per FFN launch,
+    :func:`launch_s`) where the profile records :data:`HOST_LAUNCH_KEY`, else ``probe_s``
+    over :data:`HOST_PROBE_KEY`, to the power of its probe exponent (1 where it records
+    none): the host ran that much slower (or faster) than when the costs were measured.
+    Unchanged where the profile has no reference or the run no measure (NaN)."""
     from fmoesim.engine.host import HOST_COST_KEYS
 
-    if not (probe_s == probe_s and probe_s > 0):
-        return hw
     measured = {}
+    changed = False
     for model, coeffs in (hw.measured or {}).items():
-        ref = coeffs.get(HOST_PROBE_KEY) if isinstance(coeffs, dict) else None
-        if not ref:
+        if not isinstance(coeffs, dict):
             measured[model] = coeffs
             continue
-        f = (probe_s / float(ref)) ** float(coeffs.get(HOST_PROBE_EXPONENT_KEY, 1.0))
+        if coeffs.get(HOST_LAUNCH_KEY):
+            ref, run, power = coeffs[HOST_LAUNCH_KEY], launch, 1.0
+        else:
+            ref, run = coeffs.get(HOST_PROBE_KEY), probe_s
+            power = float(coeffs.get(HOST_PROBE_EXPONENT_KEY, 1.0))
+        if not ref or not (run == run and run > 0):
+            measured[model] = coeffs
+            continue
+        changed = True
+        f = (run / float(ref)) ** power
         c = {k: float(v) * f if k in HOST_COST_KEYS else v for k, v in coeffs.items()}
         decisions = coeffs.get("host_decision_s") or {}
         c["host_decision_s"] = {p: float(v) * f for p, v in decisions.items()}
         measured[model] = c
-    return dataclasses.replace(hw, measured=measured)
+    return dataclasses.replace(hw, measured=measured) if changed else hw
+
+
+def run_hardware(hw: Any, row: dict[str, Any]) -> Any:
+    """``hw`` at the host speed of ``row``'s run (:func:`host_speed_hardware`, by its
+    probe or its time per FFN launch, whichever reference the profile records).  A
+    profile that scales by launch time refuses a run without launch timers."""
+    launch = launch_s(row)
+    if launch != launch and any(isinstance(c, dict) and c.get(HOST_LAUNCH_KEY)
+                                for c in (hw.measured or {}).values()):  # fmt: skip
+        raise FmoesimError(
+            f"{hw.name}: scales host costs by each run's FFN launch time ({HOST_LAUNCH_KEY}); "
+            f"the {row['model']} {row['policy']} run records {_speed_rule('launch')}"
+        )
+    return host_speed_hardware(hw, row.get("replay_probe_s", math.nan), launch)
 
 
 def row_spec(row: dict[str, Any], hardware: str, spec_hw: Any = None) -> tuple[Any, Any]:
     """The run spec and trace of one replayed run's configuration on ``hardware`` (a
     preset's name; ``spec_hw``, a :class:`fmoesim.specs.HardwareSpec`, replaces its
     numbers where given), compute scaled by the run's factor and host costs by its
-    probe."""
+    host-speed measure (:func:`host_speed_hardware`; a profile that scales by FFN launch
+    time refuses a run without launch timers)."""
     from fmoesim.cli.main import _trace_path, compose_config
     from fmoesim.config.build import build_run
     from fmoesim.plots.crossover import scale_hardware
@@ -807,9 +872,7 @@ def row_spec(row: dict[str, Any], hardware: str, spec_hw: Any = None) -> tuple[A
     n = int(row["compute_repeat"])
     if n != 1:
         spec = dataclasses.replace(spec, hardware=scale_hardware(spec.hardware, n, 1.0))
-    spec = dataclasses.replace(
-        spec, hardware=host_speed_hardware(spec.hardware, row.get("replay_probe_s", math.nan))
-    )
+    spec = dataclasses.replace(spec, hardware=run_hardware(spec.hardware, row))
     return spec, read_trace(_trace_path(spec))
 
 
@@ -875,9 +938,9 @@ def events_report(
     ``out``: events.md, events.csv (one row per run) and, unless ``window_steps`` is 0, a
     timeline per run.  Without ``logs_source`` every repeat of every run is simulated
     and set beside its replay.csv numbers.  ``policies`` keeps only those runs.  ``fit``
-    (:func:`fit_host`'s ``fit_model``, ``host_speed``, ``modes`` and ``exponent``, and
-    ``link_depth``) first refits ``hardware``'s host costs on the replays without each
-    run's policy (:func:`fit_without`, whose keyword arguments they are), as
+    (:func:`fit_host`'s ``fit_model``, ``host_speed``, ``modes``, ``exponent`` and
+    ``measure``, and ``link_depth``) first refits ``hardware``'s host costs on the replays
+    without each run's policy (:func:`fit_without`, whose keyword arguments they are), as
     :func:`cross_check` does, so each run is simulated out of sample."""
     import pandas as pd
 
@@ -1405,6 +1468,7 @@ def fit_host(
     modes: Sequence[str] = ("batch1",),
     leave_out: Sequence[str] = (),
     exponent: bool = False,
+    measure: str = "probe",
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """The host model of :mod:`fmoesim.engine.host` from scored replays (scored on a
     profile without host costs).
@@ -1441,7 +1505,9 @@ def fit_host(
     (times :func:`reference_probe_s` over the run's own probe; to the power of the
     fitted runs' :func:`probe_exponent` with ``exponent``, recorded as
     ``host_probe_exponent``), and the engine costs hold that reference as
-    ``host_probe_s``.  Returns (engine costs,
+    ``host_probe_s``.  ``measure="launch"`` measures each run's speed by its time per FFN
+    launch instead (:func:`launch_s`, from ``--host-timers``), and the costs hold the
+    reference as ``host_launch_s``.  Returns (engine costs,
     model -> policy -> decision seconds)."""
     import numpy as np
 
@@ -1469,19 +1535,26 @@ def fit_host(
                    (_submissions(r) if counted else r["replay_transfers"])
                    / r["replay_layer_steps"],
                    r["replay_transfers"] / r["replay_layer_steps"]) for r in base])  # fmt: skip
-    ref = reference_probe_s(base, fit_model, modes) if host_speed else math.nan
+    if measure not in SPEED_MEASURES:
+        raise FmoesimError(f"--host-speed-from {measure}: unknown (valid: "
+                           f"{', '.join(SPEED_MEASURES)})")  # fmt: skip
+    if exponent and measure != "probe":
+        raise FmoesimError("--probe-exponent: scales by the probe, not with "
+                           f"--host-speed-from {measure}")  # fmt: skip
+    ref = reference_probe_s(base, fit_model, modes, measure) if host_speed else math.nan
     power = probe_exponent(base) if host_speed and exponent else 1.0
 
     def speed(r: dict[str, Any]) -> float:
         """The factor that brings ``r``'s host seconds to the reference speed."""
         if not host_speed:
             return 1.0
-        probe = r.get("replay_probe_s", math.nan)
+        probe = run_speed_s(r, measure)
         if not probe > 0:
             raise FmoesimError(
-                f"--host-speed: the {r['model']} {r['policy']} run records no host probe "
-                "(rule: every replay named has the column replay_probe_s)"
-            )
+                f"--host-speed: the {r['model']} {r['policy']} run records "
+                + ("no host probe (rule: every replay named has the column replay_probe_s)"
+                   if measure == "probe" else _speed_rule(measure))
+            )  # fmt: skip
         return (ref / probe) ** power
 
     y = np.array([
@@ -1502,7 +1575,7 @@ def fit_host(
     engine = {"host_layer_s": layer, "host_access_s": access, "host_submit_s": submit,
               "host_transfer_s": transfer}  # fmt: skip
     if host_speed:
-        engine[HOST_PROBE_KEY] = ref
+        engine[HOST_LAUNCH_KEY if measure == "launch" else HOST_PROBE_KEY] = ref
         if exponent:
             engine[HOST_PROBE_EXPONENT_KEY] = power
     decisions: dict[str, dict[str, list[float]]] = {}
@@ -1596,12 +1669,14 @@ def fit_without(
     modes: Sequence[str],
     link_depth: int,
     exponent: bool,
+    measure: str = "probe",
 ) -> tuple[dict[str, float], Any]:
-    """The engine's host costs fitted (:func:`fit_host`) on ``rows`` without
-    ``policy``'s runs, the link depth added (:func:`with_link_depth`), and ``base`` with
-    them: the profile that simulates ``policy`` out of sample (its own decision cost is
-    measured, not fitted, so it stays)."""
-    engine, decisions = fit_host(rows, fit_model, host_speed, modes, [policy], exponent)
+    """The engine's host costs fitted (:func:`fit_host`, its host speed by ``measure``) on
+    ``rows`` without ``policy``'s runs, the link depth added (:func:`with_link_depth`), and
+    ``base`` with them: the profile that simulates ``policy`` out of sample (its own
+    decision cost is measured, not fitted, so it stays)."""
+    engine, decisions = fit_host(rows, fit_model, host_speed, modes, [policy], exponent,
+                                 measure)  # fmt: skip
     engine = with_link_depth(engine, link_depth)
     name, note = f"{base}-without-{policy}", f"fitted without {policy}"
     return engine, host_profile(base, engine, decisions, name, note)
@@ -1649,24 +1724,28 @@ def cross_check(
     modes: Sequence[str] = ("batch1",),
     link_depth: int = 0,
     exponent: bool = False,
+    measure: str = "probe",
+    each_repeat: bool = False,
 ) -> tuple[Path, dict[str, dict[str, float]]]:
     """Score each replayed policy out of sample: the engine's host costs fitted
     (:func:`fit_host`) on every other policy's runs, then that policy's runs simulated with
     them (its own decision cost is measured, not fitted, so it stays); ``link_depth`` as
-    :func:`with_link_depth`, ``exponent`` as :func:`fit_host`'s.  Writes the report of
+    :func:`with_link_depth`, ``exponent`` and ``measure`` as :func:`fit_host`'s;
+    ``each_repeat`` scores every repeat of a run as a run of its own (at its own host
+    speed), not their mean.  Writes the report of
     :func:`score` to ``out``, each fit's costs after it (:func:`fits_markdown`); returns
     it and each policy's fitted engine costs."""
     import pandas as pd
 
     _refuse_foreign_out(out)
     rows = repeat_rows(replays, base)
-    merged = read_replays(replays)
+    merged = read_replays(replays, merge=not each_repeat)
     policies = list(dict.fromkeys(r["policy"] for r in merged))
     by_run: dict[int, dict[str, Any]] = {}  # index in merged -> scored row
     fits: dict[str, dict[str, float]] = {}
     for p in policies:
         fits[p], hw = fit_without(rows, base, p, fit_model, host_speed, modes, link_depth,
-                                  exponent)  # fmt: skip
+                                  exponent, measure)  # fmt: skip
         idx = [i for i, r in enumerate(merged) if r["policy"] == p]
         by_run.update(zip(idx, score_rows([merged[i] for i in idx], base, hw), strict=True))
     scored = [by_run[i] for i in range(len(merged))]  # the replays' order
@@ -1736,6 +1815,10 @@ def main(argv: list[str] | None = None) -> None:
     hp.add_argument("--host-speed", action="store_true",
                     help="record the fitted runs' median host probe (host_probe_s), so "
                     "scoring scales the host costs by each replayed run's own probe")  # fmt: skip
+    hp.add_argument("--host-speed-from", choices=SPEED_MEASURES, default="probe",
+                    help="with --host-speed: measure each run's host speed by its probe "
+                    "(default) or by its time per FFN launch (launch: the --host-timers "
+                    "columns; recorded as host_launch_s)")  # fmt: skip
     cp = sub.add_parser("cross-check", help="score each policy with host costs fitted on "
                         "the other policies' runs (out of sample)")  # fmt: skip
     cp.add_argument("replays", nargs="+", help="replay.csv files or their directories")
@@ -1744,6 +1827,11 @@ def main(argv: list[str] | None = None) -> None:
                     "costs")  # fmt: skip
     cp.add_argument("--fit-modes", default="batch1", help="as host-fit's")
     cp.add_argument("--host-speed", action="store_true", help="as host-fit's")
+    cp.add_argument("--host-speed-from", choices=SPEED_MEASURES, default="probe",
+                    help="as host-fit's")  # fmt: skip
+    cp.add_argument("--each-repeat", action="store_true",
+                    help="score every repeat of a run as a run of its own (at its own host "
+                    "speed), not the repeats' mean")  # fmt: skip
     cp.add_argument("--link-depth", type=int, default=0, help="as host-fit's")
     cp.add_argument("--probe-exponent", action="store_true", help="as host-fit's")
     cp.add_argument("--out", required=True, help="report directory")
@@ -1766,6 +1854,8 @@ def main(argv: list[str] | None = None) -> None:
                     "cross-check; --hardware is then the profile without host costs)")  # fmt: skip
     ep.add_argument("--fit-modes", default="batch1", help="as host-fit's")
     ep.add_argument("--host-speed", action="store_true", help="as host-fit's")
+    ep.add_argument("--host-speed-from", choices=SPEED_MEASURES, default="probe",
+                    help="as host-fit's")  # fmt: skip
     ep.add_argument("--link-depth", type=int, default=0, help="as host-fit's")
     ep.add_argument("--probe-exponent", action="store_true", help="as host-fit's")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
@@ -1826,7 +1916,8 @@ def _run(args: argparse.Namespace) -> None:
         return
     if args.cmd == "events" and args.fit_model is None:
         opts = (("--host-speed", args.host_speed), ("--link-depth", args.link_depth),
-                ("--probe-exponent", args.probe_exponent))  # fmt: skip
+                ("--probe-exponent", args.probe_exponent),
+                ("--host-speed-from", args.host_speed_from != "probe"))  # fmt: skip
         given = next((f for f, on in opts if on), None)
         if given is not None:
             raise FmoesimError(f"{given}: needs --fit-model (it shapes the refitted host costs)")
@@ -1836,6 +1927,12 @@ def _run(args: argparse.Namespace) -> None:
         and not args.host_speed
     ):
         raise FmoesimError("--probe-exponent: needs --host-speed (it scales by the probe)")
+    if (
+        args.cmd in ("host-fit", "cross-check", "events")
+        and args.host_speed_from != "probe"
+        and not args.host_speed
+    ):
+        raise FmoesimError(f"--host-speed-from {args.host_speed_from}: needs --host-speed")
     if args.cmd == "host-fit":
         if args.host_speed and args.host_from is not None:
             raise FmoesimError("--host-speed: needs replays to take the probe from, not "
@@ -1849,12 +1946,16 @@ def _run(args: argparse.Namespace) -> None:
             modes = _fit_modes(args.fit_modes)
             rows = repeat_rows([Path(p) for p in args.replays], args.base)
             engine, decisions = fit_host(rows, args.fit_model, args.host_speed, modes,
-                                         exponent=args.probe_exponent)  # fmt: skip
+                                         exponent=args.probe_exponent,
+                                         measure=args.host_speed_from)  # fmt: skip
             fitted = _modes_text(modes)
             note = (f"host costs fitted by {PROG} host-fit on {args.fit_model}'s {fitted} "
                     f"replays, every repeat a point (engine), and every run's policy-hook "
                     f"timers (decisions)")  # fmt: skip
-            if args.host_speed:
+            if args.host_speed and args.host_speed_from == "launch":
+                note += (", at the runs' median time per FFN launch; scoring scales them by "
+                         "each run's own launch time")  # fmt: skip
+            elif args.host_speed:
                 note += (", at the runs' median host probe; scoring scales them by each "
                          "run's own probe")  # fmt: skip
                 if args.probe_exponent:
@@ -1872,7 +1973,8 @@ def _run(args: argparse.Namespace) -> None:
         modes = _fit_modes(args.fit_modes)
         path, fits = cross_check([Path(p) for p in args.replays], args.base, args.fit_model,
                                  Path(args.out), meta, args.host_speed, modes,
-                                 args.link_depth, args.probe_exponent)  # fmt: skip
+                                 args.link_depth, args.probe_exponent,
+                                 args.host_speed_from, args.each_repeat)  # fmt: skip
         for p, engine in fits.items():
             print(f"without {p}: {_costs_text(engine)}")
         print(f"report     {path / 'report.md'}")
@@ -1885,7 +1987,7 @@ def _run(args: argparse.Namespace) -> None:
         if args.fit_model is not None:
             fit = {"fit_model": args.fit_model, "host_speed": args.host_speed,
                    "modes": _fit_modes(args.fit_modes), "exponent": args.probe_exponent,
-                   "link_depth": args.link_depth}  # fmt: skip
+                   "link_depth": args.link_depth, "measure": args.host_speed_from}  # fmt: skip
         logs = None if args.logs is None else Path(args.logs)
         path = events_report([Path(p) for p in args.replays], logs, args.hardware,
                              Path(args.out), meta, args.window_steps, pols, fit)  # fmt: skip

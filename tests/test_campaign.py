@@ -622,9 +622,10 @@ def test_cross_check_scores_each_policy_with_costs_fitted_without_its_runs(tmp_p
     doubled: the fit that leaves "odd" out returns the costs exactly, every other fit
     (which holds "odd") does not, and each policy's runs are simulated with the costs
     fitted without them, their own decision cost kept, and the report lists the runs in
-    the replays' order, then each fit's costs in microseconds and their spread.  Red if
-    the scored policy's runs stay in its fit, a policy is scored with another's fit, the
-    runs come out grouped by fit, or a fit's row shows another fit's costs."""
+    the replays' order, then each fit's costs in microseconds and their spread; with
+    ``each_repeat`` the replays are scored unmerged.  Red if the scored policy's runs
+    stay in its fit, a policy is scored with another's fit, the runs come out grouped by
+    fit, a fit's row shows another fit's costs, or ``each_repeat`` still merges."""
     from fmoesim.config import build
     from fmoesim.engine.host import HostModel
     from fmoesim.specs import HardwareSpec
@@ -662,7 +663,13 @@ def test_cross_check_scores_each_policy_with_costs_fitted_without_its_runs(tmp_p
         return [dict(r) for r in rs]
 
     monkeypatch.setattr(C, "repeat_rows", lambda paths, base: rows)
-    monkeypatch.setattr(C, "read_replays", lambda paths: merged)
+    merges = []
+
+    def read_replays(paths, merge=True):
+        merges.append(merge)
+        return merged
+
+    monkeypatch.setattr(C, "read_replays", read_replays)
     monkeypatch.setattr(C, "score_rows", score_rows)
 
     def names(rs):
@@ -690,6 +697,10 @@ def test_cross_check_scores_each_policy_with_costs_fitted_without_its_runs(tmp_p
     assert spread[1] > 1.0  # "odd" steers the other fits' access cost
     for p in ("lru", "lfu", "fmoe"):
         assert fits[p]["host_access_s"] != pytest.approx(access, rel=1e-2), p
+    # each repeat scored as a run of its own: the replays are read unmerged
+    assert merges == [True]
+    C.cross_check([tmp_path], "b", "tiny", tmp_path / "cc2", {"device": "x"}, each_repeat=True)
+    assert merges == [True, False]
     for p in policies:
         host = HostModel.from_specs(TINY, scored_with[p], p)
         assert host.access_s == pytest.approx(fits[p]["host_access_s"]), p
@@ -803,6 +814,64 @@ def test_host_speed_scales_a_profiles_host_costs_by_the_runs_probe():
     assert C.reference_probe_s(rows, "m") == pytest.approx(0.02)
     with pytest.raises(FmoesimError, match="no z batch1 run records its host probe"):
         C.reference_probe_s(rows, "z")
+
+
+def test_host_speed_from_launch_time_undoes_each_runs_launch_speed():
+    """Runs whose host ran 1x, 2x and 0.5x as long as the median, as their time per FFN
+    launch says (the ``--host-timers`` columns) while their probes say nothing (every run
+    the same): measured by launch time, the fit brings each run to the median speed and
+    returns the costs as set, with the median launch time recorded as ``host_launch_s``;
+    measured by the probe, it cannot.  A profile with that key scales a run's host costs
+    by its launch time over it, whatever its probe, and refuses a run without launch
+    timers in one line.  Red if the launch time is not the one the fit or the scoring
+    reads, the ratio is inverted, or an untimed run passes unscaled."""
+    from fmoesim.specs import HardwareSpec
+
+    layer, access, submit, transfer = 10e-6, 40e-6, 20e-6, 100e-6
+    ref = 140e-6
+
+    def row(policy, xfer, cancelled, hooks, f, acc=9):
+        per = (layer + access * acc + submit * (xfer + cancelled) + transfer * xfer) * f
+        return {"model": "m", "mode": "batch1", "policy": policy, "compute_repeat": 1,
+                "replay_layer_steps": 100, "replay_accesses": acc * 100,
+                "replay_transfers": xfer * 100, "replay_cancelled_transfers": cancelled * 100,
+                "replay_policy_host_s": hooks * f * 100, "sim_gpu_busy_s": 0.05,
+                "replay_wall_s": 0.05 + (hooks * f + per) * 100, "replay_probe_s": 0.015,
+                "replay_host_expert_calls": acc * 100,
+                "replay_host_expert_self_s": ref * f * acc * 100}  # fmt: skip
+
+    rows = [row("lru", 3, 0, 1e-6, 1.0), row("fmoe", 5, 1, 5e-6, 2.0),
+            row("brainstorm", 19, 40, 3e-6, 0.5), row("lru", 3, 0, 1e-6, 2.0, acc=12),
+            row("fmoe", 5, 1, 5e-6, 1.0, acc=7)]  # fmt: skip
+    assert C.launch_s(rows[1]) == pytest.approx(2 * ref)
+    engine, decisions = C.fit_host(rows, "m", host_speed=True, measure="launch")
+    assert engine[C.HOST_LAUNCH_KEY] == pytest.approx(ref) and C.HOST_PROBE_KEY not in engine
+    for k, v in (("host_layer_s", layer), ("host_access_s", access),
+                 ("host_submit_s", submit), ("host_transfer_s", transfer)):  # fmt: skip
+        assert engine[k] == pytest.approx(v, rel=1e-6), k
+    by_probe = C.fit_host(rows, "m", host_speed=True)[0]
+    assert by_probe["host_access_s"] != pytest.approx(access, rel=1e-2)
+    with pytest.raises(FmoesimError, match="--probe-exponent: scales by the probe"):
+        C.fit_host(rows, "m", host_speed=True, exponent=True, measure="launch")
+    untimed = [dict(r) for r in rows]
+    del untimed[2]["replay_host_expert_calls"]
+    with pytest.raises(FmoesimError, match="the m brainstorm run records no FFN launch timers"):
+        C.fit_host(untimed, "m", host_speed=True, measure="launch")
+
+    hw = HardwareSpec(name="fit", measured={"m": {"host_access_s": access,
+                                                  C.HOST_LAUNCH_KEY: ref}})  # fmt: skip
+    slow = C.run_hardware(hw, {**rows[1], "replay_probe_s": 9.0}).measured["m"]
+    assert slow["host_access_s"] == pytest.approx(2 * access)
+    with pytest.raises(FmoesimError) as exc:
+        C.run_hardware(hw, untimed[2])
+    msg = str(exc.value)
+    assert msg.count("\n") == 0 and msg.startswith("fit: scales host costs by each run's FFN")
+    assert "brainstorm run records no FFN launch timers" in msg
+    probed = HardwareSpec(name="p", measured={"m": {"host_access_s": access,
+                                                    C.HOST_PROBE_KEY: 0.010}})  # fmt: skip
+    assert C.run_hardware(probed, untimed[2])  # a probe profile reads the probe only
+    assert C.run_hardware(probed, {**untimed[2], "replay_probe_s": 0.02}).measured["m"][
+        "host_access_s"] == pytest.approx(2 * access)  # fmt: skip
 
 
 def test_the_probe_exponent_is_the_within_policy_slope_of_the_timed_costs():

@@ -236,9 +236,9 @@ def test_a_cpu_replays_event_logs_are_compared_with_the_simulators(tmp_path):
 
 def test_events_refit_the_host_costs_without_each_runs_policy(tmp_path, monkeypatch):
     """``events --fit-model``: each run is simulated on host costs fitted without its own
-    policy's runs (as ``cross-check`` does), with the link depth asked for.  Red if a
-    run's policy stays in its fit, a run is simulated on another policy's fit, or the
-    depth is lost."""
+    policy's runs (as ``cross-check`` does), with the link depth and the host-speed
+    measure asked for.  Red if a run's policy stays in its fit, a run is simulated on
+    another policy's fit, or the depth or the measure is lost."""
     rows = [
         {"model": "m", "budget_gb": 1.0, "mode": "batch1", "policy": p, "compute_repeat": 1,
          "repeat": 0, "replay_layer_steps": 3, "replay_hit_rate": 0.5, "replay_late_rate": 0.0,
@@ -248,8 +248,8 @@ def test_events_refit_the_host_costs_without_each_runs_policy(tmp_path, monkeypa
     ]  # fmt: skip
     left_out, simulated = [], {}
 
-    def fit_host(rs, fit_model, host_speed, modes, leave_out, exponent):
-        left_out.append((fit_model, list(leave_out)))
+    def fit_host(rs, fit_model, host_speed, modes, leave_out, exponent, measure):
+        left_out.append((fit_model, list(leave_out), measure))
         return {"host_access_s": 1e-4}, {}
 
     def simulate_events(row, hardware, spec_hw=None):
@@ -262,9 +262,9 @@ def test_events_refit_the_host_costs_without_each_runs_policy(tmp_path, monkeypa
     monkeypatch.setattr(C, "host_profile", lambda base, engine, dec, name, note: (name, engine))
     monkeypatch.setattr(C, "simulate_events", simulate_events)
     fit = {"fit_model": "m", "host_speed": True, "modes": ["batch1"], "exponent": False,
-           "link_depth": 2}  # fmt: skip
+           "link_depth": 2, "measure": "launch"}  # fmt: skip
     C.events_report([tmp_path], None, "base", tmp_path / "ev", {}, 0, None, fit)
-    assert left_out == [("m", ["lru"]), ("m", ["fmoe"])]
+    assert left_out == [("m", ["lru"], "launch"), ("m", ["fmoe"], "launch")]
     for p in ("lru", "fmoe"):
         name, engine = simulated[p]
         assert name == f"base-without-{p}" and engine["host_link_depth"] == 2
@@ -274,7 +274,8 @@ def test_events_refit_the_host_costs_without_each_runs_policy(tmp_path, monkeypa
 def test_the_events_command_refuses_bad_arguments_in_one_line(tmp_path, capsys):
     """``fmoesim-validate-grid events``: a negative window, a ``--logs`` that is neither
     a directory nor a tar file or does not exist, a refit option without
-    ``--fit-model`` and the probe's exponent without ``--host-speed`` are refused before
+    ``--fit-model`` and the probe's exponent or the launch-time speed without
+    ``--host-speed`` are refused before
     anything is simulated or written, in one line naming the option, exit status 2.
     Red if one reaches the simulator or leaves a report directory behind."""
     rep = tmp_path / "replay.csv"
@@ -287,6 +288,11 @@ def test_the_events_command_refuses_bad_arguments_in_one_line(tmp_path, capsys):
         (["--logs", str(tmp_path / "gone")], "gone: no such file or directory"),
         (["--link-depth", "2"], "--link-depth: needs --fit-model"),
         (["--fit-model", "m", "--probe-exponent"], "--probe-exponent: needs --host-speed"),
+        (["--host-speed-from", "launch"], "--host-speed-from: needs --fit-model"),
+        (
+            ["--fit-model", "m", "--host-speed-from", "launch"],
+            "--host-speed-from launch: needs --host-speed",
+        ),
     ]
     for extra, msg in cases:
         with pytest.raises(SystemExit) as exc:
