@@ -939,8 +939,9 @@ def events_report(
     timeline per run.  Without ``logs_source`` every repeat of every run is simulated
     and set beside its replay.csv numbers.  ``policies`` keeps only those runs.  ``fit``
     (:func:`fit_host`'s ``fit_model``, ``host_speed``, ``modes``, ``exponent`` and
-    ``measure``, and ``link_depth``) first refits ``hardware``'s host costs on the replays
-    without each run's policy (:func:`fit_without`, whose keyword arguments they are), as
+    ``measure``, ``link_depth``, and ``launch`` as :func:`cross_check`'s) first refits
+    ``hardware``'s host costs on the replays without each run's policy
+    (:func:`fit_without`, whose keyword arguments they are, ``launch`` aside), as
     :func:`cross_check` does, so each run is simulated out of sample."""
     import pandas as pd
 
@@ -965,9 +966,11 @@ def events_report(
                            f"named as '{PROG} replay --event-logs' writes them)")  # fmt: skip
     profiles: dict[str, Any] = {}  # policy -> its out-of-sample hardware
     if fit is not None:
-        rows = repeat_rows(replays, hardware)
+        fit = dict(fit)
+        base_hw = base_profile(hardware, fit["fit_model"], fit.pop("launch", False))
+        rows = repeat_rows(replays, hardware, base_hw)
         for p in dict.fromkeys(r["policy"] for r in chosen):
-            _, profiles[p] = fit_without(rows, hardware, p, **fit)
+            _, profiles[p] = fit_without(rows, hardware, p, **fit, base_hw=base_hw)
     runs = []
     for r in chosen:
         name = _log_of(r)
@@ -1409,11 +1412,11 @@ def _submissions(r: dict[str, Any]) -> float:
     return float(r["replay_transfers"] + cancelled)
 
 
-def repeat_rows(paths: Sequence[Path], hardware: str) -> list[dict[str, Any]]:
+def repeat_rows(paths: Sequence[Path], hardware: str, spec_hw: Any = None) -> list[dict[str, Any]]:
     """Every repeat of the replayed runs in ``paths`` as its own row, with the
-    simulator's numbers on ``hardware`` (``sim_*``, one simulation per run: the simulator
-    is deterministic)."""
-    scored = score_rows(read_replays(paths), hardware)
+    simulator's numbers on ``hardware`` (``spec_hw`` in its place where given; ``sim_*``,
+    one simulation per run: the simulator is deterministic)."""
+    scored = score_rows(read_replays(paths), hardware, spec_hw)
     sim = {
         tuple(str(r[k]) for k in KEY): {k: v for k, v in r.items() if k.startswith("sim_")}
         for r in scored
@@ -1612,21 +1615,61 @@ def host_costs_of(
     return engine, decisions
 
 
+def launch_in_host(hw: Any, fit_model: str) -> Any:
+    """``hw`` with each model's FFN launch share (``expert_launch_s``, which
+    ``fmoesim-profile`` measures) taken out of its expert cost (``expert_a_s``): the host
+    model's access cost, fitted on the replays, then carries the launch, and with a
+    host-speed measure it follows each run's speed as the rest of the host's work does.
+    Refuses a profile that measured no launch share for ``fit_model``."""
+    import dataclasses
+
+    share = ((hw.measured or {}).get(fit_model) or {}).get("expert_launch_s")
+    if not share:
+        raise FmoesimError(
+            f"--launch-in-host: {hw.name} measured no FFN launch share for {fit_model} "
+            "(rule: expert_launch_s, which fmoesim-profile measures)"
+        )
+    measured: dict[str, Any] = {}
+    for model, coeffs in hw.measured.items():
+        if isinstance(coeffs, dict) and coeffs.get("expert_launch_s"):
+            c = dict(coeffs)
+            c["expert_a_s"] = max(0.0, float(c["expert_a_s"]) - float(c["expert_launch_s"]))
+            c["expert_launch_s"] = 0.0
+            coeffs = c
+        measured[model] = coeffs
+    return dataclasses.replace(hw, measured=measured)
+
+
+def base_profile(base: str, fit_model: str, launch: bool) -> Any:
+    """The hardware preset ``base`` as the host fit starts from: with its FFN launch share
+    in the host model where ``launch`` (:func:`launch_in_host`), else None (the preset as
+    it is)."""
+    if not launch:
+        return None
+    from fmoesim.config.build import load_preset
+    from fmoesim.specs import HardwareSpec
+
+    return launch_in_host(load_preset("hardware", base, HardwareSpec), fit_model)
+
+
 def host_profile(
     base: str,
     engine: dict[str, float],
     decisions: dict[str, dict[str, float]],
     name: str,
     note: str,
+    spec: Any = None,
 ) -> Any:
-    """``base`` (a hardware preset) with the host costs added to every model it
-    measured: a :class:`fmoesim.specs.HardwareSpec` named ``name``."""
+    """``base`` (a hardware preset; ``spec``, a :class:`fmoesim.specs.HardwareSpec`, in
+    its place where given) with the host costs added to every model it measured: a
+    :class:`fmoesim.specs.HardwareSpec` named ``name``."""
     import dataclasses
 
     from fmoesim.config.build import load_preset
     from fmoesim.specs import HardwareSpec
 
-    spec = load_preset("hardware", base, HardwareSpec)
+    if spec is None:
+        spec = load_preset("hardware", base, HardwareSpec)
     measured = {k: dict(v) for k, v in spec.measured.items()}
     for model, coeffs in measured.items():
         if model == "link":
@@ -1642,11 +1685,12 @@ def write_host_profile(
     decisions: dict[str, dict[str, float]],
     path: Path,
     note: str,
+    spec: Any = None,
 ) -> Path:
     """:func:`host_profile`, written as a new preset at ``path``."""
     from replay.profile import write_profile
 
-    return write_profile(host_profile(base, engine, decisions, path.stem, note), path)
+    return write_profile(host_profile(base, engine, decisions, path.stem, note, spec), path)
 
 
 def with_link_depth(engine: dict[str, float], depth: int) -> dict[str, float]:
@@ -1670,16 +1714,18 @@ def fit_without(
     link_depth: int,
     exponent: bool,
     measure: str = "probe",
+    base_hw: Any = None,
 ) -> tuple[dict[str, float], Any]:
     """The engine's host costs fitted (:func:`fit_host`, its host speed by ``measure``) on
     ``rows`` without ``policy``'s runs, the link depth added (:func:`with_link_depth`), and
     ``base`` with them: the profile that simulates ``policy`` out of sample (its own
-    decision cost is measured, not fitted, so it stays)."""
+    decision cost is measured, not fitted, so it stays); ``base_hw`` replaces ``base``'s
+    numbers where given (:func:`base_profile`)."""
     engine, decisions = fit_host(rows, fit_model, host_speed, modes, [policy], exponent,
                                  measure)  # fmt: skip
     engine = with_link_depth(engine, link_depth)
     name, note = f"{base}-without-{policy}", f"fitted without {policy}"
-    return engine, host_profile(base, engine, decisions, name, note)
+    return engine, host_profile(base, engine, decisions, name, note, base_hw)
 
 
 #: the engine costs of :func:`fits_markdown`'s columns, with their headers
@@ -1726,32 +1772,37 @@ def cross_check(
     exponent: bool = False,
     measure: str = "probe",
     each_repeat: bool = False,
+    launch: bool = False,
 ) -> tuple[Path, dict[str, dict[str, float]]]:
     """Score each replayed policy out of sample: the engine's host costs fitted
     (:func:`fit_host`) on every other policy's runs, then that policy's runs simulated with
     them (its own decision cost is measured, not fitted, so it stays); ``link_depth`` as
     :func:`with_link_depth`, ``exponent`` and ``measure`` as :func:`fit_host`'s;
     ``each_repeat`` scores every repeat of a run as a run of its own (at its own host
-    speed), not their mean.  Writes the report of
+    speed), not their mean; ``launch`` fits and scores with the FFN's launch share in
+    the host model (:func:`launch_in_host`).  Writes the report of
     :func:`score` to ``out``, each fit's costs after it (:func:`fits_markdown`); returns
     it and each policy's fitted engine costs."""
     import pandas as pd
 
     _refuse_foreign_out(out)
-    rows = repeat_rows(replays, base)
+    base_hw = base_profile(base, fit_model, launch)
+    rows = repeat_rows(replays, base, base_hw)
     merged = read_replays(replays, merge=not each_repeat)
     policies = list(dict.fromkeys(r["policy"] for r in merged))
     by_run: dict[int, dict[str, Any]] = {}  # index in merged -> scored row
     fits: dict[str, dict[str, float]] = {}
     for p in policies:
         fits[p], hw = fit_without(rows, base, p, fit_model, host_speed, modes, link_depth,
-                                  exponent, measure)  # fmt: skip
+                                  exponent, measure, base_hw)  # fmt: skip
         idx = [i for i, r in enumerate(merged) if r["policy"] == p]
         by_run.update(zip(idx, score_rows([merged[i] for i in idx], base, hw), strict=True))
     scored = [by_run[i] for i in range(len(merged))]  # the replays' order
     fitted = _modes_text(modes)
     meta = {"hardware profile": f"{base}, with host costs fitted on {fit_model}'s {fitted} "
-            "runs of every other policy (each policy out of sample)", **meta}  # fmt: skip
+            "runs of every other policy (each policy out of sample)"
+            + (", the FFN's launch share in the host model" if launch else ""),
+            **meta}  # fmt: skip
     title = f"simulator (host costs out of sample) vs replay on {meta['device']}"
     table = pd.DataFrame(scored).assign(hardware=base)
     text = report_markdown(scored, meta) + "\n" + fits_markdown(fits)
@@ -1815,6 +1866,9 @@ def main(argv: list[str] | None = None) -> None:
     hp.add_argument("--host-speed", action="store_true",
                     help="record the fitted runs' median host probe (host_probe_s), so "
                     "scoring scales the host costs by each replayed run's own probe")  # fmt: skip
+    hp.add_argument("--launch-in-host", action="store_true",
+                    help="take the FFN's launch share (expert_launch_s) out of the "
+                    "profile's expert cost: the fitted access cost carries it")  # fmt: skip
     hp.add_argument("--host-speed-from", choices=SPEED_MEASURES, default="probe",
                     help="with --host-speed: measure each run's host speed by its probe "
                     "(default) or by its time per FFN launch (launch: the --host-timers "
@@ -1827,6 +1881,8 @@ def main(argv: list[str] | None = None) -> None:
                     "costs")  # fmt: skip
     cp.add_argument("--fit-modes", default="batch1", help="as host-fit's")
     cp.add_argument("--host-speed", action="store_true", help="as host-fit's")
+    cp.add_argument("--launch-in-host", action="store_true",
+                    help="as host-fit's")  # fmt: skip
     cp.add_argument("--host-speed-from", choices=SPEED_MEASURES, default="probe",
                     help="as host-fit's")  # fmt: skip
     cp.add_argument("--each-repeat", action="store_true",
@@ -1854,6 +1910,8 @@ def main(argv: list[str] | None = None) -> None:
                     "cross-check; --hardware is then the profile without host costs)")  # fmt: skip
     ep.add_argument("--fit-modes", default="batch1", help="as host-fit's")
     ep.add_argument("--host-speed", action="store_true", help="as host-fit's")
+    ep.add_argument("--launch-in-host", action="store_true",
+                    help="as host-fit's")  # fmt: skip
     ep.add_argument("--host-speed-from", choices=SPEED_MEASURES, default="probe",
                     help="as host-fit's")  # fmt: skip
     ep.add_argument("--link-depth", type=int, default=0, help="as host-fit's")
@@ -1917,7 +1975,8 @@ def _run(args: argparse.Namespace) -> None:
     if args.cmd == "events" and args.fit_model is None:
         opts = (("--host-speed", args.host_speed), ("--link-depth", args.link_depth),
                 ("--probe-exponent", args.probe_exponent),
-                ("--host-speed-from", args.host_speed_from != "probe"))  # fmt: skip
+                ("--host-speed-from", args.host_speed_from != "probe"),
+                ("--launch-in-host", args.launch_in_host))  # fmt: skip
         given = next((f for f, on in opts if on), None)
         if given is not None:
             raise FmoesimError(f"{given}: needs --fit-model (it shapes the refitted host costs)")
@@ -1944,7 +2003,8 @@ def _run(args: argparse.Namespace) -> None:
             raise FmoesimError("host-fit: no replay.csv named (or --host-from PROFILE)")
         else:
             modes = _fit_modes(args.fit_modes)
-            rows = repeat_rows([Path(p) for p in args.replays], args.base)
+            base_hw = base_profile(args.base, args.fit_model, args.launch_in_host)
+            rows = repeat_rows([Path(p) for p in args.replays], args.base, base_hw)
             engine, decisions = fit_host(rows, args.fit_model, args.host_speed, modes,
                                          exponent=args.probe_exponent,
                                          measure=args.host_speed_from)  # fmt: skip
@@ -1962,8 +2022,12 @@ def _run(args: argparse.Namespace) -> None:
                     note += " to the power the host timers measure"
         if args.link_depth:
             note += f"; the host issues every transfer, {args.link_depth} at a time"
+        if args.launch_in_host:
+            note += "; the FFN's launch share moved from the expert cost to the access cost"
         engine = with_link_depth(engine, args.link_depth)
-        path = write_host_profile(args.base, engine, decisions, Path(args.out), note)
+        path = write_host_profile(args.base, engine, decisions, Path(args.out), note,
+                                  base_profile(args.base, args.fit_model,
+                                               args.launch_in_host))  # fmt: skip
         print(_costs_text(engine))
         print(f"wrote {path}")
         return
@@ -1974,7 +2038,8 @@ def _run(args: argparse.Namespace) -> None:
         path, fits = cross_check([Path(p) for p in args.replays], args.base, args.fit_model,
                                  Path(args.out), meta, args.host_speed, modes,
                                  args.link_depth, args.probe_exponent,
-                                 args.host_speed_from, args.each_repeat)  # fmt: skip
+                                 args.host_speed_from, args.each_repeat,
+                                 args.launch_in_host)  # fmt: skip
         for p, engine in fits.items():
             print(f"without {p}: {_costs_text(engine)}")
         print(f"report     {path / 'report.md'}")
@@ -1987,7 +2052,8 @@ def _run(args: argparse.Namespace) -> None:
         if args.fit_model is not None:
             fit = {"fit_model": args.fit_model, "host_speed": args.host_speed,
                    "modes": _fit_modes(args.fit_modes), "exponent": args.probe_exponent,
-                   "link_depth": args.link_depth, "measure": args.host_speed_from}  # fmt: skip
+                   "link_depth": args.link_depth, "measure": args.host_speed_from,
+                   "launch": args.launch_in_host}  # fmt: skip
         logs = None if args.logs is None else Path(args.logs)
         path = events_report([Path(p) for p in args.replays], logs, args.hardware,
                              Path(args.out), meta, args.window_steps, pols, fit)  # fmt: skip

@@ -623,9 +623,11 @@ def test_cross_check_scores_each_policy_with_costs_fitted_without_its_runs(tmp_p
     (which holds "odd") does not, and each policy's runs are simulated with the costs
     fitted without them, their own decision cost kept, and the report lists the runs in
     the replays' order, then each fit's costs in microseconds and their spread; with
-    ``each_repeat`` the replays are scored unmerged.  Red if the scored policy's runs
-    stay in its fit, a policy is scored with another's fit, the runs come out grouped by
-    fit, a fit's row shows another fit's costs, or ``each_repeat`` still merges."""
+    ``each_repeat`` the replays are scored unmerged, and with ``launch`` the fit's runs and
+    the scoring simulate the expert without its launch share.  Red if the scored
+    policy's runs stay in its fit, a policy is scored with another's fit, the runs come
+    out grouped by fit, a fit's row shows another fit's costs, ``each_repeat`` still
+    merges, or the launch share stays in the expert's cost on either side."""
     from fmoesim.config import build
     from fmoesim.engine.host import HostModel
     from fmoesim.specs import HardwareSpec
@@ -634,7 +636,8 @@ def test_cross_check_scores_each_policy_with_costs_fitted_without_its_runs(tmp_p
 
     conf = tmp_path / "conf"
     (conf / "hardware").mkdir(parents=True)
-    write_profile(HardwareSpec(name="b", measured={"tiny": {"expert_a_s": 1e-4}}),
+    write_profile(HardwareSpec(name="b", measured={"tiny": {"expert_a_s": 1e-4,
+                                                             "expert_launch_s": 4e-5}}),
                   conf / "hardware" / "b.yaml")  # fmt: skip
     monkeypatch.setattr(build, "CONF_DIR", conf)
     layer, access, submit, transfer = 12e-6, 110e-6, 9e-6, 108e-6
@@ -662,7 +665,13 @@ def test_cross_check_scores_each_policy_with_costs_fitted_without_its_runs(tmp_p
         scored_with[rs[0]["policy"]] = spec_hw
         return [dict(r) for r in rs]
 
-    monkeypatch.setattr(C, "repeat_rows", lambda paths, base: rows)
+    simulated_on = []
+
+    def repeat_rows(paths, base, spec_hw=None):
+        simulated_on.append(spec_hw)
+        return rows
+
+    monkeypatch.setattr(C, "repeat_rows", repeat_rows)
     merges = []
 
     def read_replays(paths, merge=True):
@@ -701,6 +710,18 @@ def test_cross_check_scores_each_policy_with_costs_fitted_without_its_runs(tmp_p
     assert merges == [True]
     C.cross_check([tmp_path], "b", "tiny", tmp_path / "cc2", {"device": "x"}, each_repeat=True)
     assert merges == [True, False]
+    # the launch share in the host model: the fit's runs and the scoring both simulate the
+    # expert without its launch (1e-4 - 4e-5), the rest of the profile as it was
+    assert simulated_on == [None, None]
+    for p in policies:
+        assert scored_with[p].measured["tiny"]["expert_a_s"] == 1e-4
+    C.cross_check([tmp_path], "b", "tiny", tmp_path / "cc3", {"device": "x"}, launch=True)
+    assert simulated_on[-1].measured["tiny"] == {"expert_a_s": pytest.approx(6e-5),
+                                                 "expert_launch_s": 0.0}  # fmt: skip
+    for p in policies:
+        tiny = scored_with[p].measured["tiny"]
+        assert tiny["expert_a_s"] == pytest.approx(6e-5) and tiny["expert_launch_s"] == 0.0
+        assert tiny["host_access_s"] == pytest.approx(fits[p]["host_access_s"])
     for p in policies:
         host = HostModel.from_specs(TINY, scored_with[p], p)
         assert host.access_s == pytest.approx(fits[p]["host_access_s"]), p
@@ -872,6 +893,33 @@ def test_host_speed_from_launch_time_undoes_each_runs_launch_speed():
     assert C.run_hardware(probed, untimed[2])  # a probe profile reads the probe only
     assert C.run_hardware(probed, {**untimed[2], "replay_probe_s": 0.02}).measured["m"][
         "host_access_s"] == pytest.approx(2 * access)  # fmt: skip
+
+
+def test_launch_in_host_takes_the_measured_launch_share_out_of_the_expert_cost():
+    """A profile whose FFN costs 168 us fixed, all of it launch by its own measurement,
+    and a second model's 100 us of which 30 are launch: the expert keeps only what is not
+    launch (0 and 70 us), its per-token cost and every other number as they were; a
+    model that measured no share is left alone; a fit model without one is refused in
+    one line.  Red if the share is left in, taken twice, or taken from a model that never
+    measured it."""
+    from fmoesim.specs import HardwareSpec
+
+    hw = HardwareSpec(name="p", measured={
+        "m": {"expert_a_s": 168e-6, "expert_launch_s": 168e-6, "expert_b_s": 3e-7,
+              "attn_a_s": 2e-4},
+        "n": {"expert_a_s": 100e-6, "expert_launch_s": 30e-6},
+        "old": {"expert_a_s": 90e-6},
+        "link": {"h2d_65536_s": 1e-5}})  # fmt: skip
+    out = C.launch_in_host(hw, "m").measured
+    assert out["m"] == {"expert_a_s": 0.0, "expert_launch_s": 0.0, "expert_b_s": 3e-7,
+                        "attn_a_s": 2e-4}  # fmt: skip
+    assert out["n"]["expert_a_s"] == pytest.approx(70e-6) and out["n"]["expert_launch_s"] == 0
+    assert out["old"] == {"expert_a_s": 90e-6} and out["link"] == hw.measured["link"]
+    assert hw.measured["m"]["expert_a_s"] == 168e-6  # the preset's own numbers untouched
+    with pytest.raises(FmoesimError) as exc:
+        C.launch_in_host(hw, "old")
+    msg = "--launch-in-host: p measured no FFN launch share for old (rule: expert_launch_s"
+    assert str(exc.value) == msg + ", which fmoesim-profile measures)"
 
 
 def test_the_probe_exponent_is_the_within_policy_slope_of_the_timed_costs():

@@ -257,9 +257,13 @@ def test_events_refit_the_host_costs_without_each_runs_policy(tmp_path, monkeypa
         return _hand_log(), {"ttft_mean_s": 0.1, "tpot_mean_s": 0.01}
 
     monkeypatch.setattr(C, "read_replays", lambda paths, merge=True: rows)
-    monkeypatch.setattr(C, "repeat_rows", lambda paths, hardware: rows)
+    monkeypatch.setattr(C, "repeat_rows", lambda paths, hardware, spec_hw=None: rows)
     monkeypatch.setattr(C, "fit_host", fit_host)
-    monkeypatch.setattr(C, "host_profile", lambda base, engine, dec, name, note: (name, engine))
+
+    def host_profile(base, engine, decisions, name, note, spec=None):
+        return name, engine
+
+    monkeypatch.setattr(C, "host_profile", host_profile)
     monkeypatch.setattr(C, "simulate_events", simulate_events)
     fit = {"fit_model": "m", "host_speed": True, "modes": ["batch1"], "exponent": False,
            "link_depth": 2, "measure": "launch"}  # fmt: skip
