@@ -1472,6 +1472,7 @@ def fit_host(
     leave_out: Sequence[str] = (),
     exponent: bool = False,
     measure: str = "probe",
+    fit_transfer: bool = False,
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """The host model of :mod:`fmoesim.engine.host` from scored replays (scored on a
     profile without host costs).
@@ -1510,7 +1511,8 @@ def fit_host(
     ``host_probe_exponent``), and the engine costs hold that reference as
     ``host_probe_s``.  ``measure="launch"`` measures each run's speed by its time per FFN
     launch instead (:func:`launch_s`, from ``--host-timers``), and the costs hold the
-    reference as ``host_launch_s``.  Returns (engine costs,
+    reference as ``host_launch_s``.  ``fit_transfer`` fits ``host_transfer_s`` with the
+    other costs even where the runs are timed.  Returns (engine costs,
     model -> policy -> decision seconds)."""
     import numpy as np
 
@@ -1566,7 +1568,7 @@ def fit_host(
         for r in base
     ])  # fmt: skip
     issue = [((r["replay_host_link_issue_s"] + r["replay_host_link_on_done_s"]) * speed(r),
-              r["replay_transfers"]) for r in timed]  # fmt: skip
+              r["replay_transfers"]) for r in timed if not fit_transfer]  # fmt: skip
     if not counted:
         layer, access, submit = fit_linear(X[:, :2], y)
         transfer = 0.0
@@ -1715,14 +1717,15 @@ def fit_without(
     exponent: bool,
     measure: str = "probe",
     base_hw: Any = None,
+    fit_transfer: bool = False,
 ) -> tuple[dict[str, float], Any]:
     """The engine's host costs fitted (:func:`fit_host`, its host speed by ``measure``) on
     ``rows`` without ``policy``'s runs, the link depth added (:func:`with_link_depth`), and
     ``base`` with them: the profile that simulates ``policy`` out of sample (its own
     decision cost is measured, not fitted, so it stays); ``base_hw`` replaces ``base``'s
-    numbers where given (:func:`base_profile`)."""
+    numbers where given (:func:`base_profile`); ``fit_transfer`` as :func:`fit_host`'s."""
     engine, decisions = fit_host(rows, fit_model, host_speed, modes, [policy], exponent,
-                                 measure)  # fmt: skip
+                                 measure, fit_transfer)  # fmt: skip
     engine = with_link_depth(engine, link_depth)
     name, note = f"{base}-without-{policy}", f"fitted without {policy}"
     return engine, host_profile(base, engine, decisions, name, note, base_hw)
@@ -1773,6 +1776,7 @@ def cross_check(
     measure: str = "probe",
     each_repeat: bool = False,
     launch: bool = False,
+    fit_transfer: bool = False,
 ) -> tuple[Path, dict[str, dict[str, float]]]:
     """Score each replayed policy out of sample: the engine's host costs fitted
     (:func:`fit_host`) on every other policy's runs, then that policy's runs simulated with
@@ -1780,7 +1784,8 @@ def cross_check(
     :func:`with_link_depth`, ``exponent`` and ``measure`` as :func:`fit_host`'s;
     ``each_repeat`` scores every repeat of a run as a run of its own (at its own host
     speed), not their mean; ``launch`` fits and scores with the FFN's launch share in
-    the host model (:func:`launch_in_host`).  Writes the report of
+    the host model (:func:`launch_in_host`); ``fit_transfer`` as :func:`fit_host`'s.
+    Writes the report of
     :func:`score` to ``out``, each fit's costs after it (:func:`fits_markdown`); returns
     it and each policy's fitted engine costs."""
     import pandas as pd
@@ -1794,14 +1799,15 @@ def cross_check(
     fits: dict[str, dict[str, float]] = {}
     for p in policies:
         fits[p], hw = fit_without(rows, base, p, fit_model, host_speed, modes, link_depth,
-                                  exponent, measure, base_hw)  # fmt: skip
+                                  exponent, measure, base_hw, fit_transfer)  # fmt: skip
         idx = [i for i, r in enumerate(merged) if r["policy"] == p]
         by_run.update(zip(idx, score_rows([merged[i] for i in idx], base, hw), strict=True))
     scored = [by_run[i] for i in range(len(merged))]  # the replays' order
     fitted = _modes_text(modes)
     meta = {"hardware profile": f"{base}, with host costs fitted on {fit_model}'s {fitted} "
             "runs of every other policy (each policy out of sample)"
-            + (", the FFN's launch share in the host model" if launch else ""),
+            + (", the FFN's launch share in the host model" if launch else "")
+            + (", a started copy's cost fitted" if fit_transfer else ""),
             **meta}  # fmt: skip
     title = f"simulator (host costs out of sample) vs replay on {meta['device']}"
     table = pd.DataFrame(scored).assign(hardware=base)
@@ -1866,6 +1872,9 @@ def main(argv: list[str] | None = None) -> None:
     hp.add_argument("--host-speed", action="store_true",
                     help="record the fitted runs' median host probe (host_probe_s), so "
                     "scoring scales the host costs by each replayed run's own probe")  # fmt: skip
+    hp.add_argument("--fit-transfer", action="store_true",
+                    help="fit the cost of a started copy (host_transfer_s) with the "
+                    "others, not from the timers")  # fmt: skip
     hp.add_argument("--launch-in-host", action="store_true",
                     help="take the FFN's launch share (expert_launch_s) out of the "
                     "profile's expert cost: the fitted access cost carries it")  # fmt: skip
@@ -1881,6 +1890,8 @@ def main(argv: list[str] | None = None) -> None:
                     "costs")  # fmt: skip
     cp.add_argument("--fit-modes", default="batch1", help="as host-fit's")
     cp.add_argument("--host-speed", action="store_true", help="as host-fit's")
+    cp.add_argument("--fit-transfer", action="store_true",
+                    help="as host-fit's")  # fmt: skip
     cp.add_argument("--launch-in-host", action="store_true",
                     help="as host-fit's")  # fmt: skip
     cp.add_argument("--host-speed-from", choices=SPEED_MEASURES, default="probe",
@@ -1910,6 +1921,8 @@ def main(argv: list[str] | None = None) -> None:
                     "cross-check; --hardware is then the profile without host costs)")  # fmt: skip
     ep.add_argument("--fit-modes", default="batch1", help="as host-fit's")
     ep.add_argument("--host-speed", action="store_true", help="as host-fit's")
+    ep.add_argument("--fit-transfer", action="store_true",
+                    help="as host-fit's")  # fmt: skip
     ep.add_argument("--launch-in-host", action="store_true",
                     help="as host-fit's")  # fmt: skip
     ep.add_argument("--host-speed-from", choices=SPEED_MEASURES, default="probe",
@@ -1976,7 +1989,8 @@ def _run(args: argparse.Namespace) -> None:
         opts = (("--host-speed", args.host_speed), ("--link-depth", args.link_depth),
                 ("--probe-exponent", args.probe_exponent),
                 ("--host-speed-from", args.host_speed_from != "probe"),
-                ("--launch-in-host", args.launch_in_host))  # fmt: skip
+                ("--launch-in-host", args.launch_in_host),
+                ("--fit-transfer", args.fit_transfer))  # fmt: skip
         given = next((f for f, on in opts if on), None)
         if given is not None:
             raise FmoesimError(f"{given}: needs --fit-model (it shapes the refitted host costs)")
@@ -2007,7 +2021,8 @@ def _run(args: argparse.Namespace) -> None:
             rows = repeat_rows([Path(p) for p in args.replays], args.base, base_hw)
             engine, decisions = fit_host(rows, args.fit_model, args.host_speed, modes,
                                          exponent=args.probe_exponent,
-                                         measure=args.host_speed_from)  # fmt: skip
+                                         measure=args.host_speed_from,
+                                         fit_transfer=args.fit_transfer)  # fmt: skip
             fitted = _modes_text(modes)
             note = (f"host costs fitted by {PROG} host-fit on {args.fit_model}'s {fitted} "
                     f"replays, every repeat a point (engine), and every run's policy-hook "
@@ -2024,6 +2039,8 @@ def _run(args: argparse.Namespace) -> None:
             note += f"; the host issues every transfer, {args.link_depth} at a time"
         if args.launch_in_host:
             note += "; the FFN's launch share moved from the expert cost to the access cost"
+        if args.fit_transfer:
+            note += "; a started copy's cost fitted, not timed"
         engine = with_link_depth(engine, args.link_depth)
         path = write_host_profile(args.base, engine, decisions, Path(args.out), note,
                                   base_profile(args.base, args.fit_model,
@@ -2039,7 +2056,7 @@ def _run(args: argparse.Namespace) -> None:
                                  Path(args.out), meta, args.host_speed, modes,
                                  args.link_depth, args.probe_exponent,
                                  args.host_speed_from, args.each_repeat,
-                                 args.launch_in_host)  # fmt: skip
+                                 args.launch_in_host, args.fit_transfer)  # fmt: skip
         for p, engine in fits.items():
             print(f"without {p}: {_costs_text(engine)}")
         print(f"report     {path / 'report.md'}")
@@ -2053,7 +2070,7 @@ def _run(args: argparse.Namespace) -> None:
             fit = {"fit_model": args.fit_model, "host_speed": args.host_speed,
                    "modes": _fit_modes(args.fit_modes), "exponent": args.probe_exponent,
                    "link_depth": args.link_depth, "measure": args.host_speed_from,
-                   "launch": args.launch_in_host}  # fmt: skip
+                   "launch": args.launch_in_host, "fit_transfer": args.fit_transfer}  # fmt: skip
         logs = None if args.logs is None else Path(args.logs)
         path = events_report([Path(p) for p in args.replays], logs, args.hardware,
                              Path(args.out), meta, args.window_steps, pols, fit)  # fmt: skip

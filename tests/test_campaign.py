@@ -895,6 +895,35 @@ def test_host_speed_from_launch_time_undoes_each_runs_launch_speed():
         "host_access_s"] == pytest.approx(2 * access)  # fmt: skip
 
 
+def test_fit_transfer_fits_a_started_copys_cost_where_the_timers_undercount_it():
+    """Timed runs whose walls were built with 225 us a started copy while their link
+    timers account for 148 us of it: by default the fit takes 148 from the timers and
+    puts the rest elsewhere; with ``fit_transfer`` it returns every cost as built.  Red if
+    the option still reads the timers or drops them from the wrong term."""
+    layer, access, submit, transfer = 10e-6, 150e-6, 20e-6, 225e-6
+
+    def row(policy, xfer, cancelled, acc=9):
+        per = layer + access * acc + submit * (xfer + cancelled) + transfer * xfer
+        return {"model": "m", "mode": "batch1", "policy": policy, "compute_repeat": 1,
+                "replay_layer_steps": 100, "replay_accesses": acc * 100,
+                "replay_transfers": xfer * 100, "replay_cancelled_transfers": cancelled * 100,
+                "replay_policy_host_s": 0.0, "sim_gpu_busy_s": 0.05,
+                "replay_wall_s": 0.05 + per * 100,
+                "replay_host_link_issue_calls": xfer * 100,
+                "replay_host_link_issue_s": 135e-6 * xfer * 100,
+                "replay_host_link_on_done_s": 13e-6 * xfer * 100}  # fmt: skip
+
+    rows = [row("lru", 3, 0), row("fmoe", 5, 1), row("brainstorm", 19, 40),
+            row("lru", 4, 0, acc=12), row("fmoe", 6, 2, acc=7)]  # fmt: skip
+    timed = C.fit_host(rows, "m")[0]
+    assert timed["host_transfer_s"] == pytest.approx(148e-6)
+    assert timed["host_submit_s"] != pytest.approx(submit, rel=1e-2)
+    fitted = C.fit_host(rows, "m", fit_transfer=True)[0]
+    for k, v in (("host_layer_s", layer), ("host_access_s", access),
+                 ("host_submit_s", submit), ("host_transfer_s", transfer)):  # fmt: skip
+        assert fitted[k] == pytest.approx(v, rel=1e-6), k
+
+
 def test_launch_in_host_takes_the_measured_launch_share_out_of_the_expert_cost():
     """A profile whose FFN costs 168 us fixed, all of it launch by its own measurement,
     and a second model's 100 us of which 30 are launch: the expert keeps only what is not

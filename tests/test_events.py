@@ -236,9 +236,10 @@ def test_a_cpu_replays_event_logs_are_compared_with_the_simulators(tmp_path):
 
 def test_events_refit_the_host_costs_without_each_runs_policy(tmp_path, monkeypatch):
     """``events --fit-model``: each run is simulated on host costs fitted without its own
-    policy's runs (as ``cross-check`` does), with the link depth and the host-speed
-    measure asked for.  Red if a run's policy stays in its fit, a run is simulated on
-    another policy's fit, or the depth or the measure is lost."""
+    policy's runs (as ``cross-check`` does), with the link depth, the host-speed measure
+    and the fitted copy cost asked for.  Red if a run's policy stays in its fit, a run is
+    simulated on another policy's fit, or the depth, the measure or the copy cost's
+    choice is lost."""
     rows = [
         {"model": "m", "budget_gb": 1.0, "mode": "batch1", "policy": p, "compute_repeat": 1,
          "repeat": 0, "replay_layer_steps": 3, "replay_hit_rate": 0.5, "replay_late_rate": 0.0,
@@ -248,8 +249,8 @@ def test_events_refit_the_host_costs_without_each_runs_policy(tmp_path, monkeypa
     ]  # fmt: skip
     left_out, simulated = [], {}
 
-    def fit_host(rs, fit_model, host_speed, modes, leave_out, exponent, measure):
-        left_out.append((fit_model, list(leave_out), measure))
+    def fit_host(rs, fit_model, host_speed, modes, leave_out, exponent, measure, fit_transfer):
+        left_out.append((fit_model, list(leave_out), measure, fit_transfer))
         return {"host_access_s": 1e-4}, {}
 
     def simulate_events(row, hardware, spec_hw=None):
@@ -266,9 +267,9 @@ def test_events_refit_the_host_costs_without_each_runs_policy(tmp_path, monkeypa
     monkeypatch.setattr(C, "host_profile", host_profile)
     monkeypatch.setattr(C, "simulate_events", simulate_events)
     fit = {"fit_model": "m", "host_speed": True, "modes": ["batch1"], "exponent": False,
-           "link_depth": 2, "measure": "launch"}  # fmt: skip
+           "link_depth": 2, "measure": "launch", "fit_transfer": True}  # fmt: skip
     C.events_report([tmp_path], None, "base", tmp_path / "ev", {}, 0, None, fit)
-    assert left_out == [("m", ["lru"], "launch"), ("m", ["fmoe"], "launch")]
+    assert left_out == [("m", ["lru"], "launch", True), ("m", ["fmoe"], "launch", True)]
     for p in ("lru", "fmoe"):
         name, engine = simulated[p]
         assert name == f"base-without-{p}" and engine["host_link_depth"] == 2
