@@ -1872,16 +1872,7 @@ def main(argv: list[str] | None = None) -> None:
     hp.add_argument("--host-speed", action="store_true",
                     help="record the fitted runs' median host probe (host_probe_s), so "
                     "scoring scales the host costs by each replayed run's own probe")  # fmt: skip
-    hp.add_argument("--fit-transfer", action="store_true",
-                    help="fit the cost of a started copy (host_transfer_s) with the "
-                    "others, not from the timers")  # fmt: skip
-    hp.add_argument("--launch-in-host", action="store_true",
-                    help="take the FFN's launch share (expert_launch_s) out of the "
-                    "profile's expert cost: the fitted access cost carries it")  # fmt: skip
-    hp.add_argument("--host-speed-from", choices=SPEED_MEASURES, default="probe",
-                    help="with --host-speed: measure each run's host speed by its probe "
-                    "(default) or by its time per FFN launch (launch: the --host-timers "
-                    "columns; recorded as host_launch_s)")  # fmt: skip
+    _host_model_options(hp, full=True)
     cp = sub.add_parser("cross-check", help="score each policy with host costs fitted on "
                         "the other policies' runs (out of sample)")  # fmt: skip
     cp.add_argument("replays", nargs="+", help="replay.csv files or their directories")
@@ -1890,12 +1881,7 @@ def main(argv: list[str] | None = None) -> None:
                     "costs")  # fmt: skip
     cp.add_argument("--fit-modes", default="batch1", help="as host-fit's")
     cp.add_argument("--host-speed", action="store_true", help="as host-fit's")
-    cp.add_argument("--fit-transfer", action="store_true",
-                    help="as host-fit's")  # fmt: skip
-    cp.add_argument("--launch-in-host", action="store_true",
-                    help="as host-fit's")  # fmt: skip
-    cp.add_argument("--host-speed-from", choices=SPEED_MEASURES, default="probe",
-                    help="as host-fit's")  # fmt: skip
+    _host_model_options(cp, full=False)
     cp.add_argument("--each-repeat", action="store_true",
                     help="score every repeat of a run as a run of its own (at its own host "
                     "speed), not the repeats' mean")  # fmt: skip
@@ -1921,16 +1907,29 @@ def main(argv: list[str] | None = None) -> None:
                     "cross-check; --hardware is then the profile without host costs)")  # fmt: skip
     ep.add_argument("--fit-modes", default="batch1", help="as host-fit's")
     ep.add_argument("--host-speed", action="store_true", help="as host-fit's")
-    ep.add_argument("--fit-transfer", action="store_true",
-                    help="as host-fit's")  # fmt: skip
-    ep.add_argument("--launch-in-host", action="store_true",
-                    help="as host-fit's")  # fmt: skip
-    ep.add_argument("--host-speed-from", choices=SPEED_MEASURES, default="probe",
-                    help="as host-fit's")  # fmt: skip
+    _host_model_options(ep, full=False)
     ep.add_argument("--link-depth", type=int, default=0, help="as host-fit's")
     ep.add_argument("--probe-exponent", action="store_true", help="as host-fit's")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     run_or_exit(PROG, _run, args)
+
+
+def _host_model_options(parser: argparse.ArgumentParser, full: bool) -> None:
+    """The host model's fit options (``host-fit``'s help in full, the others' "as
+    host-fit's"): the host-speed measure, the FFN's launch in the host model, the started
+    copy's cost fitted."""
+    same = "as host-fit's"
+    parser.add_argument("--host-speed-from", choices=SPEED_MEASURES, default="probe",
+                        help="with --host-speed: measure each run's host speed by its probe "
+                        "(default) or by its time per FFN launch (launch: the --host-timers "
+                        "columns; recorded as host_launch_s)" if full else same)  # fmt: skip
+    parser.add_argument("--launch-in-host", action="store_true",
+                        help="take the FFN's launch share (expert_launch_s) out of the "
+                        "profile's expert cost: the fitted access cost carries it"
+                        if full else same)  # fmt: skip
+    parser.add_argument("--fit-transfer", action="store_true",
+                        help="fit the cost of a started copy (host_transfer_s) with the "
+                        "others, not from the timers" if full else same)  # fmt: skip
 
 
 def _modes_text(modes: Sequence[str]) -> str:

@@ -837,6 +837,25 @@ def test_host_speed_scales_a_profiles_host_costs_by_the_runs_probe():
         C.reference_probe_s(rows, "z")
 
 
+#: host costs (per layer step, access, submission, started copy) the host-speed tests
+#: build their runs from
+SPEED_COSTS = (10e-6, 40e-6, 20e-6, 100e-6)
+
+
+def _speed_row(policy, xfer, cancelled, hooks, f, acc=9):
+    """A batch-1 run of model "m" (100 layer steps, ``acc`` accesses, ``xfer`` started
+    and ``cancelled`` cancelled transfers a step) whose host ran ``f`` times as long as
+    at the reference speed: :data:`SPEED_COSTS` and its hooks' ``hooks`` a step, times
+    ``f``."""
+    layer, access, submit, transfer = SPEED_COSTS
+    per = (layer + access * acc + submit * (xfer + cancelled) + transfer * xfer) * f
+    return {"model": "m", "mode": "batch1", "policy": policy, "compute_repeat": 1,
+            "replay_layer_steps": 100, "replay_accesses": acc * 100,
+            "replay_transfers": xfer * 100, "replay_cancelled_transfers": cancelled * 100,
+            "replay_policy_host_s": hooks * f * 100, "sim_gpu_busy_s": 0.05,
+            "replay_wall_s": 0.05 + (hooks * f + per) * 100}  # fmt: skip
+
+
 def test_host_speed_from_launch_time_undoes_each_runs_launch_speed():
     """Runs whose host ran 1x, 2x and 0.5x as long as the median, as their time per FFN
     launch says (the ``--host-timers`` columns) while their probes say nothing (every run
@@ -848,16 +867,11 @@ def test_host_speed_from_launch_time_undoes_each_runs_launch_speed():
     reads, the ratio is inverted, or an untimed run passes unscaled."""
     from fmoesim.specs import HardwareSpec
 
-    layer, access, submit, transfer = 10e-6, 40e-6, 20e-6, 100e-6
+    layer, access, submit, transfer = SPEED_COSTS
     ref = 140e-6
 
     def row(policy, xfer, cancelled, hooks, f, acc=9):
-        per = (layer + access * acc + submit * (xfer + cancelled) + transfer * xfer) * f
-        return {"model": "m", "mode": "batch1", "policy": policy, "compute_repeat": 1,
-                "replay_layer_steps": 100, "replay_accesses": acc * 100,
-                "replay_transfers": xfer * 100, "replay_cancelled_transfers": cancelled * 100,
-                "replay_policy_host_s": hooks * f * 100, "sim_gpu_busy_s": 0.05,
-                "replay_wall_s": 0.05 + (hooks * f + per) * 100, "replay_probe_s": 0.015,
+        return {**_speed_row(policy, xfer, cancelled, hooks, f, acc), "replay_probe_s": 0.015,
                 "replay_host_expert_calls": acc * 100,
                 "replay_host_expert_self_s": ref * f * acc * 100}  # fmt: skip
 
@@ -985,17 +999,11 @@ def test_fit_host_at_the_reference_speed_undoes_each_runs_probe():
     are brought to the median speed before the fit: the costs come back as set, with the
     median probe recorded; a run with no probe is refused.  Red if the factor is
     inverted or left out (the costs would come out skewed by the slow runs)."""
-    layer, access, submit, transfer = 10e-6, 40e-6, 20e-6, 100e-6
+    layer, access, submit, transfer = SPEED_COSTS
     ref = 0.014
 
     def row(policy, xfer, cancelled, hooks, f, acc=9):
-        per = (layer + access * acc + submit * (xfer + cancelled) + transfer * xfer) * f
-        return {"model": "m", "mode": "batch1", "policy": policy, "compute_repeat": 1,
-                "replay_layer_steps": 100, "replay_accesses": acc * 100,
-                "replay_transfers": xfer * 100, "replay_cancelled_transfers": cancelled * 100,
-                "replay_policy_host_s": hooks * f * 100, "sim_gpu_busy_s": 0.05,
-                "replay_wall_s": 0.05 + (hooks * f + per) * 100,
-                "replay_probe_s": ref * f}  # fmt: skip
+        return {**_speed_row(policy, xfer, cancelled, hooks, f, acc), "replay_probe_s": ref * f}
 
     rows = [row("lru", 3, 0, 1e-6, 1.0), row("fmoe", 5, 1, 5e-6, 2.0),
             row("brainstorm", 19, 40, 3e-6, 0.5), row("lru", 3, 0, 1e-6, 2.0, acc=12),
