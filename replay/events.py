@@ -318,7 +318,11 @@ def summarize(log: EventLog) -> dict[str, float]:
     - ``moved`` and ``cancelled``: transfers a step, all reasons; ``cancelled_multi``,
       the share of the cancelled ones submitted in steps of more than one token;
     - ``link_busy``: the share of the run's span (first gate to last copy's end or last
-      gate) in which the link moved a copy.
+      gate) in which the link moved a copy;
+    - ``step_ms_one_idle``, the mean one-token layer step in which no copy started, and
+      ``step_ms_one_per_copy``, how much a one-token step grows with each copy started
+      in it (the least-squares slope of its time on that count; NaN where the count never
+      varies): a step's fixed cost and a copy's, as the host model splits them.
     """
     a = log.a
     steps = len(a["step_layer"])
@@ -382,6 +386,14 @@ def summarize(log: EventLog) -> dict[str, float]:
     out["cancelled_multi"] = (
         float((cancelled & in_multi).sum() / n_cancelled) if n_cancelled else math.nan
     )
+    one = ~multi & ~np.isnan(sec)  # (S,) one-token steps with an end
+    in_step = np.searchsorted(gates, start[started], side="right") - 1  # step of each start
+    copies = np.bincount(in_step[in_step >= 0], minlength=steps)[:steps]  # (S,)
+    out["step_ms_one_idle"] = 1e3 * _mean(sec[one & (copies == 0)])
+    x, y = copies[one].astype(float), sec[one]
+    out["step_ms_one_per_copy"] = (
+        1e3 * float(np.polyfit(x, y, 1)[0]) if len(np.unique(x)) > 1 else math.nan
+    )
     moved = started & ~np.isnan(a["xfer_end_s"])
     busy = float((a["xfer_end_s"] - start)[moved].sum())
     if steps:
@@ -442,6 +454,8 @@ TABLE_ROWS = (
     ("step_ms_one", "layer step of 1 token, ms", 1.0, "{:.3f}"),
     ("step_ms_first", "layer step of the first forward pass, ms", 1.0, "{:.3f}"),
     ("step_ms_multi_later", "layer step of > 1 token after it, ms", 1.0, "{:.3f}"),
+    ("step_ms_one_idle", "layer step of 1 token with no copy started in it, ms", 1.0, "{:.3f}"),
+    ("step_ms_one_per_copy", "its growth a copy started in it, ms", 1.0, "{:.3f}"),
     ("gpu_ms_multi", "GPU busy a step of > 1 token, ms", 1.0, "{:.3f}"),
     ("gpu_ms_one", "GPU busy a step of 1 token, ms", 1.0, "{:.3f}"),
     ("policy_ms_multi", "policy's hooks a step of > 1 token, ms", 1.0, "{:.3f}"),

@@ -60,6 +60,30 @@ def _hand_log():
     return _log([0, 1, 0], [4, 1, 1], [0.0, 1.0, 3.0], accesses, xfers, **totals)
 
 
+def test_a_one_token_steps_fixed_cost_and_a_copys_by_hand():
+    """Gates at 0, 1, 2, 4, 7 and 8: a prefill step (a copy starts in it, it does not
+    count), then one-token steps of 1, 2, 3 and 1 s with 0, 1, 2 and 0 copies started in
+    them (a cancelled transfer in the last does not count).  With no copy a one-token
+    step lasts 1 s, and each copy adds 1 s (the line through the four is exact).  Red if
+    the prefill's steps or a cancelled transfer enter, or a copy is counted in the step
+    of its submission instead of its start."""
+    xfers = [
+        _xfer(1, "prefetch", 0.2, 0.5, 0.7),
+        _xfer(2, "on_demand", 1.9, 2.2, 2.4),  # submitted in step 1, starts in step 2
+        _xfer(3, "on_demand", 4.0, 4.1, 4.3),
+        _xfer(4, "on_demand", 4.0, 4.5, 4.7),
+        _xfer(5, "prefetch", 7.2, 7.2, 7.2, cancelled=True),
+    ]
+    log = _log([0, 1, 0, 1, 0, 1], [4, 1, 1, 1, 1, 1], [0.0, 1.0, 2.0, 4.0, 7.0, 8.0], [],
+               xfers)  # fmt: skip
+    s = E.summarize(log)
+    assert s["step_ms_one_idle"] == pytest.approx(1000.0)  # steps 1 and 4
+    assert s["step_ms_one_per_copy"] == pytest.approx(1000.0)
+    flat = E.summarize(_log([0, 1, 0], [1, 1, 1], [0.0, 1.0, 3.0], [], []))
+    assert math.isnan(flat["step_ms_one_per_copy"])  # the count never varies
+    assert flat["step_ms_one_idle"] == pytest.approx(1500.0)
+
+
 def test_what_a_log_says_by_hand():
     """Step times, outcome shares, each prefetch's fate, queue waits, copies and the
     link's busy share of :func:`summarize`, computed by hand on :func:`_hand_log`.
