@@ -1168,6 +1168,14 @@ def _repeats_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _run_policy(r: dict[str, Any]) -> str:
+    """A report row's policy, with its repeat (``lru #2``) where the row is one repeat of
+    a run (:func:`read_replays` with ``merge=False``) rather than the repeats' mean."""
+    if "replay_repeats" not in r and "repeat" in r:
+        return f"{r['policy']} #{int(r['repeat'])}"
+    return str(r["policy"])
+
+
 def report_markdown(
     rows: Sequence[dict[str, Any]],
     meta: dict[str, str],
@@ -1222,7 +1230,7 @@ def report_markdown(
     for r in rows:
         if int(r["compute_repeat"]) != 1:
             continue
-        cells = [r["model"], f"{r['budget_gb']:g} GB", r["mode"], r["policy"]]
+        cells = [r["model"], f"{r['budget_gb']:g} GB", r["mode"], _run_policy(r)]
         for key, _, scale, unit, rel in METRICS:
             s, g, e = r[f"sim_{key}"], r[f"replay_{key}"], r[f"err_{key}"]
             err = "n/a" if e != e else f"{100 * e:+.1f}%" if rel else f"{100 * e:+.2f} pt"
@@ -1242,7 +1250,7 @@ def report_markdown(
         wall, comp = r["replay_wall_s"] / n * 1e6, r["replay_gpu_busy_s"] / n * 1e6
         hooks = r["replay_policy_host_s"] / n * 1e6
         lines.append(
-            f"| {r['model']} | {r['budget_gb']:g} GB | {r['mode']} | {r['policy']} | "
+            f"| {r['model']} | {r['budget_gb']:g} GB | {r['mode']} | {_run_policy(r)} | "
             f"{wall:.0f} | {comp:.0f} | {hooks:.0f} | {wall - comp - hooks:.0f} | "
             f"{r['sim_gpu_busy_s'] / n * 1e6:.0f} |"
         )

@@ -301,6 +301,9 @@ def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
     assert int(t["replay_host_steps_multi_calls"]) == 3
     assert int(t["replay_host_pre_gate_multi_calls"]) == 3
     assert int(t["replay_host_pre_gate_calls"]) == int(t["replay_layer_steps"])
+    # the launch-time speed measure reads the columns the replay writes
+    launch = C.launch_s({k: float(v) for k, v in t.items() if k.startswith("replay_host_")})
+    assert 0 < launch < float(t["replay_host_expert_s"]) / int(t["replay_host_expert_calls"])
     assert 0 < float(t["replay_host_steps_multi_s"]) < float(t["replay_wall_s"])
     assert int(t["replay_host_submit_multi_calls"]) <= int(t["replay_host_submit_calls"])
     # self time: a submission without the pump it calls, a pump without its copies and
@@ -907,6 +910,15 @@ def test_host_speed_from_launch_time_undoes_each_runs_launch_speed():
     assert C.run_hardware(probed, untimed[2])  # a probe profile reads the probe only
     assert C.run_hardware(probed, {**untimed[2], "replay_probe_s": 0.02}).measured["m"][
         "host_access_s"] == pytest.approx(2 * access)  # fmt: skip
+
+
+def test_a_report_row_of_one_repeat_names_its_repeat():
+    """Rows scored repeat by repeat (``cross-check --each-repeat``) carry their repeat in
+    the report's policy cells; rows of the repeats' mean, and rows of a replay.csv
+    without repeats, do not.  Red if the repeats of a run cannot be told apart."""
+    assert C._run_policy({"policy": "lru", "repeat": 2}) == "lru #2"
+    assert C._run_policy({"policy": "lru", "repeat": 0, "replay_repeats": 4}) == "lru"
+    assert C._run_policy({"policy": "lru"}) == "lru"
 
 
 def test_fit_transfer_fits_a_started_copys_cost_where_the_timers_undercount_it():
