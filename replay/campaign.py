@@ -780,7 +780,7 @@ def _speed_rule(measure: str) -> str:
     if measure == "launch":
         return ("no FFN launch timers (rule: replay --host-timers; columns "
                 "replay_host_expert_self_s and replay_host_expert_calls)")  # fmt: skip
-    return "no host probe (rule: replay column replay_probe_s)"
+    return "no host probe (rule: every replay named has the column replay_probe_s)"
 
 
 def reference_probe_s(
@@ -1564,10 +1564,8 @@ def fit_host(
         probe = run_speed_s(r, measure)
         if not probe > 0:
             raise FmoesimError(
-                f"--host-speed: the {r['model']} {r['policy']} run records "
-                + ("no host probe (rule: every replay named has the column replay_probe_s)"
-                   if measure == "probe" else _speed_rule(measure))
-            )  # fmt: skip
+                f"--host-speed: the {r['model']} {r['policy']} run records {_speed_rule(measure)}"
+            )
         return (ref / probe) ** power
 
     y = np.array([
@@ -1793,9 +1791,8 @@ def cross_check(
     ``each_repeat`` scores every repeat of a run as a run of its own (at its own host
     speed), not their mean; ``launch`` fits and scores with the FFN's launch share in
     the host model (:func:`launch_in_host`); ``fit_transfer`` as :func:`fit_host`'s.
-    Writes the report of
-    :func:`score` to ``out``, each fit's costs after it (:func:`fits_markdown`); returns
-    it and each policy's fitted engine costs."""
+    Writes the report of :func:`score` to ``out``, each fit's costs after it
+    (:func:`fits_markdown`); returns it and each policy's fitted engine costs."""
     import pandas as pd
 
     _refuse_foreign_out(out)
@@ -2017,6 +2014,7 @@ def _run(args: argparse.Namespace) -> None:
         if args.host_speed and args.host_from is not None:
             raise FmoesimError("--host-speed: needs replays to take the probe from, not "
                                "--host-from")  # fmt: skip
+        base_hw = base_profile(args.base, args.fit_model, args.launch_in_host)
         if args.host_from is not None:
             engine, decisions = host_costs_of(args.host_from, args.fit_model)
             note = f"host costs of {args.host_from} (measured on another machine)"
@@ -2024,7 +2022,6 @@ def _run(args: argparse.Namespace) -> None:
             raise FmoesimError("host-fit: no replay.csv named (or --host-from PROFILE)")
         else:
             modes = _fit_modes(args.fit_modes)
-            base_hw = base_profile(args.base, args.fit_model, args.launch_in_host)
             rows = repeat_rows([Path(p) for p in args.replays], args.base, base_hw)
             engine, decisions = fit_host(rows, args.fit_model, args.host_speed, modes,
                                          exponent=args.probe_exponent,
@@ -2049,9 +2046,7 @@ def _run(args: argparse.Namespace) -> None:
         if args.fit_transfer:
             note += "; a started copy's cost fitted, not timed"
         engine = with_link_depth(engine, args.link_depth)
-        path = write_host_profile(args.base, engine, decisions, Path(args.out), note,
-                                  base_profile(args.base, args.fit_model,
-                                               args.launch_in_host))  # fmt: skip
+        path = write_host_profile(args.base, engine, decisions, Path(args.out), note, base_hw)
         print(_costs_text(engine))
         print(f"wrote {path}")
         return

@@ -124,7 +124,12 @@ def measure_ops(points: Sequence[Any], op: Callable[..., Any], timer: Timer) -> 
 def measure_link(torch: Any, device: str, sizes: Sequence[int], timer: Timer) -> dict[str, float]:
     """The link fit ``time = overhead + size / bandwidth`` over host-to-device copies of
     ``sizes`` bytes, and the seconds of each copy (``h2d_<size>_s``)."""
-    h2d = measure_h2d(torch, device, sizes, timer)
+    return link_table(sizes, measure_h2d(torch, device, sizes, timer))
+
+
+def link_table(sizes: Sequence[int], h2d: Sequence[float]) -> dict[str, float]:
+    """The link fit ``time = overhead + size / bandwidth`` on copies of ``sizes`` bytes
+    that took ``h2d`` seconds, and those seconds (``h2d_<size>_s``)."""
     overhead, per_byte = fit_linear(np.asarray(sizes), np.asarray(h2d))
     out = {"transfer_overhead_s": overhead, "per_byte_s": per_byte}
     out.update({f"h2d_{n}_s": t for n, t in zip(sizes, h2d, strict=True)})
@@ -150,11 +155,8 @@ def median_keys(runs: Sequence[dict[str, float]]) -> dict[str, float]:
 def median_link(links: Sequence[dict[str, float]], sizes: Sequence[int]) -> dict[str, float]:
     """:func:`measure_link`'s result from several passes: each copy's median seconds, and
     the link fitted on those."""
-    h2d = [float(np.median([lk[f"h2d_{n}_s"] for lk in links])) for n in sizes]
-    overhead, per_byte = fit_linear(np.asarray(sizes), np.asarray(h2d))
-    out = {"transfer_overhead_s": overhead, "per_byte_s": per_byte}
-    out.update({f"h2d_{n}_s": t for n, t in zip(sizes, h2d, strict=True)})
-    return out
+    return link_table(sizes, [float(np.median([lk[f"h2d_{n}_s"] for lk in links]))
+                              for n in sizes])  # fmt: skip
 
 
 def launch_share(whole_a_s: float, part_a_s: float, fraction: float = 0.5) -> float:
