@@ -693,11 +693,11 @@ def read_replays(paths: Sequence[Path], merge: bool = True) -> list[dict[str, An
     Rows with the same key are repeats of one run: its ``replay_*`` numbers are their
     means, ``replay_repeats`` counts them, and ``replay_tpot_min_s``, ``replay_tpot_max_s``
     and ``replay_tpot_cv`` (sample standard deviation over mean; NaN for one repeat) give
-    the spread of TPOT (``replay_probe_min_s`` and ``replay_probe_max_s`` that of the host
-    probe).  The other columns come from the first repeat.  ``merge=False``
-    keeps every repeat as its own row instead.  Runs come in the grid's order: model,
-    mode, budget, compute factor, policy (names the grid does not know after the ones it
-    does, in the order they were read)."""
+    the spread of TPOT, ``replay_ttft_cv`` that of TTFT (``replay_probe_min_s`` and
+    ``replay_probe_max_s`` that of the host probe).  The other columns come from the
+    first repeat.  ``merge=False`` keeps every repeat as its own row instead.  Runs come
+    in the grid's order: model, mode, budget, compute factor, policy (names the grid does
+    not know after the ones it does, in the order they were read)."""
     import pandas as pd
 
     frames = []
@@ -720,6 +720,9 @@ def read_replays(paths: Sequence[Path], merge: bool = True) -> list[dict[str, An
             tpot = g["replay_tpot_mean_s"]
             extra["replay_tpot_min_s"], extra["replay_tpot_max_s"] = tpot.min(), tpot.max()
             extra["replay_tpot_cv"] = tpot.std(ddof=1) / tpot.mean()
+        if "replay_ttft_mean_s" in df.columns:
+            ttft = g["replay_ttft_mean_s"]
+            extra["replay_ttft_cv"] = ttft.std(ddof=1) / ttft.mean()
         if "replay_probe_s" in df.columns:
             probe = g["replay_probe_s"]
             extra["replay_probe_min_s"], extra["replay_probe_max_s"] = probe.min(), probe.max()
@@ -1038,6 +1041,116 @@ def per_policy(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+#: the latencies whose order of the policies :func:`policy_order` compares
+ORDERED = (("tpot", "TPOT"), ("ttft", "TTFT"))
+#: a pair of policies counts as told apart by the replay where their means differ by
+#: more than this many standard errors of the difference
+RESOLVED_SE = 2.0
+
+
+def _replay_mean_se(rs: Sequence[dict[str, Any]], metric: str) -> tuple[float, float]:
+    """One policy's replayed ``metric`` (``tpot`` or ``ttft``) over its rows ``rs``: the
+    mean and its standard error.  Merged rows (:func:`read_replays`) carry their repeats'
+    mean, count and CV; unmerged rows are the repeats themselves.  The error is NaN where
+    the run was replayed once."""
+    import numpy as np
+
+    key = f"replay_{metric}_mean_s"
+    if len(rs) == 1 and "replay_repeats" in rs[0]:
+        r = rs[0]
+        n, mean = int(r["replay_repeats"]), float(r[key])
+        cv = float(r.get(f"replay_{metric}_cv", math.nan))
+        return mean, cv * mean / math.sqrt(n) if n > 1 else math.nan
+    vals = np.array([float(r[key]) for r in rs])  # (repeats,)
+    se = float(vals.std(ddof=1) / math.sqrt(len(vals))) if len(vals) > 1 else math.nan
+    return float(vals.mean()), se
+
+
+def policy_order(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """How the simulator orders the policies against the replay, for each group of runs
+    that differ only in their policy (model, budget, mode; compute factor 1) and each
+    latency of :data:`ORDERED`: of every pair of policies, how many both put in the same
+    order (``alike`` of ``pairs``); of the pairs the replay tells apart (their means more
+    than :data:`RESOLVED_SE` standard errors of the difference apart; ``resolved``, NaN
+    where a run was replayed once), how many (``alike_resolved``); Kendall's tau (pairs
+    alike less pairs reversed, over pairs); and each side's fastest policy.  Repeats of
+    a policy's run (unmerged rows) are averaged, the simulator's too."""
+    import itertools
+
+    out = []
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        if int(r["compute_repeat"]) == 1:
+            groups.setdefault((r["model"], float(r["budget_gb"]), r["mode"]), []).append(r)
+    for (model, budget, mode), rs in groups.items():
+        by_pol: dict[str, list[dict[str, Any]]] = {}
+        for r in rs:
+            by_pol.setdefault(r["policy"], []).append(r)
+        if len(by_pol) < 2:
+            continue
+        for metric, label in ORDERED:
+            rep = {p: _replay_mean_se(v, metric) for p, v in by_pol.items()}
+            sim = {p: sum(float(r[f"sim_{metric}_mean_s"]) for r in v) / len(v)
+                   for p, v in by_pol.items()}  # fmt: skip
+            pairs = alike = reversed_ = resolved = alike_resolved = 0
+            unknown = False
+            for a, b in itertools.combinations(by_pol, 2):
+                d_rep, d_sim = rep[a][0] - rep[b][0], sim[a] - sim[b]
+                same = d_rep * d_sim > 0 or d_rep == d_sim == 0
+                pairs += 1
+                alike += same
+                reversed_ += d_rep * d_sim < 0
+                se = math.hypot(rep[a][1], rep[b][1])
+                if se != se:
+                    unknown = True
+                elif abs(d_rep) > RESOLVED_SE * se:
+                    resolved += 1
+                    alike_resolved += same
+            out.append({
+                "model": model, "budget_gb": budget, "mode": mode, "metric": label,
+                "policies": len(by_pol), "pairs": pairs, "alike": alike,
+                "resolved": math.nan if unknown else resolved,
+                "alike_resolved": math.nan if unknown else alike_resolved,
+                "kendall_tau": (alike - reversed_) / pairs,
+                "fastest_replay": min(rep, key=lambda p: rep[p][0]),
+                "fastest_sim": min(sim, key=sim.__getitem__),
+            })  # fmt: skip
+    return out
+
+
+def _order_table(
+    rows: Sequence[dict[str, Any]], by_profile: dict[str, list[dict[str, Any]]] | None = None
+) -> list[str]:
+    """The report's section on :func:`policy_order`, under each profile of
+    ``by_profile`` (in order) where given, else under ``rows``' profile."""
+    profiles = by_profile if by_profile is not None else {"": rows}
+    body = []
+    for hw, rs in profiles.items():
+        for o in policy_order(rs):
+            res = ("n/a" if o["resolved"] != o["resolved"]
+                   else f"{o['alike_resolved']}/{o['resolved']}")  # fmt: skip
+            cells = [o["model"], f"{o['budget_gb']:g} GB", o["mode"],
+                     *([f"`{hw}`"] if by_profile is not None else []), o["metric"],
+                     str(o["policies"]), f"{o['alike']}/{o['pairs']}", res,
+                     f"{o['kendall_tau']:+.2f}",
+                     f"{o['fastest_replay']} / {o['fastest_sim']}"]  # fmt: skip
+            body.append("| " + " | ".join(cells) + " |")
+    if not body:
+        return []
+    head = ("| model | budget | mode | " + ("profile | " if by_profile is not None else "")
+            + "latency | policies | pairs in the same order | of those the replay tells "
+            "apart | Kendall's tau | fastest: replay / simulator |")  # fmt: skip
+    return ["## Order of the policies", "",
+            "Which policy is faster, the question the simulator is for: of every pair of "
+            "policies in the same setting, how many the simulator puts in the replay's "
+            "order; of the pairs whose replayed means differ by more than "
+            f"{RESOLVED_SE:g} standard errors of the difference (n/a where a run was "
+            "replayed once), how many; Kendall's tau (pairs in the same order less pairs "
+            "reversed, over all pairs: 1 is the same order); and the fastest policy on "
+            "each side.", "", head, "|" + "---|" * (head.count(" | ") + 1), *body,
+            ""]  # fmt: skip
+
+
 def _fmt(key: str, v: float, scale: float, unit: str) -> str:
     return "n/a" if v != v else f"{scale * v:.2f}{' ' if unit != '%' else ''}{unit}"
 
@@ -1183,8 +1296,9 @@ def report_markdown(
 ) -> str:
     """The report: meta, targets per policy (under each profile of ``by_profile``, in
     order, when given; under ``rows``' profile also per serving mode where there are
-    several), every run under ``rows``' profile, TPOT per run under each profile, where
-    the replay's time goes, the repeats' spread, the crossover."""
+    several), the order of the policies (:func:`policy_order`, under each profile), every
+    run under ``rows``' profile, TPOT per run under each profile, where the replay's time
+    goes, the repeats' spread, the crossover."""
     lines = [f"# Simulator vs replay on {meta['device']}", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items() if k != "device"]
     target = (f"Mean |relative error| over the grid's runs: TPOT <= {TARGETS['tpot']:.0%}, "
@@ -1203,6 +1317,7 @@ def report_markdown(
             rs = [r for r in rows if r["mode"] == mode]
             lines += [f"### {mode} runs only{'' if by_profile is None else ' (the last profile)'}",
                       "", *_targets_table(rs), ""]  # fmt: skip
+    lines += _order_table(rows, by_profile)
     if by_profile is not None:
         lines += ["## TPOT per run under each profile", "",
                   "Replayed TPOT, then each profile's simulated TPOT (relative error) and "

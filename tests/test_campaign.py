@@ -129,18 +129,19 @@ def test_per_policy_errors_and_the_crossover_ratios_by_hand():
 
 def test_read_replays_names_a_missing_column_and_averages_repeats(tmp_path):
     """Two files holding the same run are two repeats: TPOT 1.0 and 2.0 ms give a mean of
-    1.5, min 1, max 2 and a CV of 0.7071 / 1.5 = 0.4714; a run replayed once keeps its
+    1.5, min 1, max 2 and a CV of 0.7071 / 1.5 = 0.4714 (TTFT 3 and 5: 1.414 / 4); a run
+    replayed once keeps its
     number and a NaN CV.  Red if a later file replaces an earlier one (2.0), if repeats
     of one run are summed, or if another run's row joins the mean."""
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
-    header = [*C.KEY, "overrides", "replay_tpot_mean_s", "replay_hit_rate"]
+    header = [*C.KEY, "overrides", "replay_tpot_mean_s", "replay_hit_rate", "replay_ttft_mean_s"]
     for path, tpot, hit in ((a, 1.0, 0.5), (b, 2.0, 0.6)):
         with path.open("w", newline="") as f:
             w = csv.writer(f)
             w.writerow(header)
-            w.writerow(["m", 1.0, "batch1", "lru", 1, "x", tpot, hit])
+            w.writerow(["m", 1.0, "batch1", "lru", 1, "x", tpot, hit, 2 * tpot + 1])
             if path == a:
-                w.writerow(["m", 1.0, "batch1", "fmoe", 1, "x", 7.0, 0.9])
+                w.writerow(["m", 1.0, "batch1", "fmoe", 1, "x", 7.0, 0.9, 1.0])
     rows = {r["policy"]: r for r in C.read_replays([a, b])}
     assert len(rows) == 2
     lru = rows["lru"]
@@ -149,6 +150,7 @@ def test_read_replays_names_a_missing_column_and_averages_repeats(tmp_path):
     assert lru["replay_repeats"] == 2
     assert (lru["replay_tpot_min_s"], lru["replay_tpot_max_s"]) == (1.0, 2.0)
     assert lru["replay_tpot_cv"] == pytest.approx(0.5**0.5 / 1.5)
+    assert lru["replay_ttft_cv"] == pytest.approx(2**0.5 / 4)  # TTFT 3 and 5
     assert rows["fmoe"]["replay_tpot_mean_s"] == 7.0 and rows["fmoe"]["replay_repeats"] == 1
     assert rows["fmoe"]["replay_tpot_cv"] != rows["fmoe"]["replay_tpot_cv"]  # NaN
     bad = tmp_path / "bad.csv"
@@ -157,6 +159,72 @@ def test_read_replays_names_a_missing_column_and_averages_repeats(tmp_path):
         C.read_replays([bad])
     with pytest.raises(FmoesimError, match="no replay.csv"):
         C.read_replays([tmp_path / "nowhere"])
+
+
+def _order_row(policy, rep_ms, sim_ms, n=4, cv=0.1, **extra):
+    """A scored row of one policy in the group (m, 1 GB, batch1), its TPOT and TTFT alike."""
+    row = {"model": "m", "budget_gb": 1.0, "mode": "batch1", "compute_repeat": 1,
+           "policy": policy, "replay_repeats": n, "replay_tpot_cv": cv}  # fmt: skip
+    for k in ("tpot", "ttft"):
+        row[f"replay_{k}_mean_s"], row[f"sim_{k}_mean_s"] = rep_ms / 1e3, sim_ms / 1e3
+    row.update(extra)
+    return row
+
+
+def test_the_order_of_the_policies_by_hand():
+    """Four policies, replayed TPOT 10, 20, 13 and 13.5 ms over 4 repeats at a CV of 0.1
+    (standard errors 0.5, 1.0, 0.65, 0.675 ms), simulated 11, 9, 30, 31 ms.  Pairs in the
+    same order: (a, c), (a, d), (c, d); reversed: (a, b), (b, c), (b, d): 3 of 6, tau 0.
+    The replay tells apart every pair but (c, d) (0.5 ms against 2 x 0.94), and of those
+    five the simulator orders two alike.  Fastest: a in the replay, b simulated.  TTFT
+    carries no CV, so its resolved pairs are unknown.  Red if the standard error is not
+    over the square root of the repeats ((a, c) would be unresolved), if a reversed pair
+    counts as alike (or a tie does), if a crossover row (factor 2) or a lone policy's
+    group joins, or if unmerged repeats are not averaged, the replay's or the
+    simulator's (their spread gives the error)."""
+    rows = [_order_row("a", 10, 11), _order_row("b", 20, 9), _order_row("c", 13, 30),
+            _order_row("d", 13.5, 31),
+            {**_order_row("a", 1, 100), "compute_repeat": 2},
+            {**_order_row("a", 1, 100), "mode": "online"}]  # fmt: skip
+    tpot, ttft = C.policy_order(rows)
+    assert tpot == {
+        "model": "m", "budget_gb": 1.0, "mode": "batch1", "metric": "TPOT", "policies": 4,
+        "pairs": 6, "alike": 3, "resolved": 5, "alike_resolved": 2, "kendall_tau": 0.0,
+        "fastest_replay": "a", "fastest_sim": "b",
+    }  # fmt: skip
+    assert ttft["metric"] == "TTFT" and ttft["alike"] == 3
+    assert ttft["resolved"] != ttft["resolved"]  # NaN: no TTFT spread recorded
+    # a tie in the replay is no pair in the same order, nor a reversed one
+    tie = [{**_order_row(p, 10, s), "mode": "x"} for p, s in (("a", 9), ("b", 11))]
+    (t, _) = C.policy_order(tie)
+    assert (t["pairs"], t["alike"], t["kendall_tau"]) == (1, 0, 0.0)
+    # unmerged repeats: a's 9 and 11 ms (mean 10, standard error 1.0), simulated 8 and
+    # 12 (mean 10, above b's 9: reversed); b's one row carries no spread of its own, so
+    # no pair is resolved
+    plain = [{k: v for k, v in _order_row("a", t, s).items() if k != "replay_repeats"}
+             for t, s in ((9, 8), (11, 12))]  # fmt: skip
+    plain.append({k: v for k, v in _order_row("b", 20, 9).items() if k != "replay_repeats"})
+    (u, _) = C.policy_order(plain)
+    assert (u["pairs"], u["alike"], u["kendall_tau"]) == (1, 0, -1.0)
+    assert u["resolved"] != u["resolved"]
+    assert C._replay_mean_se(plain[:2], "tpot") == pytest.approx((0.010, 0.001))
+    # the report carries the section, under each profile where there are several
+    full = []
+    for r in rows:
+        f = dict(r)
+        for key, *_ in C.METRICS:
+            for side in ("sim", "replay", "err"):
+                f.setdefault(f"{side}_{key}", 0.0)
+        f.update({k: 1.0 for k in ("replay_layer_steps", "replay_wall_s", "replay_gpu_busy_s",
+                                   "replay_policy_host_s", "sim_gpu_busy_s",
+                                   "replay_tpot_min_s", "replay_tpot_max_s")})  # fmt: skip
+        full.append(f)
+    text = C.report_markdown(full, {"device": "d"})
+    assert "## Order of the policies" in text
+    assert "| m | 1 GB | batch1 | TPOT | 4 | 3/6 | 2/5 | +0.00 | a / b |" in text
+    assert "| m | 1 GB | batch1 | TTFT | 4 | 3/6 | n/a | +0.00 | a / b |" in text
+    two = C.report_markdown(full, {"device": "d"}, {"p1": full, "p2": full})
+    assert "| m | 1 GB | batch1 | `p2` | TPOT | 4 | 3/6 | 2/5 | +0.00 | a / b |" in two
 
 
 def _csv_rows(path):
