@@ -8,7 +8,7 @@
 # CUDA GPU and torch:
 #   bash replay/gpu_validation.sh OUT_DIR [SECONDS] [--models a,b] [more replay flags]
 # e.g. every policy in timed rounds at one budget, the host's drift spread over all of them
-# (docs/validation.md, "How to replay for a 5% target"):
+# (docs/validation-runs.md, "How to replay for a 5% target"):
 #   bash replay/gpu_validation.sh OUT_DIR 540 --models olmoe-1b-7b --modes batch1 \
 #     --budgets 3.2 --no-crossover --host-timers --repeats 5
 # With --event-logs, the runs' event logs (OUT_DIR/events/) are added to OUT_DIR/events.tar
