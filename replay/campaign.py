@@ -430,6 +430,25 @@ def _summary_row(s: dict[str, Any], prefix: str) -> dict[str, Any]:
     return row
 
 
+def first_request_ttft(metrics: Any) -> dict[str, float]:
+    """A timed run's TTFT split at its first request (the earliest to start, ties by id):
+    ``ttft_first_s``, that request's, and ``ttft_rest_mean_s``, the mean over the others
+    (NaN where there is none, or no timing).  A replay's first request can run cold, so
+    the two tell a run's start from its steady state."""
+    import numpy as np
+
+    req = metrics.request_table()
+    ttft = req["ttft_s"]  # (requests,)
+    if not len(ttft):
+        return {"ttft_first_s": math.nan, "ttft_rest_mean_s": math.nan}
+    ids = req["request_id"].tolist()
+    first = min(range(len(ids)), key=lambda i: (metrics.request_start_s[ids[i]], ids[i]))
+    rest = np.delete(ttft, first)
+    rest = rest[~np.isnan(rest)]
+    return {"ttft_first_s": float(ttft[first]),
+            "ttft_rest_mean_s": float(rest.mean()) if len(rest) else math.nan}  # fmt: skip
+
+
 def replay_one(
     run: Run,
     device: str,
@@ -541,6 +560,7 @@ def replay_one(
     row: dict[str, Any] = {k: getattr(run, k) for k in KEY}
     row["repeat"] = repeat
     row.update(_summary_row(res.summary, "replay_"))
+    row.update({f"replay_{k}": v for k, v in first_request_ttft(res.metrics).items()})
     row["replay_policy_host_s"] = hooks[0]
     row["replay_policy_calls"] = int(hooks[1])
     row["replay_run_s"] = run_s
@@ -886,6 +906,7 @@ def simulate_row(row: dict[str, Any], hardware: str, spec_hw: Any = None) -> dic
     spec, trace = row_spec(row, hardware, spec_hw)
     res = simulate_spec(spec, trace, timing=True, access_log=False, progress=False)
     row = _summary_row(res.summary, "sim_")
+    row.update({f"sim_{k}": v for k, v in first_request_ttft(res.metrics).items()})
     link = link_phases(res.transfers, set())  # every copy in "one_"
     row["sim_link_bytes"], row["sim_link_copy_s"] = link["one_bytes"], link["one_copy_s"]
     return row
@@ -1169,6 +1190,41 @@ def _targets_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _first_request_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The runs whose replay split TTFT at its first request (:func:`first_request_ttft`):
+    the first request's TTFT and the others' mean, replay and simulator, and the mean
+    |error| of each over those runs (none where no replay recorded the split)."""
+    import numpy as np
+
+    def split(r: dict[str, Any]) -> bool:  # recorded, and not NaN
+        return r.get("replay_ttft_rest_mean_s", math.nan) == r.get("replay_ttft_rest_mean_s")
+
+    rs = [r for r in rows if int(r["compute_repeat"]) == 1 and split(r)]
+    if not rs:
+        return []
+    lines = ["", "## TTFT: the first request and the others", "",
+             "A run's first request against the mean of the others: simulator / replay, "
+             "relative error in brackets.  Where only the first is far off, the gap is "
+             "the run's start (a replay's first request can run cold), not its steady "
+             "state.", "",
+             "| model | budget | mode | policy | first request, ms | the others, ms |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    from replay.validate import rel_err
+
+    errs: dict[str, list[float]] = {"first": [], "rest": []}
+    for r in rs:
+        cells = [r["model"], f"{r['budget_gb']:g} GB", r["mode"], _run_policy(r)]
+        for part, key in (("first", "ttft_first_s"), ("rest", "ttft_rest_mean_s")):
+            s, g = r[f"sim_{key}"], r[f"replay_{key}"]
+            e = rel_err(s, g)
+            errs[part].append(abs(e))
+            cells.append(f"{1e3 * s:.1f} / {1e3 * g:.1f} ({100 * e:+.1f}%)")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Mean |error|: the first request {100 * np.nanmean(errs['first']):.1f}%, "
+              f"the others {100 * np.nanmean(errs['rest']):.1f}%."]  # fmt: skip
+    return lines
+
+
 def _host_timers_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The runs replayed with ``--host-timers``: each timed call's host microseconds per
     MoE layer step, and the calls per step; then the same over the layer steps of more
@@ -1297,8 +1353,9 @@ def report_markdown(
     """The report: meta, targets per policy (under each profile of ``by_profile``, in
     order, when given; under ``rows``' profile also per serving mode where there are
     several), the order of the policies (:func:`policy_order`, under each profile), every
-    run under ``rows``' profile, TPOT per run under each profile, where the replay's time
-    goes, the repeats' spread, the crossover."""
+    run under ``rows``' profile, TPOT per run under each profile, the first request's TTFT
+    apart (:func:`first_request_ttft`, where the replay recorded it), where the replay's
+    time goes, the repeats' spread, the crossover."""
     lines = [f"# Simulator vs replay on {meta['device']}", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items() if k != "device"]
     target = (f"Mean |relative error| over the grid's runs: TPOT <= {TARGETS['tpot']:.0%}, "
@@ -1369,6 +1426,7 @@ def report_markdown(
             f"{wall:.0f} | {comp:.0f} | {hooks:.0f} | {wall - comp - hooks:.0f} | "
             f"{r['sim_gpu_busy_s'] / n * 1e6:.0f} |"
         )
+    lines += _first_request_table(rows)
     lines += _host_timers_table(rows)
     lines += _repeats_table(rows)
     cross = [r for r in rows if r["mode"] == "batch1" and r["policy"] in CROSSOVER_POLICIES]

@@ -218,13 +218,47 @@ def test_the_order_of_the_policies_by_hand():
         f.update({k: 1.0 for k in ("replay_layer_steps", "replay_wall_s", "replay_gpu_busy_s",
                                    "replay_policy_host_s", "sim_gpu_busy_s",
                                    "replay_tpot_min_s", "replay_tpot_max_s")})  # fmt: skip
+        for side in ("sim", "replay"):  # the first request's TTFT apart (next test)
+            f[f"{side}_ttft_first_s"] = f[f"{side}_ttft_rest_mean_s"] = 0.1
         full.append(f)
     text = C.report_markdown(full, {"device": "d"})
     assert "## Order of the policies" in text
+    assert "## TTFT: the first request and the others" in text
     assert "| m | 1 GB | batch1 | TPOT | 4 | 3/6 | 2/5 | +0.00 | a / b |" in text
     assert "| m | 1 GB | batch1 | TTFT | 4 | 3/6 | n/a | +0.00 | a / b |" in text
     two = C.report_markdown(full, {"device": "d"}, {"p1": full, "p2": full})
     assert "| m | 1 GB | batch1 | `p2` | TPOT | 4 | 3/6 | 2/5 | +0.00 | a / b |" in two
+
+
+class _Requests:
+    """Stands in for :class:`fmoesim.engine.metrics.Metrics`: three requests, the second
+    and third starting first (a tie, broken by id)."""
+
+    request_start_s = {0: 5.0, 1: 1.0, 2: 1.0}
+
+    def request_table(self):
+        import numpy as np
+
+        return {"request_id": np.array([0, 1, 2]), "ttft_s": np.array([0.3, 0.1, 0.2])}
+
+
+def test_the_first_requests_ttft_apart_by_hand():
+    """The first request is the earliest to start (ids 1 and 2 tie at 1.0 s: id 1): its
+    TTFT 0.1 s, the others' mean (0.3 + 0.2) / 2 = 0.25 s; the report tables both, and
+    leaves the section out where no replay recorded the split.  Red if the first request
+    is taken by position (0.3) or the latest start, or if the rest's mean keeps it."""
+    assert C.first_request_ttft(_Requests()) == pytest.approx(
+        {"ttft_first_s": 0.1, "ttft_rest_mean_s": 0.25}
+    )
+    row = {"model": "m", "budget_gb": 1.0, "mode": "batch1", "compute_repeat": 1,
+           "policy": "lru", "replay_repeats": 2, "replay_ttft_first_s": 0.2,
+           "sim_ttft_first_s": 0.1, "replay_ttft_rest_mean_s": 0.1,
+           "sim_ttft_rest_mean_s": 0.11}  # fmt: skip
+    text = "\n".join(C._first_request_table([row]))
+    assert "| m | 1 GB | batch1 | lru | 100.0 / 200.0 (-50.0%) | 110.0 / 100.0 (+10.0%) |" in text
+    assert "the first request 50.0%, the others 10.0%" in text
+    old = {k: v for k, v in row.items() if "first" not in k and "rest" not in k}
+    assert C._first_request_table([old]) == []
 
 
 def _csv_rows(path):
@@ -366,6 +400,9 @@ def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
     assert 0 < float(t["replay_host_submit_s"]) < float(t["replay_wall_s"])
     # the prefill's layer steps apart: one request of a multi-token prompt, 3 MoE layers
     # (its prompt is one iteration; a decode step carries one token)
+    # one request: it is the first, and no other is left for the rest's mean
+    assert float(t["replay_ttft_first_s"]) == float(t["replay_ttft_mean_s"]) > 0
+    assert t["replay_ttft_rest_mean_s"] in ("", "nan")
     assert int(t["replay_host_steps_multi_calls"]) == 3
     assert int(t["replay_host_pre_gate_multi_calls"]) == 3
     assert int(t["replay_host_pre_gate_calls"]) == int(t["replay_layer_steps"])
@@ -411,6 +448,7 @@ def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
     # the copies' rate: the prefill's / the decode's / the simulator's, all measured
     (vrow,) = csv.DictReader((rep / "validation.csv").open())
     assert float(vrow["sim_link_bytes"]) == float(vrow["replay_pcie_bytes"]) > 0
+    assert float(vrow["sim_ttft_first_s"]) == float(vrow["sim_ttft_mean_s"]) > 0
     table = text[text.index("The link and the GPU in those steps") :]
     rates = table.split("\n")[4].split(" | ")[7].split(" / ")
     assert len(rates) == 3 and "n/a" not in rates, rates
