@@ -51,6 +51,12 @@ def test_cpu_report(tmp_path):
     # demand-only decisions do not depend on timing: identical hit rates
     assert (df["sim_hit_rate"] == df["replay_hit_rate"]).all()
     assert "largest hit-rate gap 0.00 points (target <= 1): met" in md
+    # which is faster: one pair, by TPOT and by TTFT, as the CSV's numbers order it
+    for lab, key in (("TPOT", "tpot_mean_s"), ("TTFT", "ttft_mean_s")):
+        alike = int((df[f"sim_{key}"].diff().iloc[1] * df[f"replay_{key}"].diff().iloc[1]) > 0)
+        fast = df.policy[df[f"replay_{key}"].idxmin()]
+        want = f"- which policy is faster, by {lab}: the simulator orders {alike} of the 1 pairs"
+        assert want in md and f"the fastest is {fast} in the replay" in md
     assert (df["replay_tpot_mean_s"] > 0).all() and (df["sim_tpot_mean_s"] > 0).all()
     assert "measured coefficients: no" in md  # tiny-hw has no measured entry
     assert (out / "validation.png").stat().st_size > 1000
