@@ -53,7 +53,7 @@ reproduce: $(PLOT)
 bench: $(BASE)
 	$(BIN)/python -m benchmarks.engine
 
-## Optional: compile the engine's hot modules with mypyc (about 2x faster, same results);
+## Optional: compile the engine's hot modules with mypyc (1.3x to 6x faster, same results);
 ## rerun after editing one of them (imports refuse a stale build). `make pure` undoes it.
 compiled: $(DEV)
 	$(BIN)/python fmoesim/_compiled.py build

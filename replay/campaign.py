@@ -1,5 +1,6 @@
-"""``fmoesim-validate-grid``: the simulator against the replay over a grid of models,
-budgets, serving modes and policies, in two steps.
+"""``fmoesim-validate-grid``: the simulator against the GPU replay over a grid of runs.
+
+The grid's runs cover models, budgets, serving modes and policies, in two steps.
 
 1. ``replay`` (on the GPU): every run of the grid is replayed
    (:class:`replay.backend.GpuBackend`); each finished run appends one row to

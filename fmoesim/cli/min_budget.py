@@ -1,5 +1,7 @@
-"""``fmoesim-min-budget``: the smallest expert budget that meets a target TPOT (MoEpic
-§4.3, Fig. 8), by bisection over simulator runs, for any policy.
+"""``fmoesim-min-budget``: the smallest expert budget that meets a target TPOT.
+
+MoEpic §4.3 and Fig. 8 ask it of MoEpic; this answers it for any policy, by bisection
+over simulator runs.
 
 Examples::
 
