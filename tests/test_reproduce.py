@@ -25,9 +25,13 @@ from fmoesim.plots.figures import sweep_params
 from fmoesim.reproduce.claims import Claim, Pair, load_catalog
 from fmoesim.reproduce.report import (
     COLUMNS,
+    OVERVIEW,
     insert_table,
+    markers,
+    overview,
     read_csv,
     to_markdown,
+    update_overview,
     write_scoreboard,
 )
 from fmoesim.reproduce.score import (
@@ -712,6 +716,47 @@ def test_docs_table_between_markers() -> None:
         insert_table(page, "moepic", "| t |")
 
 
+def _row(holds: str, value: str, ratio: str) -> dict[str, str]:
+    return {"paper": "P", "holds": holds, "fmoesim_value": value, "ratio": ratio}
+
+
+def test_overview_by_hand(tmp_path: Path) -> None:
+    """Five claims: three hold (ratios 0.7, 1.31 and none: direction only), one does not
+    (ratio -0.5), one is not computed: 3 / 1 / 1, and of the three ratios one lies in
+    [0.7, 1.3] (0.7 itself).  Red if the band's ends are exclusive, if a claim without a
+    ratio counts in the band's total, or if a not-computed claim counts as failing; red
+    too if the page's text outside the markers changes."""
+    rows = [_row("yes", "-30", "0.7"), _row("yes", "-70", "1.31"), _row("yes", "+5", ""),
+            _row("no", "+10", "-0.5"), _row("n.a.", "", "")]  # fmt: skip
+    table = overview({"p": rows})
+    assert table.splitlines()[2] == "| P | 5 | 3 | 1 | 1 | 1 of 3 |"
+    (tmp_path / "p.csv").write_text(
+        "paper,holds,fmoesim_value,ratio\n" + "\n".join(",".join(r.values()) for r in rows)
+    )
+    start, end = markers(OVERVIEW)
+    page = tmp_path / "page.md"
+    page.write_text(f"above\n{start}\nold\n{end}\nbelow\n")
+    update_overview(page, tmp_path, ["p", "absent"])
+    assert page.read_text() == f"above\n{start}\n{table}\n{end}\nbelow\n"
+
+
+def test_the_docs_page_says_what_the_scoreboards_say() -> None:
+    """docs/reproduction.md's overview and each paper's summary line are those of the
+    committed CSVs.  Red when a scoreboard is regenerated without its page (or the page
+    edited by hand), so the page never quotes counts the CSVs no longer give."""
+    page = (PROJECT_ROOT / "docs" / "reproduction.md").read_text()
+    tables = {p: read_csv(SCOREBOARD_DIR / f"{p}.csv") for p in CATALOGS}
+    assert insert_table(page, OVERVIEW, overview(tables)) == page
+    for paper, rows in tables.items():
+        n = len(rows)
+        yes = sum(r["holds"] == YES for r in rows)
+        na = sum(r["fmoesim_value"] == "" for r in rows)
+        line = (f"{n} claims: the direction holds for {yes}, not for {n - yes - na}; "
+                f"{na} not computed")  # fmt: skip
+        start = page.index(markers(paper)[0])
+        assert page[start:].splitlines()[1] == line + ".", paper
+
+
 # -- the command -----------------------------------------------------------------------
 
 
@@ -733,6 +778,29 @@ def test_cli_errors_are_one_line(argv: list[str], message: str, tmp_path: Path) 
     )  # fmt: skip
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip() == f"fmoesim-reproduce: error: {message}"
+
+
+def test_a_docs_page_without_the_overview_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    """A page with fMoE's markers but not the overview's: one line naming the page and
+    the missing marker, exit status 2, no scoreboard written and the page unchanged.  Red
+    if the check comes after the tables are written."""
+    page = tmp_path / "page.md"
+    start, end = markers("fmoe")
+    page.write_text(f"{start}\nold\n{end}\n")
+    p = subprocess.run(
+        [sys.executable, "-m", "fmoesim.cli.reproduce_cli", "fmoe", "--docs", str(page),
+         "--out", str(tmp_path / "out"), "--store", str(tmp_path / "store")],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == (
+        f"fmoesim-reproduce: error: --docs {page}: the page needs one "
+        "'<!-- scoreboard:overview -->' and, after it, one '<!-- /scoreboard:overview -->'"
+    )
+    assert page.read_text() == f"{start}\nold\n{end}\n"
+    assert not (tmp_path / "out").exists()
 
 
 # -- regression on the scoreboard ------------------------------------------------------

@@ -48,7 +48,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(args: argparse.Namespace) -> None:
     from fmoesim.reproduce.claims import PAPERS, load_catalog
-    from fmoesim.reproduce.report import summary_line, update_docs, write_scoreboard
+    from fmoesim.reproduce.report import (
+        OVERVIEW,
+        insert_table,
+        summary_line,
+        update_docs,
+        update_overview,
+        write_scoreboard,
+    )
     from fmoesim.reproduce.score import ensure_runs, scoreboard
     from fmoesim.results.store import load_results
 
@@ -70,6 +77,13 @@ def _run(args: argparse.Namespace) -> None:
     docs = Path(args.docs) if args.docs else None
     if docs is not None and not docs.is_file():
         raise FmoesimError(f"--docs {docs}: no such page")
+    if docs is not None:  # every block's markers, before anything runs or is written
+        text = docs.read_text()
+        for block in (*catalogs, OVERVIEW):
+            try:
+                insert_table(text, block, "")
+            except FmoesimError as e:
+                raise FmoesimError(f"--docs {docs}: {e}") from None
     store = Path(args.store).resolve()
     if args.run:  # one queue over every paper's runs
         ensure_runs([c for claims in catalogs.values() for c in claims], store, args.jobs)
@@ -80,6 +94,9 @@ def _run(args: argparse.Namespace) -> None:
         print(f"{name}: {summary_line(scores)} -> {paths[0]} (+ .md)")
         if docs is not None:
             print(f"{name}: table written into {update_docs(docs, name, scores)}")
+    if docs is not None:
+        update_overview(docs, Path(args.out), list(PAPERS))
+        print(f"the overview of every paper's scoreboard written into {docs}")
 
 
 if __name__ == "__main__":

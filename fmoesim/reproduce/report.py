@@ -179,6 +179,45 @@ def write_scoreboard(paper: str, scores: Sequence[Score], out_dir: Path) -> list
     return paths
 
 
+#: a claim's size counts as the paper's where fmoesim's change over the paper's lies in
+#: this band (the reproduction's target)
+BAND = (0.7, 1.3)
+#: the name of the overview's block in the docs page (:func:`update_overview`)
+OVERVIEW = "overview"
+
+
+def overview(tables: dict[str, list[dict[str, str]]]) -> str:
+    """The scoreboards at a glance, one row per paper from its CSV rows (:func:`read_csv`):
+    its claims, how many hold in direction, do not, and have no fmoesim number, and of
+    the claims with a ratio (the paper gives a number), how many lie within :data:`BAND`
+    of the paper's size."""
+    lo, hi = BAND
+    lines = [
+        "| paper | claims | the direction holds | does not | not computed | "
+        f"the size within {lo:g}-{hi:g}x of the paper's |",
+        "|---|---|---|---|---|---|",
+    ]
+    for rows in tables.values():
+        n = len(rows)
+        yes = sum(r["holds"] == YES for r in rows)
+        na = sum(r["fmoesim_value"] == "" for r in rows)
+        ratios = [float(r["ratio"]) for r in rows if r["ratio"] != ""]
+        band = sum(lo <= x <= hi for x in ratios)
+        name = rows[0]["paper"] if rows else "?"
+        lines.append(f"| {name} | {n} | {yes} | {n - yes - na} | {na} | {band} of {len(ratios)} |")
+    return "\n".join(lines)
+
+
+def update_overview(page_path: Path, out_dir: Path, papers: Sequence[str]) -> Path:
+    """Write :func:`overview` of the scoreboards in ``out_dir`` (``<paper>.csv`` for each
+    of ``papers`` there) into ``page_path`` between the overview's markers; return it."""
+    tables = {p: read_csv(out_dir / f"{p}.csv") for p in papers if (out_dir / f"{p}.csv").is_file()}
+    new = insert_table(page_path.read_text(), OVERVIEW, overview(tables))
+    with atomic_file(page_path) as tmp:
+        tmp.write_text(new)
+    return page_path
+
+
 def markers(paper: str) -> tuple[str, str]:
     """The docs page's opening and closing markers of ``paper``'s table."""
     return f"<!-- scoreboard:{paper} -->", f"<!-- /scoreboard:{paper} -->"
