@@ -69,6 +69,9 @@ BAD = [
     (["policy=nope"], "policy=nope: unknown policy; valid: "),
     (["model=nope"], "valid: arctic, deepseek-v2-lite, deepseek-v3, gpt-oss-120b"),
     (["hardware=nope"], "valid: a5000-pcie4, a6000-pcie4"),
+    # a group's typed schema is no preset: it would run unnamed, every value its default
+    (["hardware=hardware_schema"], "hardware=hardware_schema: unknown hardware; valid: a5000"),
+    (["workload=workload_schema"], "workload=workload_schema: unknown workload; valid: bundled"),
     (["cache.budgt_gb=3"], "config key 'cache.budgt_gb': unknown key"),
     (["cache.budget_gb=0"], "config key 'cache.budget_gb' = 0.0: must be > 0"),
     (["cache.budget_gb=-2"], "config key 'cache.budget_gb' = -2.0: must be > 0"),

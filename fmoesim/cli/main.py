@@ -122,7 +122,8 @@ def check_added_keys(overrides: list[str]) -> None:
     schema: Hydra adds such a key silently, so a typo (``+cache.budjet_gb=12``) would
     run the defaults.  Keys of ``hydra``, config groups (``+experiment=...``) and keys
     under ``policy`` (its constructor's keyword arguments) are left to Hydra and to the
-    policy."""
+    policy.  Refuse too a group's typed schema chosen as its preset
+    (``hardware=hardware_schema``: every value its default, nothing named)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
@@ -130,6 +131,17 @@ def check_added_keys(overrides: list[str]) -> None:
     except Exception as exc:  # noqa: BLE001 - Hydra's parse errors, one line
         raise FmoesimError(one_line(exc)) from None
     for o in parsed:
+        group = o.key_or_group
+        if (
+            not (o.is_add() or o.is_force_add() or o.is_delete())
+            and _is_group(group)
+            and isinstance(o.value(), str)
+            and o.value().endswith("_schema")
+        ):  # a typed schema of the ConfigStore, not a preset
+            raise FmoesimError(
+                f"{group}={o.value()}: unknown {group}; valid: "
+                f"{', '.join(preset_names(group)) or '(none)'}"
+            )
         if not (o.is_add() or o.is_force_add()):
             continue
         key = o.key_or_group
