@@ -20,9 +20,14 @@ NEVER: Final = int(np.iinfo(np.int64).max)
 class Belady(RankedPolicy):
     """Evict the candidate whose next access is farthest in the future.
 
-    paper: Belady's MIN (1966), the optimal offline replacement; MoE-Infinity §6 and the
-    design's baseline list use such an "ideal" cache as the bound a real policy can reach.
-    here: the engine reveals the whole access sequence (``ctx.future``, static batching
+    paper: Belady's MIN (1966), the optimal offline replacement.  MoE-Infinity §7.3 (Table
+    5) compares against an "ideal caching strategy, a theoretical model assuming perfect
+    GPU buffer access prediction, serving as a benchmark for optimal caching efficiency".
+    here: MIN stands for that ideal (the ``moe-infinity-tab5*`` presets' ideal column)
+    because it is the one optimum that needs no timing: an ideal that also prefetches
+    would hit as often as its prefetches land in time, which depends on the link, and the
+    paper gives no such model.  So the column is a lower bound of the paper's ideal.  The
+    engine reveals the whole access sequence (``ctx.future``, static batching
     only) and reports the current global layer step in every gate (``gate.step``).  The
     victim is the candidate whose next access strictly after the current step is
     farthest; one that is never accessed again counts as infinitely far; ties go to the

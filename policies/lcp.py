@@ -42,12 +42,17 @@ class LCP(RankedPolicy):
     of "tokens" at once.  ``unit="token"`` is the literal reading: ``mu`` grows by the
     tokens routed to the expert in the pass and ``nu`` by the tokens of each pass.
     ``mu`` and ``nu`` persist across evictions (they describe the expert, not the cache
-    entry).  The paper keeps a cache per layer; here one global cache holds all layers
-    under the byte budget and priorities of different layers are compared directly, so
+    entry).  The paper keeps a cache per layer; here, by default, one global cache holds
+    all layers under the byte budget, the engine's default cache, so that LCP compares
+    with the other demand caches on one budget (``cache.experts_per_layer=C`` gives each
+    layer its own cache of C experts, Table 1's setting).  Priorities of different layers
+    are then compared directly, so
     ``nu`` runs on one clock for all layers: mid-pass, an expert of a layer the pass has
     not reached yet already counts the current pass as one that did not activate it (its
     priority is lower by a factor ``rho ** (1 / omega)``, 0.989 by default).  Loads on
-    demand only.  ``rho = 1`` is allowed and gives LFU with persistent counts.
+    demand only, as Table 1 compares it with RND, LRU and LFU; MoEpic pairs it with its
+    prefetcher in :class:`policies.moepic.MoEpic`.  ``rho = 1`` is allowed and gives LFU
+    with persistent counts.
 
     Ties on priority go to the least recently accessed expert, then to the smallest key
     (as in :class:`policies.lfu.LFU`).  Ranking: ``log P = log mu + nu * log(rho) / omega``

@@ -27,7 +27,9 @@ class LFU(RankedPolicy):
     in included, as :meth:`on_access` precedes :meth:`on_insert`).  An access counts once
     per layer step whether it hit, was late or missed, however many of the batch's tokens
     routed to the expert (for the papers' batch-1 decoding one step is one token).  One
-    global cache over all layers under the byte budget, loads on demand only.
+    global cache over all layers under the byte budget, the engine's default cache
+    (``cache.experts_per_layer=C`` gives Table 1's cache of C experts per layer), and
+    loads on demand only, as Table 1 compares the caches.
 
     Ties on the count go to the least recently accessed expert, then to the smallest key
     (an expert admitted without any access, e.g. by a prefetching subclass, is older than
