@@ -1197,6 +1197,8 @@ def _first_request_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     |error| of each over those runs (none where no replay recorded the split)."""
     import numpy as np
 
+    from replay.validate import rel_err
+
     def split(r: dict[str, Any]) -> bool:  # recorded, and not NaN
         return r.get("replay_ttft_rest_mean_s", math.nan) == r.get("replay_ttft_rest_mean_s")
 
@@ -1210,8 +1212,6 @@ def _first_request_table(rows: Sequence[dict[str, Any]]) -> list[str]:
              "state.", "",
              "| model | budget | mode | policy | first request, ms | the others, ms |",
              "|---|---|---|---|---|---|"]  # fmt: skip
-    from replay.validate import rel_err
-
     errs: dict[str, list[float]] = {"first": [], "rest": []}
     for r in rs:
         cells = [r["model"], f"{r['budget_gb']:g} GB", r["mode"], _run_policy(r)]
