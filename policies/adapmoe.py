@@ -72,8 +72,12 @@ class AdapMoE(MixtralOffloading):
     runs and the quotas take effect (a shrunk layer gives up its slots lazily, as other
     layers claim them).  ``replan_iterations``: re-run the DP every that many
     iterations on all counts so far (``None``: plan once, then stop profiling, keeping
-    the hooks O(1)).  With a budget below ``L * top_k`` experts the floor drops to
-    ``capacity // L``.  Layer 0 is prefetched at the last layer's gate from the previous
+    the hooks O(1)).  ``warmup_iterations`` (64) has no source: the paper profiles
+    offline; 64 iterations is a few requests of decoding, short against a run, long
+    enough that every layer has seen over a hundred accesses (top-k of them an
+    iteration).  With a budget below ``L * top_k`` experts the floor drops to
+    ``capacity // L``, because every layer must still get slots and ``top_k`` each would
+    exceed the budget.  Layer 0 is prefetched at the last layer's gate from the previous
     token's last hidden state (``first_layer_spec=True``; MoEpic §3.2 says it follows
     AdapMoE in this).  Everything else as :class:`MixtralOffloading`.
     """

@@ -350,7 +350,9 @@ class FMoE(Policy):
     Expert maps (§4.1).  paper: per iteration, the gate's probability distribution of
     every layer; the store keeps them with the iteration's semantic embedding.  here:
     each request of a batch contributes its own map (its mean gate probabilities, from
-    :attr:`GateView.request_probs`) and embedding (:attr:`BatchInfo.embeddings`); on a
+    :attr:`GateView.request_probs`) and embedding (:attr:`BatchInfo.embeddings`),
+    because a batch's mixed map matches no single request's later iterations, and at
+    batch 1 (the paper's setting) the two are the same; on a
     trace without probabilities (top-k-only import) the map row is the routed-token
     share of each expert instead.
 

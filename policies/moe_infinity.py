@@ -280,10 +280,12 @@ class MoEInfinity(Policy):
     subsequent layers, take the top-K (K = buffer slots), skip what is in the buffer and
     prefetch the rest; on-demand fetches jump the queue.  here: exactly that, with
     K = the GPU's slots minus the experts the current layer routes to on it (per GPU
-    with several GPUs); experts with zero probability are never prefetched; a prefetch
+    with several GPUs), because those slots are taken by experts in use, which a
+    prefetch cannot evict, so a top-K of all the slots would queue prefetches that
+    find no room; experts with zero probability are never prefetched; a prefetch
     still queued is re-ranked (the engine moves it to its new priority); queued
     prefetches that fall out of the top-K, or whose layer has passed unrouted, are
-    cancelled.  An empty collection (online mode at start) predicts nothing.
+    cancelled.  An empty collection (a cold start) predicts nothing.
 
     Caching (§5.2, Fig. 8).  paper: slots hold experts being fetched and cache used ones;
     the victim is the cached expert with the lowest priority from the request-level

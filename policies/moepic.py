@@ -118,7 +118,9 @@ class MoEpic(Policy):
     VramAllocation chose, with tops of ``floor(V_i S / C_i)`` bytes so that all ``C_i``
     fit (:func:`applied_split`); statistics from batch-1 decode
     passes (the paper's per-token definitions; a prefill routes many tokens at once);
-    ``τ`` counts every token processed (prompt and generated); the reconfiguration runs
+    ``τ`` counts every token processed (prompt and generated), because the paper says
+    only "tokens" and a prompt's tokens pass through the experts as a generated one's
+    do; the reconfiguration runs
     at the first iteration boundary after ``τ`` tokens (the simulated server has no other
     idle point in static batching), its new tops load as ``configure`` transfers charged
     to the link behind demand loads, and tops cut at an old ratio are dropped.  Latency
