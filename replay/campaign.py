@@ -874,7 +874,7 @@ def run_hardware(hw: Any, row: dict[str, Any]) -> Any:
             f"{hw.name}: scales host costs by each run's FFN launch time ({HOST_LAUNCH_KEY}); "
             f"the {row['model']} {row['policy']} run records {_speed_rule('launch')}"
         )
-    return host_speed_hardware(hw, row.get("replay_probe_s", math.nan), launch)
+    return host_speed_hardware(hw, run_speed_s(row, "probe"), launch)
 
 
 def row_spec(row: dict[str, Any], hardware: str, spec_hw: Any = None) -> tuple[Any, Any]:
@@ -1803,8 +1803,6 @@ def launch_in_host(hw: Any, fit_model: str) -> Any:
     model's access cost, fitted on the replays, then carries the launch, and with a
     host-speed measure it follows each run's speed as the rest of the host's work does.
     Refuses a profile that measured no launch share for ``fit_model``."""
-    import dataclasses
-
     share = ((hw.measured or {}).get(fit_model) or {}).get("expert_launch_s")
     if not share:
         raise FmoesimError(
@@ -1845,8 +1843,6 @@ def host_profile(
     """``base`` (a hardware preset; ``spec``, a :class:`fmoesim.specs.HardwareSpec`, in
     its place where given) with the host costs added to every model it measured: a
     :class:`fmoesim.specs.HardwareSpec` named ``name``."""
-    import dataclasses
-
     from fmoesim.config.build import load_preset
     from fmoesim.specs import HardwareSpec
 
