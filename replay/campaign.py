@@ -823,11 +823,8 @@ def reference_probe_s(
               and int(r["compute_repeat"]) == 1]  # fmt: skip
     probes = [p for p in probes if p == p]
     if not probes:
-        what = "its host probe (rule: replay column replay_probe_s)"
-        if measure == "launch":
-            what = "its FFN launches' time (rule: replay --host-timers)"
-        raise FmoesimError(f"--host-speed: no {fit_model} {'/'.join(modes)} run records "
-                           f"{what}")  # fmt: skip
+        raise FmoesimError(f"--host-speed: the {fit_model} {'/'.join(modes)} runs record "
+                           f"{_speed_rule(measure)}")  # fmt: skip
     return float(np.median(probes))
 
 

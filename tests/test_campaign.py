@@ -942,8 +942,11 @@ def test_host_speed_scales_a_profiles_host_costs_by_the_runs_probe():
     rows = [row("m", "batch1", p) for p in (0.01, 0.02, 0.05)]
     rows += [row("o", "batch1", 9.0), row("m", "online", 9.0)]
     assert C.reference_probe_s(rows, "m") == pytest.approx(0.02)
-    with pytest.raises(FmoesimError, match="no z batch1 run records its host probe"):
+    with pytest.raises(FmoesimError, match="the z batch1 runs record no host probe"):
         C.reference_probe_s(rows, "z")
+    launch_rows = [{**r, "model": "z"} for r in rows]  # no timers: the launch rule
+    with pytest.raises(FmoesimError, match=r"record no FFN launch timers \(rule: replay --host"):
+        C.reference_probe_s(launch_rows, "z", measure="launch")
 
 
 #: host costs (per layer step, access, submission, started copy) the host-speed tests

@@ -68,7 +68,11 @@ def test_run_writes_summary_with_hand_computed_hit_rate(tmp_path):
 BAD = [
     (["policy=nope"], "policy=nope: unknown policy; valid: "),
     (["model=nope"], "valid: arctic, deepseek-v2-lite, deepseek-v3, gpt-oss-120b"),
-    (["hardware=nope"], "valid: a5000-pcie4, a6000-pcie4"),
+    # the measured profiles live in a subfolder: named with their count, listed when asked
+    (["hardware=nope"], "rtx3090-pcie4; measured/<name> ("),
+    (["hardware=measured/nope"], "hardware=measured/nope: unknown hardware; valid in measured/: "),
+    (["hardware=measured/nope"], "measured/h100-3, measured/h100-3-host-launch,"),
+    (["hardware=nope/x"], "hardware=nope/x: unknown hardware; valid: a5000-pcie4"),
     # a group's typed schema is no preset: it would run unnamed, every value its default
     (["hardware=hardware_schema"], "hardware=hardware_schema: unknown hardware; valid: a5000"),
     (["workload=workload_schema"], "workload=workload_schema: unknown workload; valid: bundled"),
