@@ -19,6 +19,7 @@ from fmoesim.engine import simulate
 from fmoesim.engine.backend import ON_DEMAND, TransferRecord
 from fmoesim.engine.compute import ComputeModel
 from fmoesim.engine.sim import SimLink
+from fmoesim.errors import ConfigError
 from fmoesim.trace import read_trace
 from policies.base import Outcome
 from policies.lru import LRU
@@ -151,9 +152,9 @@ class Link:
     name a key and go to the record last submitted for it (the link is addressed by
     record, as SimBackend does through its cache entries)."""
 
-    def __init__(self, chunk: int = 4 * MB, preempt: bool = True) -> None:
+    def __init__(self, chunk: int = 4 * MB, preempt: bool = True, fifo: bool = False) -> None:
         self.done: list[int] = []
-        self.link = SimLink(BW, OV, chunk, preempt, self.done.append)
+        self.link = SimLink(BW, OV, chunk, preempt, self.done.append, fifo=fifo)
         self.records: dict[int, TransferRecord] = {}
 
     def live(self) -> list[TransferRecord]:
@@ -464,6 +465,83 @@ def test_link_cancel_and_reprioritize_a_delayed_prefetch():
     assert lk.done == [1, 2]
     assert (a.start_s, b.start_s) == pytest.approx((2e-3, 4e-3))
     assert lk.link.idle() and lk.link.cur_end_s == float("inf")
+
+
+# -- the first-come-first-served link (engine.link_order=fifo) -------------------------------
+def test_fifo_link_runs_every_transfer_in_arrival_order_and_never_pauses():
+    # the priority link: the on-demand load pauses the prefetch at its 4 MB boundary
+    # (5 ms), runs, and the queued prefetches follow by priority (3 before 2)
+    lk = Link(chunk=4 * MB)
+    lk.submit(1, 10 * MB, 0.0, prio=5.0)
+    lk.submit(2, 1 * MB, 1e-3, prio=5.0)
+    lk.submit(3, 1 * MB, 1e-3, prio=0.5)
+    od = lk.submit(4, 1 * MB, 2e-3, prio=ON_DEMAND)
+    lk.finish()
+    assert lk.done == [4, 3, 1, 2] and od.start_s == pytest.approx(5e-3)
+    # first come, first served: 1 runs whole (0..11 ms), then 2, 3 and the load, 2 ms each
+    lk = Link(chunk=4 * MB, fifo=True)
+    a = lk.submit(1, 10 * MB, 0.0, prio=5.0)
+    lk.submit(2, 1 * MB, 1e-3, prio=5.0)
+    lk.submit(3, 1 * MB, 1e-3, prio=0.5)
+    od = lk.submit(4, 1 * MB, 2e-3, prio=ON_DEMAND)
+    lk.finish()
+    assert lk.done == [1, 2, 3, 4] and a.preemptions == 0
+    assert (a.end_s, od.start_s, od.end_s) == pytest.approx((11e-3, 15e-3, 17e-3))
+    assert lk.link.busy_s == pytest.approx(17e-3)
+
+
+def test_fifo_link_escalation_and_reranking_change_no_order():
+    lk = Link(chunk=1 * MB, fifo=True)
+    lk.submit(1, 4 * MB, 0.0)  # running 0 .. 5 ms
+    b = lk.submit(2, 1 * MB, 0.0, prio=0.9)
+    c = lk.submit(3, 1 * MB, 0.0, prio=0.8)
+    lk.escalate(3, 1e-3)  # needed now: on-demand priority, same place in the queue
+    assert c.escalated and not lk.abort(3, 1e-3)  # an escalated transfer is never stopped
+    lk.reprioritize(2, 0.95)
+    lk.reprioritize(3, 0.1)
+    lk.finish()
+    assert lk.done == [1, 2, 3]
+    assert (b.start_s, c.start_s) == pytest.approx((5e-3, 7e-3))
+
+
+def test_fifo_link_queues_a_delayed_prefetch_at_its_release():
+    # the priority link: b (released at 4 ms, priority 0.1) goes before c (0.9), queued
+    # at 0 ms; first come, first served: b reached the queue after c, so it goes last
+    lk = Link(fifo=True)
+    lk.submit(1, 5 * MB, 0.0)  # 0 .. 6 ms
+    b = lk.submit(2, 1 * MB, 0.0, prio=0.1, release=4e-3)
+    c = lk.submit(3, 1 * MB, 1e-3, prio=0.9)
+    lk.finish()
+    assert lk.done == [1, 3, 2]
+    assert (c.start_s, b.start_s) == pytest.approx((6e-3, 8e-3))
+    # escalated before its release, a delayed prefetch reaches the queue at that moment
+    lk = Link(fifo=True)
+    lk.submit(1, 5 * MB, 0.0)
+    d = lk.submit(2, 1 * MB, 0.0, release=9e-3)
+    e = lk.submit(3, 1 * MB, 2e-3)
+    lk.link.advance(3e-3)
+    lk.escalate(2, 3e-3)
+    lk.finish()
+    assert lk.done == [1, 3, 2] and (e.start_s, d.start_s) == pytest.approx((6e-3, 8e-3))
+    # released at 2 ms while the link is busy, a prefetch is ahead of one submitted at 4 ms
+    lk = Link(fifo=True)
+    lk.submit(1, 5 * MB, 0.0)
+    lk.submit(2, 1 * MB, 0.0, release=2e-3)
+    lk.submit(3, 1 * MB, 4e-3)
+    lk.finish()
+    assert lk.done == [1, 2, 3]
+
+
+def test_fifo_link_order_is_refused_where_no_timed_link_runs():
+    from fmoesim.engine.simulate import check_link_order
+
+    check_link_order("fifo", timing=True)
+    with pytest.raises(ConfigError, match="engine.link_order.*must be one of priority, fifo"):
+        check_link_order("lifo", timing=True)
+    with pytest.raises(ConfigError, match="needs the timed simulator"):
+        check_link_order("fifo", timing=False)
+    with pytest.raises(ConfigError, match="the replay keeps its scheduler's order"):
+        check_link_order("fifo", timing=True, replay=True)
 
 
 def _queued_in_order(lk: Link) -> list[TransferRecord]:

@@ -17,6 +17,7 @@ from fmoesim.engine.simulate import (
     LANDINGS,
     check_budget,
     check_experts_per_layer,
+    check_link_order,
     simulate,
 )
 from fmoesim.errors import ConfigError, FmoesimError
@@ -121,6 +122,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
         raise ConfigError("engine.timing", False, "hit-rate-only mode needs serving.mode=static")
     if engine.landing not in LANDINGS:
         raise ConfigError("engine.landing", engine.landing, f"must be one of {', '.join(LANDINGS)}")
+    check_link_order(engine.link_order, engine.timing)
     workload: WorkloadConfig = OmegaConf.to_object(cfg.workload)  # type: ignore[assignment]
     if workload.kind not in ("trace", "synthetic"):
         raise ConfigError("workload.kind", workload.kind, "must be 'trace' or 'synthetic'")
@@ -199,6 +201,7 @@ def simulate_spec(
         "timing": spec.engine.timing,
         "preempt": spec.engine.preempt,
         "landing": spec.engine.landing,
+        "link_order": spec.engine.link_order,
         "access_log": spec.output.access_log,
         "progress": spec.progress,
         "experts_per_layer": spec.experts_per_layer,

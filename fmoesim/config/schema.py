@@ -69,11 +69,16 @@ class EngineConfig:
     ``link`` once its bytes have crossed the link during the modelled compute since it
     was issued (:class:`fmoesim.engine.sim.LinkStepBackend`), ``next_step`` at the next
     layer step whatever its size (an infinitely fast link: an upper bound for
-    prefetching, :class:`fmoesim.engine.sim.InstantBackend`)."""
+    prefetching, :class:`fmoesim.engine.sim.InstantBackend`).  ``link_order`` is the timed
+    link's queue: ``priority`` (on-demand loads first, then prefetches by the policy's
+    priority; a needed prefetch is escalated) or ``fifo`` (one first-come-first-served
+    queue for every transfer, no escalation, no pausing: a what-if for an engine that
+    issues every copy in order, :class:`fmoesim.engine.sim.SimLink`)."""
 
     timing: bool = True
     preempt: bool = True
     landing: str = "link"
+    link_order: str = "priority"
 
 
 @dataclass

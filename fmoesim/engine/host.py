@@ -102,8 +102,9 @@ class HostBoundSimBackend(SimBackend):
         caches: Sequence[ExpertCache],
         host: HostModel,
         preempt: bool = True,
+        fifo: bool = False,
     ) -> None:
-        super().__init__(hw, compute, caches, preempt)
+        super().__init__(hw, compute, caches, preempt, fifo)
         # set on the instance (no class attribute here): in the compiled build the Runner
         # reads the compiled base's attribute, which a class attribute of this interpreted
         # subclass would shadow for Python only

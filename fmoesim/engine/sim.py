@@ -70,6 +70,13 @@ class SimLink:
     ``(link_priority, seq)`` descending, so the next to start is the last (after a
     re-ranking, from the next time it is read).
 
+    With ``fifo`` the link has one first-come-first-served queue instead: every transfer,
+    on-demand or prefetch, starts in the order it reached the queue (its submission, or
+    the release of a delayed one), and priorities, re-rankings, escalation and ``preempt``
+    change no order (an escalated transfer is still never aborted).  It is a what-if for
+    an engine that queues every copy on one stream in issue order; cancelling a queued
+    transfer works as in the default discipline.
+
     ``cur_end_s`` is the time of the link's next event: the end (or pause point) of the
     running transfer, or, while idle, the next release time (``inf`` when there is
     neither).
@@ -92,13 +99,15 @@ class SimLink:
         preempt: bool,
         on_done: Callable[[int], None] | None = None,
         cache: ExpertCache | None = None,
+        fifo: bool = False,
     ) -> None:
         if (on_done is None) == (cache is None):
             raise ValueError("a link reports landed transfers to on_done or to a cache (one)")
         self.bytes_per_s = bytes_per_s
         self.overhead_s = overhead_s
         self.chunk_bytes = chunk_bytes
-        self.preempt = preempt
+        self.fifo = fifo  # one first-come-first-served queue: nothing overtakes, nothing pauses
+        self.preempt = preempt and not fifo
         self.on_done = on_done
         # perf: a cache's complete() is called directly, a native call where a callable
         # is a generic one (SimBackend passes its caches)
@@ -204,6 +213,9 @@ class SimLink:
             _, _, job = heapq.heappop(delayed)
             if job.state == _DELAYED:  # else stale: cancelled or escalated
                 job.state = _QUEUED
+                if self.fifo:  # it reaches the queue now
+                    job.seq = self._seq
+                    self._seq += 1
                 self._enqueue(job)
 
     def _next_release_s(self) -> float:
@@ -279,6 +291,8 @@ class SimLink:
         job = record  # perf: the record is the link's job (no second object per transfer)
         # a new record already has left_bytes = size_bytes, link_priority = priority and
         # state = _QUEUED (TransferRecord.__init__)
+        if self.fifo and self._delayed:  # what was released by now reached the queue first
+            self._release(t_s)
         job.seq = self._seq
         self._seq += 1
         if job.release_s > t_s and job.priority != ON_DEMAND:
@@ -304,7 +318,7 @@ class SimLink:
         if self._dirty:  # sorted when next read
             self._queue.append(job)
             return
-        k = (-job.link_priority, -job.seq)
+        k = (0.0 if self.fifo else -job.link_priority, -job.seq)
         i = bisect_left(self._qkeys, k)
         self._qkeys.insert(i, k)
         self._queue.insert(i, job)
@@ -314,7 +328,7 @@ class SimLink:
         if self._dirty:
             self._sort()
         q = self._queue
-        i = bisect_left(self._qkeys, (-job.link_priority, -job.seq))
+        i = bisect_left(self._qkeys, (0.0 if self.fifo else -job.link_priority, -job.seq))
         if i == len(q) or q[i] is not job:  # pragma: no cover - a queued job is in place
             i = len(q) - 1
             while q[i] is not job:
@@ -326,7 +340,9 @@ class SimLink:
         """Put the queue back in order after re-rankings: every job at its current
         ``(link_priority, seq)``, the order :meth:`_enqueue` keeps."""
         q = self._queue
-        pairs = sorted(zip([(-j.link_priority, -j.seq) for j in q], q, strict=True))
+        fifo = self.fifo
+        keys = [(0.0 if fifo else -j.link_priority, -j.seq) for j in q]
+        pairs = sorted(zip(keys, q, strict=True))
         self._qkeys = [k for k, _ in pairs]
         self._queue = [j for _, j in pairs]
         self._dirty = False
@@ -337,10 +353,15 @@ class SimLink:
             return
         if job.state == _QUEUED:
             self._dequeue(job)  # found at the priority it was queued with
+        elif self.fifo and job.state == _DELAYED and self._delayed:
+            self._release(t_s)  # what was released by now reached the queue first
         job.link_priority = ON_DEMAND
         job.escalated = True
         if job.state == _DELAYED:  # needed before its release: released now
             job.state = _QUEUED
+            if self.fifo:  # it reaches the queue now
+                job.seq = self._seq
+                self._seq += 1
             self._enqueue(job)
         elif job.state == _QUEUED:
             self._enqueue(job)
@@ -413,12 +434,20 @@ class SimBackend(Backend):
         compute: ComputeModel,
         caches: Sequence[ExpertCache],
         preempt: bool = True,
+        fifo: bool = False,
     ) -> None:
         self.compute = compute
         self.caches = caches
         self.num_gpus = len(caches)
         self.links = [
-            SimLink(hw.pcie_bytes_per_s, hw.transfer_overhead_s, hw.chunk_bytes, preempt, cache=c)
+            SimLink(
+                hw.pcie_bytes_per_s,
+                hw.transfer_overhead_s,
+                hw.chunk_bytes,
+                preempt,
+                cache=c,
+                fifo=fifo,
+            )
             for c in caches
         ]
         self.transfers: list[TransferRecord] = []

@@ -38,6 +38,8 @@ from policies.lru import LRU
 GB = 1e9
 #: ``engine.landing``: when a prefetch becomes resident in hit-rate-only mode
 LANDINGS = ("link", "next_step")
+#: ``engine.link_order``: the timed link's queue discipline (:class:`SimLink`)
+LINK_ORDERS = ("priority", "fifo")
 
 
 @dataclass
@@ -110,6 +112,22 @@ def model_for_trace(model: ModelSpec, trace: Trace) -> ModelSpec:
 
 #: the largest budget: byte counts are int64 in the results (about 9.2e9 GB)
 MAX_BUDGET_BYTES = 2**63 - 1
+
+
+def check_link_order(link_order: str, timing: bool, replay: bool = False) -> None:
+    """Refuse an unknown ``engine.link_order``, and ``fifo`` where no timed simulated link
+    runs: hit-rate-only mode keeps its own order (:class:`LinkStepBackend`) and the GPU
+    replay its scheduler's."""
+    if link_order not in LINK_ORDERS:
+        raise ConfigError(
+            "engine.link_order", link_order, f"must be one of {', '.join(LINK_ORDERS)}"
+        )
+    if link_order == "fifo" and not timing:
+        why = "needs the timed simulator (engine.timing=true): hit-rate-only mode keeps its own"
+        raise ConfigError("engine.link_order", link_order, why)
+    if link_order == "fifo" and replay:
+        why = "is the simulator's what-if; the replay keeps its scheduler's order"
+        raise ConfigError("engine.link_order", link_order, why)
 
 
 def check_budget(model: ModelSpec, budget_bytes: int, key: str = "cache.budget_gb") -> None:
@@ -332,17 +350,21 @@ def sim_backend(
     timing: bool = True,
     landing: str = "link",
     preempt: bool = True,
+    link_order: str = "priority",
 ) -> Backend:
     """The simulator's backend of a run (what :func:`simulate` uses without
     ``make_backend``): timed, the GPU-bound :class:`SimBackend`, or the host-bound
     :class:`HostBoundSimBackend` where ``hardware`` measures the host's costs for
-    ``model`` (:mod:`fmoesim.engine.host`); hit-rate-only, the backend of ``landing``."""
+    ``model`` (:mod:`fmoesim.engine.host`); hit-rate-only, the backend of ``landing``.
+    ``link_order`` is the timed link's queue discipline (``fifo``: one
+    first-come-first-served queue, :class:`SimLink`)."""
     compute = ComputeModel.from_specs(model, hardware)
+    fifo = link_order == "fifo"
     if timing:
         host = HostModel.from_specs(model, hardware, policy_name)
         if host is None:
-            return SimBackend(hardware, compute, caches, preempt)
-        return HostBoundSimBackend(hardware, compute, caches, host, preempt)
+            return SimBackend(hardware, compute, caches, preempt, fifo)
+        return HostBoundSimBackend(hardware, compute, caches, host, preempt, fifo)
     if landing == "next_step":
         return InstantBackend(caches)
     return LinkStepBackend(hardware, compute, caches)
@@ -360,6 +382,7 @@ def simulate(
     timing: bool = True,
     preempt: bool = True,
     landing: str = "link",
+    link_order: str = "priority",
     access_log: bool = False,
     progress: bool = False,
     fast: bool = True,
@@ -376,7 +399,9 @@ def simulate(
     becomes resident: ``"link"`` once its bytes have crossed the link during the modelled
     compute since it was issued (:class:`LinkStepBackend`), ``"next_step"`` at the next
     layer step (:class:`InstantBackend`, an infinitely fast link).  ``preempt`` lets
-    on-demand loads pause a prefetch at a chunk boundary; ``access_log`` keeps one row
+    on-demand loads pause a prefetch at a chunk boundary; ``link_order="fifo"`` gives
+    the timed link one first-come-first-served queue (no priorities, no escalation, no
+    pausing: :class:`SimLink`); ``access_log`` keeps one row
     per expert access.
     ``fast`` allows the exact fast paths: :mod:`fmoesim.engine.fast` for hit-rate-only
     runs of plain LRU on one GPU (it keeps no transfer log and no cache objects), and
@@ -409,6 +434,7 @@ def simulate(
         raise ConfigError("engine.timing", False, "hit-rate-only mode needs serving.mode=static")
     if landing not in LANDINGS:
         raise ConfigError("engine.landing", landing, f"must be one of {', '.join(LANDINGS)}")
+    check_link_order(link_order, timing, make_backend is not None)
     if serving.mode == "online" and policy.uses_future:
         raise ConfigError(
             "policy",
@@ -497,7 +523,9 @@ def simulate(
     if make_backend is not None:
         backend = make_backend(caches)
     else:
-        backend = sim_backend(hardware, model, policy.name, caches, timing, landing, preempt)
+        backend = sim_backend(
+            hardware, model, policy.name, caches, timing, landing, preempt, link_order
+        )
     runner = Runner(
         trace,
         model,
