@@ -73,7 +73,7 @@ class EngineConfig:
     link's queue: ``priority`` (on-demand loads first, then prefetches by the policy's
     priority; a needed prefetch is escalated) or ``fifo`` (one first-come-first-served
     queue for every transfer, no escalation, no pausing: a what-if for an engine that
-    issues every copy in order, :class:`fmoesim.engine.sim.SimLink`)."""
+    queues every copy in order, :class:`fmoesim.engine.sim.SimLink`)."""
 
     timing: bool = True
     preempt: bool = True
