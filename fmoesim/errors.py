@@ -72,11 +72,28 @@ def exit_stdout_closed() -> NoReturn:
     raise SystemExit(EXIT_STDOUT_CLOSED)
 
 
+def os_error_line(exc: OSError) -> str:
+    """One line for an operating-system error on a path the user gave (an output folder
+    under a plain file, a file that cannot be read): the path(s) and the system's reason."""
+    where = str(exc.filename)
+    if exc.filename2 is not None:
+        where += f" -> {exc.filename2}"
+    if isinstance(exc, (FileExistsError, NotADirectoryError)):
+        probe = os.fspath(exc.filename)
+        while probe and not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        if os.path.isfile(probe):
+            what = "is a file" if probe == os.fspath(exc.filename) else f"{probe} is a file"
+            return f"{where}: cannot be made as a directory: {what}"
+    return f"{where}: {exc.strerror or type(exc).__name__}"
+
+
 def run_or_exit(prog: str, fn: Callable[..., Any], *args: Any) -> Any:
     """Call ``fn(*args)`` under the console commands' exit contract (module docstring):
     an :class:`FmoesimError` becomes one line on stderr (``<prog>: error: ...``) and exit
-    status 2, Ctrl-C one line and 130, a closed stdout a quiet exit with 141 (also after
-    ``fn`` exits by ``SystemExit``, as argparse's ``--help`` does)."""
+    status 2, as does an :class:`OSError` on a named path (:func:`os_error_line`); Ctrl-C
+    one line and 130, a closed stdout a quiet exit with 141 (also after ``fn`` exits by
+    ``SystemExit``, as argparse's ``--help`` does)."""
     try:
         try:
             return fn(*args)
@@ -84,6 +101,11 @@ def run_or_exit(prog: str, fn: Callable[..., Any], *args: Any) -> Any:
             sys.stdout.flush()
     except FmoesimError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as exc:
+        if exc.filename is None or isinstance(exc, BrokenPipeError):
+            raise
+        print(f"{prog}: error: {os_error_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:
         exit_interrupted(prog)

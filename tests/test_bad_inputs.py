@@ -435,3 +435,47 @@ def test_sweep_prints_one_line_per_job_and_summaries_with_verbose(tmp_path):
     assert p.stdout.count("expert hit rate") == 4  # every run's table
     assert p.stdout.count("[HYDRA] \t#") == 4  # Hydra's own job lines
     assert p.stdout.count("[sweep ") == 4
+
+
+def test_an_output_path_under_a_plain_file_is_one_line(tmp_path, capsys):
+    """An operating-system error on a path the user named (here an output folder under a
+    plain file) is one line naming the path, exit 2, not a traceback; an OSError with no
+    path is a bug and propagates (red if run_or_exit swallows every OSError, or none)."""
+    from fmoesim.errors import run_or_exit
+
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        run_or_exit("prog", lambda: (tmp_path / "plain" / "sub").mkdir(parents=True))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    plain = tmp_path / "plain"
+    assert err == [
+        f"prog: error: {plain / 'sub'}: cannot be made as a directory: {plain} is a file"
+    ]
+    with pytest.raises(SystemExit):
+        run_or_exit("prog", lambda: plain.mkdir(parents=True, exist_ok=True))
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(f"{plain}: cannot be made as a directory: is a file")
+    )
+    with pytest.raises(SystemExit) as exc:
+        run_or_exit("prog", lambda: open(tmp_path / "none.csv"))
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"prog: error: {tmp_path / 'none.csv'}: No such file or directory"
+    )
+
+    def unnamed() -> None:
+        raise OSError("no path")
+
+    with pytest.raises(OSError, match="no path"):
+        run_or_exit("prog", unnamed)
+    p = subprocess.run(
+        [sys.executable, "-m", "fmoesim.cli.trace_cli", "import", "vllm-routes",
+         str(ROOT / "examples" / "vllm-routes.jsonl"), str(tmp_path / "plain" / "out"),
+         "--model", "mixtral-8x7b"],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "plain: cannot be made as a directory: is a file" in p.stderr
