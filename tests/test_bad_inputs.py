@@ -479,3 +479,18 @@ def test_an_output_path_under_a_plain_file_is_one_line(tmp_path, capsys):
     )  # fmt: skip
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert "plain: cannot be made as a directory: is a file" in p.stderr
+
+
+def test_a_bad_arrivals_file_of_a_synthetic_trace_is_one_line(tmp_path):
+    """A synthetic workload's arrivals CSV is read before the progress line that says a
+    trace is being generated, so a bad file is the only line (red if the file is first
+    read inside the generation, after that line)."""
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,x,5\n")
+    p = fmoesim(
+        "workload.kind=synthetic", f"workload.synthetic.arrivals_csv={bad}",
+        "workload.synthetic.num_requests=2", f"output.dir={tmp_path}/runs",
+        f"store.dir={tmp_path}/store", "engine.timing=false",
+    )  # fmt: skip
+    assert_refused(p, f"{bad} row 0: ContextTokens = 'x'")
+    assert_nothing_written(tmp_path)

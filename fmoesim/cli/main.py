@@ -560,10 +560,12 @@ def _trace_path(spec: RunSpec) -> Path:
         if not path.exists():
             raise FmoesimError(f"workload.path '{w.path}': trace directory not found")
         return path
-    from fmoesim.workload.synthetic import generate
+    from fmoesim.workload.synthetic import generate, read_azure_csv
 
     path = synthetic_trace_path(spec.model, w)
     if not (path / "trace.json").is_file():
+        if w.synthetic.arrivals_csv:  # a bad file is one line, before the progress line
+            read_azure_csv(w.synthetic.arrivals_csv, limit=w.synthetic.num_requests)
         print(f"generating synthetic trace -> {path}", file=sys.stderr)
         generate(spec.model, w.synthetic, path, overwrite=True, progress=spec.progress)
     return path
