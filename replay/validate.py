@@ -174,6 +174,7 @@ def validate(
     from fmoesim.atomic import atomic_dir
     from fmoesim.cli.main import _trace_path, compose_config
     from fmoesim.config.build import build_run, simulate_spec
+    from fmoesim.engine.simulate import check_link_order
     from fmoesim.trace.reader import read_trace
     from replay.backend import replay_backend
 
@@ -184,6 +185,7 @@ def validate(
     for name in policies:
         cfg = compose_config([*overrides, f"policy={name}"])
         spec = build_run(cfg)
+        check_link_order(spec.engine.link_order, timing=True, replay=True)  # before any run
         trace_path = _trace_path(spec)
         trace = read_trace(trace_path)
         common: dict[str, Any] = dict(

@@ -84,3 +84,9 @@ def test_bad_input_is_one_line(tmp_path):
     assert "policy=nosuch: unknown policy; valid:" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+    # the simulator's what-if link order has no replay: refused before the first run
+    p = run("--device", "cpu", "--out", str(tmp_path / "f"), "--policies", "lru",
+            "engine.link_order=fifo")  # fmt: skip
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "'engine.link_order' = 'fifo': is the simulator's what-if" in p.stderr
+    assert not (tmp_path / "f").exists()
