@@ -102,12 +102,12 @@ def run_or_exit(prog: str, fn: Callable[..., Any], *args: Any) -> Any:
     except FmoesimError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        exit_interrupted(prog)
+    except BrokenPipeError:  # before OSError, its base class
+        exit_stdout_closed()
     except OSError as exc:
-        if exc.filename is None or isinstance(exc, BrokenPipeError):
+        if exc.filename is None:
             raise
         print(f"{prog}: error: {os_error_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
-    except KeyboardInterrupt:
-        exit_interrupted(prog)
-    except BrokenPipeError:
-        exit_stdout_closed()
