@@ -155,6 +155,11 @@ def test_refusals(tmp_path):
     (tmp_path / "exists").mkdir()
     with pytest.raises(FmoesimError, match="already exists"):
         collect(model, PROMPTS, tmp_path / "exists")
+    # --force replaces a trace, never a folder of other files: refused before collecting
+    (tmp_path / "exists" / "notes.txt").write_text("keep")
+    with pytest.raises(FmoesimError, match="a directory without trace.json"):
+        collect(None, PROMPTS, tmp_path / "exists", overwrite=True)  # type: ignore[arg-type]
+    assert (tmp_path / "exists" / "notes.txt").read_text() == "keep"
     dense = T.LlamaForCausalLM(T.LlamaConfig(**COMMON, intermediate_size=16))
     dense.config.num_local_experts = 4
     dense.config.num_experts_per_tok = 2

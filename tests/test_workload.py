@@ -315,14 +315,17 @@ def test_read_azure_csv(tmp_path: Path) -> None:
             "TIMESTAMP,ContextTokens\n2023-11-16 18:15:46,374\n",
             ": missing column(s) ['GeneratedTokens'] (rule: Azure format has columns",
         ),
-        (AZURE.replace("396,109", "0,109"), " row 1: ContextTokens = 0 (rule: a positive integer)"),
+        (
+            AZURE.replace("396,109", "0,109"),
+            " row 1: ContextTokens = 0 (rule: a positive integer at most 2147483647)",
+        ),
         (
             AZURE.replace("879,20", "879,2.5"),
-            " row 2: GeneratedTokens = 2.5 (rule: a positive integer)",
+            " row 2: GeneratedTokens = 2.5 (rule: a positive integer at most 2147483647)",
         ),
         (
             AZURE.replace("879,20", "879,"),
-            " row 2: GeneratedTokens = nan (rule: a positive integer)",
+            " row 2: GeneratedTokens = nan (rule: a positive integer at most 2147483647)",
         ),
         (
             AZURE.replace("2023-11-16 18:15:50.9951690", "yesterday"),

@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     ins = sub.add_parser("inspect", help="print shape, sizes and per-layer statistics")
     ins.add_argument("path")
-    val = sub.add_parser("validate", help="check every rule of the trace format")
+    val = sub.add_parser(
+        "validate", help="check every rule of the trace format (tokens.parquet included)"
+    )
     val.add_argument("path")
     syn = sub.add_parser("synth", help="generate a synthetic trace (fmoesim/workload/synthetic.py)")
     syn.add_argument("out", help="destination trace directory")
@@ -136,14 +138,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
-    from fmoesim.trace.reader import read_trace
+    from fmoesim.trace.reader import read_trace, validate_trace
 
     if args.cmd == "inspect":
         from fmoesim.trace.stats import format_report
 
         print(format_report(read_trace(args.path)))
     elif args.cmd == "validate":
-        t = read_trace(args.path)
+        t = validate_trace(args.path)
         print(
             f"{args.path}: valid ({t.num_requests} requests, {t.num_iterations} iterations, "
             f"{t.num_layers} layers x {t.num_experts} experts)"
@@ -174,9 +176,11 @@ def _run(args: argparse.Namespace) -> None:
             note = ""
         else:
             path, note = import_eamc(args.src, args.out, model, overwrite=args.force), ""
-        t = read_trace(path)
+        from fmoesim.trace.schema import MANIFEST, TraceManifest
+
+        man = TraceManifest.load(path / MANIFEST)  # the importer read the trace back
         print(
-            f"wrote {path}: {t.num_requests} requests, {t.num_iterations} iterations "
+            f"wrote {path}: {man.num_requests} requests, {man.num_iterations} iterations "
             f"({model.name}, top-k only: no probabilities){note}"
         )
     elif args.cmd == "synth":

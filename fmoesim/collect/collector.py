@@ -237,9 +237,14 @@ def check_arguments(max_new_tokens: int, batch_size: int, embedding_dim: int | N
 
 
 def check_destination(out: str | os.PathLike[str], overwrite: bool) -> None:
-    """Refuse an existing destination unless ``overwrite``."""
+    """Refuse an existing destination unless ``overwrite``, and even then one that is not
+    a trace directory or an empty one (:func:`fmoesim.trace.writer.check_destination`):
+    checked before the collection, not only when its trace is written."""
+    from fmoesim.trace.writer import check_destination as check_trace_destination
+
     if Path(out).exists() and not overwrite:
         raise FmoesimError(f"{out}: already exists (pass --force to replace it)")
+    check_trace_destination(out, overwrite)
 
 
 def parts_dir(out: str | os.PathLike[str]) -> Path:

@@ -19,6 +19,7 @@ renamed into place, so nothing half-written is left.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -29,9 +30,11 @@ import numpy as np
 from fmoesim.errors import FmoesimError
 from fmoesim.specs.model import ModelSpec
 from fmoesim.trace.schema import TraceManifest, TraceModel
-from fmoesim.trace.writer import TraceWriter
+from fmoesim.trace.writer import TraceWriter, check_destination
 
 FORMATS = ("vllm-routes", "eamc")
+#: the largest token count a trace holds (its token columns are int32)
+INT32_MAX = 2**31 - 1
 
 
 class ImportError_(FmoesimError):  # noqa: N801 - the builtin name is taken
@@ -50,6 +53,11 @@ def _manifest(model: ModelSpec, fmt: str, original: list[str], **extra: Any) -> 
         has_probs=False,
         has_spec_probs=False,
     )
+
+
+def _is_int(v: Any) -> bool:
+    """An integer of a JSON line (true and false are not)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _jsonl_files(src: Path) -> list[Path]:
@@ -91,15 +99,15 @@ def read_vllm_routes(src: str | os.PathLike[str], model: ModelSpec) -> tuple[Rou
                     if key not in row:
                         raise ImportError_(path, where, f"has key '{key}'")
                 layer, tok, experts = row["layer"], row["token_idx"], row["experts"]
-                if not isinstance(layer, int) or not 0 <= layer < L:
+                if not _is_int(layer) or not 0 <= layer < L:
                     raise ImportError_(path, where, f"layer in [0, {L})", f"got {layer!r}")
-                if not isinstance(tok, int) or tok < 0:
+                if not _is_int(tok) or tok < 0:
                     raise ImportError_(path, where, "token_idx >= 0", f"got {tok!r}")
                 if (
                     not isinstance(experts, list)
                     or len(experts) != K
                     or len(set(experts)) != K
-                    or not all(isinstance(e, int) and 0 <= e < E for e in experts)
+                    or not all(_is_int(e) and 0 <= e < E for e in experts)
                 ):
                     raise ImportError_(
                         path,
@@ -111,13 +119,20 @@ def read_vllm_routes(src: str | os.PathLike[str], model: ModelSpec) -> tuple[Rou
                 if probs is not None and (
                     not isinstance(probs, list)
                     or len(probs) != K
-                    or not all(isinstance(p, (int, float)) and p >= 0 for p in probs)
+                    or not all(
+                        isinstance(p, (int, float))
+                        and not isinstance(p, bool)
+                        and math.isfinite(p)
+                        and p >= 0
+                        for p in probs
+                    )
                 ):
                     raise ImportError_(
-                        path, where, f"gating_probs holds {K} numbers >= 0", f"got {probs!r}"
-                    )
+                        path, where, f"gating_probs holds {K} numbers >= 0, finite",
+                        f"got {probs!r}",
+                    )  # fmt: skip
                 req = row.get("problem_id", 0)
-                if not isinstance(req, int):
+                if not _is_int(req):
                     raise ImportError_(path, where, "problem_id is an integer", f"got {req!r}")
                 name = str(row.get("dataset", path.stem))
                 per_token = out[(name, req)][layer]
@@ -148,6 +163,7 @@ def import_vllm_routes(
     decode-like view a cache sees token by token); each later token is one decode
     iteration.  ``counts`` are the routed top-k; ``probs`` are null.
     """
+    check_destination(dst, overwrite)
     if prompt_tokens < 1:
         raise FmoesimError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
     routes, files = read_vllm_routes(src, model)
@@ -203,13 +219,21 @@ def import_eamc(
     """Convert an EAMC array ``(C, L, E)`` of request-level token counts into a trace of
     ``C`` one-iteration requests (an EAM keeps no per-iteration detail): request ``c``
     routes ``counts[c]`` over ``sum(counts[c, l]) / top_k`` tokens.  All-zero EAMs
-    (unused slots) are skipped."""
+    (unused slots) are skipped.  Every matrix is checked before anything is written:
+    counts non-negative integers, every layer routing the same number of tokens times
+    ``top_k``, no expert getting more tokens than the matrix routes."""
+    check_destination(dst, overwrite)
     path = Path(src)
     try:
         arr = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise FmoesimError(f"{path}: not a readable .npy array ({exc})") from None
+    if not isinstance(arr, np.ndarray):  # an .npz archive
+        arr.close()
+        raise FmoesimError(f"{path}: not a .npy array (rule: an EAMC is one .npy array)")
     L, E, K = model.num_layers, model.num_experts, model.top_k
+    if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        raise ImportError_(path, "dtype", "counts are numbers", f"got {arr.dtype}")
     if arr.ndim != 3 or arr.shape[1:] != (L, E):
         raise ImportError_(path, "shape", f"(capacity, {L}, {E})", f"got {arr.shape}")
     if not np.isfinite(arr).all():
@@ -233,11 +257,26 @@ def import_eamc(
                 f"every layer routes the same number of tokens x top_k ({K})",
                 f"per-layer sums {sorted(set(per_layer.tolist()))[:4]}",
             )
-        rows.append((c, counts[c].astype(np.int32), int(per_layer[0] // K)))
+        tokens = int(per_layer[0] // K)
+        if tokens > INT32_MAX:
+            raise ImportError_(
+                path, f"row {c}", f"a matrix routes at most {INT32_MAX} tokens (int32)",
+                f"{tokens} tokens",
+            )  # fmt: skip
+        over = np.argwhere(counts[c] > tokens)
+        if len(over):
+            layer, e = (int(x) for x in over[0])
+            raise ImportError_(
+                path,
+                f"row {c}",
+                "no expert gets more tokens than the matrix routes (per-layer sum / top_k)",
+                f"layer {layer}, expert {e}: {int(counts[c, layer, e])} of {tokens} tokens",
+            )
+        rows.append((c, counts[c].astype(np.int32), tokens))
     if not rows:
         raise FmoesimError(f"{path}: every EAM is empty")
     man = _manifest(model, "eamc", [path.name], slots=[c for c, _, _ in rows])
-    with TraceWriter(dst, man, overwrite=overwrite) as w:
+    with TraceWriter(dst, man, overwrite=overwrite, check=True) as w:
         for rid, (_, eam, tokens) in enumerate(rows):
             w.add_request(rid, prompt_tokens=tokens, output_tokens=1, dataset="eamc")
             w.add_iteration(rid, 0, tokens, None, eam)

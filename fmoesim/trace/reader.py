@@ -201,7 +201,9 @@ def read_trace(path: str | os.PathLike[str], *, validate: bool = True) -> Trace:
     request_id = req.column("request_id").to_numpy()
     prompt_tokens = req.column("prompt_tokens").to_numpy()
     output_tokens = req.column("output_tokens").to_numpy()
-    arrival_s = req.column("arrival_s").to_numpy(zero_copy_only=False).astype(np.float64)
+    arrival_col = req.column("arrival_s")
+    arrival_s = arrival_col.to_numpy(zero_copy_only=False).astype(np.float64)
+    arrival_null = ~arrival_col.is_valid().to_numpy(zero_copy_only=False).astype(bool)
     dataset = np.array(req.column("dataset").to_pylist(), dtype=object)
 
     it_rid = its.column("request_id").to_numpy()
@@ -242,6 +244,7 @@ def read_trace(path: str | os.PathLike[str], *, validate: bool = True) -> Trace:
             probs_valid,
             spec_b,
             spec_valid,
+            arrival_null,
         )
     # position of each iteration's request
     iter_request = np.searchsorted(request_id, it_rid)
@@ -290,8 +293,10 @@ def _validate(
     probs_valid: np.ndarray,
     spec: np.ndarray,
     spec_valid: np.ndarray,
+    arrival_null: np.ndarray | None = None,
 ) -> None:
-    """Check every rule of the format; raise on the first violation (file, row, rule)."""
+    """Check every rule of the format; raise on the first violation (file, row, rule).
+    ``arrival_null`` marks the null ``arrival_s`` cells (without it, NaN reads as null)."""
     m = manifest.model
     L, k = m.num_layers, m.top_k
     fq, fi, fr = root / S.REQUESTS, root / S.ITERATIONS, root / S.ROUTING
@@ -307,7 +312,8 @@ def _validate(
     )
     for name, col in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
         _refuse(col < 1, fq, f"{name} >= 1", lambda row: f"{name} = {col[row]}")  # noqa: B023 - called at once
-    bad = ~np.isnan(arrival_s) & ~(np.isfinite(arrival_s) & (arrival_s >= 0))
+    null = np.isnan(arrival_s) if arrival_null is None else arrival_null
+    bad = ~null & ~(np.isfinite(arrival_s) & (arrival_s >= 0))
     _refuse(
         bad,
         fq,
@@ -480,6 +486,18 @@ def _validate(
         )
     _check_probs(fr, "spec_probs", spec, spec_valid)
 
+    # trace.json: the row counts it records
+    for key, rows, name in (
+        ("num_requests", len(request_id), S.REQUESTS),
+        ("num_iterations", N, S.ITERATIONS),
+    ):
+        if getattr(manifest, key) != rows:
+            raise TraceError(
+                root / S.MANIFEST,
+                f"{key} is the number of rows of {name}",
+                detail=f"{key} = {getattr(manifest, key)}, {name} has {rows} rows",
+            )
+
 
 def _check_probs(path: Path, name: str, block: np.ndarray, valid: np.ndarray) -> None:
     """Probabilities: finite, non-negative, each non-null row summing to 1 within tolerance."""
@@ -544,6 +562,22 @@ def _first_layer_gap(
     return _first(bad) if bad.any() else n
 
 
+def validate_trace(path: str | os.PathLike[str]) -> Trace:
+    """Check every rule of the format, ``tokens.parquet`` included (:func:`read_trace`,
+    then :func:`read_tokens` when ``has_tokens``; without it, no ``tokens.parquet``);
+    return the trace.  Raises :class:`TraceError` naming the file, the row and the rule."""
+    trace = read_trace(path)
+    if trace.manifest.has_tokens:
+        read_tokens(trace)
+    elif (trace.path / S.TOKENS).exists():
+        raise TraceError(
+            trace.path / S.TOKENS,
+            "tokens.parquet is present only when trace.json says has_tokens",
+            detail="has_tokens is false",
+        )
+    return trace
+
+
 @dataclass
 class TokenTable:
     """``tokens.parquet`` as columns: one row per (request, iteration, token, layer)."""
@@ -574,10 +608,25 @@ def read_tokens(trace: Trace) -> TokenTable:
     ids, _ = _fixed_block(t.column("topk_ids"), k, np.int64)
     w, _ = _fixed_block(t.column("topk_weights"), k, np.float32)
     cols = {c: t.column(c).to_numpy() for c in ("request_id", "iteration", "token", "layer")}
-    _refuse((ids < 0) | (ids >= E), path, f"topk_ids in [0, {E})")
+    _refuse(
+        ((ids < 0) | (ids >= E)).any(axis=1),
+        path,
+        f"topk_ids in [0, {E})",
+        lambda row: f"topk_ids {ids[row].tolist()}",
+    )
     srt = np.sort(ids, axis=1)
-    _refuse((srt[:, 1:] == srt[:, :-1]).any(axis=1), path, "topk_ids are distinct")
-    _refuse(~np.isfinite(w) | (w < 0), path, "topk_weights finite and >= 0")
+    _refuse(
+        (srt[:, 1:] == srt[:, :-1]).any(axis=1),
+        path,
+        "topk_ids are distinct",
+        lambda row: f"topk_ids {ids[row].tolist()}",
+    )
+    _refuse(
+        (~np.isfinite(w) | (w < 0)).any(axis=1),
+        path,
+        "topk_weights finite and >= 0",
+        lambda row: f"topk_weights {w[row].tolist()}",
+    )
     # expected rows, in order, from the routing's (request, iteration, num_tokens)
     rows = np.repeat(np.arange(trace.num_iterations), trace.num_tokens * L)
     rid = np.repeat(trace.request_id, trace.output_tokens)[rows]

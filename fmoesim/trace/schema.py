@@ -93,6 +93,11 @@ def tokens_schema(top_k: int) -> pa.Schema:
     )
 
 
+def _is_int(v: Any) -> bool:
+    """An integer of a JSON file (true and false are not)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass
 class TraceModel:
     """The model shape recorded in a manifest (MoE layers only).
@@ -194,7 +199,7 @@ class TraceManifest:
         if not isinstance(raw, dict):
             raise TraceError(path, "trace.json is a JSON object")
         version = raw.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if not _is_int(version) or version != SCHEMA_VERSION:
             raise TraceError(
                 path, f"schema_version is {SCHEMA_VERSION}", detail=f"schema_version is {version!r}"
             )
@@ -212,14 +217,22 @@ class TraceManifest:
                 "hidden_size[, num_shared_experts, dense_layers, encoder_layers]",
                 detail=str(exc),
             ) from None
+        if not isinstance(model.name, str):
+            raise TraceError(path, "model.name is a string", detail=f"got {model.name!r}")
         for key in ("num_layers", "num_experts", "top_k", "hidden_size"):
             value = getattr(model, key)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise TraceError(
                     path, f"model.{key} is a positive integer", detail=f"got {value!r}"
                 )
+        for key in ("num_shared_experts", "dense_layers"):
+            value = getattr(model, key)
+            if not _is_int(value) or value < 0:
+                raise TraceError(
+                    path, f"model.{key} is a non-negative integer", detail=f"got {value!r}"
+                )
         enc = model.encoder_layers
-        if isinstance(enc, bool) or not isinstance(enc, int) or not 0 <= enc < model.num_layers:
+        if not _is_int(enc) or not 0 <= enc < model.num_layers:
             raise TraceError(
                 path,
                 "model.encoder_layers is an integer in [0, model.num_layers)",
@@ -231,7 +244,7 @@ class TraceManifest:
                 "model.top_k <= model.num_experts",
                 detail=f"top_k={model.top_k}, num_experts={model.num_experts}",
             )
-        if not isinstance(raw["embedding_dim"], int) or raw["embedding_dim"] < 0:
+        if not _is_int(raw["embedding_dim"]) or raw["embedding_dim"] < 0:
             raise TraceError(
                 path,
                 "embedding_dim is a non-negative integer",
@@ -242,6 +255,32 @@ class TraceManifest:
                 raise TraceError(path, f"{key} is true or false", detail=f"got {raw[key]!r}")
         if not isinstance(raw["source"], dict):
             raise TraceError(path, "source is a JSON object", detail=f"got {raw['source']!r}")
+        for key in ("num_requests", "num_iterations"):
+            if key in raw and (not _is_int(raw[key]) or raw[key] < 0):
+                raise TraceError(
+                    path, f"{key} is a non-negative integer", detail=f"got {raw[key]!r}"
+                )
+        proj = raw.get("embedding_projection")
+        if proj is not None and not (
+            isinstance(proj, dict)
+            and set(proj) == {"input_dim", "seed"}
+            and _is_int(proj["input_dim"])
+            and proj["input_dim"] > 0
+            and _is_int(proj["seed"])
+            and proj["seed"] >= 0
+        ):
+            raise TraceError(
+                path,
+                'embedding_projection is null or {"input_dim": a positive integer, '
+                '"seed": an integer >= 0}',
+                detail=f"got {proj!r}",
+            )
+        for key, kinds, what in (
+            ("created_at", (str, type(None)), "null or a string"),
+            ("notes", (str,), "a string"),
+        ):
+            if key in raw and not isinstance(raw[key], kinds):
+                raise TraceError(path, f"{key} is {what}", detail=f"got {raw[key]!r}")
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(raw) - known)
         if unknown:

@@ -9,12 +9,12 @@ either of two shapes:
   and the router's ``rank`` / ``slot``).
 
 Columns are found by their usual names (:data:`COLUMNS`) or named with ``mapping``
-(``{"position": "tok"}``).  Lines starting with ``#`` are skipped (CSV/TSV), except that
-a comment holding ``layer=N`` and ``expert_bytes=B`` (a llama.cpp-style logger's header)
-gives layer N's expert size; a ``size_bytes`` column does the same per row.  Sizes, when
-given for every layer, go into the trace (``source.expert_bytes_by_layer``) and from there
-to a run's model.  Which
-rows are one token, in order:
+(``{"position": "tok"}``); a column serves one key.  Lines starting with ``#`` are
+skipped (CSV/TSV), except that a comment holding ``layer=N`` and ``expert_bytes=B`` (a
+llama.cpp-style logger's header; B a positive integer) gives layer N's expert size; a
+``size_bytes`` column does the same per row.  Sizes, when given for every layer, go into
+the trace (``source.expert_bytes_by_layer``) and from there to a run's model.  Which rows
+are one token, in order:
 
 - a request is the value of the request column (``request_id``, ``req_id``,
   ``problem_id``, ``turn``; one request without it) within its ``dataset`` (a column, or
@@ -25,20 +25,24 @@ rows are one token, in order:
   logger's position counter restarted (a log of per-step batches whose decode position is
   0 every step); tokens are ordered by step, then position;
 - the prompt is the first ``prompt_tokens`` tokens when that is given, else the tokens
-  whose ``phase`` is prefill (``0``, ``prefill``, ``p``) when there is a phase column,
-  else the first token (every token an iteration of its own, as a cache sees a log token
-  by token; ``prompt_tokens=1`` also gives an engine's token-by-token prefill).
+  whose ``phase`` is prefill (:data:`PREFILL`; the others' is decode, :data:`DECODE`)
+  when there is a phase column, else the first token (every token an iteration of its
+  own, as a cache sees a log token by token; ``prompt_tokens=1`` also gives an engine's
+  token-by-token prefill).
 
-Every token has ``top_k`` experts at each layer it was logged at (the model's, or
-``top_k`` given for a run made with fewer).  A token the log lacks at some layer is kept:
-it routes nothing there (the trace's ``layer_gaps``), and the import reports how many
-(token, layer) pairs that is.  Nothing is dropped.
+Every token has ``top_k`` distinct experts at each layer it was logged at (the model's,
+or ``top_k`` given for a run made with fewer), a rank is in ``[0, top_k)``, weights are
+finite numbers >= 0.  A token the log lacks at some layer is kept: it routes nothing there
+(the trace's ``layer_gaps``), and the import reports how many (token, layer) pairs that
+is.  Nothing is dropped.
 
 :func:`from_arrays` writes a trace from per-request ``(tokens, layers, top_k)`` arrays of
 expert ids (and optional weights), the shape vLLM's routed-experts output and most
 loggers reduce to; :func:`import_routed_experts` reads such arrays from ``.npy``, ``.npz``
-or JSON files.  Bad input is refused with one line naming the file, the row and the
-broken rule; the trace is written into a temporary directory and renamed into place.
+or JSON files.  Bad input is refused with one line naming the file, the row (1-based data
+rows; a JSON-lines file's line; an array's request, token and layer) and the broken rule;
+the trace is written into a temporary directory, read back as a reader would, and renamed
+into place.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +61,7 @@ import numpy as np
 from fmoesim.errors import FmoesimError
 from fmoesim.specs.model import ModelSpec
 from fmoesim.trace.schema import TraceManifest, TraceModel
-from fmoesim.trace.writer import TraceWriter
+from fmoesim.trace.writer import TraceWriter, check_destination
 
 #: canonical key -> the column names recognised without a map, first match wins
 COLUMNS: dict[str, tuple[str, ...]] = {
@@ -70,7 +75,9 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "size": ("size_bytes", "expert_size_bytes"),
     "dataset": ("dataset",),
 }
+#: phase values of a prompt token, and of a generated one (any other phase is refused)
 PREFILL = {"0", "prefill", "p", "prompt"}
+DECODE = {"1", "decode", "d", "generate", "generation"}
 SUFFIXES = {
     ".csv": "csv",
     ".tsv": "tsv",
@@ -115,87 +122,202 @@ class ImportReport:
 
 
 class TableError(FmoesimError):
-    """A route table breaks a rule: file, row (1-based, as a reader counts data rows)
-    and rule."""
+    """A route table breaks a rule: file, row (1-based, as a reader counts data rows; a
+    JSON-lines file's line number, with ``unit="line"``) and rule."""
 
-    def __init__(self, path: Path, row: int | None, rule: str, detail: str = "") -> None:
-        where = f" row {row}" if row is not None else ""
+    def __init__(
+        self, path: Path, row: int | None, rule: str, detail: str = "", unit: str = "row"
+    ) -> None:
+        where = f" {unit} {row}" if row is not None else ""
         super().__init__(f"{path}{where}: {rule}" + (f" ({detail})" if detail else ""))
 
 
-def _read(path: Path) -> Any:
-    """The table as a pandas DataFrame; a directory's tables (every file with a known
-    suffix, in name order) one after the other, with their file names as a ``dataset``
-    column where they have none."""
+@dataclass
+class _Origin:
+    """Where each row of a read table comes from: its file and its number there (a data
+    row, 1-based, or a JSON-lines file's line)."""
+
+    files: list[Path]
+    units: list[str]  # per file: "row" or "line"
+    file: np.ndarray  # (rows,) index into files
+    number: np.ndarray  # (rows,) row or line number in that file
+
+    def error(self, i: int, rule: str, detail: str = "") -> TableError:
+        """The error of row ``i`` (0-based over the whole table)."""
+        f = int(self.file[i])
+        return TableError(self.files[f], int(self.number[i]), rule, detail, self.units[f])
+
+
+def _json_kind(v: Any) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    if isinstance(v, list):
+        return "an array"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, bool):
+        return "true/false"
+    return "null" if v is None else "a number"
+
+
+def _read_jsonl(path: Path) -> tuple[Any, np.ndarray]:
+    """A JSON-lines file as a DataFrame (one row per non-blank line) and each row's line."""
     import pandas as pd
 
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in SUFFIXES)
-        if not files:
-            raise FmoesimError(f"{path}: no route tables ({', '.join(SUFFIXES)}) in this directory")
-        parts = []
-        for f in files:
-            df = _read(f)
-            if "dataset" not in df.columns:
-                df["dataset"] = f.stem
-            parts.append(df)
-        return pd.concat(parts, ignore_index=True)
-    if not path.is_file():
-        raise FmoesimError(f"{path}: no such file or directory")
+    records: list[dict[str, Any]] = []
+    lines: list[int] = []
+    rule = "each line is a JSON object"
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw.rstrip())
+            except json.JSONDecodeError as exc:
+                detail = f"{exc.msg} at column {exc.colno}"
+                raise TableError(path, n, rule, detail, "line") from None
+            except ValueError as exc:  # not UTF-8 text
+                raise TableError(path, n, rule, str(exc).splitlines()[0], "line") from None
+            if not isinstance(rec, dict):
+                raise TableError(path, n, rule, f"got {_json_kind(rec)}", "line")
+            records.append(rec)
+            lines.append(n)
+    return pd.DataFrame.from_records(records), np.array(lines, dtype=np.int64)
+
+
+def _read_file(path: Path) -> tuple[Any, str, np.ndarray]:
+    """One table file: the DataFrame, how its rows are counted (``row`` or ``line``) and
+    each row's number.  A file without data rows is refused."""
+    import pandas as pd
+
     kind = SUFFIXES.get(path.suffix.lower())
     if kind is None:
         raise TableError(path, None, f"a route table ends in one of {sorted(SUFFIXES)}")
+    empty = TableError(path, None, "a route table has at least one row", "the file has none")
+    if kind == "jsonl":
+        df, lines = _read_jsonl(path)
+        if not len(df):
+            raise empty
+        return df, "line", lines
     try:
         if kind in ("csv", "tsv"):
-            return pd.read_csv(path, sep="\t" if kind == "tsv" else ",", comment="#")
-        if kind == "jsonl":
-            return pd.read_json(path, lines=True)
-        return pd.read_parquet(path)
+            df = pd.read_csv(path, sep="\t" if kind == "tsv" else ",", comment="#")
+        else:
+            df = pd.read_parquet(path)
+    except pd.errors.EmptyDataError:
+        raise empty from None
     except (ValueError, OSError) as exc:  # pandas' parse errors are ValueErrors
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise TableError(path, None, f"readable as {kind}", msg) from None
+    if not len(df):
+        raise empty
+    return df, "row", np.arange(1, len(df) + 1, dtype=np.int64)
 
 
-def _header_sizes(path: Path) -> dict[int, int]:
-    """Layer -> expert bytes from ``# ... layer=N ... expert_bytes=B`` comment lines."""
-    import re
+def _read(path: Path) -> tuple[Any, _Origin]:
+    """The table as a pandas DataFrame and where each row comes from; a directory's
+    tables (every file with a known suffix, in name order) one after the other, with
+    their file names as a ``dataset`` column where they have none."""
+    import pandas as pd
 
-    out: dict[int, int] = {}
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in SUFFIXES and p.is_file())
+        if not files:
+            raise FmoesimError(f"{path}: no route tables ({', '.join(SUFFIXES)}) in this directory")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise FmoesimError(f"{path}: no such file or directory")
+    parts, units, file_of, numbers = [], [], [], []
+    for i, f in enumerate(files):
+        df, unit, num = _read_file(f)
+        if path.is_dir() and "dataset" not in df.columns:
+            df["dataset"] = f.stem
+        parts.append(df)
+        units.append(unit)
+        file_of.append(np.full(len(df), i, dtype=np.int64))
+        numbers.append(num)
+    df = parts[0] if len(parts) == 1 else pd.concat(parts, ignore_index=True)
+    return df, _Origin(files, units, np.concatenate(file_of), np.concatenate(numbers))
+
+
+#: a comment giving a layer's expert size: ``# ... layer=N ... expert_bytes=B ...``
+_SIZE_LAYER, _SIZE_BYTES = re.compile(r"\blayer=(\S*)"), re.compile(r"\bexpert_bytes=(\S*)")
+
+
+def _header_sizes(path: Path, num_layers: int, out: dict[int, int]) -> None:
+    """Add layer -> expert bytes from ``# ... layer=N ... expert_bytes=B`` comment lines
+    of a CSV/TSV file to ``out``, refusing a comment whose size is not a positive
+    integer, whose layer is not in ``[0, num_layers)``, or that gives a layer a second
+    size."""
     if SUFFIXES.get(path.suffix.lower()) not in ("csv", "tsv"):
-        return out
-    pat_l, pat_b = re.compile(r"\blayer=(\d+)\b"), re.compile(r"\bexpert_bytes=(\d+)\b")
-    with path.open() as f:
-        for line in f:
+        return
+    with path.open(errors="replace") as f:
+        for n, line in enumerate(f, start=1):
             if not line.startswith("#"):
                 continue
-            lm, bm = pat_l.search(line), pat_b.search(line)
-            if lm and bm:
-                out[int(lm.group(1))] = int(bm.group(1))
-    return out
+            bm = _SIZE_BYTES.search(line)
+            if bm is None:
+                continue
+            lm = _SIZE_LAYER.search(line)
+            if lm is None:
+                raise TableError(path, n, "a comment with expert_bytes=B has layer=N", "", "line")
+            b, layer = bm.group(1), lm.group(1)
+            if not b.isdigit() or int(b) <= 0:
+                raise TableError(
+                    path, n, "expert_bytes in a comment is a positive integer", f"got {b!r}",
+                    "line",
+                )  # fmt: skip
+            if not layer.isdigit() or int(layer) >= num_layers:
+                raise TableError(
+                    path, n, f"layer in a comment is in [0, {num_layers})", f"got {layer!r}",
+                    "line",
+                )  # fmt: skip
+            if out.setdefault(int(layer), int(b)) != int(b):
+                raise TableError(
+                    path, n, "one expert size per layer",
+                    f"layer {layer}: {b} after {out[int(layer)]}", "line",
+                )  # fmt: skip
 
 
 def _columns(path: Path, names: Sequence[str], mapping: dict[str, str]) -> dict[str, str]:
-    """Canonical key -> column name, from ``mapping`` then :data:`COLUMNS`."""
+    """Canonical key -> column name, from ``mapping`` then :data:`COLUMNS`; a column
+    serves one key only."""
     unknown = sorted(set(mapping) - set(COLUMNS))
     if unknown:
         raise FmoesimError(f"--map: unknown key(s) {unknown}; valid: {sorted(COLUMNS)}")
+    rule = "each key reads a column of its own"
     out: dict[str, str] = {}
-    for key, candidates in COLUMNS.items():
-        if key in mapping:
-            if mapping[key] not in names:
-                raise TableError(path, None, f"has column '{mapping[key]}' (--map {key}=...)")
-            out[key] = mapping[key]
+    for key in COLUMNS:
+        if key not in mapping:
             continue
-        for c in candidates:
-            if c in names and c not in out.values():
-                out[key] = c
-                break
+        col = mapping[key]
+        if col not in names:
+            raise TableError(path, None, f"has column '{col}' (--map {key}=...)")
+        other = next((k for k, c in out.items() if c == col), None)
+        if other is not None:
+            raise TableError(path, None, rule, f"--map {other}={col} and --map {key}={col}")
+        out[key] = col
+    mapped = {c: k for k, c in out.items()}
+    for key, candidates in COLUMNS.items():
+        if key in out:
+            continue
+        present = [c for c in candidates if c in names]
+        free = [c for c in present if c not in mapped]
+        if free:
+            out[key] = free[0]
+        elif present:
+            c = present[0]
+            raise TableError(
+                path, None, rule,
+                f"--map {mapped[c]}={c} takes the {key} column '{c}'; --map {key}=... "
+                "another column",
+            )  # fmt: skip
     for key in ("layer", "experts"):
         if key not in out:
             raise TableError(
                 path, None, f"has a {key} column ({' / '.join(COLUMNS[key])}, or --map {key}=...)"
             )
-    return out
+    return {k: out[k] for k in COLUMNS if k in out}
 
 
 def _as_list(v: Any) -> list[Any] | None:
@@ -217,6 +339,24 @@ class _Request:
     # token key (step, position) -> layer -> list of (rank, expert, weight)
     tokens: dict[tuple[int, int], dict[int, list[tuple[int, int, float | None]]]]
     prefill: set[tuple[int, int]]
+    origin: _Origin  # where the table's rows come from
+    # (token key, layer) -> the table row (0-based over the table) that first logged it
+    rows: dict[tuple[tuple[int, int], int], int] = dataclasses.field(default_factory=dict)
+
+
+def _phase(v: Any) -> str | None:
+    """A phase cell as one of :data:`PREFILL` or :data:`DECODE`, else None."""
+    if isinstance(v, (bool, np.bool_)):
+        return None
+    if isinstance(v, (int, np.integer)) or (
+        isinstance(v, (float, np.floating)) and float(v).is_integer()
+    ):
+        s = str(int(v))
+    elif isinstance(v, str):
+        s = v.strip().lower()
+    else:
+        return None
+    return s if s in PREFILL or s in DECODE else None
 
 
 def read_table(
@@ -225,14 +365,14 @@ def read_table(
     mapping: dict[str, str] | None = None,
 ) -> tuple[list[_Request], ImportReport]:
     """Parse a route table into requests of tokens (module docstring), checking every
-    row against ``model`` (layer and expert ids)."""
+    row against ``model``: layer and expert ids in range, ``top_k`` distinct experts per
+    token and layer (no more, none twice), a rank in ``[0, top_k)``, a known phase,
+    weights finite numbers >= 0."""
     path = Path(src)
-    df = _read(path)
+    df, origin = _read(path)
     cols = _columns(path, list(df.columns), dict(mapping or {}))
     rep = ImportReport(path=path, rows=len(df), columns=cols)
-    if not len(df):
-        raise TableError(path, None, "a route table has at least one row")
-    L, E = model.num_layers, model.num_experts
+    L, E, K = model.num_layers, model.num_experts, model.top_k
     get = {k: df[c].tolist() for k, c in cols.items()}
     n = len(df)
     reqs = get.get("request", [0] * n)
@@ -243,55 +383,73 @@ def read_table(
     phase = get.get("phase")
     weights = get.get("weights")
     size_col = get.get("size")
-    layer_size: dict[int, int] = _header_sizes(path)
+    layer_size: dict[int, int] = {}
+    for f in origin.files:
+        _header_sizes(f, L, layer_size)
     wide = _as_list(get["experts"][0]) is not None
+    topk_rule = (
+        f"every token has {K} distinct experts at a layer it is logged at "
+        "(--top-k for a run made with fewer)"
+    )
     out: dict[str, _Request] = {}
     seen: dict[str, set[tuple[int, ...]]] = {}
     step: dict[str, int] = {}
     for i in range(n):
-        row = i + 1
         name = str(reqs[i])
         r = out.get(name)
         if r is None:
-            r = out[name] = _Request(name, {}, set())
+            r = out[name] = _Request(name, {}, set(), origin)
             seen[name], step[name] = set(), 0
-        layer = _int(path, row, "layer", get["layer"][i])
+        layer = _int(origin, i, "layer", get["layer"][i])
         if not 0 <= layer < L:
-            raise TableError(path, row, f"layer in [0, {L})", f"got {layer}")
+            raise origin.error(i, f"layer in [0, {L})", f"got {layer}")
         if size_col is not None:
-            b = _int(path, row, "expert_bytes", size_col[i])
+            b = _int(origin, i, "expert_bytes", size_col[i])
             if b <= 0 or layer_size.setdefault(layer, b) != b:
-                raise TableError(
-                    path, row, "one expert size (> 0) per layer",
+                raise origin.error(
+                    i, "one expert size (> 0) per layer",
                     f"layer {layer}: {b} after {layer_size[layer]}",
                 )  # fmt: skip
         # without a position column every token is at 0: the restart rule steps per token
-        p = _int(path, row, "position", pos[i]) if pos is not None else 0
+        p = _int(origin, i, "position", pos[i]) if pos is not None else 0
         if p < 0:
-            raise TableError(path, row, "position >= 0", f"got {p}")
+            raise origin.error(i, "position >= 0", f"got {p}")
         if wide:
             experts = _as_list(get["experts"][i])
             if experts is None:
-                raise TableError(path, row, "experts holds a list of expert ids")
+                raise origin.error(i, "experts holds a list of expert ids")
             ws = _as_list(weights[i]) if weights is not None else None
             if weights is not None and (ws is None or len(ws) != len(experts)):
-                raise TableError(path, row, "weights holds one number per expert")
+                raise origin.error(i, "weights holds one number per expert")
             items = [
-                (j, _int(path, row, "experts", e), None if ws is None else float(ws[j]))
+                (
+                    j,
+                    _int(origin, i, "experts", e),
+                    None if ws is None else _number(origin, i, "weights", ws[j]),
+                )
                 for j, e in enumerate(experts)
             ]
             key: tuple[int, ...] = (p, layer)
         else:
-            e = _int(path, row, "expert", get["experts"][i])
-            rank = _int(path, row, "rank", ranks[i]) if ranks is not None else -1
-            w = None if weights is None else float(weights[i])
+            e = _int(origin, i, "expert", get["experts"][i])
+            rank = _int(origin, i, "rank", ranks[i]) if ranks is not None else -1
+            if ranks is not None and not 0 <= rank < K:
+                raise origin.error(i, f"rank in [0, {K}) (top_k)", f"got {rank}")
+            w = None if weights is None else _number(origin, i, "weights", weights[i])
             items = [(rank, e, w)]
             key = (p, layer, rank if ranks is not None else e)
         for _, e, w in items:
             if not 0 <= e < E:
-                raise TableError(path, row, f"expert ids in [0, {E})", f"got {e}")
+                raise origin.error(i, f"expert ids in [0, {E})", f"got {e}")
             if w is not None and not (np.isfinite(w) and w >= 0):
-                raise TableError(path, row, "weights are finite and >= 0", f"got {w}")
+                raise origin.error(i, "weights are finite numbers >= 0", f"got {w}")
+        ph = _phase(phase[i]) if phase is not None else None
+        if phase is not None and ph is None:
+            raise origin.error(
+                i, f"phase is a prefill value ({', '.join(sorted(PREFILL))}) or a decode value "
+                f"({', '.join(sorted(DECODE))})",
+                f"got {phase[i]!r}",
+            )  # fmt: skip
         if key in seen[name]:  # the restart rule
             step[name] += 1
             seen[name] = set()
@@ -299,8 +457,15 @@ def read_table(
         seen[name].add(key)
         tok = (step[name], p)
         lay = r.tokens.setdefault(tok, {}).setdefault(layer, [])
+        r.rows.setdefault((tok, layer), i)
         lay.extend(items)
-        if phase is not None and str(phase[i]).strip().lower() in PREFILL:
+        es = [x[1] for x in lay]
+        if len(es) > K or len(set(es)) != len(es) or (wide and len(es) != K):
+            raise origin.error(
+                i, topk_rule,
+                f"request {r.name}, position {p}, layer {layer}: experts {sorted(es)}",
+            )  # fmt: skip
+        if ph in PREFILL:
             r.prefill.add(tok)
     rep.requests = len(out)
     rep.tokens = sum(len(r.tokens) for r in out.values())
@@ -312,17 +477,29 @@ def read_table(
     return list(out.values()), rep
 
 
-def _int(path: Path, row: int, what: str, v: Any) -> int:
-    """An integer cell (an integral float from a CSV with gaps counts)."""
+def _int(origin: _Origin, i: int, what: str, v: Any) -> int:
+    """An integer cell of row ``i`` (an integral float from a CSV with gaps counts)."""
     if isinstance(v, (bool, np.bool_)):
-        raise TableError(path, row, f"{what} is an integer", f"got {v!r}")
+        raise origin.error(i, f"{what} is an integer", f"got {v!r}")
     if isinstance(v, (int, np.integer)):
         return int(v)
     if isinstance(v, (float, np.floating)) and float(v).is_integer():
         return int(v)
     if isinstance(v, str) and v.strip().lstrip("-").isdigit():
         return int(v)
-    raise TableError(path, row, f"{what} is an integer", f"got {v!r}")
+    raise origin.error(i, f"{what} is an integer", f"got {v!r}")
+
+
+def _number(origin: _Origin, i: int, what: str, v: Any) -> float:
+    """A number cell of row ``i`` (a number, or text of one)."""
+    if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            pass
+    raise origin.error(i, f"{what} are finite numbers >= 0", f"got {v!r}")
 
 
 def import_table(
@@ -340,6 +517,7 @@ def import_table(
     the import did.  ``top_k`` replaces the model's experts per token (a run made with
     fewer); ``prompt_tokens``, when given, sets the prompt length whatever the table's
     phase column says."""
+    check_destination(dst, overwrite)
     if prompt_tokens is not None and prompt_tokens < 1:
         raise FmoesimError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
     if top_k is not None:
@@ -358,10 +536,9 @@ def import_table(
             for layer, items in r.tokens[key].items():
                 got = sorted(items)  # by rank (file order within a wide row)
                 es = [e for _, e, _ in got]
-                if len(es) != K or len(set(es)) != K:
-                    raise TableError(
-                        path,
-                        None,
+                if len(es) != K or len(set(es)) != K:  # fewer: more are refused by row
+                    raise r.origin.error(
+                        r.rows[(key, layer)],
                         f"every token has {K} distinct experts at a layer it is logged at "
                         "(--top-k for a run made with fewer)",
                         f"request {r.name}, token {t} (step {key[0]}, position {key[1]}), "
@@ -371,9 +548,13 @@ def import_table(
                 wts[t, layer] = [0.0 if w is None else w for _, _, w in got]
         prefill = [t for t, key in enumerate(toks) if key in r.prefill]
         if r.prefill and prompt_tokens is None:
-            if prefill != list(range(len(prefill))):
-                raise TableError(
-                    path, None, "prefill tokens come before decode tokens", f"request {r.name}"
+            late = [t for j, t in enumerate(prefill) if t != j]
+            if late:
+                key = toks[late[0]]
+                raise r.origin.error(
+                    min(i for (k, _), i in r.rows.items() if k == key),
+                    "prefill tokens come before decode tokens",
+                    f"request {r.name}: a prefill token after a decode token",
                 )
             p = len(prefill)
         else:
@@ -430,7 +611,7 @@ def write_routed(
         layer_gaps=missing > 0,
     )
     per_token = with_weights and missing == 0
-    with TraceWriter(dst, man, overwrite=overwrite) as w:
+    with TraceWriter(dst, man, overwrite=overwrite, check=True) as w:
         for rid, (name, ids, wts, p) in enumerate(arrays):
             T = len(ids)
             one_hot = np.zeros((T, L, E), dtype=np.int32)
@@ -463,9 +644,33 @@ def from_arrays(
 ) -> Path:
     """A trace from routed experts: one ``(tokens, layers, top_k)`` integer array per
     request (or one array for a single request), expert ids in ``[0, E)`` and ``-1`` for
-    a layer the logger missed; optional weights of the same shapes; the prompt length of
-    each request (its first tokens form the prefill iteration).  ``top_k`` is the arrays'
-    last dimension (the model's is replaced when it differs)."""
+    a layer the logger missed; optional weights of the same shapes, finite and >= 0; the
+    prompt length of each request (its first tokens form the prefill iteration).
+    ``top_k`` is the arrays' last dimension, at most the model's (a run made with fewer
+    replaces the model's).  Bad arrays are refused before anything is written, naming
+    the request, the token and layer, and the rule."""
+    return _from_arrays(
+        experts, dst, model, weights=weights, prompt_tokens=prompt_tokens, names=names,
+        overwrite=overwrite, fmt=fmt, original=original,
+        label=lambda i: f"from_arrays: request {i}",
+    )  # fmt: skip
+
+
+def _from_arrays(
+    experts: np.ndarray | Sequence[np.ndarray],
+    dst: str | os.PathLike[str],
+    model: ModelSpec,
+    *,
+    weights: np.ndarray | Sequence[np.ndarray] | None,
+    prompt_tokens: int | Sequence[int],
+    names: Sequence[str] | None,
+    overwrite: bool,
+    fmt: str,
+    original: Sequence[str],
+    label: Any,
+) -> Path:
+    """:func:`from_arrays`, its errors naming request ``i`` as ``label(i)``."""
+    check_destination(dst, overwrite)
     reqs = [experts] if isinstance(experts, np.ndarray) and np.ndim(experts) == 3 else experts
     reqs = [np.asarray(a) for a in reqs]
     if not reqs:
@@ -475,35 +680,62 @@ def from_arrays(
         ws = [np.asarray(a, dtype=np.float64) for a in ws]
     else:
         ws = [np.zeros(a.shape) for a in reqs]
+    L, E = model.num_layers, model.num_experts
     K = reqs[0].shape[-1] if reqs[0].ndim == 3 else 0
+    if K > model.top_k:
+        raise FmoesimError(
+            f"{label(0)}: experts per token (the arrays' last dimension) at most the model's "
+            f"top_k = {model.top_k} ({model.name}; got {K})"
+        )
     if K and K != model.top_k:
         model = dataclasses.replace(model, top_k=K)
     p_all = [prompt_tokens] * len(reqs) if isinstance(prompt_tokens, int) else list(prompt_tokens)
     if len(p_all) != len(reqs) or len(ws) != len(reqs):
         raise FmoesimError("from_arrays: one prompt length and one weight array per request")
-    L, E = model.num_layers, model.num_experts
     arrays = []
     for i, (a, w, p) in enumerate(zip(reqs, ws, p_all, strict=True)):
-        what = f"from_arrays: request {i}"
+        what = label(i)
+        want = f"(tokens, {L}, {K or 'top_k'})"
         if (
             a.ndim != 3
             or a.shape[1] != L
-            or a.shape[2] != K
+            or a.shape[2] != (K or -1)
             or not np.issubdtype(a.dtype, np.integer)
         ):
-            raise FmoesimError(f"{what}: experts is an integer array (tokens, {L}, {K}), got "
-                               f"{a.dtype} {a.shape}")  # fmt: skip
+            raise FmoesimError(f"{what}: experts is an integer array {want} (got {a.dtype} "
+                               f"{a.shape})")  # fmt: skip
+        if len(a) == 0:
+            raise FmoesimError(f"{what}: a request has at least one token (got shape {a.shape})")
         if w.shape != a.shape:
-            raise FmoesimError(f"{what}: weights have shape {w.shape}, experts {a.shape}")
+            raise FmoesimError(
+                f"{what}: weights have the shape of the experts {a.shape} (got {w.shape})"
+            )
         gap = a < 0
-        if ((a < -1) | (a >= E)).any() or (gap.any(axis=2) != gap.all(axis=2)).any():
-            raise FmoesimError(f"{what}: expert ids in [0, {E}), or -1 for a whole layer")
+        bad = ((a < -1) | (a >= E)).any(axis=2) | (gap.any(axis=2) != gap.all(axis=2))
+        if bad.any():
+            t, layer = np.argwhere(bad)[0]
+            raise FmoesimError(
+                f"{what}, token {t}, layer {layer}: expert ids in [0, {E}), or -1 for a whole "
+                f"layer (got {a[t, layer].tolist()})"
+            )
         ok = ~gap[:, :, 0]
         srt = np.sort(a, axis=2)
-        if (ok & (np.diff(srt, axis=2) == 0).any(axis=2)).any():
-            raise FmoesimError(f"{what}: a token's experts at a layer are distinct")
-        if not 1 <= int(p) <= len(a):
-            raise FmoesimError(f"{what}: prompt_tokens in [1, {len(a)}], got {p}")
+        bad = ok & (np.diff(srt, axis=2) == 0).any(axis=2)
+        if bad.any():
+            t, layer = np.argwhere(bad)[0]
+            raise FmoesimError(
+                f"{what}, token {t}, layer {layer}: a token's experts at a layer are distinct "
+                f"(got {a[t, layer].tolist()})"
+            )
+        bad = ok & ~(np.isfinite(w) & (w >= 0)).all(axis=2)
+        if bad.any():
+            t, layer = np.argwhere(bad)[0]
+            raise FmoesimError(
+                f"{what}, token {t}, layer {layer}: weights are finite and >= 0 "
+                f"(got {w[t, layer].tolist()})"
+            )
+        if isinstance(p, (bool, np.bool_)) or not 1 <= int(p) <= len(a):
+            raise FmoesimError(f"{what}: prompt_tokens in [1, {len(a)}] (its tokens), got {p}")
         name = names[i] if names is not None else str(i)
         arrays.append((name, a.astype(np.int64), w, int(p)))
     write_routed(dst, model, arrays, weights is not None, fmt, list(original), overwrite)
@@ -519,15 +751,18 @@ def import_routed_experts(
     overwrite: bool = False,
 ) -> Path:
     """vLLM's routed experts (``--enable-return-routed-experts``): per request an integer
-    array ``(tokens, layers, top_k)``.  ``.npy``: one request; ``.npz``: one request per
-    array, in key order (an array ``prompt_tokens`` of lengths, when present, is read
-    instead of being a request); ``.json``: an object ``{"routed_experts": [...],
-    "prompt_tokens": n}`` or a list of them.  ``prompt_tokens`` given here overrides what
-    the file stores (default 1)."""
+    array ``(tokens, layers, top_k)``, ``top_k`` at most the model's.  ``.npy``: one
+    request; ``.npz``: one request per array, in key order (an array ``prompt_tokens`` of
+    lengths, when present, is read instead of being a request); ``.json``: an object
+    ``{"routed_experts": [...], "prompt_tokens": n}`` or a list of them.
+    ``prompt_tokens`` given here overrides what the file stores (default 1).  Errors name
+    the file, the request (the ``.npz`` array's key, the ``.json`` list's index), the
+    token and layer, and the rule."""
     path = Path(src)
     if not path.is_file():
         raise FmoesimError(f"{path}: no such file")
     stored: list[int] | None = None
+    keys: list[str] | None = None
     try:
         if path.suffix == ".npy":
             reqs = [np.load(path, allow_pickle=False)]
@@ -547,13 +782,23 @@ def import_routed_experts(
                 stored = [int(x["prompt_tokens"]) for x in items]
         else:
             raise TableError(path, None, "routed experts are in a .npy, .npz or .json file")
-    except (ValueError, OSError) as exc:
+    except (ValueError, TypeError, OSError) as exc:
         raise TableError(path, None, "readable", str(exc).splitlines()[0]) from None
-    p: int | list[int] = prompt_tokens or (stored if stored is not None else 1)
-    try:
-        return from_arrays(
-            reqs, dst, model, prompt_tokens=p, overwrite=overwrite,
-            fmt="vllm-routed-experts", original=[path.name],
+    if not reqs:
+        raise TableError(path, None, "at least one request (array)")
+    if stored is not None and len(stored) != len(reqs):
+        raise TableError(
+            path, None, "one prompt length per request",
+            f"{len(stored)} prompt_tokens for {len(reqs)} requests",
         )  # fmt: skip
-    except FmoesimError as exc:
-        raise FmoesimError(f"{path}: {exc}") from None
+    p: int | list[int] = prompt_tokens or (stored if stored is not None else 1)
+
+    def label(i: int) -> str:
+        if keys is not None:
+            return f"{path} array '{keys[i]}'"
+        return str(path) if path.suffix == ".npy" else f"{path} request {i}"
+
+    return _from_arrays(
+        reqs, dst, model, weights=None, prompt_tokens=p, names=None, overwrite=overwrite,
+        fmt="vllm-routed-experts", original=[path.name], label=label,
+    )  # fmt: skip

@@ -2,7 +2,9 @@
 
 The trace is built in a hidden temporary directory beside the destination and renamed
 into place on :meth:`TraceWriter.close`; if anything fails, the temporary directory is
-removed and no half-written trace is left behind.
+removed and no half-written trace is left behind.  An existing destination is replaced
+only when asked to (``overwrite``) and only when it is a trace directory (one holding
+``trace.json``) or an empty directory (:func:`check_destination`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,32 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fmoesim.errors import FmoesimError
+from fmoesim.errors import FmoesimError, TraceError
 from fmoesim.trace import schema as S
+
+
+def check_destination(path: str | os.PathLike[str], overwrite: bool) -> None:
+    """Refuse a destination that exists, unless ``overwrite`` and it is a trace directory
+    (one holding ``trace.json``) or an empty directory: a plain file or a directory of
+    other things is never replaced."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    if path.is_dir():
+        names = [p.name for p in path.iterdir()]
+        if S.MANIFEST in names or not names:
+            if overwrite:
+                return
+            raise FmoesimError(
+                f"{path}: already exists (pass overwrite=True / --force to replace it)"
+            )
+        what = "a directory without trace.json"
+    else:
+        what = "a file" if path.is_file() else "not a directory"
+    raise FmoesimError(
+        f"{path}: already exists and is {what} (rule: overwrite=True / --force replaces only "
+        "a trace directory, one holding trace.json, or an empty directory)"
+    )
 
 
 def _fixed_list(
@@ -40,6 +66,10 @@ class TraceWriter:
             w.add_iteration(0, 0, num_tokens=12, embedding=e, counts=c, probs=p, spec_probs=None)
             ...
 
+    ``overwrite`` replaces an existing trace directory (:func:`check_destination`);
+    ``check`` reads the finished trace (``tokens.parquet`` included) before it is moved
+    into place and refuses it, leaving nothing, if it breaks a rule of the format.
+
     Iterations must arrive sorted by (request_id, iteration).  ``counts`` is ``(L, E)``
     int, ``probs`` and ``spec_probs`` are ``(L, E)`` float arrays or None (either may
     have NaN rows, written as null: ``spec_probs`` for layers with no speculative
@@ -57,13 +87,12 @@ class TraceWriter:
         *,
         row_group_iterations: int = 512,
         overwrite: bool = False,
+        check: bool = False,
     ) -> None:
         self.path = Path(path)
         self.manifest = manifest
-        if self.path.exists() and not overwrite:
-            raise FmoesimError(
-                f"{self.path}: already exists (pass overwrite=True / --force to replace it)"
-            )
+        self._check, self._overwrite = check, overwrite
+        check_destination(self.path, overwrite)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent))
         m = manifest.model
@@ -210,6 +239,8 @@ class TraceWriter:
             self.manifest.num_iterations = self._num_iterations
             self.manifest.num_requests = len(self._requests)
             (self._tmp / S.MANIFEST).write_text(self.manifest.to_json())
+            if self._check:
+                self._check_written()
             self._move_into_place()
         except BaseException:
             self.abort()
@@ -337,7 +368,21 @@ class TraceWriter:
         )
         pq.write_table(table, self._tmp / S.REQUESTS, compression=S.COMPRESSION)
 
+    def _check_written(self) -> None:
+        """Read the temporary trace as a reader would; a broken rule names the file at
+        its destination."""
+        from fmoesim.trace.reader import read_tokens, read_trace
+
+        try:
+            trace = read_trace(self._tmp)
+            if trace.manifest.has_tokens:
+                read_tokens(trace)
+        except TraceError as exc:
+            where = self.path / Path(exc.path).name
+            raise TraceError(where, exc.rule, row=exc.row, detail=exc.detail) from None
+
     def _move_into_place(self) -> None:
+        check_destination(self.path, self._overwrite)  # again: it may have changed meanwhile
         if self.path.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.old-", dir=self.path.parent))
             os.replace(self.path, trash / "old")

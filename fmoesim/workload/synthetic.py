@@ -203,6 +203,8 @@ class _Lengths:
 #: a number of seconds in a TIMESTAMP cell (``nan`` and ``inf`` included, to be refused)
 _NUMBER = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|inf|infinity|nan)", re.IGNORECASE)
 _TIME_RULE = "TIMESTAMP is an ISO 8601 date-time or a number of seconds"
+#: the largest token count of a request (a trace's token columns are int32)
+_MAX_TOKENS = 2**31 - 1
 
 
 def _arrival_times_s(p: Path, cells: list[str]) -> np.ndarray:
@@ -264,7 +266,8 @@ def read_azure_csv(path: str | os.PathLike[str], limit: int | None = None) -> _L
     - plain numbers, read as seconds (``0``, ``10.5``, ``2e3``): finite and >= 0.
 
     Arrival times are seconds since the first row (so a numeric column need not start
-    at 0), and rows must be sorted by time.  The token columns hold positive integers.
+    at 0), and rows must be sorted by time.  The token columns hold positive integers
+    of at most ``2**31 - 1`` (a trace's token columns are int32).
     Raises :class:`FmoesimError` naming the file, the row (0-based, header excluded) and
     the rule on a malformed file: an unparseable time, a column mixing numbers and
     date-times, a negative or non-finite number, times going backwards.
@@ -290,12 +293,13 @@ def read_azure_csv(path: str | os.PathLike[str], limit: int | None = None) -> _L
     arrival = _arrival_times_s(p, cells)
     out = []
     for col in need[1:]:
-        vals = pd.to_numeric(df[col], errors="coerce").to_numpy()
-        bad = ~np.isfinite(vals) | (vals < 1) | (vals != np.floor(vals))
+        vals = pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+        bad = ~np.isfinite(vals) | (vals < 1) | (vals != np.floor(vals)) | (vals > _MAX_TOKENS)
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
             raise FmoesimError(
-                f"{p} row {row}: {col} = {df[col].to_list()[row]!r} (rule: a positive integer)"
+                f"{p} row {row}: {col} = {df[col].to_list()[row]!r} (rule: a positive integer "
+                f"at most {_MAX_TOKENS})"
             )
         out.append(vals.astype(np.int64))
     return _Lengths(prompt=out[0], output=out[1], arrival_s=arrival)
