@@ -608,7 +608,9 @@ def _append(path: Path, row: dict[str, Any]) -> None:
     whose header has other columns is refused (a replay with ``--host-timers`` and one
     without go to different directories)."""
     new = not path.exists()
-    if not new:
+    if new:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    else:
         header = _header(path)
         if header != list(row):
             other = sorted(set(header) ^ set(row)) or ["(their order)"]
@@ -643,11 +645,12 @@ def run_replays(
     call resumes).  Stop starting new runs once ``deadline_s`` seconds have passed (a run's
     measured length, the longest so far, must fit before it).  ``gc_off`` disables
     Python's garbage collector during each run.  ``event_logs`` writes each run's first
-    repeat's event log to ``out/events/`` (:mod:`replay.events`).  Returns the number of
-    runs replayed."""
+    repeat's event log to ``out/events/`` (:mod:`replay.events`).  ``out`` is made with
+    the first row.  Returns the number of runs replayed; a failed run is one line to
+    ``log`` and the grid goes on, but when every run tried failed the first failure is
+    raised as one :class:`FmoesimError` line (no row was added)."""
     if repeats < 1:
         raise FmoesimError(f"--repeats {repeats}: must be >= 1")
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "replay.csv"
     if path.exists():
         header = _header(path)
@@ -670,6 +673,7 @@ def run_replays(
     t_start = time.perf_counter()
     longest = 0.0
     n = 0
+    failed: list[str] = []
     warm: set[str] = set()
     for run, i in todo:
         if run.model not in warm:
@@ -690,6 +694,7 @@ def run_replays(
             row = replay_one(run, device, host_timers=host_timers, gc_off=gc_off, repeat=i,
                              events_dir=events_dir)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - one failed run must not end the grid
+            failed.append(f"{' '.join(run.key())}: {type(exc).__name__}: {exc}")
             log(f"{' '.join(run.key())}: failed: {type(exc).__name__}: {exc}")
             continue
         finally:
@@ -704,10 +709,103 @@ def run_replays(
             f"{1e3 * row['replay_probe_s']:.1f} ms, steal {row['replay_steal_s']:.2f} s, "
             f"gc {1e3 * row['replay_gc_s']:.0f} ms)"
         )
+    if failed and n == 0:
+        first = " ".join(failed[0].split())
+        raise FmoesimError(f"every run tried failed ({len(failed)}), none added to {path}; "
+                           f"the first: {first}")  # fmt: skip
     return n
 
 
 # -- scoring -------------------------------------------------------------------------------
+#: the columns every replay.csv holds: a run's key, its overrides, the compared metrics
+REPLAY_COLUMNS = (*KEY, "overrides", *(f"replay_{m[0]}" for m in METRICS))
+#: the compared metrics that are measured latencies (positive where a run was replayed)
+LATENCIES = ("replay_ttft_mean_s", "replay_tpot_mean_s")
+
+
+def read_replay_csv(f: Path) -> Any:
+    """One replay.csv as a DataFrame, checked against the rules of the file ``replay``
+    writes: UTF-8 CSV text, a header and at least one row, every row as many fields as
+    the header and a line break at its end (a row cut short by an interrupted write is
+    refused), the columns of :data:`REPLAY_COLUMNS`, the key's cells not empty,
+    ``overrides`` space-separated ``key=value`` overrides, ``budget_gb`` a positive
+    number, ``compute_repeat`` an integer >= 1 (``repeat``, where present, an integer >=
+    0), every ``replay_*`` cell a number or empty, and the compared metrics finite: the
+    latencies (:data:`LATENCIES`) > 0, the others >= 0.  A broken rule is one line naming
+    the file, the row (0-based, the header not counted) and the column."""
+    import io
+
+    import pandas as pd
+
+    try:
+        with f.open(newline="") as fh:
+            text = fh.read()
+    except UnicodeDecodeError:
+        raise FmoesimError(f"{f}: not UTF-8 text (rule: a CSV file, as '{PROG} replay' "
+                           "writes it)") from None  # fmt: skip
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    try:
+        rows = [r for r in reader if r]
+    except csv.Error as exc:
+        raise FmoesimError(f"{f} line {reader.line_num}: not CSV: {exc} (rule: a CSV file, "
+                           f"as '{PROG} replay' writes it)") from None  # fmt: skip
+    if not rows:
+        raise FmoesimError(f"{f}: empty (rule: a header and a row per replayed run)")
+    header, body = rows[0], rows[1:]
+    missing = [c for c in REPLAY_COLUMNS if c not in header]
+    if missing:
+        raise FmoesimError(f"{f}: column {missing[0]!r} is missing (rule: a replay.csv has "
+                           f"the columns {', '.join(REPLAY_COLUMNS)})")  # fmt: skip
+    for i, r in enumerate(body):
+        if len(r) != len(header):
+            raise FmoesimError(f"{f} row {i}: {len(r)} fields, the header {len(header)} (rule: "
+                               "a field per column; a row cut short by an interrupted "
+                               "replay?)")  # fmt: skip
+    if not body:
+        raise FmoesimError(f"{f}: no row (rule: a header and a row per replayed run)")
+    if not text.endswith(("\n", "\r")):
+        raise FmoesimError(f"{f} row {len(body) - 1}: no line break at its end (rule: every "
+                           "row ends with one; a row cut short by an interrupted "
+                           "replay?)")  # fmt: skip
+    df = pd.read_csv(io.StringIO(text))
+    col = {c: j for j, c in enumerate(header)}
+
+    def refuse(name: str, bad: Any, rule: str) -> None:
+        where = [i for i, b in enumerate(bad) if b]
+        if where:
+            i = where[0]
+            raise FmoesimError(f"{f} row {i}: {name} = {body[i][col[name]]!r} (rule: {rule})")
+
+    for name in (*KEY, "overrides"):
+        if name not in ("budget_gb", "compute_repeat"):
+            refuse(name, [not str(v).strip() for v in df[name].fillna("")], "not empty")
+    refuse("overrides", [any("=" not in o for o in str(v).split()) for v in df["overrides"]],
+           "space-separated key=value overrides")  # fmt: skip
+    numbers = {
+        c: pd.to_numeric(df[c], errors="coerce")
+        for c in df.columns
+        if c in ("budget_gb", "compute_repeat", "repeat") or c.startswith("replay_")
+    }
+    for name, v in numbers.items():
+        refuse(name, (v.isna() & df[name].notna()).to_list(), "a number")
+    finite = numbers["budget_gb"].abs() < math.inf
+    refuse("budget_gb", (~((numbers["budget_gb"] > 0) & finite)).to_list(), "a number > 0")
+    for name, least in (("compute_repeat", 1), ("repeat", 0)):
+        if name in numbers:
+            v = numbers[name]
+            whole = (v >= least) & (v == v.round())
+            refuse(name, (~whole).to_list(), f"an integer >= {least}")
+    for key, *_ in METRICS:
+        name = f"replay_{key}"
+        v = numbers[name]
+        if name in LATENCIES:
+            ok, rule = (v > 0) & (v < math.inf), "a measured latency: a finite number > 0"
+        else:
+            ok, rule = (v >= 0) & (v < math.inf), "a finite number >= 0"
+        refuse(name, (~ok).to_list(), rule)
+    return df
+
+
 def read_replays(paths: Sequence[Path], merge: bool = True) -> list[dict[str, Any]]:
     """The runs of one or more replay.csv files (numbers parsed), one row per run.
 
@@ -718,7 +816,8 @@ def read_replays(paths: Sequence[Path], merge: bool = True) -> list[dict[str, An
     ``replay_probe_max_s`` that of the host probe).  The other columns come from the
     first repeat.  ``merge=False`` keeps every repeat as its own row instead.  Runs come
     in the grid's order: model, mode, budget, compute factor, policy (names the grid does
-    not know after the ones it does, in the order they were read)."""
+    not know after the ones it does, in the order they were read).  Each file is checked
+    first (:func:`read_replay_csv`)."""
     import pandas as pd
 
     frames = []
@@ -726,11 +825,8 @@ def read_replays(paths: Sequence[Path], merge: bool = True) -> list[dict[str, An
         f = p / "replay.csv" if p.is_dir() else p
         if not f.is_file():
             raise FmoesimError(f"{f}: no replay.csv (run '{PROG} replay' on a GPU first)")
-        frames.append(pd.read_csv(f))
+        frames.append(read_replay_csv(f))
     df = pd.concat(frames, ignore_index=True)
-    missing = [k for k in (*KEY, "overrides") if k not in df.columns]
-    if missing:
-        raise FmoesimError(f"{paths[0]}: column {missing[0]!r} is missing (rule: {KEY})")
     if merge:
         means = [c for c in df.columns
                  if c.startswith("replay_") and pd.api.types.is_numeric_dtype(df[c])]  # fmt: skip
@@ -2124,6 +2220,36 @@ def _fit_modes(arg: str) -> list[str]:
     return modes
 
 
+def _check_replay_args(policies: Sequence[str], args: argparse.Namespace) -> None:
+    """``replay``'s policies, hardware, numbers and device, checked before any run (one
+    line naming the option; nothing is made)."""
+    from fmoesim.cli.main import _valid_presets
+    from fmoesim.config.build import preset_names
+    from fmoesim.config.schema import CONF_DIR
+
+    known = preset_names("policy")
+    for p in policies:
+        if p not in known:
+            raise FmoesimError(f"--policies {p}: unknown policy; valid: {', '.join(known)}")
+    if not (CONF_DIR / "hardware" / f"{args.hardware}.yaml").is_file():
+        raise FmoesimError(f"--hardware {args.hardware}: unknown hardware; valid: "
+                           f"{_valid_presets('hardware')}")  # fmt: skip
+    if not args.deadline_s > 0:
+        raise FmoesimError(f"--deadline-s {args.deadline_s:g}: must be > 0 (default: no deadline)")
+    if args.repeats < 1:
+        raise FmoesimError(f"--repeats {args.repeats}: must be >= 1")
+    cuda = args.device.startswith("cuda")
+    if not cuda and args.device != "cpu":
+        raise FmoesimError(f"--device {args.device}: must be 'cpu' or 'cuda[:N]'")
+    try:
+        import torch
+    except ImportError:
+        raise FmoesimError("the replay needs torch (pip install torch)") from None
+    if cuda and not torch.cuda.is_available():
+        raise FmoesimError(f"--device {args.device}: CUDA is not available here (rule: the "
+                           "replay runs on a GPU; --device cpu replays on the CPU)")  # fmt: skip
+
+
 def _run(args: argparse.Namespace) -> None:
     if args.cmd == "replay":
         models = [m for m in args.models.split(",") if m]
@@ -2148,13 +2274,18 @@ def _run(args: argparse.Namespace) -> None:
                 if b not in known_b:
                     known = ", ".join(f"{k:g}" for k in known_b)
                     raise FmoesimError(f"--budgets {b:g}: not in the grid's budgets ({known})")
-        runs = grid_runs(grid, [p for p in args.policies.split(",") if p], modes,
-                         not args.no_crossover, hardware=args.hardware,
+        policies = [p for p in args.policies.split(",") if p]
+        _check_replay_args(policies, args)
+        runs = grid_runs(grid, policies, modes, not args.no_crossover, hardware=args.hardware,
                          budgets_gb=budgets)  # fmt: skip
+        if not runs:
+            raise FmoesimError("--models, --modes, --policies: they select no run of the grid")
         n = run_replays(runs, args.device, Path(args.out), args.deadline_s,
                         host_timers=args.host_timers, repeats=args.repeats,
                         gc_off=args.no_gc, event_logs=args.event_logs)  # fmt: skip
-        print(f"replayed {n} runs -> {Path(args.out) / 'replay.csv'}")
+        path = Path(args.out) / "replay.csv"
+        print(f"replayed {n} runs -> {path}" if path.is_file() else
+              f"replayed 0 runs; {path} not written")  # fmt: skip
         return
     if args.cmd == "events" and args.fit_model is None:
         opts = (("--host-speed", args.host_speed), ("--link-depth", args.link_depth),

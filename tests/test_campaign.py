@@ -135,13 +135,14 @@ def test_read_replays_names_a_missing_column_and_averages_repeats(tmp_path):
     of one run are summed, or if another run's row joins the mean."""
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
     header = [*C.KEY, "overrides", "replay_tpot_mean_s", "replay_hit_rate", "replay_ttft_mean_s"]
+    rest = ["replay_stall_s", "replay_pcie_bytes", "replay_late_rate", "replay_miss_rate"]
     for path, tpot, hit in ((a, 1.0, 0.5), (b, 2.0, 0.6)):
         with path.open("w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(header)
-            w.writerow(["m", 1.0, "batch1", "lru", 1, "x", tpot, hit, 2 * tpot + 1])
+            w.writerow([*header, *rest])
+            w.writerow(["m", 1.0, "batch1", "lru", 1, "x=1", tpot, hit, 2 * tpot + 1, 0, 0, 0, 0])
             if path == a:
-                w.writerow(["m", 1.0, "batch1", "fmoe", 1, "x", 7.0, 0.9, 1.0])
+                w.writerow(["m", 1.0, "batch1", "fmoe", 1, "x=1", 7.0, 0.9, 1.0, 0, 0, 0, 0])
     rows = {r["policy"]: r for r in C.read_replays([a, b])}
     assert len(rows) == 2
     lru = rows["lru"]

@@ -169,8 +169,9 @@ def test_missing_runs_and_bad_names_are_one_line(tmp_path):
     p = plot("fmoe-fig11", "--store", str(tmp_path), "--out", str(tmp_path / "f"))
     assert p.returncode == 2
     assert p.stderr.strip() == (
-        "fmoesim-plot: error: figure fmoe-fig11: no runs of experiment fmoe-fig11 in the "
-        "store (run: fmoesim -m experiment=fmoe-fig11)"
+        f"fmoesim-plot: error: figure fmoe-fig11: no runs of experiment fmoe-fig11 in the "
+        f"store {tmp_path} (run: fmoesim -m experiment=fmoe-fig11, or fmoesim-plot "
+        "fmoe-fig11 --run)"
     )
 
 

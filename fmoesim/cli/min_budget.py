@@ -11,12 +11,14 @@ Examples::
 The overrides are ``fmoesim``'s.  The budget is searched in whole experts between one
 layer's top-k and the whole model, assuming TPOT does not rise when the budget grows
 (true of every policy here up to small anomalies; the printed table shows the runs so a
-user can check).  Exit status 2 and one line on stderr for bad input.
+user can check).  Exit status 2 and one line on stderr for bad input (a target that is
+not a finite number > 0; ``engine.timing=false``, as the search needs timed runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,9 +91,13 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
     from fmoesim.trace.reader import read_trace
 
     for t in targets_ms:
-        if not t > 0:
-            raise ConfigError("--target-tpot-ms", t, "must be > 0")
+        if not 0 < t < math.inf:
+            raise ConfigError("--target-tpot-ms", t, "must be a finite number > 0")
     cfg = compose_config(overrides)
+    if not cfg.engine.timing:
+        raise ConfigError(
+            "engine.timing", False, f"{PROG} searches by TPOT, which needs timed runs: drop it"
+        )
     spec = build_run(cfg)
     trace = read_trace(_trace_path(spec))
     m = spec.model

@@ -11,8 +11,11 @@ Examples::
 experiment=<name>`` would; runs already in the store are skipped, so an interrupted
 ``--run`` resumes), all points in one queue on ``--jobs`` local processes.  Figures go to
 ``results/figures/<name>.png``, ``.pdf`` and ``.md`` (caption and numbers).  Exit status
-2 and one line on stderr for bad input.  ``crossover`` is not a store figure: it runs
-its own grid, alone (:mod:`fmoesim.plots.crossover`; ``fmoesim-plot crossover --help``).
+2 and one line on stderr for bad input: a ``--store`` that is no folder (without
+``--run``, which makes it), a store file that is not a run's row, or a store without
+runs of a figure's experiment (checked for every figure before any is written).
+``crossover`` is not a store figure: it runs its own grid, alone
+(:mod:`fmoesim.plots.crossover`; ``fmoesim-plot crossover --help``).
 """
 
 from __future__ import annotations
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
 def _run(args: argparse.Namespace) -> None:
     from fmoesim.config.schema import PROJECT_ROOT
     from fmoesim.plots.figures import FIGURES, render
-    from fmoesim.results.store import load_results
+    from fmoesim.results.store import check_store_dir, load_results
 
     if args.list:
         for name, f in FIGURES.items():
@@ -169,12 +172,21 @@ def _run(args: argparse.Namespace) -> None:
         raise FmoesimError(f"figure {unknown[0]!r}: unknown; valid: all, {', '.join(FIGURES)}")
     if args.jobs < 1:
         raise FmoesimError(f"--jobs {args.jobs}: must be >= 1")
+    if not args.run or Path(args.store).exists():  # --run makes a store that is not there
+        check_store_dir(args.store, f"{PROG} --run makes it and runs the figures' sweeps")
     store = Path(args.store).resolve()
     if args.run:
         exps = list(dict.fromkeys(FIGURES[n].experiment for n in names))
         dt = run_experiments(exps, store, args.jobs, PROJECT_ROOT)
         print(f"all sweeps: {dt / 60:.1f} min", flush=True)
-    results = load_results(store)
+    results = load_results(store, columns=("experiment",))
+    for n in names:  # every figure's runs, before any figure is written
+        exp = FIGURES[n].experiment
+        if not len(results) or not (results["experiment"] == exp).any():
+            raise FmoesimError(
+                f"figure {n}: no runs of experiment {exp} in the store {args.store} "
+                f"(run: fmoesim -m experiment={exp}, or {PROG} {n} --run)"
+            )
     out = Path(args.out)
     for n in names:
         paths = render(n, results, out)

@@ -15,7 +15,11 @@ read (:func:`fmoesim.reproduce.smallscale.plan`: a minimum-budget side's budgets
 ascending order up to the first that meets its strictest target), all papers' points in
 one queue on ``--jobs`` processes (runs already in the store are skipped).  ``--docs
 PAGE`` writes each paper's table into PAGE between ``<!-- scoreboard:<paper> -->`` and
-``<!-- /scoreboard:<paper> -->``.  Exit status 2 and one line on stderr for bad input.
+``<!-- /scoreboard:<paper> -->``.  Exit status 2 and one line on stderr for bad input,
+before anything is written: a ``--store`` that is no folder (without ``--run``, which
+makes it), a store file that is not a run's row, or a store holding no run of a paper's
+presets, or none from the running code's version (a mistyped ``--store``, or a store of
+older runs, would otherwise blank the scoreboards).
 """
 
 from __future__ import annotations
@@ -56,8 +60,8 @@ def _run(args: argparse.Namespace) -> None:
         update_overview,
         write_scoreboard,
     )
-    from fmoesim.reproduce.score import ensure_runs, scoreboard
-    from fmoesim.results.store import load_results
+    from fmoesim.reproduce.score import ensure_runs, experiments_of, scoreboard
+    from fmoesim.results.store import check_store_dir, code_version, load_results
 
     if args.paper != "all" and args.paper not in PAPERS:
         raise FmoesimError(f"paper {args.paper!r}: unknown; valid: all, {', '.join(PAPERS)}")
@@ -84,10 +88,30 @@ def _run(args: argparse.Namespace) -> None:
                 insert_table(text, block, "")
             except FmoesimError as e:
                 raise FmoesimError(f"--docs {docs}: {e}") from None
+    if not args.run or Path(args.store).exists():  # --run makes a store that is not there
+        check_store_dir(args.store, f"{PROG} {args.paper} --run makes it and runs the claims")
     store = Path(args.store).resolve()
     if args.run:  # one queue over every paper's runs
         ensure_runs([c for claims in catalogs.values() for c in claims], store, args.jobs)
-    results = load_results(store)
+    results = load_results(store, columns=("experiment",))
+    held = set(results["experiment"]) if len(results) else set()
+    current = results
+    if len(results) and "code_version" in results.columns:
+        current = results[results["code_version"] == code_version()]
+    held_now = set(current["experiment"]) if len(current) else set()
+    for name, claims in catalogs.items():  # a store of none of a paper's presets: a typo?
+        exps = experiments_of(claims)
+        if exps and not held & set(exps):
+            raise FmoesimError(
+                f"--store {args.store}: holds no run of {name}'s presets ({', '.join(exps)}) "
+                f"(rule: scores come from stored runs; run: {PROG} {name} --run)"
+            )
+        if exps and not held_now & set(exps):  # stale runs would score every row n.a.
+            raise FmoesimError(
+                f"--store {args.store}: its runs of {name}'s presets are all from other code "
+                f"versions than this one ({code_version()}) (rule: scores come from runs of "
+                f"the running code; run: {PROG} {name} --run)"
+            )
     for name, claims in catalogs.items():
         scores = scoreboard(claims, results)
         paths = write_scoreboard(name, scores, Path(args.out))

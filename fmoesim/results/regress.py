@@ -120,21 +120,65 @@ def format_table(m: Any) -> str:
     return "\n".join(lines)
 
 
+#: the golden table's rule (for error messages)
+GOLDEN_RULE = "a CSV with columns policy, budget_gb and hit_rate, one row per policy and budget"
+
+
 def read_golden(path: Path) -> Any:
-    """The golden table; one line naming the file when it is missing or malformed."""
+    """The golden table; one line naming the file (and the row, counting the header as
+    row 1) when it is missing, is not a readable CSV, lacks a column, has a policy that
+    is empty, a budget that is not a positive number, a hit rate outside [0, 1] or a
+    policy and budget twice."""
     import pandas as pd
 
     if not path.is_file():
         raise FmoesimError(f"{path}: golden file not found (fmoesim-regress --update makes it)")
-    df = pd.read_csv(path)
+    try:
+        df = pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        raise FmoesimError(f"{path}: empty (rule: {GOLDEN_RULE})") from None
+    except UnicodeDecodeError:
+        raise FmoesimError(f"{path}: not UTF-8 text (rule: {GOLDEN_RULE})") from None
+    except (pd.errors.ParserError, ValueError) as exc:
+        reason = " ".join(str(exc).split())
+        raise FmoesimError(f"{path}: not a readable CSV: {reason} (rule: {GOLDEN_RULE})") from None
     missing = {"policy", "budget_gb", "hit_rate"} - set(df.columns)
     if missing:
         raise FmoesimError(f"{path}: missing column(s) {sorted(missing)}")
+    for i, v in enumerate(df.policy):
+        if not isinstance(v, str) or not v.strip():
+            raise FmoesimError(f"{path}: row {i + 2}: policy is empty")
+    for col in ("budget_gb", "hit_rate"):
+        num = pd.to_numeric(df[col], errors="coerce")
+        for i, (raw, v) in enumerate(zip(df[col], num, strict=True)):
+            if v != v and raw == raw:  # a value that is not a number (an empty cell is NaN)
+                raise FmoesimError(f"{path}: row {i + 2}: {col} {raw!r} is not a number")
+        df[col] = num.astype("float64")
+    bad = df[~((df.budget_gb > 0) & (df.budget_gb < float("inf")))]
+    if len(bad):
+        i = int(bad.index[0])
+        raise FmoesimError(f"{path}: row {i + 2}: budget_gb must be a positive number")
     bad = df[(df.hit_rate < 0) | (df.hit_rate > 1) | df.hit_rate.isna()]
     if len(bad):
         i = int(bad.index[0])
         raise FmoesimError(f"{path}: row {i + 2}: hit_rate must be in [0, 1]")
+    first: dict[tuple[str, float], int] = {}
+    for i, key in enumerate(zip(df.policy, df.budget_gb, strict=True)):
+        if key in first:
+            raise FmoesimError(
+                f"{path}: row {i + 2}: policy {key[0]} at budget_gb {key[1]:g} again (row "
+                f"{first[key] + 2} has it; rule: one row per policy and budget)"
+            )
+        first[key] = i
     return df
+
+
+def check_tolerance(points: float) -> float:
+    """``--tolerance-points``: a finite number of points, 0 or more (NaN would pass
+    every move)."""
+    if not (0 <= points < float("inf")):
+        raise FmoesimError(f"--tolerance-points {points:g}: must be a finite number >= 0")
+    return points
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,21 +197,23 @@ def _run(args: argparse.Namespace) -> int:
 
     golden = Path(args.golden)
     policies = [p for p in args.policies.split(",") if p] or None
+    check_tolerance(args.tolerance_points)
+    # the golden file is checked before the runs: bad input fails at once
+    old = read_golden(golden) if not args.update or (policies and golden.exists()) else None
     new = compute_table(policies)
     if args.update:
         rows = new
-        if policies and golden.exists():
+        if old is not None:
             # only the named policies' rows are replaced; the others stay as they were
             import pandas as pd
 
-            old = read_golden(golden)
             rows = pd.concat([old[~old.policy.isin(policies)], new], ignore_index=True)
             rows = rows.sort_values(["policy", "budget_gb"], kind="stable", ignore_index=True)
         with atomic_file(golden) as tmp:
             rows.to_csv(tmp, index=False)
         print(f"wrote {golden} ({len(new)} rows updated, {len(rows)} in all)")
         return 0
-    old = read_golden(golden)
+    assert old is not None
     if policies:
         old = old[old.policy.isin(policies)]
     m = compare(old, new, args.tolerance_points)

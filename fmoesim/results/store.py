@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fmoesim.atomic import atomic_file
+from fmoesim.errors import FmoesimError
 
 #: config keys that do not change a result
 NON_SEMANTIC = ("progress", "output", "store")
@@ -164,10 +165,14 @@ def _with_timing(df: Any) -> Any:
     return df
 
 
-def load_results(root: str | os.PathLike[str] = "results/store") -> Any:
+def load_results(
+    root: str | os.PathLike[str] = "results/store", columns: Sequence[str] = ()
+) -> Any:
     """Every run in the store as one pandas DataFrame: a row per run, sorted by
     (experiment, policy, budget, seed); temporary files of unfinished writes are
-    ignored.  An empty store gives an empty DataFrame.
+    ignored.  An empty store gives an empty DataFrame.  A file that is not a readable
+    Parquet file (empty, cut short, another format), or that lacks one of ``columns``,
+    is a :class:`~fmoesim.errors.FmoesimError` naming the file.
 
     The boolean column ``timing`` says whether a run simulated time (rows written
     without it take it from their ``config_json``'s ``engine.timing``).  The time
@@ -180,6 +185,43 @@ def load_results(root: str | os.PathLike[str] = "results/store") -> Any:
     files = sorted(p for p in Path(root).glob("*.parquet") if not p.name.startswith("."))
     if not files:
         return pd.DataFrame()
-    df = _with_timing(pd.concat([pd.read_parquet(p) for p in files], ignore_index=True))
+    df = _with_timing(pd.concat([_read_row(p, columns) for p in files], ignore_index=True))
     keys = [k for k in ("experiment", "policy", "budget_gb", "seed") if k in df.columns]
     return df.sort_values(keys, kind="stable", na_position="first").reset_index(drop=True)
+
+
+def check_store_dir(root: str | os.PathLike[str], hint: str) -> Path:
+    """``root`` as a results store to read: a folder that exists.  One line naming it
+    when it is not one (``hint``, where it does not exist: how to make it, e.g. the
+    command's ``--run``)."""
+    path = Path(root)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise FmoesimError(f"--store {path}: not a folder (rule: a results store is a folder)")
+    raise FmoesimError(f"--store {path}: no such folder (rule: the store read exists; {hint})")
+
+
+#: the rule a store's files follow (for error messages)
+STORE_RULE = "rule: a results store holds one Parquet file per run, as fmoesim writes it"
+
+
+def _read_row(path: Path, columns: Sequence[str]) -> Any:
+    """One store file as a DataFrame; one line naming the file when it cannot be read
+    as Parquet or lacks one of ``columns``."""
+    import pandas as pd
+    import pyarrow as pa
+
+    try:
+        df = pd.read_parquet(path)
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        if reason.startswith("Could not open Parquet input source") and "': " in reason:
+            reason = reason.split("': ", 1)[1]  # the path, already named, left out
+        raise FmoesimError(
+            f"{path}: not a readable Parquet file: {reason} ({STORE_RULE})"
+        ) from None
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise FmoesimError(f"{path}: no column {missing[0]!r} ({STORE_RULE})")
+    return df
