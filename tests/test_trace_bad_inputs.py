@@ -173,6 +173,21 @@ def test_one_column_per_key(tmp_path: Path, mapping: dict[str, str], expected: s
     assert_nothing_written(tmp_path / "t")
 
 
+def test_a_key_mapped_to_no_column(tmp_path: Path) -> None:
+    """``--map position=-``: a table whose position counter is the request's id (its
+    usual name taken by another key) imports with no position column, where a column
+    shared by two keys is refused (red if ``-`` is read as a column name, or ignored)."""
+    src = tmp_path / "r.csv"
+    src.write_text("step,layer,expert\n0,0,0\n0,0,1\n0,1,2\n0,1,3\n1,0,1\n1,0,2\n1,1,0\n1,1,3\n")
+    with pytest.raises(FmoesimError, match=r"or --map position=- for none"):
+        import_table(src, tmp_path / "t", M, mapping={"request": "step"})
+    path, rep = import_table(src, tmp_path / "t", M, mapping={"request": "step", "position": "-"})
+    assert "position" not in rep.columns and rep.columns["request"] == "step"
+    assert read_trace(path).num_requests == 2
+    with pytest.raises(FmoesimError, match="has a layer column"):
+        import_table(src, tmp_path / "u", M, mapping={"layer": "-"})
+
+
 def test_valid_phases_and_sizes_still_import(tmp_path: Path) -> None:
     """Red if the new checks refuse what was valid: decode phase words, a phase column
     with gaps read as floats, size comments of every layer."""

@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         metavar="KEY=COLUMN,...",
         help="table, vllm-routes: the column of a key (request, position, layer, experts, "
-        "weights, rank, phase) where its name is not one of the usual ones",
+        "weights, rank, phase) where its name is not one of the usual ones; KEY=- for none",
     )
     imp.add_argument(
         "--top-k",

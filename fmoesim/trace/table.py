@@ -75,6 +75,8 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "size": ("size_bytes", "expert_size_bytes"),
     "dataset": ("dataset",),
 }
+#: ``--map KEY=-``: the key has no column (where its usual name means something else)
+NO_COLUMN = "-"
 #: phase values of a prompt token, and of a generated one (any other phase is refused)
 PREFILL = {"0", "prefill", "p", "prompt"}
 DECODE = {"1", "decode", "d", "generate", "generation"}
@@ -281,14 +283,14 @@ def _header_sizes(path: Path, num_layers: int, out: dict[int, int]) -> None:
 
 def _columns(path: Path, names: Sequence[str], mapping: dict[str, str]) -> dict[str, str]:
     """Canonical key -> column name, from ``mapping`` then :data:`COLUMNS`; a column
-    serves one key only."""
+    serves one key only, and a key mapped to :data:`NO_COLUMN` reads none."""
     unknown = sorted(set(mapping) - set(COLUMNS))
     if unknown:
         raise FmoesimError(f"--map: unknown key(s) {unknown}; valid: {sorted(COLUMNS)}")
     rule = "each key reads a column of its own"
     out: dict[str, str] = {}
     for key in COLUMNS:
-        if key not in mapping:
+        if key not in mapping or mapping[key] == NO_COLUMN:
             continue
         col = mapping[key]
         if col not in names:
@@ -299,7 +301,7 @@ def _columns(path: Path, names: Sequence[str], mapping: dict[str, str]) -> dict[
         out[key] = col
     mapped = {c: k for k, c in out.items()}
     for key, candidates in COLUMNS.items():
-        if key in out:
+        if key in out or mapping.get(key) == NO_COLUMN:
             continue
         present = [c for c in candidates if c in names]
         free = [c for c in present if c not in mapped]
@@ -310,7 +312,7 @@ def _columns(path: Path, names: Sequence[str], mapping: dict[str, str]) -> dict[
             raise TableError(
                 path, None, rule,
                 f"--map {mapped[c]}={c} takes the {key} column '{c}'; --map {key}=... "
-                "another column",
+                f"another column, or --map {key}={NO_COLUMN} for none",
             )  # fmt: skip
     for key in ("layer", "experts"):
         if key not in out:
