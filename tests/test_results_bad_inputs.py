@@ -378,3 +378,43 @@ def time_passes() -> dict[str, float]:
 
     time.sleep(0.01)
     return {}
+
+
+def test_the_committed_gpu_recipes_pass_the_replay_checks(capsys, monkeypatch, tmp_path):
+    """Every ``gpu_validation.sh`` command of the measured folders' READMEs reaches its
+    replays with the options it names: the checks before any run must not refuse a
+    recipe a GPU sitting depends on (red when a check refuses a documented flag or value,
+    or the flags stop reaching run_replays)."""
+    import re
+    import shlex
+
+    torch = pytest.importorskip("torch", reason="the replay needs torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    calls = []
+
+    def fake(runs, device, out, deadline_s, **kw):
+        calls.append((runs, device, deadline_s, kw))
+        return 0
+
+    monkeypatch.setattr(C, "run_replays", fake)
+    root = Path(C.__file__).resolve().parents[1]
+    recipes = [
+        m.group(1)
+        for readme in sorted((root / "results" / "validation").glob("*/README.md"))
+        for m in re.finditer(r"gpu_validation\.sh \$OUT (\d+ .*)", readme.read_text())
+        if "$" not in m.group(1)  # a recipe spelt with shell variables is left out
+    ]
+    assert len(recipes) >= 5
+    for recipe in recipes:
+        seconds, *flags = shlex.split(recipe.strip("`"))
+        calls.clear()
+        C.main(["replay", "--device", "cuda", "--out", str(tmp_path / "o"),
+                "--deadline-s", seconds, *flags])  # fmt: skip
+        ((runs, device, deadline_s, kw),) = calls
+        assert device == "cuda" and deadline_s == float(seconds) and runs, recipe
+        assert kw["host_timers"] == ("--host-timers" in flags), recipe
+        assert kw["event_logs"] == ("--event-logs" in flags), recipe
+        if "--policies" in flags:
+            want = flags[flags.index("--policies") + 1].split(",")
+            assert sorted({r.policy for r in runs}) == sorted(want), recipe
+    capsys.readouterr()
