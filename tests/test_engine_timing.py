@@ -523,6 +523,16 @@ def test_fifo_link_queues_a_delayed_prefetch_at_its_release():
     lk.escalate(2, 3e-3)
     lk.finish()
     assert lk.done == [1, 3, 2] and (e.start_s, d.start_s) == pytest.approx((6e-3, 8e-3))
+    # escalated at 4 ms, after its release at 2 ms on a busy link: queued once, at 2 ms
+    lk = Link(fifo=True)
+    lk.submit(1, 5 * MB, 0.0)
+    b = lk.submit(2, 1 * MB, 0.0, release=2e-3)
+    lk.submit(3, 1 * MB, 1e-3)
+    lk.link.advance(4e-3)
+    lk.escalate(2, 4e-3)
+    assert lk.link._queue.count(b) == 1
+    lk.finish()
+    assert lk.done == [1, 3, 2] and b.escalated
     # released at 2 ms while the link is busy, a prefetch is ahead of one submitted at 4 ms
     lk = Link(fifo=True)
     lk.submit(1, 5 * MB, 0.0)
@@ -625,6 +635,39 @@ def test_a_lazily_sorted_queue_runs_as_one_kept_in_order(ops: list[tuple[int, in
     # NaN-aware: a never-started record's times are NaN, equal here only by identity in
     # the pure build (the compiled one boxes each float anew)
     np.testing.assert_equal(times[0], times[1])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 15), st.integers(0, 5)),
+                min_size=50, max_size=300))  # fmt: skip
+def test_fifo_link_starts_every_transfer_in_arrival_order(ops: list[tuple[int, int, int]]) -> None:
+    """The first-come-first-served link under the requests above plus delayed prefetches
+    (kind 6, released ``arg`` ms later): after every request its queue holds each queued
+    job once, in arrival order; transfers start in arrival order and none pauses.  Red if
+    a released or escalated job is queued twice, or its place follows its priority."""
+    lk = Link(chunk=1 * MB, fifo=True)
+    submitted: list[TransferRecord] = []
+    t = 0.0
+    for kind, key, arg in ops:
+        t += 0.5e-3
+        if kind in (0, 1, 6):
+            lk.link.advance(t)
+            if all(r.key != key for r in lk.live()):
+                prio = ON_DEMAND if kind == 1 else float(arg)
+                release = t + arg * 1e-3 if kind == 6 else None
+                submitted.append(lk.submit(key, 2 * MB, t, prio=prio, release=release))
+        else:
+            _request(lk, kind, key, arg, t)
+        queue = lk.link._queue
+        if lk.link._dirty:
+            queue = sorted(queue, key=lambda j: j.seq, reverse=True)
+        queued = [j for j in lk.live() if j.state == sim_engine._QUEUED]
+        assert [j.seq for j in queue] == sorted((j.seq for j in queued), reverse=True)
+        assert len({id(j) for j in queue}) == len(queue)
+    lk.finish()
+    started = sorted((r for r in submitted if r.start_s == r.start_s), key=lambda r: r.start_s)
+    assert [r.seq for r in started] == sorted(r.seq for r in started)
+    assert all(r.preemptions == 0 for r in submitted)
 
 
 def test_cancelled_prefetches_leave_the_queue() -> None:

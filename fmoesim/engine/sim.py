@@ -351,10 +351,10 @@ class SimLink:
         """Give ``job``, queued, delayed or running, on-demand priority."""
         if job.link_priority == ON_DEMAND or job.state == _DONE or job.state == _CANCELLED:
             return
+        if self.fifo and job.state == _DELAYED:
+            self._release(t_s)  # what was released by now (this job too) reached the queue
         if job.state == _QUEUED:
             self._dequeue(job)  # found at the priority it was queued with
-        elif self.fifo and job.state == _DELAYED and self._delayed:
-            self._release(t_s)  # what was released by now reached the queue first
         job.link_priority = ON_DEMAND
         job.escalated = True
         if job.state == _DELAYED:  # needed before its release: released now
