@@ -78,7 +78,9 @@ def os_error_line(exc: OSError) -> str:
     where = str(exc.filename)
     if exc.filename2 is not None:
         where += f" -> {exc.filename2}"
-    if isinstance(exc, (FileExistsError, NotADirectoryError)):
+    if isinstance(exc, (FileExistsError, NotADirectoryError)) and isinstance(
+        exc.filename, (str, os.PathLike)
+    ):
         probe = os.fspath(exc.filename)
         while probe and not os.path.lexists(probe) and os.path.dirname(probe) != probe:
             probe = os.path.dirname(probe)
