@@ -1,4 +1,4 @@
-"""Bad inputs that used to crash or mislead: each is refused with one line (exit 2) before
+"""Bad inputs that could crash or mislead: each is refused with one line (exit 2) before
 anything is written, or handled quietly (Ctrl-C: 130, a closed stdout: 141), and a
 hit-rate-only run reports its times as missing, not as zeros."""
 

@@ -114,9 +114,10 @@ BAD_TABLES = [
 def test_bad_route_tables_name_file_row_and_rule(
     tmp_path: Path, name: str, text: object, expected: str
 ) -> None:
-    """Red before the fixes: tracebacks (JSON array line, NaN/null/text weights), a byte
-    offset instead of a line, rank/phase/size comments accepted, top-k errors without a
-    row, an empty file reported as a missing layer column."""
+    """Red if a JSON-array line or a NaN, null or text weight raises a traceback, a bad
+    JSON line is named by a byte offset instead of its line, a bad rank, phase or size
+    comment is accepted, a top-k error names no row, or an empty file is reported as a
+    missing layer column."""
     src = tmp_path / name
     if isinstance(text, list):
         jsonl(src, text)
@@ -131,7 +132,7 @@ def test_bad_route_tables_name_file_row_and_rule(
 
 
 def test_route_lines_through_the_command_line(tmp_path: Path, capsys) -> None:
-    """Red before the fix: a JSON-array line and a NaN weight were TypeError tracebacks."""
+    """Red if a JSON-array line or a NaN weight raises a TypeError traceback."""
     rows = [route(layer, 0, [0, 1], [0.6, 0.4]) for layer in range(MIXTRAL_L)]
     for bad, want in (
         ("[1, 2, 3]", "line 33: each line is a JSON object (got an array)"),
@@ -145,7 +146,8 @@ def test_route_lines_through_the_command_line(tmp_path: Path, capsys) -> None:
 
 
 def test_a_directory_of_logs_names_the_bad_file_and_its_line(tmp_path: Path) -> None:
-    """Red before the fix: ``vdir row 7`` (the folder and a running row count)."""
+    """Red if the error names the folder and a running row count (``vdir row 7``) instead
+    of the file and its own line."""
     d = tmp_path / "vdir"
     d.mkdir()
     jsonl(d / "a.jsonl", [*GOOD, route(0, 1, [1, 2], [1, 0]), route(1, 1, [0, 3], [1, 0])])
@@ -164,7 +166,7 @@ def test_a_directory_of_logs_names_the_bad_file_and_its_line(tmp_path: Path) -> 
     ],
 )
 def test_one_column_per_key(tmp_path: Path, mapping: dict[str, str], expected: str) -> None:
-    """Red before the fix: two keys read the same column and the import went on."""
+    """Red if two keys read the same column and the import goes on."""
     src = jsonl(tmp_path / "r.jsonl", [{**GOOD[0], "l": 0}, {**GOOD[1], "l": 1}])
     with pytest.raises(FmoesimError) as info:
         import_table(src, tmp_path / "t", M, mapping=mapping)
@@ -227,9 +229,9 @@ BAD_ARRAYS = [
 
 @pytest.mark.parametrize(("arr", "expected"), BAD_ARRAYS, ids=[e[:30] for _, e in BAD_ARRAYS])
 def test_bad_routed_expert_arrays(tmp_path: Path, arr: np.ndarray, expected: str) -> None:
-    """Red before the fixes: a wrong shape shown as ``(tokens, L, 0)``, an empty array
-    as ``prompt_tokens in [1, 0]``, range and duplicate errors without token and layer,
-    more experts per token than the model's top_k accepted."""
+    """Red if a wrong shape is shown as ``(tokens, L, 0)``, an empty array as
+    ``prompt_tokens in [1, 0]``, a range or duplicate error names no token and layer, or
+    more experts per token than the model's top_k are accepted."""
     np.save(tmp_path / "r.npy", arr)
     with pytest.raises(FmoesimError) as info:
         import_routed_experts(tmp_path / "r.npy", tmp_path / "t", M)
@@ -245,7 +247,7 @@ def test_routed_experts_name_the_npz_array(tmp_path: Path) -> None:
 
 
 def test_more_experts_than_top_k_refused_on_the_command_line(tmp_path: Path, capsys) -> None:
-    """Red before the fix: exit 0 and a top-3 trace the run then refused."""
+    """Red if the import exits 0 and writes a top-3 trace that a run then refuses."""
     np.save(tmp_path / "r.npy", _ok(T=20, L=MIXTRAL_L, K=3))
     line = refused(
         capsys, "import", "vllm-routed-experts", str(tmp_path / "r.npy"), str(tmp_path / "o")
@@ -256,7 +258,7 @@ def test_more_experts_than_top_k_refused_on_the_command_line(tmp_path: Path, cap
 
 @pytest.mark.parametrize("bad", [math.nan, -0.5, math.inf])
 def test_from_arrays_refuses_bad_weights_before_writing(tmp_path: Path, bad: float) -> None:
-    """Red before the fix: the weights went to tokens.parquet unchecked."""
+    """Red if the weights reach tokens.parquet unchecked."""
     w = np.full((3, 2, 2), 0.5)
     w[1, 1, 0] = bad
     with pytest.raises(FmoesimError, match=r"request 0, token 1, layer 1: weights are finite"):
@@ -266,8 +268,8 @@ def test_from_arrays_refuses_bad_weights_before_writing(tmp_path: Path, bad: flo
 
 # -- EAMC --------------------------------------------------------------------------------
 def test_eamc_counts_above_the_tokens_refused_before_writing(tmp_path: Path, capsys) -> None:
-    """Red before the fix: exit 2 naming the output's routing.parquet, the invalid trace
-    left in place, and a rerun answered ``already exists``."""
+    """Red if the error names the output's routing.parquet, the invalid trace is left in
+    place, or a rerun is answered ``already exists``."""
     eamc = np.zeros((2, MIXTRAL_L, MIXTRAL_E))
     eamc[1, :, 0], eamc[1, :, 1] = 6, 4  # 10 = 5 tokens x top-2, expert 0 with 6 of them
     np.save(tmp_path / "e.npy", eamc)
@@ -287,7 +289,7 @@ def test_eamc_counts_above_the_tokens_refused_before_writing(tmp_path: Path, cap
 # -- --force ------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["file", "folder"])
 def test_force_replaces_only_a_trace_directory(tmp_path: Path, capsys, kind: str) -> None:
-    """Red before the fix: --force deleted a plain file or a folder holding thesis.txt."""
+    """Red if --force deletes a plain file or a folder holding thesis.txt."""
     src = jsonl(tmp_path / "r.jsonl", [route(layer, 0, [0, 1]) for layer in range(MIXTRAL_L)])
     out = tmp_path / "out"
     if kind == "file":
@@ -371,7 +373,7 @@ BAD_TRACES = [
 def test_validate_checks_tokens_and_manifest(
     token_trace: Path, capsys, spoil, where: str, expected: str
 ) -> None:
-    """Red before the fixes: ``validate`` printed ``valid`` for each of these."""
+    """Red if ``validate`` prints ``valid`` for any of these."""
     main(["validate", str(token_trace)])
     assert ": valid (" in capsys.readouterr().out
     spoil(token_trace)
@@ -382,7 +384,7 @@ def test_validate_checks_tokens_and_manifest(
 
 
 def test_a_nan_arrival_is_not_a_null_one(token_trace: Path) -> None:
-    """Red before the fix: NaN read as null and passed (the rule: null or finite >= 0)."""
+    """Red if NaN is read as null and passes (the rule: null or finite >= 0)."""
     path = token_trace / S.REQUESTS
     tab = pq.read_table(path)
     for value, ok in ((None, True), (1.5, True), (math.nan, False), (-1.0, False)):
@@ -401,7 +403,8 @@ HUGE = "99999999999999999999"
 
 @pytest.mark.parametrize("col", ["ContextTokens", "GeneratedTokens"])
 def test_out_of_range_token_counts_in_an_arrival_csv(tmp_path: Path, col: str) -> None:
-    """Red before the fix: a RuntimeWarning, then garbage lengths (or a ValueError)."""
+    """Red if an overflowing count gives a RuntimeWarning, then garbage lengths (or a
+    ValueError)."""
     row = {"ContextTokens": "10", "GeneratedTokens": "5", col: HUGE}
     p = tmp_path / "a.csv"
     p.write_text(
