@@ -2223,8 +2223,7 @@ def _fit_modes(arg: str) -> list[str]:
 def _check_replay_args(policies: Sequence[str], args: argparse.Namespace) -> None:
     """``replay``'s policies, hardware, numbers and device, checked before any run (one
     line naming the option; nothing is made)."""
-    from fmoesim.cli.main import _valid_presets
-    from fmoesim.config.build import preset_names
+    from fmoesim.config.build import preset_names, valid_presets
     from fmoesim.config.schema import CONF_DIR
 
     known = preset_names("policy")
@@ -2233,7 +2232,7 @@ def _check_replay_args(policies: Sequence[str], args: argparse.Namespace) -> Non
             raise FmoesimError(f"--policies {p}: unknown policy; valid: {', '.join(known)}")
     if not (CONF_DIR / "hardware" / f"{args.hardware}.yaml").is_file():
         raise FmoesimError(f"--hardware {args.hardware}: unknown hardware; valid: "
-                           f"{_valid_presets('hardware')}")  # fmt: skip
+                           f"{valid_presets('hardware')}")  # fmt: skip
     if not args.deadline_s > 0:
         raise FmoesimError(f"--deadline-s {args.deadline_s:g}: must be > 0 (default: no deadline)")
     if args.repeats < 1:

@@ -35,6 +35,7 @@ from fmoesim.config.build import (
     one_line,
     preset_names,
     synthetic_trace_path,
+    valid_presets,
 )
 from fmoesim.config.schema import CONF_DIR, RunConfig, register_configs, resolve_path
 from fmoesim.errors import FmoesimError, exit_interrupted, exit_stdout_closed
@@ -66,19 +67,6 @@ def _fail(msg: str) -> None:
     raise SystemExit(2)
 
 
-def _valid_presets(group: str) -> str:
-    """A group's preset names, then each subfolder of presets as ``sub/<name>`` with its
-    count (``measured/<name> (21 presets)``): the subfolders' names are too many to list."""
-    names = ", ".join(preset_names(group)) or "(none)"
-    folder = CONF_DIR / group
-    subs = sorted(d for d in folder.iterdir() if d.is_dir()) if folder.is_dir() else []
-    for sub in subs:
-        count = len(preset_names(f"{group}/{sub.name}"))
-        if count:
-            names += f"; {sub.name}/<name> ({count} presets in conf/{group}/{sub.name})"
-    return names
-
-
 def _friendly(exc: BaseException) -> str:
     """One line for a Hydra/OmegaConf composition error, listing valid names on a miss."""
     from hydra.errors import MissingConfigException
@@ -91,9 +79,9 @@ def _friendly(exc: BaseException) -> str:
             listed = ", ".join(f"{sub}/{n}" for n in preset_names(group)) or "(none)"
             return f"{top}={sub}/{name}: unknown {top}; valid in {sub}/: {listed}"
         if sub and (CONF_DIR / top).is_dir():  # a subfolder that does not exist
-            return f"{top}={sub}/{name}: unknown {top}; valid: {_valid_presets(top)}"
+            return f"{top}={sub}/{name}: unknown {top}; valid: {valid_presets(top)}"
         if group:
-            return f"{group}={name}: unknown {group}; valid: {_valid_presets(group)}"
+            return f"{group}={name}: unknown {group}; valid: {valid_presets(group)}"
     cause = exc.__cause__
     full_key = getattr(cause, "full_key", None)
     if full_key is not None:
@@ -155,7 +143,7 @@ def check_added_keys(overrides: list[str]) -> None:
             and o.value().endswith("_schema")
         ):  # a typed schema of the ConfigStore, not a preset
             raise FmoesimError(
-                f"{group}={o.value()}: unknown {group}; valid: {_valid_presets(group)}"
+                f"{group}={o.value()}: unknown {group}; valid: {valid_presets(group)}"
             )
         if not (o.is_add() or o.is_force_add()):
             continue

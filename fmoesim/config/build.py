@@ -33,13 +33,24 @@ def preset_names(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
+def valid_presets(group: str) -> str:
+    """A group's preset names, then each subfolder of presets as ``sub/<name>`` with its
+    count (``measured/<name> (21 presets)``): the subfolders' names are too many to list."""
+    names = ", ".join(preset_names(group)) or "(none)"
+    folder = CONF_DIR / group
+    subs = sorted(d for d in folder.iterdir() if d.is_dir()) if folder.is_dir() else []
+    for sub in subs:
+        count = len(preset_names(f"{group}/{sub.name}"))
+        if count:
+            names += f"; {sub.name}/<name> ({count} presets in conf/{group}/{sub.name})"
+    return names
+
+
 def load_preset(group: str, name: str, schema: type[T]) -> T:
     """Load ``conf/<group>/<name>.yaml`` into ``schema``; unknown names list the valid ones."""
     path = CONF_DIR / group / f"{name}.yaml"
     if not path.is_file():
-        raise ConfigError(
-            group, name, f"unknown {group} preset; valid: {', '.join(preset_names(group))}"
-        )
+        raise ConfigError(group, name, f"unknown {group} preset; valid: {valid_presets(group)}")
     raw = OmegaConf.load(path)
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"{group}/{name}.yaml", "", "must be a YAML mapping")
