@@ -2235,8 +2235,6 @@ def _check_replay_args(policies: Sequence[str], args: argparse.Namespace) -> Non
                            f"{valid_presets('hardware')}")  # fmt: skip
     if not args.deadline_s > 0:
         raise FmoesimError(f"--deadline-s {args.deadline_s:g}: must be > 0 (default: no deadline)")
-    if args.repeats < 1:
-        raise FmoesimError(f"--repeats {args.repeats}: must be >= 1")
     cuda = args.device.startswith("cuda")
     if not cuda and args.device != "cpu":
         raise FmoesimError(f"--device {args.device}: must be 'cpu' or 'cuda[:N]'")

@@ -172,8 +172,7 @@ def _run(args: argparse.Namespace) -> None:
         raise FmoesimError(f"figure {unknown[0]!r}: unknown; valid: all, {', '.join(FIGURES)}")
     if args.jobs < 1:
         raise FmoesimError(f"--jobs {args.jobs}: must be >= 1")
-    if not args.run or Path(args.store).exists():  # --run makes a store that is not there
-        check_store_dir(args.store, f"{PROG} --run makes it and runs the figures' sweeps")
+    check_store_dir(args.store, f"{PROG} --run makes it and runs the figures' sweeps", args.run)
     store = Path(args.store).resolve()
     if args.run:
         exps = list(dict.fromkeys(FIGURES[n].experiment for n in names))

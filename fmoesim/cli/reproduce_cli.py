@@ -88,8 +88,7 @@ def _run(args: argparse.Namespace) -> None:
                 insert_table(text, block, "")
             except FmoesimError as e:
                 raise FmoesimError(f"--docs {docs}: {e}") from None
-    if not args.run or Path(args.store).exists():  # --run makes a store that is not there
-        check_store_dir(args.store, f"{PROG} {args.paper} --run makes it and runs the claims")
+    check_store_dir(args.store, f"{PROG} {args.paper} --run makes it and runs the claims", args.run)
     store = Path(args.store).resolve()
     if args.run:  # one queue over every paper's runs
         ensure_runs([c for claims in catalogs.values() for c in claims], store, args.jobs)

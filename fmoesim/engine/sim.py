@@ -213,10 +213,15 @@ class SimLink:
             _, _, job = heapq.heappop(delayed)
             if job.state == _DELAYED:  # else stale: cancelled or escalated
                 job.state = _QUEUED
-                if self.fifo:  # it reaches the queue now
-                    job.seq = self._seq
-                    self._seq += 1
+                if self.fifo:
+                    self._arrive(job)
                 self._enqueue(job)
+
+    def _arrive(self, job: TransferRecord) -> None:
+        """A delayed ``job`` reaches a FIFO link's queue now: it takes the next place in
+        the arrival order (``seq``), behind everything submitted or released before."""
+        job.seq = self._seq
+        self._seq += 1
 
     def _next_release_s(self) -> float:
         """The earliest pending release time (stale entries dropped), or ``inf``."""
@@ -359,9 +364,8 @@ class SimLink:
         job.escalated = True
         if job.state == _DELAYED:  # needed before its release: released now
             job.state = _QUEUED
-            if self.fifo:  # it reaches the queue now
-                job.seq = self._seq
-                self._seq += 1
+            if self.fifo:
+                self._arrive(job)
             self._enqueue(job)
         elif job.state == _QUEUED:
             self._enqueue(job)

@@ -190,12 +190,12 @@ def load_results(
     return df.sort_values(keys, kind="stable", na_position="first").reset_index(drop=True)
 
 
-def check_store_dir(root: str | os.PathLike[str], hint: str) -> Path:
-    """``root`` as a results store to read: a folder that exists.  One line naming it
-    when it is not one (``hint``, where it does not exist: how to make it, e.g. the
-    command's ``--run``)."""
+def check_store_dir(root: str | os.PathLike[str], hint: str, run: bool = False) -> Path:
+    """``root`` as a results store to read: a folder that exists, or, with ``run`` (the
+    command's ``--run`` makes it), a folder or nothing yet.  One line naming it when it
+    is not one (``hint``, where it does not exist: how to make it, e.g. that ``--run``)."""
     path = Path(root)
-    if path.is_dir():
+    if path.is_dir() or (run and not os.path.lexists(path)):
         return path
     if path.exists():
         raise FmoesimError(f"--store {path}: not a folder (rule: a results store is a folder)")

@@ -29,12 +29,10 @@ import numpy as np
 
 from fmoesim.errors import FmoesimError
 from fmoesim.specs.model import ModelSpec
-from fmoesim.trace.schema import TraceManifest, TraceModel
+from fmoesim.trace.schema import MAX_TOKENS, TraceManifest, TraceModel, is_json_int
 from fmoesim.trace.writer import TraceWriter, check_destination
 
 FORMATS = ("vllm-routes", "eamc")
-#: the largest token count a trace holds (its token columns are int32)
-INT32_MAX = 2**31 - 1
 
 
 class ImportError_(FmoesimError):  # noqa: N801 - the builtin name is taken
@@ -53,11 +51,6 @@ def _manifest(model: ModelSpec, fmt: str, original: list[str], **extra: Any) -> 
         has_probs=False,
         has_spec_probs=False,
     )
-
-
-def _is_int(v: Any) -> bool:
-    """An integer of a JSON line (true and false are not)."""
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _jsonl_files(src: Path) -> list[Path]:
@@ -99,15 +92,15 @@ def read_vllm_routes(src: str | os.PathLike[str], model: ModelSpec) -> tuple[Rou
                     if key not in row:
                         raise ImportError_(path, where, f"has key '{key}'")
                 layer, tok, experts = row["layer"], row["token_idx"], row["experts"]
-                if not _is_int(layer) or not 0 <= layer < L:
+                if not is_json_int(layer) or not 0 <= layer < L:
                     raise ImportError_(path, where, f"layer in [0, {L})", f"got {layer!r}")
-                if not _is_int(tok) or tok < 0:
+                if not is_json_int(tok) or tok < 0:
                     raise ImportError_(path, where, "token_idx >= 0", f"got {tok!r}")
                 if (
                     not isinstance(experts, list)
                     or len(experts) != K
                     or len(set(experts)) != K
-                    or not all(_is_int(e) and 0 <= e < E for e in experts)
+                    or not all(is_json_int(e) and 0 <= e < E for e in experts)
                 ):
                     raise ImportError_(
                         path,
@@ -132,7 +125,7 @@ def read_vllm_routes(src: str | os.PathLike[str], model: ModelSpec) -> tuple[Rou
                         f"got {probs!r}",
                     )  # fmt: skip
                 req = row.get("problem_id", 0)
-                if not _is_int(req):
+                if not is_json_int(req):
                     raise ImportError_(path, where, "problem_id is an integer", f"got {req!r}")
                 name = str(row.get("dataset", path.stem))
                 per_token = out[(name, req)][layer]
@@ -258,9 +251,9 @@ def import_eamc(
                 f"per-layer sums {sorted(set(per_layer.tolist()))[:4]}",
             )
         tokens = int(per_layer[0] // K)
-        if tokens > INT32_MAX:
+        if tokens > MAX_TOKENS:
             raise ImportError_(
-                path, f"row {c}", f"a matrix routes at most {INT32_MAX} tokens (int32)",
+                path, f"row {c}", f"a matrix routes at most {MAX_TOKENS} tokens (int32)",
                 f"{tokens} tokens",
             )  # fmt: skip
         over = np.argwhere(counts[c] > tokens)

@@ -93,7 +93,11 @@ def tokens_schema(top_k: int) -> pa.Schema:
     )
 
 
-def _is_int(v: Any) -> bool:
+#: the largest token count a trace holds (its token columns are int32)
+MAX_TOKENS = 2**31 - 1
+
+
+def is_json_int(v: Any) -> bool:
     """An integer of a JSON file (true and false are not)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -199,7 +203,7 @@ class TraceManifest:
         if not isinstance(raw, dict):
             raise TraceError(path, "trace.json is a JSON object")
         version = raw.get("schema_version")
-        if not _is_int(version) or version != SCHEMA_VERSION:
+        if not is_json_int(version) or version != SCHEMA_VERSION:
             raise TraceError(
                 path, f"schema_version is {SCHEMA_VERSION}", detail=f"schema_version is {version!r}"
             )
@@ -221,18 +225,18 @@ class TraceManifest:
             raise TraceError(path, "model.name is a string", detail=f"got {model.name!r}")
         for key in ("num_layers", "num_experts", "top_k", "hidden_size"):
             value = getattr(model, key)
-            if not _is_int(value) or value <= 0:
+            if not is_json_int(value) or value <= 0:
                 raise TraceError(
                     path, f"model.{key} is a positive integer", detail=f"got {value!r}"
                 )
         for key in ("num_shared_experts", "dense_layers"):
             value = getattr(model, key)
-            if not _is_int(value) or value < 0:
+            if not is_json_int(value) or value < 0:
                 raise TraceError(
                     path, f"model.{key} is a non-negative integer", detail=f"got {value!r}"
                 )
         enc = model.encoder_layers
-        if not _is_int(enc) or not 0 <= enc < model.num_layers:
+        if not is_json_int(enc) or not 0 <= enc < model.num_layers:
             raise TraceError(
                 path,
                 "model.encoder_layers is an integer in [0, model.num_layers)",
@@ -244,7 +248,7 @@ class TraceManifest:
                 "model.top_k <= model.num_experts",
                 detail=f"top_k={model.top_k}, num_experts={model.num_experts}",
             )
-        if not _is_int(raw["embedding_dim"]) or raw["embedding_dim"] < 0:
+        if not is_json_int(raw["embedding_dim"]) or raw["embedding_dim"] < 0:
             raise TraceError(
                 path,
                 "embedding_dim is a non-negative integer",
@@ -256,7 +260,7 @@ class TraceManifest:
         if not isinstance(raw["source"], dict):
             raise TraceError(path, "source is a JSON object", detail=f"got {raw['source']!r}")
         for key in ("num_requests", "num_iterations"):
-            if key in raw and (not _is_int(raw[key]) or raw[key] < 0):
+            if key in raw and (not is_json_int(raw[key]) or raw[key] < 0):
                 raise TraceError(
                     path, f"{key} is a non-negative integer", detail=f"got {raw[key]!r}"
                 )
@@ -264,9 +268,9 @@ class TraceManifest:
         if proj is not None and not (
             isinstance(proj, dict)
             and set(proj) == {"input_dim", "seed"}
-            and _is_int(proj["input_dim"])
+            and is_json_int(proj["input_dim"])
             and proj["input_dim"] > 0
-            and _is_int(proj["seed"])
+            and is_json_int(proj["seed"])
             and proj["seed"] >= 0
         ):
             raise TraceError(

@@ -76,7 +76,7 @@ import numpy as np
 
 from fmoesim.errors import ConfigError, FmoesimError
 from fmoesim.specs.model import ModelSpec
-from fmoesim.trace.schema import TraceManifest, TraceModel
+from fmoesim.trace.schema import MAX_TOKENS, TraceManifest, TraceModel
 from fmoesim.trace.writer import TraceWriter
 
 GENERATOR = "fmoesim.workload.synthetic/1"
@@ -203,8 +203,6 @@ class _Lengths:
 #: a number of seconds in a TIMESTAMP cell (``nan`` and ``inf`` included, to be refused)
 _NUMBER = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|inf|infinity|nan)", re.IGNORECASE)
 _TIME_RULE = "TIMESTAMP is an ISO 8601 date-time or a number of seconds"
-#: the largest token count of a request (a trace's token columns are int32)
-_MAX_TOKENS = 2**31 - 1
 
 
 def _arrival_times_s(p: Path, cells: list[str]) -> np.ndarray:
@@ -294,12 +292,12 @@ def read_azure_csv(path: str | os.PathLike[str], limit: int | None = None) -> _L
     out = []
     for col in need[1:]:
         vals = pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
-        bad = ~np.isfinite(vals) | (vals < 1) | (vals != np.floor(vals)) | (vals > _MAX_TOKENS)
+        bad = ~np.isfinite(vals) | (vals < 1) | (vals != np.floor(vals)) | (vals > MAX_TOKENS)
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
             raise FmoesimError(
                 f"{p} row {row}: {col} = {df[col].to_list()[row]!r} (rule: a positive integer "
-                f"at most {_MAX_TOKENS})"
+                f"at most {MAX_TOKENS})"
             )
         out.append(vals.astype(np.int64))
     return _Lengths(prompt=out[0], output=out[1], arrival_s=arrival)
