@@ -758,13 +758,13 @@ def read_replay_csv(f: Path) -> Any:
                            f"the columns {', '.join(REPLAY_COLUMNS)})")  # fmt: skip
     for i, r in enumerate(body):
         if len(r) != len(header):
-            raise FmoesimError(f"{f} row {i}: {len(r)} fields, the header {len(header)} (rule: "
+            raise FmoesimError(f"{f} row {i + 1}: {len(r)} fields, the header {len(header)} (rule: "
                                "a field per column; a row cut short by an interrupted "
                                "replay?)")  # fmt: skip
     if not body:
         raise FmoesimError(f"{f}: no row (rule: a header and a row per replayed run)")
     if not text.endswith(("\n", "\r")):
-        raise FmoesimError(f"{f} row {len(body) - 1}: no line break at its end (rule: every "
+        raise FmoesimError(f"{f} row {len(body)}: no line break at its end (rule: every "
                            "row ends with one; a row cut short by an interrupted "
                            "replay?)")  # fmt: skip
     df = pd.read_csv(io.StringIO(text))
@@ -774,7 +774,7 @@ def read_replay_csv(f: Path) -> Any:
         where = [i for i, b in enumerate(bad) if b]
         if where:
             i = where[0]
-            raise FmoesimError(f"{f} row {i}: {name} = {body[i][col[name]]!r} (rule: {rule})")
+            raise FmoesimError(f"{f} row {i + 1}: {name} = {body[i][col[name]]!r} (rule: {rule})")
 
     for name in (*KEY, "overrides"):
         if name not in ("budget_gb", "compute_repeat"):

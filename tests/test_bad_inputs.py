@@ -152,13 +152,13 @@ def test_datetime_timestamps_give_their_gaps(tmp_path):
 @pytest.mark.parametrize(
     ("times", "expected"),
     [
-        (["0", "-1"], "row 1: TIMESTAMP '-1' is negative"),
-        (["-1", "0"], "row 0: TIMESTAMP '-1' is negative"),
-        (["0", "20", "10"], "row 2: TIMESTAMP goes backwards (rule: rows sorted by time)"),
-        (["0", "inf"], "row 1: TIMESTAMP 'inf' is not a finite number"),
-        (["0", "2023-11-16 18:17:03"], "row 1: TIMESTAMP '2023-11-16 18:17:03' mixes numbers"),
-        (["2023-11-16 18:17:03", "5"], "row 1: TIMESTAMP '5' mixes numbers and date-times"),
-        (["2023-11-16 18:17:03", "2023-11-16 18:17:01"], "row 1: TIMESTAMP goes backwards"),
+        (["0", "-1"], "row 2: TIMESTAMP '-1' is negative"),
+        (["-1", "0"], "row 1: TIMESTAMP '-1' is negative"),
+        (["0", "20", "10"], "row 3: TIMESTAMP goes backwards (rule: rows sorted by time)"),
+        (["0", "inf"], "row 2: TIMESTAMP 'inf' is not a finite number"),
+        (["0", "2023-11-16 18:17:03"], "row 2: TIMESTAMP '2023-11-16 18:17:03' mixes numbers"),
+        (["2023-11-16 18:17:03", "5"], "row 2: TIMESTAMP '5' mixes numbers and date-times"),
+        (["2023-11-16 18:17:03", "2023-11-16 18:17:01"], "row 2: TIMESTAMP goes backwards"),
     ],
     ids=["negative", "negative_first", "unsorted", "inf", "mixed", "mixed_dt", "unsorted_dt"],
 )
@@ -180,7 +180,7 @@ def test_online_arrivals_from_a_numeric_csv(tmp_path):
     out = tmp_path / "synth"
     p = run("fmoesim.cli.trace_cli", "synth", "--requests", "2", "--arrivals", str(bad), str(out))
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
-        f"fmoesim-trace: error: {bad} row 1: TIMESTAMP '-1' is negative "
+        f"fmoesim-trace: error: {bad} row 2: TIMESTAMP '-1' is negative "
         "(rule: a numeric TIMESTAMP is seconds, finite and >= 0)"
     ]
     assert not out.exists()
@@ -492,5 +492,5 @@ def test_a_bad_arrivals_file_of_a_synthetic_trace_is_one_line(tmp_path):
         "workload.synthetic.num_requests=2", f"output.dir={tmp_path}/runs",
         f"store.dir={tmp_path}/store", "engine.timing=false",
     )  # fmt: skip
-    assert_refused(p, f"{bad} row 0: ContextTokens = 'x'")
+    assert_refused(p, f"{bad} row 1: ContextTokens = 'x'")
     assert_nothing_written(tmp_path)

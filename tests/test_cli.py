@@ -163,3 +163,19 @@ def test_synth_cli_writes_valid_trace_and_rejects_unknown_knob(tmp_path):
     assert not (tmp_path / "x").exists()
     p = run("fmoesim.cli.trace_cli", "synth", "--model", "nope", str(tmp_path / "y"))
     assert p.returncode == 2 and "valid: arctic, deepseek-v2-lite" in p.stderr
+
+
+def test_synth_set_types_knobs_by_their_annotation() -> None:
+    """Red if a knob whose default is None (``arrivals_csv: str | None``) refuses every
+    string ("must be a NoneType"), takes a number as a float it then refuses, or an
+    integer knob takes 1.5."""
+    from fmoesim.cli.trace_cli import _parse_set
+    from fmoesim.errors import ConfigError
+
+    got = _parse_set(["arrivals_csv=a.csv", "arrival_rate_rps=2", "seed=3", "skew=1.5"])
+    assert got == {"arrivals_csv": "a.csv", "arrival_rate_rps": 2.0, "seed": 3, "skew": 1.5}
+    assert _parse_set(["arrival_rate_rps=null"]) == {"arrival_rate_rps": None}
+    for item, rule in (("seed=1.5", "must be an integer"), ("skew=abc", "must be a number"),
+                       ("seed=null", "must be an integer")):  # fmt: skip
+        with pytest.raises(ConfigError, match=rule):
+            _parse_set([item])

@@ -89,4 +89,4 @@ def test_bad_golden_is_one_line(tmp_path):
     bad.write_text("policy,budget_gb,hit_rate\nlru,12,1.5\n")
     p = run("--golden", str(bad), "--policies", "lru")
     assert p.returncode == 2
-    assert p.stderr.strip() == f"fmoesim-regress: error: {bad}: row 2: hit_rate must be in [0, 1]"
+    assert p.stderr.strip() == f"fmoesim-regress: error: {bad}: row 1: hit_rate must be in [0, 1]"

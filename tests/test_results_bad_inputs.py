@@ -145,15 +145,15 @@ HEADER = "policy,budget_gb,hit_rate\n"
     ("content", "fragment"),
     [
         (b"", "empty (rule: a CSV with columns policy, budget_gb and hit_rate"),
-        (HEADER.encode() + b"lru,12,abc\n", "row 2: hit_rate 'abc' is not a number"),
-        (HEADER.encode() + b"lru,x,0.5\n", "row 2: budget_gb 'x' is not a number"),
-        (HEADER.encode() + b"lru,-3,0.5\n", "row 2: budget_gb must be a positive number"),
-        (HEADER.encode() + b",12,0.5\n", "row 2: policy is empty"),
+        (HEADER.encode() + b"lru,12,abc\n", "row 1: hit_rate 'abc' is not a number"),
+        (HEADER.encode() + b"lru,x,0.5\n", "row 1: budget_gb 'x' is not a number"),
+        (HEADER.encode() + b"lru,-3,0.5\n", "row 1: budget_gb must be a positive number"),
+        (HEADER.encode() + b",12,0.5\n", "row 1: policy is empty"),
         (HEADER.encode() + b'"lru,12,0.5\n', "not a readable CSV: Error tokenizing data"),
         (b"\x89PNG\r\n\x1a\n\xff\xfe\x00\xd0\xd1", "not UTF-8 text"),
         (
             HEADER.encode() + b"lru,12,0.5\nlru,48,0.6\nlru,12.0,0.5\n",
-            "row 4: policy lru at budget_gb 12 again (row 2 has it; rule: one row per "
+            "row 3: policy lru at budget_gb 12 again (row 1 has it; rule: one row per "
             "policy and budget)",
         ),
     ],
@@ -236,7 +236,7 @@ def _replay_csv(rows: int = 2) -> str:
 
 
 def _set(column: str, value: str) -> Callable[[str], str]:
-    """``text`` with row 1's ``column`` set to ``value``."""
+    """``text`` with the second row's ``column`` set to ``value``."""
 
     def edit(text: str) -> str:
         df = pd.read_csv(io.StringIO(text), dtype=str)
@@ -254,22 +254,22 @@ BAD_REPLAYS = [
      .to_csv(index=False), ": column 'replay_tpot_mean_s' is missing (rule: a replay.csv "
      "has the columns model, budget_gb"),
     ("tpot-abc", _set("replay_tpot_mean_s", "abc"),
-     " row 1: replay_tpot_mean_s = 'abc' (rule: a number)"),
+     " row 2: replay_tpot_mean_s = 'abc' (rule: a number)"),
     ("tpot-nan", _set("replay_tpot_mean_s", "nan"),
-     " row 1: replay_tpot_mean_s = 'nan' (rule: a measured latency: a finite number > 0)"),
+     " row 2: replay_tpot_mean_s = 'nan' (rule: a measured latency: a finite number > 0)"),
     ("tpot-neg", _set("replay_tpot_mean_s", "-1"),
-     " row 1: replay_tpot_mean_s = '-1' (rule: a measured latency: a finite number > 0)"),
+     " row 2: replay_tpot_mean_s = '-1' (rule: a measured latency: a finite number > 0)"),
     ("hit-inf", _set("replay_hit_rate", "inf"),
-     " row 1: replay_hit_rate = 'inf' (rule: a finite number >= 0)"),
-    ("budget-x", _set("budget_gb", "x"), " row 1: budget_gb = 'x' (rule: a number)"),
-    ("budget-0", _set("budget_gb", "0"), " row 1: budget_gb = '0' (rule: a number > 0)"),
+     " row 2: replay_hit_rate = 'inf' (rule: a finite number >= 0)"),
+    ("budget-x", _set("budget_gb", "x"), " row 2: budget_gb = 'x' (rule: a number)"),
+    ("budget-0", _set("budget_gb", "0"), " row 2: budget_gb = '0' (rule: a number > 0)"),
     ("repeat-0", _set("compute_repeat", "0"),
-     " row 1: compute_repeat = '0' (rule: an integer >= 1)"),
-    ("no-policy", _set("policy", ""), " row 1: policy = '' (rule: not empty)"),
+     " row 2: compute_repeat = '0' (rule: an integer >= 1)"),
+    ("no-policy", _set("policy", ""), " row 2: policy = '' (rule: not empty)"),
     ("cut-in-overrides", lambda t: t[: t.rindex("policy=fmoe") + 4],
-     " row 1: no line break at its end (rule: every row ends with one"),
+     " row 2: no line break at its end (rule: every row ends with one"),
     ("cut-mid-row", lambda t: t[: t.index(",fmoe,") + 5] + "\n",
-     " row 1: 4 fields, the header 14 (rule: a field per column"),
+     " row 2: 4 fields, the header 14 (rule: a field per column"),
     ("open-quote", lambda t: t + '"olmoe,3.2\n',
      " line 4: not CSV: unexpected end of data"),
 ]  # fmt: skip
@@ -285,10 +285,10 @@ SUBCOMMANDS = {
 def test_a_bad_replay_csv_is_one_line_naming_file_row_and_rule(tmp_path, capsys, case, edit,
                                                               fragment):  # fmt: skip
     """Each subcommand that reads replay.csv files: one line naming the file, the row
-    (0-based) and column, and the rule; nothing written.  Red when pandas' EmptyDataError,
-    a KeyError, TypeError or ValueError escapes, a truncated row reaches Hydra's override
-    parser, or a header-only file or a NaN or negative latency is scored (exit 0, a
-    report of empty means)."""
+    (data rows counted from 1) and column, and the rule; nothing written.  Red when
+    pandas' EmptyDataError, a KeyError, TypeError or ValueError escapes, a truncated row
+    reaches Hydra's override parser, or a header-only file or a NaN or negative latency is
+    scored (exit 0, a report of empty means)."""
     good = tmp_path / "good.csv"
     good.write_text(GOOD)
     assert len(C.read_replays([good])) == 2  # the base breaks no rule

@@ -143,6 +143,17 @@ def test_from_arrays_and_routed_experts_files(tmp_path: Path) -> None:
         from_arrays(np.array([[[1, -1], [2, 3]]]), tmp_path / "t5", M)
 
 
+def test_npz_requests_keep_the_order_savez_was_given(tmp_path: Path) -> None:
+    """Red if an .npz's arrays are taken in string order (arr_0, arr_1, arr_10, arr_11,
+    arr_2, ...): request i must be the i-th array, with the i-th prompt length."""
+    arrs = [np.tile([0, 1], (i + 1, 2, 1)) for i in range(12)]  # request i: i + 1 tokens
+    prompts = [1 + i % 2 for i in range(12)]
+    np.savez(tmp_path / "r.npz", *arrs, prompt_tokens=np.array(prompts))
+    tr = read_trace(import_routed_experts(tmp_path / "r.npz", tmp_path / "t", M))
+    assert tr.prompt_tokens.tolist() == prompts
+    assert tr.output_tokens.tolist() == [i + 1 - p + 1 for i, p in enumerate(prompts)]
+
+
 @pytest.mark.skipif(not EDGE.is_dir(), reason="../shared/data (BigMoeOnEdge route log) is absent")
 def test_real_engine_log_imports_through_the_cli(tmp_path: Path) -> None:
     """Red if the real on-device engine's log (turn, phase, step, slot, expert, weight,

@@ -94,6 +94,16 @@ BAD_TABLES = [
      " line 1: layer in a comment is in [0, 2) (got '7')"),
     ("r.csv", '# layer=0 expert_bytes=64\n# layer=0 expert_bytes=65\nlayer,experts\n0,"[0, 1]"\n',
      " line 2: one expert size per layer (layer 0: 65 after 64)"),
+    # a size column of 0 on a layer's first row (a KeyError traceback)
+    ("r.csv", 'layer,experts,size_bytes\n0,"[0, 1]",0\n',
+     " row 1: expert_bytes > 0 (layer 0: got 0)"),
+    ("r.csv", 'layer,experts,size_bytes\n0,"[0, 1]",64\n0,"[2, 3]",65\n',
+     " row 2: one expert size per layer (layer 0: 65 after 64)"),
+    # an empty request id became a request named "nan"
+    ("r.csv", 'request_id,layer,experts\n0,0,"[0, 1]"\n0,1,"[2, 3]"\n,0,"[0, 1]"\n',
+     " row 3: request_id is given on every row (it is empty)"),
+    ("r.jsonl", [{"problem_id": None, "layer": 0, "experts": [0, 1]}],
+     " line 1: problem_id is given on every row (it is empty)"),
     # top-k count and duplicates: the row that breaks the rule
     ("r.csv", 'layer,experts\n0,"[0, 1]"\n1,"[0, 1, 2]"\n', " row 2: every token has 2 distinct"),
     ("r.csv", "layer,slot,expert\n0,0,1\n0,1,1\n", " row 2: every token has 2 distinct"),
@@ -115,9 +125,10 @@ def test_bad_route_tables_name_file_row_and_rule(
     tmp_path: Path, name: str, text: object, expected: str
 ) -> None:
     """Red if a JSON-array line or a NaN, null or text weight raises a traceback, a bad
-    JSON line is named by a byte offset instead of its line, a bad rank, phase or size
-    comment is accepted, a top-k error names no row, or an empty file is reported as a
-    missing layer column."""
+    JSON line is named by a byte offset instead of its line, a bad rank, phase, size
+    column or size comment is accepted (or a size of 0 raises a KeyError), an empty
+    request id becomes a request named "nan", a top-k error names no row, or an empty
+    file is reported as a missing layer column."""
     src = tmp_path / name
     if isinstance(text, list):
         jsonl(src, text)
@@ -246,6 +257,61 @@ def test_routed_experts_name_the_npz_array(tmp_path: Path) -> None:
     assert str(info.value).startswith(f"{tmp_path / 'r.npz'} array 'b', token 0, layer 1:")
 
 
+OK_LIST = _ok().tolist()
+BAD_ROUTED_JSON = [
+    # non-integer ids were truncated, booleans and strings cast; a 1e30 id an OverflowError
+    ({"routed_experts": (_ok() + 0.5).tolist()}, "routed_experts holds integer expert ids"),
+    ({"routed_experts": [[[True, False]] * 2] * 3}, "routed_experts holds integer expert ids"),
+    ({"routed_experts": [[["0", "1"]] * 2] * 3}, "routed_experts holds integer expert ids"),
+    ({"routed_experts": [[[10**30, 1]] * 2] * 3}, "routed_experts holds integer expert ids"),
+    # prompt lengths cast (2.9 became 2), or all dropped when one request lacked one
+    ({"routed_experts": OK_LIST, "prompt_tokens": 2.9}, "prompt_tokens is an integer (request 0"),
+    ({"routed_experts": OK_LIST, "prompt_tokens": True}, "prompt_tokens is an integer (request 0"),
+    ([{"routed_experts": OK_LIST, "prompt_tokens": 2}, {"routed_experts": OK_LIST}],
+     "every request gives prompt_tokens, or none does (request 1 has none)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("doc", "expected"), BAD_ROUTED_JSON, ids=[e for _, e in BAD_ROUTED_JSON])
+def test_bad_routed_experts_json(tmp_path: Path, doc: object, expected: str) -> None:
+    """Red if a float, boolean or string expert id or prompt length is cast to an integer
+    (or a 1e30 id raises an OverflowError), or one request's missing prompt length
+    silently drops every request's."""
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    with pytest.raises(FmoesimError) as info:
+        import_routed_experts(tmp_path / "r.json", tmp_path / "t", M)
+    msg = str(info.value)
+    assert msg.startswith(f"{tmp_path / 'r.json'}: {expected}"), msg
+    assert_nothing_written(tmp_path / "t")
+
+
+def test_unreadable_routed_experts_files(tmp_path: Path) -> None:
+    """Red if a truncated .npz raises BadZipFile, JSON nested past Python's recursion
+    limit raises RecursionError, or a directory is reported as missing."""
+    np.savez(tmp_path / "ok.npz", a=_ok(), b=_ok())
+    (tmp_path / "r.npz").write_bytes((tmp_path / "ok.npz").read_bytes()[:300])
+    (tmp_path / "r.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "d.npz").mkdir()
+    for name, expected in (("r.npz", ": readable ("), ("r.json", ": readable (")):
+        with pytest.raises(FmoesimError) as info:
+            import_routed_experts(tmp_path / name, tmp_path / "t", M)
+        assert str(info.value).startswith(str(tmp_path / name) + expected), str(info.value)
+    with pytest.raises(FmoesimError, match=r"d\.npz: a \.npy, \.npz or \.json file, not a dir"):
+        import_routed_experts(tmp_path / "d.npz", tmp_path / "t", M)
+    assert_nothing_written(tmp_path / "t")
+
+
+def test_zero_prompt_tokens_refused_for_routed_experts(tmp_path: Path, capsys) -> None:
+    """Red if ``--prompt-tokens 0`` is ignored (the file's or the default length used)."""
+    np.save(tmp_path / "r.npy", _ok(T=20, L=MIXTRAL_L))
+    line = refused(
+        capsys, "import", "vllm-routed-experts", str(tmp_path / "r.npy"), str(tmp_path / "o"),
+        "--prompt-tokens", "0",
+    )  # fmt: skip
+    assert line.endswith("--prompt-tokens must be >= 1, got 0")
+    assert_nothing_written(tmp_path / "o")
+
+
 def test_more_experts_than_top_k_refused_on_the_command_line(tmp_path: Path, capsys) -> None:
     """Red if the import exits 0 and writes a top-3 trace that a run then refuses."""
     np.save(tmp_path / "r.npy", _ok(T=20, L=MIXTRAL_L, K=3))
@@ -286,6 +352,19 @@ def test_eamc_counts_above_the_tokens_refused_before_writing(tmp_path: Path, cap
     assert_nothing_written(tmp_path / "t")
 
 
+def test_eamc_counts_beyond_int32_refused_without_a_warning(tmp_path: Path) -> None:
+    """Red if a count of 1e30 reaches the int64 cast (numpy's RuntimeWarning, a second
+    line on stderr) before it is refused."""
+    bad = np.zeros((2, 2, 4))
+    bad[1, 0, 0] = 1e30
+    np.save(tmp_path / "e.npy", bad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(FmoesimError, match=r"e\.npy row 1: .*counts are at most 2147483647"):
+            import_eamc(tmp_path / "e.npy", tmp_path / "t", M)
+    assert_nothing_written(tmp_path / "t")
+
+
 # -- --force ------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["file", "folder"])
 def test_force_replaces_only_a_trace_directory(tmp_path: Path, capsys, kind: str) -> None:
@@ -304,6 +383,23 @@ def test_force_replaces_only_a_trace_directory(tmp_path: Path, capsys, kind: str
     assert kept.read_text() == "precious"
     with pytest.raises(FmoesimError, match="already exists and is"):  # the Python API too
         import_table(src, out, M, overwrite=True)
+
+
+def test_synth_refuses_its_destination_before_any_progress_bar(tmp_path: Path, capsys) -> None:
+    """Red if synth starts its progress bar before the destination is checked (two lines
+    on stderr, the error glued to the bar), or a destination under a plain file reports
+    the writer's hidden temporary folder (or a traceback) instead of the path given."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "thesis.txt").write_text("precious")
+    line = refused(capsys, "synth", "--requests", "1", str(out))
+    assert line == f"fmoesim-trace: error: {out}: already exists and is a directory without " \
+        "trace.json (rule: overwrite=True / --force replaces only a trace directory, one " \
+        "holding trace.json, or an empty directory)"  # fmt: skip
+    (tmp_path / "f").write_text("a file")
+    line = refused(capsys, "synth", "--requests", "1", str(tmp_path / "f" / "t"))
+    assert line.startswith(f"fmoesim-trace: error: {tmp_path / 'f' / 't'}: cannot be written (")
+    assert (tmp_path / "f").read_text() == "a file"
 
 
 def test_force_still_replaces_a_trace_and_fills_an_empty_folder(tmp_path: Path) -> None:
@@ -358,7 +454,7 @@ BAD_TRACES = [
     (lambda t: edit_manifest(t / S.MANIFEST, lambda r: r["model"].update(dense_layers=-2)),
      "trace.json: ", "got -2 (rule: model.dense_layers is a non-negative integer)"),
     (lambda t: edit_manifest(t / S.MANIFEST, lambda r: r["model"].update(num_layers=True)),
-     "trace.json: ", "got True (rule: model.num_layers is a positive integer)"),
+     "trace.json: ", "got True (rule: model.num_layers is an integer in [1, 2**31))"),
     (lambda t: edit_manifest(t / S.MANIFEST, lambda r: r.update(schema_version=True)),
      "trace.json: ", "schema_version is True (rule: schema_version is 1)"),
     (lambda t: edit_manifest(
@@ -416,7 +512,7 @@ def test_out_of_range_token_counts_in_an_arrival_csv(tmp_path: Path, col: str) -
         with pytest.raises(FmoesimError) as info:
             read_azure_csv(p)
     assert str(info.value) == (
-        f"{p} row 1: {col} = {HUGE} (rule: a positive integer at most 2147483647)"
+        f"{p} row 2: {col} = {HUGE} (rule: a positive integer at most 2147483647)"
     )
 
 
@@ -428,5 +524,5 @@ def test_synth_with_an_overflowing_arrival_csv_is_one_line(tmp_path: Path, capsy
         line = refused(
             capsys, "synth", "--requests", "2", "--arrivals", str(p), str(tmp_path / "o")
         )
-    assert f"{p} row 0: ContextTokens = " in line and "at most 2147483647" in line
+    assert f"{p} row 1: ContextTokens = " in line and "at most 2147483647" in line
     assert_nothing_written(tmp_path / "o")

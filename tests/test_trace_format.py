@@ -240,18 +240,22 @@ MANIFEST_CASES = [
     (
         "model_zero_layers",
         _set_model("num_layers", 0),
-        "got 0 (rule: model.num_layers is a positive integer)",
+        "got 0 (rule: model.num_layers is an integer in [1, 2**31))",
     ),
     (
         "model_string_experts",
         _set_model("num_experts", "4"),
-        "got '4' (rule: model.num_experts is a positive integer)",
+        "got '4' (rule: model.num_experts is an integer in [1, 2**31))",
     ),
     (
         "model_float_hidden",
         _set_model("hidden_size", 16.0),
-        "rule: model.hidden_size is a positive integer",
+        "rule: model.hidden_size is an integer in [1, 2**31)",
     ),
+    # beyond the files' int32 (an OverflowError from pyarrow, a 2.5 PiB allocation)
+    ("model_huge_layers", _set_model("num_layers", 2**40), "rule: model.num_layers is an integer"),
+    ("model_huge_experts", _set_model("num_experts", 2**31), "model.num_experts is an integer"),
+    ("huge_embedding_dim", _set("embedding_dim", 2**31), "rule: embedding_dim is an integer"),
     (
         "top_k_gt_experts",
         _set_model("top_k", 5),
@@ -260,7 +264,7 @@ MANIFEST_CASES = [
     (
         "negative_embedding_dim",
         _set("embedding_dim", -1),
-        "rule: embedding_dim is a non-negative integer",
+        "rule: embedding_dim is an integer in [0, 2**31)",
     ),
     ("has_probs_string", _set("has_probs", "false"), "rule: has_probs is true or false"),
     ("source_string", _set("source", "synthetic"), "rule: source is a JSON object"),
@@ -296,7 +300,9 @@ def test_manifest_missing(trace_dir: Path) -> None:
         ("{not json", "rule: trace.json is valid JSON"),
         ("", "rule: trace.json is valid JSON"),
         ("[1, 2]", "rule: trace.json is a JSON object"),
+        ("[" * 100_000 + "]" * 100_000, "rule: trace.json is valid JSON"),  # RecursionError
     ],
+    ids=["not-json", "empty", "array", "nested-too-deep"],
 )
 def test_manifest_not_json_object(trace_dir: Path, text: str, expected: str) -> None:
     (trace_dir / S.MANIFEST).write_text(text)
@@ -304,6 +310,14 @@ def test_manifest_not_json_object(trace_dir: Path, text: str, expected: str) -> 
         read_trace(trace_dir)
     assert str(info.value).startswith(str(trace_dir / S.MANIFEST))
     assert expected in str(info.value)
+
+
+def test_manifest_with_huge_layers_fails_on_the_row_count(trace_dir: Path) -> None:
+    """Red if the expected (request, iteration, layer) sequence is built for every
+    iteration x 2**30 layers (terabytes) before the row count is found wrong."""
+    edit_manifest(trace_dir / S.MANIFEST, _set_model("num_layers", 2**30))
+    with pytest.raises(TraceError, match=r"routing\.parquet row \d+: .* one row per"):
+        read_trace(trace_dir)
 
 
 def test_trace_directory_missing(tmp_path: Path) -> None:

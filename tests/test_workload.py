@@ -317,21 +317,21 @@ def test_read_azure_csv(tmp_path: Path) -> None:
         ),
         (
             AZURE.replace("396,109", "0,109"),
-            " row 1: ContextTokens = 0 (rule: a positive integer at most 2147483647)",
+            " row 2: ContextTokens = 0 (rule: a positive integer at most 2147483647)",
         ),
         (
             AZURE.replace("879,20", "879,2.5"),
-            " row 2: GeneratedTokens = 2.5 (rule: a positive integer at most 2147483647)",
+            " row 3: GeneratedTokens = 2.5 (rule: a positive integer at most 2147483647)",
         ),
         (
             AZURE.replace("879,20", "879,"),
-            " row 2: GeneratedTokens = nan (rule: a positive integer at most 2147483647)",
+            " row 3: GeneratedTokens = nan (rule: a positive integer at most 2147483647)",
         ),
         (
             AZURE.replace("2023-11-16 18:15:50.9951690", "yesterday"),
-            " row 1: TIMESTAMP 'yesterday' is not a time",
+            " row 2: TIMESTAMP 'yesterday' is not a time",
         ),
-        (AZURE.replace("18:16:01", "18:15:01"), " row 2: TIMESTAMP goes backwards"),
+        (AZURE.replace("18:16:01", "18:15:01"), " row 3: TIMESTAMP goes backwards"),
         ("TIMESTAMP,ContextTokens,GeneratedTokens\n", ": no rows (rule: at least one request)"),
     ],
     ids=[

@@ -16,7 +16,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from fmoesim.errors import ConfigError, run_or_exit
 
@@ -24,35 +23,33 @@ PROG = "fmoesim-trace"
 
 
 def _parse_set(items: list[str]) -> dict[str, object]:
-    """``key=value`` pairs for SyntheticConfig, values typed like the field's default."""
+    """``key=value`` pairs for SyntheticConfig, values typed like the field (its
+    annotation: ``float | None`` takes a number or ``null``)."""
+    import typing
+
     from fmoesim.workload.synthetic import SyntheticConfig
 
-    fields = {f.name: f for f in dataclasses.fields(SyntheticConfig)}
+    hints = typing.get_type_hints(SyntheticConfig)
     out: dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError("--set", item, "must be key=value")
-        if key not in fields:
+        if key not in hints:
             raise ConfigError(
-                f"--set {key}", value, f"unknown knob; valid: {', '.join(sorted(fields))}"
+                f"--set {key}", value, f"unknown knob; valid: {', '.join(sorted(hints))}"
             )
-        default = fields[key].default
+        kinds = [t for t in typing.get_args(hints[key]) or (hints[key],) if t is not type(None)]
+        kind = kinds[0]
+        optional = len(kinds) < len(typing.get_args(hints[key]) or (hints[key],))
+        if optional and value.lower() in ("null", "none"):
+            out[key] = None
+            continue
         try:
-            if value.lower() in ("null", "none"):
-                out[key] = None
-            elif isinstance(default, bool):
-                out[key] = value.lower() in ("1", "true", "yes")
-            elif isinstance(default, int):
-                out[key] = int(value)
-            elif isinstance(default, float) or default is None:
-                out[key] = float(value)
-            else:
-                out[key] = value
+            out[key] = int(value) if kind is int else float(value) if kind is float else value
         except ValueError:
-            raise ConfigError(
-                f"--set {key}", value, f"must be a {type(default).__name__}"
-            ) from None
+            what = "an integer" if kind is int else "a number"
+            raise ConfigError(f"--set {key}", value, f"must be {what}") from None
     return out
 
 

@@ -147,27 +147,27 @@ def read_golden(path: Path) -> Any:
         raise FmoesimError(f"{path}: missing column(s) {sorted(missing)}")
     for i, v in enumerate(df.policy):
         if not isinstance(v, str) or not v.strip():
-            raise FmoesimError(f"{path}: row {i + 2}: policy is empty")
+            raise FmoesimError(f"{path}: row {i + 1}: policy is empty")
     for col in ("budget_gb", "hit_rate"):
         num = pd.to_numeric(df[col], errors="coerce")
         for i, (raw, v) in enumerate(zip(df[col], num, strict=True)):
             if v != v and raw == raw:  # a value that is not a number (an empty cell is NaN)
-                raise FmoesimError(f"{path}: row {i + 2}: {col} {raw!r} is not a number")
+                raise FmoesimError(f"{path}: row {i + 1}: {col} {raw!r} is not a number")
         df[col] = num.astype("float64")
     bad = df[~((df.budget_gb > 0) & (df.budget_gb < float("inf")))]
     if len(bad):
         i = int(bad.index[0])
-        raise FmoesimError(f"{path}: row {i + 2}: budget_gb must be a positive number")
+        raise FmoesimError(f"{path}: row {i + 1}: budget_gb must be a positive number")
     bad = df[(df.hit_rate < 0) | (df.hit_rate > 1) | df.hit_rate.isna()]
     if len(bad):
         i = int(bad.index[0])
-        raise FmoesimError(f"{path}: row {i + 2}: hit_rate must be in [0, 1]")
+        raise FmoesimError(f"{path}: row {i + 1}: hit_rate must be in [0, 1]")
     first: dict[tuple[str, float], int] = {}
     for i, key in enumerate(zip(df.policy, df.budget_gb, strict=True)):
         if key in first:
             raise FmoesimError(
-                f"{path}: row {i + 2}: policy {key[0]} at budget_gb {key[1]:g} again (row "
-                f"{first[key] + 2} has it; rule: one row per policy and budget)"
+                f"{path}: row {i + 1}: policy {key[0]} at budget_gb {key[1]:g} again (row "
+                f"{first[key] + 1} has it; rule: one row per policy and budget)"
             )
         first[key] = i
     return df

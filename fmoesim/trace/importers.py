@@ -82,9 +82,9 @@ def read_vllm_routes(src: str | os.PathLike[str], model: ModelSpec) -> tuple[Rou
                 where = f"line {n}"
                 try:
                     row = json.loads(line)
-                except json.JSONDecodeError as exc:
+                except (ValueError, RecursionError) as exc:  # nested too deep: RecursionError
                     raise ImportError_(
-                        path, where, "each line is a JSON object", str(exc)
+                        path, where, "each line is a JSON object", str(exc).splitlines()[0]
                     ) from None
                 if not isinstance(row, dict):
                     raise ImportError_(path, where, "each line is a JSON object")
@@ -232,6 +232,9 @@ def import_eamc(
     if not np.isfinite(arr).all():
         bad = int(np.flatnonzero(~np.isfinite(arr).all(axis=(1, 2)))[0])
         raise ImportError_(path, f"row {bad}", "counts are finite")
+    huge = np.flatnonzero((np.abs(arr) > MAX_TOKENS).any(axis=(1, 2)))
+    if len(huge):  # a count is a number of tokens (int32); int64 cannot hold 1e30
+        raise ImportError_(path, f"row {int(huge[0])}", f"counts are at most {MAX_TOKENS}")
     counts = np.rint(arr).astype(np.int64)
     bad_rows = np.flatnonzero(
         (counts < 0).any(axis=(1, 2)) | (np.abs(arr - counts) > 1e-6).any(axis=(1, 2))

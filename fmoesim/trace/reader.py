@@ -555,9 +555,8 @@ def _first_layer_gap(
 ) -> int | None:
     """First routing row where the (request, iteration, layer) sequence departs from expected."""
     n = min(len(r_rid), len(it_rid) * L)
-    exp_rid = np.repeat(it_rid, L)[:n]
-    exp_it = np.repeat(iteration, L)[:n]
-    exp_layer = np.tile(np.arange(L), len(it_rid))[:n]
+    k = np.arange(n)  # the expected sequence up to the rows there are, not N x L of it
+    exp_rid, exp_it, exp_layer = it_rid[k // L], iteration[k // L], k % L
     bad = (r_rid[:n] != exp_rid) | (r_it[:n] != exp_it) | (r_layer[:n] != exp_layer)
     return _first(bad) if bad.any() else n
 

@@ -196,7 +196,7 @@ class TraceManifest:
             raise TraceError(path, "a trace directory holds trace.json", detail="file not found")
         try:
             raw = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise TraceError(
                 path, "trace.json is valid JSON", detail=str(exc).splitlines()[0]
             ) from None
@@ -225,9 +225,9 @@ class TraceManifest:
             raise TraceError(path, "model.name is a string", detail=f"got {model.name!r}")
         for key in ("num_layers", "num_experts", "top_k", "hidden_size"):
             value = getattr(model, key)
-            if not is_json_int(value) or value <= 0:
+            if not is_json_int(value) or not 0 < value <= MAX_TOKENS:  # the files' int32
                 raise TraceError(
-                    path, f"model.{key} is a positive integer", detail=f"got {value!r}"
+                    path, f"model.{key} is an integer in [1, 2**31)", detail=f"got {value!r}"
                 )
         for key in ("num_shared_experts", "dense_layers"):
             value = getattr(model, key)
@@ -248,10 +248,10 @@ class TraceManifest:
                 "model.top_k <= model.num_experts",
                 detail=f"top_k={model.top_k}, num_experts={model.num_experts}",
             )
-        if not is_json_int(raw["embedding_dim"]) or raw["embedding_dim"] < 0:
+        if not is_json_int(raw["embedding_dim"]) or not 0 <= raw["embedding_dim"] <= MAX_TOKENS:
             raise TraceError(
                 path,
-                "embedding_dim is a non-negative integer",
+                "embedding_dim is an integer in [0, 2**31)",
                 detail=f"got {raw['embedding_dim']!r}",
             )
         for key in ("has_probs", "has_spec_probs", "has_tokens", "layer_gaps"):

@@ -55,12 +55,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from zipfile import BadZipFile
 
 import numpy as np
 
 from fmoesim.errors import FmoesimError
 from fmoesim.specs.model import ModelSpec
-from fmoesim.trace.schema import TraceManifest, TraceModel
+from fmoesim.trace.schema import TraceManifest, TraceModel, is_json_int
 from fmoesim.trace.writer import TraceWriter, check_destination
 
 #: canonical key -> the column names recognised without a map, first match wins
@@ -177,7 +178,7 @@ def _read_jsonl(path: Path) -> tuple[Any, np.ndarray]:
             except json.JSONDecodeError as exc:
                 detail = f"{exc.msg} at column {exc.colno}"
                 raise TableError(path, n, rule, detail, "line") from None
-            except ValueError as exc:  # not UTF-8 text
+            except (ValueError, RecursionError) as exc:  # not UTF-8 text, nested too deep
                 raise TableError(path, n, rule, str(exc).splitlines()[0], "line") from None
             if not isinstance(rec, dict):
                 raise TableError(path, n, rule, f"got {_json_kind(rec)}", "line")
@@ -322,6 +323,11 @@ def _columns(path: Path, names: Sequence[str], mapping: dict[str, str]) -> dict[
     return {k: out[k] for k in COLUMNS if k in out}
 
 
+def _missing(v: Any) -> bool:
+    """An empty cell: None, NaN (pandas' empty CSV cell, JSON null) or blank text."""
+    return v is None or (isinstance(v, float) and v != v) or (isinstance(v, str) and not v.strip())
+
+
 def _as_list(v: Any) -> list[Any] | None:
     """A list-valued cell (a list, an array, or JSON text of a list), else None."""
     if isinstance(v, (list, tuple, np.ndarray)):
@@ -329,7 +335,7 @@ def _as_list(v: Any) -> list[Any] | None:
     if isinstance(v, str) and v.strip().startswith("["):
         try:
             out = json.loads(v)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep
             return None
         return out if isinstance(out, list) else None
     return None
@@ -396,7 +402,10 @@ def read_table(
     out: dict[str, _Request] = {}
     seen: dict[str, set[tuple[int, ...]]] = {}
     step: dict[str, int] = {}
+    request_col = get.get("request")
     for i in range(n):
+        if request_col is not None and _missing(request_col[i]):
+            raise origin.error(i, f"{cols['request']} is given on every row", "it is empty")
         name = str(reqs[i])
         r = out.get(name)
         if r is None:
@@ -407,11 +416,12 @@ def read_table(
             raise origin.error(i, f"layer in [0, {L})", f"got {layer}")
         if size_col is not None:
             b = _int(origin, i, "expert_bytes", size_col[i])
-            if b <= 0 or layer_size.setdefault(layer, b) != b:
+            if b <= 0:
+                raise origin.error(i, "expert_bytes > 0", f"layer {layer}: got {b}")
+            if layer_size.setdefault(layer, b) != b:
                 raise origin.error(
-                    i, "one expert size (> 0) per layer",
-                    f"layer {layer}: {b} after {layer_size[layer]}",
-                )  # fmt: skip
+                    i, "one expert size per layer", f"layer {layer}: {b} after {layer_size[layer]}"
+                )
         # without a position column every token is at 0: the restart rule steps per token
         p = _int(origin, i, "position", pos[i]) if pos is not None else 0
         if p < 0:
@@ -754,15 +764,22 @@ def import_routed_experts(
 ) -> Path:
     """vLLM's routed experts (``--enable-return-routed-experts``): per request an integer
     array ``(tokens, layers, top_k)``, ``top_k`` at most the model's.  ``.npy``: one
-    request; ``.npz``: one request per array, in key order (an array ``prompt_tokens`` of
-    lengths, when present, is read instead of being a request); ``.json``: an object
-    ``{"routed_experts": [...], "prompt_tokens": n}`` or a list of them.
-    ``prompt_tokens`` given here overrides what the file stores (default 1).  Errors name
+    request; ``.npz``: one request per array, in the order the file stores them (the
+    order ``np.savez`` was given them; an array ``prompt_tokens`` of lengths, when
+    present, is read instead of being a request); ``.json``: an object
+    ``{"routed_experts": [...], "prompt_tokens": n}`` or a list of them, each with
+    ``prompt_tokens`` or none.  Expert ids and prompt lengths are integers (a float, a
+    string or a boolean is refused).  ``prompt_tokens`` given here overrides what the
+    file stores (default 1).  Errors name
     the file, the request (the ``.npz`` array's key, the ``.json`` list's index), the
     token and layer, and the rule."""
     path = Path(src)
+    if path.is_dir():
+        raise FmoesimError(f"{path}: a .npy, .npz or .json file, not a directory")
     if not path.is_file():
         raise FmoesimError(f"{path}: no such file")
+    if prompt_tokens is not None and prompt_tokens < 1:
+        raise FmoesimError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
     stored: list[int] | None = None
     keys: list[str] | None = None
     try:
@@ -770,21 +787,46 @@ def import_routed_experts(
             reqs = [np.load(path, allow_pickle=False)]
         elif path.suffix == ".npz":
             with np.load(path, allow_pickle=False) as z:
-                keys = sorted(k for k in z.files if k != "prompt_tokens")
+                keys = [k for k in z.files if k != "prompt_tokens"]
                 reqs = [z[k] for k in keys]
                 if "prompt_tokens" in z.files:
-                    stored = [int(x) for x in np.atleast_1d(z["prompt_tokens"])]
+                    lengths = np.atleast_1d(z["prompt_tokens"])
+                    if lengths.dtype.kind not in "iu":
+                        raise TableError(
+                            path, None, "prompt_tokens holds integers", f"got {lengths.dtype}"
+                        )
+                    stored = [int(x) for x in lengths]
         elif path.suffix == ".json":
             raw = json.loads(path.read_text())
             items = raw if isinstance(raw, list) else [raw]
             if not all(isinstance(x, dict) and "routed_experts" in x for x in items):
                 raise TableError(path, None, "each request is an object with 'routed_experts'")
-            reqs = [np.asarray(x["routed_experts"], dtype=np.int64) for x in items]
-            if all("prompt_tokens" in x for x in items):
-                stored = [int(x["prompt_tokens"]) for x in items]
+            reqs = []
+            for i, x in enumerate(items):
+                a = np.asarray(x["routed_experts"])
+                if a.dtype.kind not in "iu":  # floats, strings, booleans, ints beyond 64 bits
+                    raise TableError(
+                        path, None, "routed_experts holds integer expert ids",
+                        f"request {i}: got values of type {a.dtype}",
+                    )  # fmt: skip
+                reqs.append(a)
+            given = ["prompt_tokens" in x for x in items]
+            if any(given) and not all(given):
+                raise TableError(
+                    path, None, "every request gives prompt_tokens, or none does",
+                    f"request {given.index(False)} has none",
+                )  # fmt: skip
+            if all(given):
+                for i, x in enumerate(items):
+                    if not is_json_int(x["prompt_tokens"]):
+                        raise TableError(
+                            path, None, "prompt_tokens is an integer",
+                            f"request {i}: got {x['prompt_tokens']!r}",
+                        )  # fmt: skip
+                stored = [x["prompt_tokens"] for x in items]
         else:
             raise TableError(path, None, "routed experts are in a .npy, .npz or .json file")
-    except (ValueError, TypeError, OSError) as exc:
+    except (ValueError, TypeError, OSError, OverflowError, RecursionError, BadZipFile) as exc:
         raise TableError(path, None, "readable", str(exc).splitlines()[0]) from None
     if not reqs:
         raise TableError(path, None, "at least one request (array)")
@@ -793,7 +835,8 @@ def import_routed_experts(
             path, None, "one prompt length per request",
             f"{len(stored)} prompt_tokens for {len(reqs)} requests",
         )  # fmt: skip
-    p: int | list[int] = prompt_tokens or (stored if stored is not None else 1)
+    p: int | list[int]
+    p = prompt_tokens if prompt_tokens is not None else (stored if stored is not None else 1)
 
     def label(i: int) -> str:
         if keys is not None:

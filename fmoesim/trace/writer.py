@@ -93,8 +93,15 @@ class TraceWriter:
         self.manifest = manifest
         self._check, self._overwrite = check, overwrite
         check_destination(self.path, overwrite)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent))
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent)
+        except OSError as exc:  # a parent that is a file, a read-only or virtual file system
+            raise FmoesimError(
+                f"{self.path}: cannot be written ({exc.strerror or exc}; rule: the trace's "
+                "folder can be created and written to)"
+            ) from None
+        self._tmp = Path(tmp)
         m = manifest.model
         self._L, self._E, self._D = m.num_layers, m.num_experts, manifest.embedding_dim
         self._row_group = row_group_iterations

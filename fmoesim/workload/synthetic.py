@@ -127,6 +127,8 @@ class SyntheticConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"{prefix}.{key}", v, "must be a positive integer")
+            if v > MAX_TOKENS:  # a trace's columns are int32
+                raise ConfigError(f"{prefix}.{key}", v, "must be below 2**31")
         if not isinstance(self.embedding_dim, int) or self.embedding_dim < 0:
             raise ConfigError(
                 f"{prefix}.embedding_dim", self.embedding_dim, "must be an integer >= 0"
@@ -226,12 +228,12 @@ def _arrival_times_s(p: Path, cells: list[str]) -> np.ndarray:
         row = int(bad[0])
         if not_time[row]:
             raise FmoesimError(
-                f"{p} row {row}: TIMESTAMP {cells[row]!r} is not a time (rule: {_TIME_RULE})"
+                f"{p} row {row + 1}: TIMESTAMP {cells[row]!r} is not a time (rule: {_TIME_RULE})"
             )
         first = "a number" if is_num[0] else "a date-time"
         raise FmoesimError(
-            f"{p} row {row}: TIMESTAMP {cells[row]!r} mixes numbers and date-times (row 0 is "
-            f"{first}; rule: all date-times or all numbers of seconds)"
+            f"{p} row {row + 1}: TIMESTAMP {cells[row]!r} mixes numbers and date-times (row 1 "
+            f"is {first}; rule: all date-times or all numbers of seconds)"
         )
     if is_num[0]:
         seconds = np.array([float(c) for c in text])
@@ -240,7 +242,7 @@ def _arrival_times_s(p: Path, cells: list[str]) -> np.ndarray:
             row = int(bad[0])
             what = "is not a finite number" if not np.isfinite(seconds[row]) else "is negative"
             raise FmoesimError(
-                f"{p} row {row}: TIMESTAMP {cells[row]!r} {what} "
+                f"{p} row {row + 1}: TIMESTAMP {cells[row]!r} {what} "
                 "(rule: a numeric TIMESTAMP is seconds, finite and >= 0)"
             )
         arrival = seconds - seconds[0]
@@ -248,7 +250,7 @@ def _arrival_times_s(p: Path, cells: list[str]) -> np.ndarray:
         arrival = (parsed - parsed.iloc[0]).dt.total_seconds().to_numpy(dtype=np.float64)
     back = np.flatnonzero(np.diff(arrival) < 0)
     if len(back):
-        row = int(back[0]) + 1
+        row = int(back[0]) + 2  # the later of the two rows, counted from 1
         raise FmoesimError(f"{p} row {row}: TIMESTAMP goes backwards (rule: rows sorted by time)")
     return arrival
 
@@ -266,7 +268,7 @@ def read_azure_csv(path: str | os.PathLike[str], limit: int | None = None) -> _L
     Arrival times are seconds since the first row (so a numeric column need not start
     at 0), and rows must be sorted by time.  The token columns hold positive integers
     of at most ``2**31 - 1`` (a trace's token columns are int32).
-    Raises :class:`FmoesimError` naming the file, the row (0-based, header excluded) and
+    Raises :class:`FmoesimError` naming the file, the row (data rows counted from 1) and
     the rule on a malformed file: an unparseable time, a column mixing numbers and
     date-times, a negative or non-finite number, times going backwards.
     """
@@ -296,7 +298,7 @@ def read_azure_csv(path: str | os.PathLike[str], limit: int | None = None) -> _L
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
             raise FmoesimError(
-                f"{p} row {row}: {col} = {df[col].to_list()[row]!r} (rule: a positive integer "
+                f"{p} row {row + 1}: {col} = {df[col].to_list()[row]!r} (rule: a positive integer "
                 f"at most {MAX_TOKENS})"
             )
         out.append(vals.astype(np.int64))
@@ -591,12 +593,12 @@ class SyntheticWorkload:
         )
         # not self._request_seq.spawn(): spawn() is stateful, a second write() would differ
         seeds = [_child(self._request_seq, r) for r in range(cfg.num_requests)]
-        it = range(cfg.num_requests)
-        if progress:
-            from tqdm import tqdm
+        with TraceWriter(path, manifest, overwrite=overwrite) as w:  # checks the path first
+            it = range(cfg.num_requests)
+            if progress:
+                from tqdm import tqdm
 
-            it = tqdm(it, desc="synth", unit="req")
-        with TraceWriter(path, manifest, overwrite=overwrite) as w:
+                it = tqdm(it, desc="synth", unit="req")
             for r in it:
                 n_prompt, n_out = int(lens.prompt[r]), int(lens.output[r])
                 arrival = None if lens.arrival_s is None else float(lens.arrival_s[r])
