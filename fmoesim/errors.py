@@ -113,3 +113,22 @@ def run_or_exit(prog: str, fn: Callable[..., Any], *args: Any) -> Any:
             raise
         print(f"{prog}: error: {os_error_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Exception as exc:
+        if not is_omegaconf_error(exc):
+            raise
+        # a config the user's overrides made unreadable: '~model', a '${...}' that does
+        # not resolve or resolves to the wrong type
+        print(f"{prog}: error: {omegaconf_line(exc)}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def is_omegaconf_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is OmegaConf's (checked by module: no import of omegaconf here)."""
+    return type(exc).__module__.partition(".")[0] == "omegaconf"
+
+
+def omegaconf_line(exc: BaseException) -> str:
+    """One line for an OmegaConf error: the key it names, then its first line."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    key = getattr(exc, "full_key", None)
+    return f"config key '{key}': {first}" if key else first

@@ -41,6 +41,7 @@ import tarfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from zipfile import BadZipFile
 
 import numpy as np
 
@@ -215,8 +216,19 @@ class EventLog:
                     )
                 meta = json.loads(str(z["meta"]))
                 arrays = {k: z[k] for k in COLUMNS}
-        except (OSError, ValueError) as exc:  # not an .npz, or a broken one
-            raise FmoesimError(f"{name}: not an event log ({exc})") from None
+        except (OSError, ValueError, EOFError, BadZipFile) as exc:  # not an .npz, or cut
+            raise FmoesimError(f"{name}: not an event log ({_one_line(exc)})") from None
+        if not isinstance(meta, dict):
+            raise FmoesimError(f"{name}: meta is {type(meta).__name__} (rule: a JSON object)")
+        for k, want in COLUMNS.items():
+            got = arrays[k]
+            kind = np.dtype(want).kind
+            ok = got.dtype.kind in ("iu" if kind in "iu" else kind)
+            if got.ndim != 1 or not ok:
+                raise FmoesimError(
+                    f"{name}: {k} is a {got.ndim}-D array of {got.dtype} (rule: a 1-D array "
+                    f"of {np.dtype(want).name})"
+                )
         if meta.get("format") != FORMAT:
             got = meta.get("format")
             raise FmoesimError(f"{name}: event-log format {got}, this version reads {FORMAT}")
@@ -238,6 +250,21 @@ class EventLog:
                     "(rule: the columns of a table are equally long)"
                 )
         steps = len(a["step_layer"])
+        if not steps:
+            raise FmoesimError(f"{self.name}: no layer step (rule: a run's log has one or more)")
+        bad = np.flatnonzero(~(np.isfinite(a["step_gate_s"]) & (a["step_gate_s"] >= 0)))
+        if len(bad):
+            raise FmoesimError(
+                f"{self.name}: step_gate_s row {bad[0]} is {a['step_gate_s'][bad[0]]} (rule: a "
+                "time in seconds, finite and >= 0)"
+            )
+        for k in ("xfer_submit_s", "xfer_release_s", "xfer_start_s", "xfer_end_s"):
+            bad = np.flatnonzero(a[k] < 0)  # NaN: a transfer that never started or ended
+            if len(bad):
+                raise FmoesimError(
+                    f"{self.name}: {k} row {bad[0]} is {a[k][bad[0]]} (rule: a time in "
+                    "seconds, >= 0, or NaN where the transfer has none)"
+                )
         out = np.flatnonzero((a["access_step"] < 0) | (a["access_step"] >= steps))
         if len(out):
             raise FmoesimError(
@@ -263,18 +290,27 @@ def open_logs(source: Path) -> dict[str, EventLog]:
         for p in sorted(source.glob("*.npz")):
             logs[p.name] = EventLog.read(p, str(p))
     elif tarfile.is_tarfile(source):
-        with tarfile.open(source) as tar:
-            for m in tar.getmembers():
-                if m.isfile() and m.name.endswith(".npz"):
-                    f = tar.extractfile(m)
-                    assert f is not None
-                    name = Path(m.name).name
-                    logs[name] = EventLog.read(f.read(), f"{source}:{m.name}")
+        try:
+            with tarfile.open(source) as tar:
+                for m in tar.getmembers():
+                    if m.isfile() and m.name.endswith(".npz"):
+                        f = tar.extractfile(m)
+                        assert f is not None
+                        name = Path(m.name).name
+                        logs[name] = EventLog.read(f.read(), f"{source}:{m.name}")
+        except (tarfile.TarError, EOFError, OSError) as exc:  # a tar file cut short
+            raise FmoesimError(
+                f"--logs {source}: not a whole tar file ({_one_line(exc)})"
+            ) from None
     else:
         raise FmoesimError(f"--logs {source}: neither a directory nor a tar file of event logs")
     if not logs:
         raise FmoesimError(f"--logs {source}: holds no event log (*.npz)")
     return logs
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 # -- what a log says --------------------------------------------------------------------

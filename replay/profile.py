@@ -253,6 +253,8 @@ def profile(
         import torch
     except ImportError:
         raise FmoesimError("the profiler needs torch (pip install torch)") from None
+    if device != "cpu" and not device.startswith("cuda"):
+        raise FmoesimError(f"--device {device}: must be 'cpu' or 'cuda[:N]'")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise FmoesimError(f"--device {device}: CUDA is not available here")
     models = [models] if isinstance(models, ModelSpec) else list(models)
@@ -452,15 +454,36 @@ def _run(args: argparse.Namespace) -> None:
         raise FmoesimError("--model: give at least one model preset")
     models = [load_preset("model", n, ModelSpec) for n in names]
     base = load_preset("hardware", args.base, HardwareSpec) if args.base else None
+    for flag, dest in (("--out", args.out), ("--diagnostics", args.diagnostics)):
+        if dest is not None:
+            _check_file_destination(flag, Path(dest))
     spec = profile(models, args.device, repeats=args.repeats, name=args.name, base=base,
                    passes=args.passes, log=print)  # fmt: skip
+    rows = []
+    if args.diagnostics:  # measured before anything is written: both files or neither
+        rows = [{"model": m.name, **diagnostics(m, args.device, args.repeats)} for m in models]
     print(f"wrote {write_profile(spec, args.out)}")
     if args.diagnostics:
         import pandas as pd
 
-        rows = [{"model": m.name, **diagnostics(m, args.device, args.repeats)} for m in models]
-        pd.DataFrame(rows).to_csv(args.diagnostics, index=False)
+        from fmoesim.atomic import atomic_file
+
+        with atomic_file(args.diagnostics) as tmp:
+            pd.DataFrame(rows).to_csv(tmp, index=False)
         print(f"wrote {args.diagnostics}")
+
+
+def _check_file_destination(flag: str, path: Path) -> None:
+    """``path`` can be written as a file: not a directory, and its nearest existing
+    ancestor is a writable directory (checked before minutes of measuring)."""
+    if path.is_dir():
+        raise FmoesimError(f"{flag} {path}: is a directory (rule: a file to write)")
+    probe = path.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        why = "is a file" if not probe.is_dir() else "is not writable"
+        raise FmoesimError(f"{flag} {path}: cannot be written ({probe} {why})")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from fmoesim.errors import ConfigError, FmoesimError
 from fmoesim.results.store import ResultsStore, load_results
 from fmoesim.workload.synthetic import read_azure_csv
 from tests.test_cli import ROOT, ROUTES, fmoesim, model_overrides, run, write_sequence_trace
-from tests.tiny import TINY
+from tests.tiny import TINY, small_model
 
 BUDGET_GB = 2 * TINY.expert_size_bytes / 1e9  # two experts: 5/12 hits on ROUTES
 
@@ -206,11 +206,25 @@ BAD = [
         ["policy=moe-infinity", "policy.eamc_path=/no/such.npz"],
         "config key 'policy.eamc_path' = '/no/such.npz': file not found",
     ),
+    # the model's name names the run folder: '../..' wrote the run outside output.dir
+    (["model.name=../../x"], "config key 'model.name' = '../../x': must be a plain name"),
+    (["model.name="], "config key 'model.name' = '': must be a plain name"),
+    # numpy's ValueError and OverflowError tracebacks
+    (["seed=-1"], "config key 'seed' = -1: must be an integer in [0, 2**63)"),
+    (["seed=99999999999999999999999"], "must be an integer in [0, 2**63)"),
+    # an optional group: Hydra skipped the unknown preset and ran the defaults (exit 0)
+    (["experiment=nosuch"], "experiment=nosuch: unknown experiment; valid: fmoe-fig10"),
+    # OmegaConf's tracebacks (33 to 79 lines)
+    (["~model"], "config key 'model': Missing mandatory value: model"),
+    (["cache.budget_gb=${nosuch.key}"], "Interpolation key 'nosuch.key' not found"),
+    (["-m", "seed=0,1", "cache.budget_gb=${nosuch.key}"], "Interpolation key 'nosuch.key'"),
 ]
 
 
 @pytest.mark.parametrize(("args", "expected"), BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_refused_before_the_run_one_line(tmp_path, args, expected):
+    """Red if any of BAD runs (exit 0, a run folder written, possibly outside output.dir)
+    or ends in a traceback instead of one line naming the key and the rule."""
     assert_refused(fmoesim(*tiny(tmp_path, *args)), expected)
     assert_nothing_written(tmp_path)
     assert not (tmp_path.parent / "x").exists()
@@ -232,6 +246,9 @@ def test_check_added_keys_leaves_policy_groups_and_hydra_alone():
     with pytest.raises(FmoesimError, match="unknown key 'x' under 'model'"):
         check_added_keys(["+model.x=1"])
     assert _preflight_sweep(["experiment=fmoe-fig4"]) == 30  # its ++policy.* sweep is fine
+    with pytest.raises(FmoesimError, match="experiment=nosuch: unknown experiment"):
+        check_added_keys(["experiment=fmoe-fig4,nosuch"])  # each value of a sweep
+    check_added_keys(["hardware=measured/h100-3", "policy=lru,lfu"])  # presets that exist
 
 
 def test_a_budget_above_every_expert_runs(tmp_path):
@@ -437,6 +454,46 @@ def test_sweep_prints_one_line_per_job_and_summaries_with_verbose(tmp_path):
     assert p.stdout.count("[sweep ") == 4
 
 
+def test_a_sweep_reads_every_points_inputs_before_its_first_run(tmp_path):
+    """Red if a sweep runs (and stores) its first point before finding that a later
+    point's trace is missing, has another model's shape, or its arrivals CSV is broken."""
+    other = tmp_path / "other"
+    three = small_model(3, TINY.num_experts, TINY.top_k)  # TINY's experts, 3 layers
+    write_sequence_trace(other, [[0, 1, 0]] * 2, three)
+    bad_csv = tmp_path / "bad.csv"
+    bad_csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,4,2\n-1,4,2\n")
+    good_csv = tmp_path / "good.csv"
+    good_csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,4,2\n1,4,2\n")
+    base = tiny(tmp_path)
+    seq = base[0].split("=", 1)[1]
+    online = ["serving.mode=online", "serving.arrivals=csv"]
+    for sweep, needle in (
+        ([f"workload.path={seq},{tmp_path / 'none'}"], "trace directory not found (sweep run 2/2"),
+        ([f"workload.path={seq},{other}"], "has num_layers = 3"),
+        ([*online, f"serving.arrivals_csv={good_csv},{bad_csv}"], "bad.csv row 2: TIMESTAMP"),
+    ):
+        assert_refused(fmoesim("-m", *base[1:], base[0], *sweep), needle)
+        assert_nothing_written(tmp_path)
+
+
+def test_an_unreadable_config_is_one_line_in_every_command(capsys):
+    """Red if run_or_exit (fmoesim-min-budget, fmoesim-plot, ...) lets OmegaConf's
+    errors out as tracebacks, or swallows an error that is not OmegaConf's."""
+    from omegaconf import OmegaConf
+
+    from fmoesim.errors import run_or_exit
+
+    cfg = OmegaConf.create({"cache": {"budget_gb": "${nosuch.key}"}})
+    with pytest.raises(SystemExit) as exc:
+        run_or_exit("prog", lambda: cfg.cache.budget_gb)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "prog: error: config key 'cache.budget_gb': Interpolation key 'nosuch.key' not found"
+    ]
+    with pytest.raises(ZeroDivisionError):
+        run_or_exit("prog", lambda: 1 / 0)
+
+
 def test_an_output_path_under_a_plain_file_is_one_line(tmp_path, capsys):
     """An operating-system error on a path the user named (here an output folder under a
     plain file) is one line naming the path, exit 2, not a traceback; an OSError with no
@@ -494,3 +551,37 @@ def test_a_bad_arrivals_file_of_a_synthetic_trace_is_one_line(tmp_path):
     )  # fmt: skip
     assert_refused(p, f"{bad} row 1: ContextTokens = 'x'")
     assert_nothing_written(tmp_path)
+
+
+def test_a_preset_that_is_not_yaml_is_one_config_error(tmp_path, monkeypatch):
+    """Red if a preset file of garbage bytes raises yaml's ReaderError (a traceback in
+    fmoesim-profile --base) instead of one line naming the file."""
+    import fmoesim.config.build as build
+    from fmoesim.errors import ConfigError
+    from fmoesim.specs import HardwareSpec
+
+    (tmp_path / "hardware").mkdir()
+    (tmp_path / "hardware" / "junk.yaml").write_bytes(b"\x00\x01garbage")
+    monkeypatch.setattr(build, "CONF_DIR", tmp_path)
+    with pytest.raises(ConfigError, match=r"'hardware/junk\.yaml' = '': is not YAML: "):
+        build.load_preset("hardware", "junk", HardwareSpec)
+
+
+@pytest.mark.parametrize(
+    ("measured", "rule"),
+    [({"m": {"expert_a_s": "abc"}}, "'hardware.measured.m.expert_a_s' = 'abc': must be a finite"),
+     ({"m": 3}, "'hardware.measured.m' = 3: must be a mapping of coefficients"),
+     ({"m": {"expert_a_s": -1.0}}, "= -1.0: must be >= 0 (a time in seconds)"),
+     ({"m": {"host_decision_s": {"lru": float("nan")}}}, "host_decision_s.lru' = nan: must be"),
+     ({"link": {"h2d_65536_s": True}}, "h2d_65536_s' = True: must be a finite number")],
+)  # fmt: skip
+def test_a_measured_profile_of_the_wrong_kind_is_refused(measured, rule):
+    """Red if ``measured`` coefficients that are text, negative times, NaN or a number
+    where a model's table belongs reach the compute model (a ValueError or
+    AttributeError traceback in fmoesim-validate-grid score)."""
+    from fmoesim.errors import ConfigError
+    from fmoesim.specs import HardwareSpec
+
+    with pytest.raises(ConfigError) as info:
+        HardwareSpec(name="h", measured=measured).validate()
+    assert rule in str(info.value)

@@ -188,3 +188,23 @@ def test_cli_text_prompts_without_a_tokenizer_are_one_line(tmp_path, capfd):
     (err,) = cli(capfd, tmp_path / "model", prompts, tmp_path / "out")
     assert f"{prompts} line 3: a text prompt needs" in err
     assert not (tmp_path / "out.parts").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "rule"),
+    [("p.jsonl", b"\x89PNG\r\n\x1a\n\xff\xfe", "not UTF-8 text (byte 0; rule: a JSON or"),
+     ("p.json", b"[" * 100_000 + b"]" * 100_000, "not valid JSON ("),
+     ("p.jsonl", b'{"prompt": "a"}\n' + b"[" * 100_000 + b"\n", "line 2: not a JSON object (")],
+    ids=["binary", "json-nested-too-deep", "jsonl-nested-too-deep"],
+)  # fmt: skip
+def test_an_unreadable_prompt_file_is_one_error(tmp_path, name, data, rule):
+    """Red if a binary prompt file raises UnicodeDecodeError, or JSON nested past
+    Python's recursion limit raises RecursionError, instead of one line naming the file."""
+    from fmoesim.cli.collect_cli import read_prompt_lines
+    from fmoesim.errors import FmoesimError
+
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(FmoesimError) as info:
+        read_prompt_lines(tmp_path / name, None, None)
+    sep = " " if rule.startswith("line") else ": "
+    assert str(info.value).startswith(f"{tmp_path / name}{sep}{rule}"), str(info.value)

@@ -157,7 +157,7 @@ def test_logs_round_trip_through_a_directory_and_a_tar_and_bad_files_are_refused
     script bundles them) holds the same arrays; a file without an array, with an access
     outside the steps, with gates out of order or that is no log at all is refused in one
     line naming the file, the array or row and the rule.  Red if a column is lost on the
-    way or a broken log is read as if whole."""
+    way or a broken log is read as if whole (or raises a traceback)."""
     log = _hand_log()
     d = tmp_path / "events"
     E.save_log(d / "a_r0.npz", log.a, {"source": "test"})
@@ -185,6 +185,38 @@ def test_logs_round_trip_through_a_directory_and_a_tar_and_bad_files_are_refused
     (bad / "x.npz").write_text("not a log")
     with pytest.raises(FmoesimError, match=r"x\.npz: not an event log"):
         E.open_logs(bad)
+    # a log cut short or empty (BadZipFile, EOFError), a meta that is no object
+    # (AttributeError), a column of text (numpy's UFuncNoLoopError), times that are NaN or
+    # negative, no layer step at all: each a traceback or a report of n/a before
+    whole = (d / "a_r0.npz").read_bytes()
+    for data, rule in ((whole[: len(whole) // 2], "not an event log"),
+                       (b"", "not an event log")):  # fmt: skip
+        (bad / "x.npz").write_bytes(data)
+        with pytest.raises(FmoesimError, match=rf"x\.npz: {rule}"):
+            E.open_logs(bad)
+    np.savez(bad / "x.npz", meta=np.asarray('["1", "2"]'), **log.a)
+    with pytest.raises(FmoesimError, match=r"x\.npz: meta is list \(rule: a JSON object\)"):
+        E.open_logs(bad)
+    no_steps = {k: v[:0] if k.startswith(("step_", "access_")) else v for k, v in log.a.items()}
+    for arrays, rule in (
+        (dict(log.a, step_gate_s=np.array(["0", "1", "2"])),
+         r"step_gate_s is a 1-D array of <U1 \(rule: a 1-D array of float64\)"),
+        (dict(log.a, step_layer=log.a["step_layer"].reshape(-1, 1)),
+         r"step_layer is a 2-D array"),
+        (dict(log.a, step_gate_s=np.array([0.0, np.nan, 2.0])),
+         r"step_gate_s row 1 is nan \(rule: a time in seconds, finite and >= 0\)"),
+        (dict(log.a, xfer_start_s=-log.a["xfer_start_s"] - 1),
+         r"xfer_start_s row 0 is -\d.* \(rule: a time in seconds, >= 0"),
+        (no_steps, r"no layer step \(rule: a run's log has one or more\)"),
+    ):  # fmt: skip
+        E.save_log(bad / "x.npz", arrays, {})
+        with pytest.raises(FmoesimError, match=rf"x\.npz: {rule}"):
+            E.open_logs(bad)
+    cut = tmp_path / "cut.tar"
+    tar_bytes = (tmp_path / "events.tar").read_bytes()
+    cut.write_bytes(tar_bytes[: len(tar_bytes) // 3])
+    with pytest.raises(FmoesimError, match=r"cut\.tar: not a whole tar file"):
+        E.open_logs(cut)
     (tmp_path / "empty").mkdir()
     with pytest.raises(FmoesimError, match="holds no event log"):
         E.open_logs(tmp_path / "empty")

@@ -103,6 +103,34 @@ def test_bad_configs_name_the_file_and_key(tmp_path: Path) -> None:
     assert p.returncode == 2 and "config.json: is JSON" in p.stderr and not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("hidden_size", "big"), ("hidden_size", float("nan")), ("num_experts_per_tok", True),
+     ("num_local_experts", 1e12), ("q_lora_rank", "x"), ("n_shared_experts", 1.5)],
+)  # fmt: skip
+def test_a_value_of_the_wrong_type_is_one_line(key: str, value: object) -> None:
+    """Red if int() raises a ValueError traceback on a string or NaN, or ``true`` or
+    ``1e12`` become a top-k of True or a float count in the written preset."""
+    family = "deepseek_v3" if key in ("q_lora_rank", "n_shared_experts") else "mixtral"
+    cfg = {**BASE, **CASES[family][0], "model_type": family, key: value}
+    with pytest.raises(FmoesimError) as info:
+        model_from_config(cfg, "m")
+    assert str(info.value) == f"config.json: {key} = {value!r} (rule: an integer)"
+
+
+def test_names_are_plain_and_quoted_where_yaml_needs_it(tmp_path: Path) -> None:
+    """Red if a name with '/' or '..' is accepted (it names run folders), or a name that
+    YAML reads as a mapping, a list or a boolean is written unquoted."""
+    cfg = {**BASE, **CASES["mixtral"][0], "model_type": "mixtral"}
+    for bad in ("a/b", "../evil", ""):
+        with pytest.raises(FmoesimError, match="model.name"):
+            model_from_config(cfg, bad)
+    for name in ("x y: z", "[1]", "true"):
+        spec, used = model_from_config(cfg, name)
+        raw = OmegaConf.load(_write(tmp_path / "m.yaml", preset_yaml(spec, used)))
+        assert raw["name"] == name
+
+
 def test_command_writes_a_preset_and_keeps_an_existing_one(tmp_path: Path) -> None:
     """Red if the command does not write the preset where asked, named after the
     config's folder, or replaces an existing file without --force."""

@@ -123,3 +123,28 @@ def test_each_number_is_the_median_over_passes_so_one_slow_pass_sets_none(monkey
     assert spec.measured[TINY.name]["expert_a_s"] == pytest.approx(1.03 * 80e-6)
     with pytest.raises(FmoesimError, match="--passes 0"):
         P.profile(TINY, "cpu", sizes_bytes=sizes, passes=0)
+
+
+def test_the_command_refuses_a_bad_device_or_destination_before_measuring(tmp_path, capsys):
+    """Red if ``--device tpu`` reaches torch (a RuntimeError traceback), or a
+    ``--diagnostics`` file that cannot be written is found only after the profile was
+    written (a half-written result and a pandas traceback)."""
+    pytest.importorskip("torch", reason="the profiler needs torch")
+    from replay.profile import main
+
+    (tmp_path / "plain").write_text("x")
+    out = tmp_path / "p.yaml"
+    base = ["--model", "olmoe-1b-7b", "--out", str(out)]
+    for extra, line in (
+        (["--device", "tpu"], "--device tpu: must be 'cpu' or 'cuda[:N]'"),
+        (["--device", "cpu", "--diagnostics", str(tmp_path / "plain" / "d.csv")],
+         f"--diagnostics {tmp_path / 'plain' / 'd.csv'}: cannot be written ("
+         f"{tmp_path / 'plain'} is a file)"),
+        (["--device", "cpu", "--diagnostics", str(tmp_path)],
+         f"--diagnostics {tmp_path}: is a directory (rule: a file to write)"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            main([*base, *extra])
+        assert exc.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"fmoesim-profile: error: {line}"]
+        assert not out.exists()

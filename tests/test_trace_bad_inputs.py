@@ -387,8 +387,8 @@ def test_force_replaces_only_a_trace_directory(tmp_path: Path, capsys, kind: str
 
 def test_synth_refuses_its_destination_before_any_progress_bar(tmp_path: Path, capsys) -> None:
     """Red if synth starts its progress bar before the destination is checked (two lines
-    on stderr, the error glued to the bar), or a destination under a plain file reports
-    the writer's hidden temporary folder (or a traceback) instead of the path given."""
+    on stderr, the error glued to the bar), or a destination under a plain file is not
+    one line naming that file."""
     out = tmp_path / "o"
     out.mkdir()
     (out / "thesis.txt").write_text("precious")
@@ -398,7 +398,8 @@ def test_synth_refuses_its_destination_before_any_progress_bar(tmp_path: Path, c
         "holding trace.json, or an empty directory)"  # fmt: skip
     (tmp_path / "f").write_text("a file")
     line = refused(capsys, "synth", "--requests", "1", str(tmp_path / "f" / "t"))
-    assert line.startswith(f"fmoesim-trace: error: {tmp_path / 'f' / 't'}: cannot be written (")
+    assert line == f"fmoesim-trace: error: {tmp_path / 'f'}: cannot be made as a directory: " \
+        "is a file"  # fmt: skip
     assert (tmp_path / "f").read_text() == "a file"
 
 

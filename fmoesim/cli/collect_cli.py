@@ -40,12 +40,16 @@ def read_prompt_lines(path: Path, field: str | None, limit: int | None) -> list[
     """``(line or item number, prompt)`` pairs of a prompt file (see :func:`read_prompts`)."""
     if not path.is_file():
         raise FmoesimError(f"{path}: prompt file not found")
-    raw = path.read_text()
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise FmoesimError(f"{path}: not UTF-8 text (byte {exc.start}; rule: a JSON or "
+                           "JSON-lines prompt file)") from None  # fmt: skip
     items: list[tuple[int, Any]]
     if path.suffix == ".json":
         try:
             data = json.loads(raw)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise FmoesimError(f"{path}: not valid JSON ({exc})") from None
         if isinstance(data, dict):  # e.g. {"prompts": [...]}
             data = next((v for v in data.values() if isinstance(v, list)), None)
@@ -58,7 +62,7 @@ def read_prompt_lines(path: Path, field: str | None, limit: int | None) -> list[
             if line.strip():
                 try:
                     items.append((n, json.loads(line)))
-                except json.JSONDecodeError as exc:
+                except (ValueError, RecursionError) as exc:
                     raise FmoesimError(f"{path} line {n}: not a JSON object ({exc})") from None
     out: list[tuple[int, Any]] = []
     for n, item in items:

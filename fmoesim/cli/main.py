@@ -38,7 +38,13 @@ from fmoesim.config.build import (
     valid_presets,
 )
 from fmoesim.config.schema import CONF_DIR, RunConfig, register_configs, resolve_path
-from fmoesim.errors import FmoesimError, exit_interrupted, exit_stdout_closed
+from fmoesim.errors import (
+    FmoesimError,
+    exit_interrupted,
+    exit_stdout_closed,
+    is_omegaconf_error,
+    omegaconf_line,
+)
 
 PROG = "fmoesim"
 _HYDRA_FLAGS = {
@@ -67,21 +73,26 @@ def _fail(msg: str) -> None:
     raise SystemExit(2)
 
 
+def _unknown_preset(group: str, name: str) -> str:
+    """One line for preset ``name`` missing from ``group`` (``hardware/measured`` for
+    ``hardware=measured/<name>``), listing the valid names."""
+    top, _, sub = group.partition("/")
+    if sub and (CONF_DIR / group).is_dir():  # hardware=measured/<name>
+        listed = ", ".join(f"{sub}/{n}" for n in preset_names(group)) or "(none)"
+        return f"{top}={sub}/{name}: unknown {top}; valid in {sub}/: {listed}"
+    if sub and (CONF_DIR / top).is_dir():  # a subfolder that does not exist
+        return f"{top}={sub}/{name}: unknown {top}; valid: {valid_presets(top)}"
+    return f"{group}={name}: unknown {group}; valid: {valid_presets(group)}"
+
+
 def _friendly(exc: BaseException) -> str:
     """One line for a Hydra/OmegaConf composition error, listing valid names on a miss."""
     from hydra.errors import MissingConfigException
 
     if isinstance(exc, MissingConfigException) and getattr(exc, "missing_cfg_file", None):
-        missing = str(exc.missing_cfg_file)
-        group, _, name = missing.rpartition("/")
-        top, _, sub = group.partition("/")
-        if sub and (CONF_DIR / group).is_dir():  # hardware=measured/<name>
-            listed = ", ".join(f"{sub}/{n}" for n in preset_names(group)) or "(none)"
-            return f"{top}={sub}/{name}: unknown {top}; valid in {sub}/: {listed}"
-        if sub and (CONF_DIR / top).is_dir():  # a subfolder that does not exist
-            return f"{top}={sub}/{name}: unknown {top}; valid: {valid_presets(top)}"
+        group, _, name = str(exc.missing_cfg_file).rpartition("/")
         if group:
-            return f"{group}={name}: unknown {group}; valid: {valid_presets(group)}"
+            return _unknown_preset(group, name)
     cause = exc.__cause__
     full_key = getattr(cause, "full_key", None)
     if full_key is not None:
@@ -145,6 +156,13 @@ def check_added_keys(overrides: list[str]) -> None:
             raise FmoesimError(
                 f"{group}={o.value()}: unknown {group}; valid: {valid_presets(group)}"
             )
+        if not o.is_delete() and (CONF_DIR / group).is_dir():
+            value = o.value()
+            names = [value] if isinstance(value, str) else getattr(value, "list", None) or []
+            for name in names:  # Hydra skips an unknown preset of an optional group (experiment)
+                if isinstance(name, str) and not (CONF_DIR / group / f"{name}.yaml").is_file():
+                    folder, _, leaf = f"{group}/{name}".rpartition("/")
+                    raise FmoesimError(_unknown_preset(folder, leaf))
         if not (o.is_add() or o.is_force_add()):
             continue
         key = o.key_or_group
@@ -218,6 +236,10 @@ def _preflight(overrides: list[str]) -> None:
         _check_destinations(cfg)
     except FmoesimError as exc:
         _fail(str(exc))
+    except Exception as exc:  # '~model', a '${...}' that does not resolve
+        if not is_omegaconf_error(exc):
+            raise
+        _fail(omegaconf_line(exc))
 
 
 def sweep_points(overrides: list[str], preset_params: dict[str, Any]) -> list[list[str]]:
@@ -252,13 +274,15 @@ def experiment_points(experiment: str) -> list[list[str]]:
 
 def _preflight_sweep(overrides: list[str]) -> int:
     """Check every point of a sweep as a single run is checked (composition, every
-    value, where it writes), before any job runs; returns the number of points (0 for
-    a sweeper other than Hydra's basic one, whose points are not known in advance).
+    value, where it writes, its input files), before any job runs; returns the number of
+    points (0 for a sweeper other than Hydra's basic one, whose points are not known in
+    advance).
 
     Cheap: the config is composed once per distinct choice of config groups (``policy``,
     ``model``...), and each point's other overrides are applied to a copy of it, as
     Hydra applies overrides after composing the defaults (with Hydra's own function for
-    that; were it gone, each point is composed in full).  No trace is read.
+    that; were it gone, each point is composed in full).  Each trace's manifest and
+    each arrivals CSV is read once (:func:`_check_inputs`), not the traces' routing.
     """
     from hydra import initialize_config_dir
     from hydra._internal import config_loader_impl
@@ -283,6 +307,7 @@ def _preflight_sweep(overrides: list[str]) -> int:
             params = sweeper.get("params") or {}
             points = sweep_points(own, dict(params))
             bases: dict[tuple[str, ...], Any] = {}
+            inputs: dict[str, Any] = {}
             names: dict[str, int] = {}
             swept = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
             for k, point in enumerate(points):
@@ -304,6 +329,7 @@ def _preflight_sweep(overrides: list[str]) -> int:
                             raise FmoesimError(_friendly(exc)) from None
                     spec = build_run(cfg)
                     _check_destinations(cfg)
+                    _check_inputs(spec, inputs)
                 except FmoesimError as exc:
                     raise FmoesimError(f"{exc}{where}") from None
                 if spec.output.write and spec.output.name is not None:
@@ -362,6 +388,10 @@ def _main(argv: list[str]) -> None:
                 _preflight_sweep(overrides)
             except FmoesimError as exc:
                 _fail(str(exc))
+            except Exception as exc:
+                if not is_omegaconf_error(exc):
+                    raise
+                _fail(omegaconf_line(exc))
         else:
             _preflight(overrides)
     sys.argv = [PROG, *argv]
@@ -539,6 +569,32 @@ def _row_extras(result: Any, trace: Any) -> dict[str, Any]:
         if a.dtype.kind == "f" and a.size and np.isfinite(a).any():
             out[f"policy_mean_{k}"] = float(np.nanmean(a))
     return out
+
+
+def _check_inputs(spec: RunSpec, seen: dict[str, Any]) -> None:
+    """A sweep point's input files, as its run would read them first: the trace directory
+    exists and its manifest's shape is the model's; an arrivals CSV reads.  ``seen``
+    keeps each file's manifest or ``True`` across the points, so each is read once."""
+    from fmoesim.engine.simulate import check_manifest_shape
+    from fmoesim.trace.schema import MANIFEST, TraceManifest
+    from fmoesim.workload.synthetic import read_azure_csv
+
+    w = spec.workload
+    if w.kind == "trace":
+        path = resolve_path(w.path or "")
+        key = f"trace:{path}"
+        if key not in seen:
+            if not path.exists():
+                raise FmoesimError(f"workload.path '{w.path}': trace directory not found")
+            seen[key] = TraceManifest.load(path / MANIFEST)
+        check_manifest_shape(seen[key], path, spec.model)
+    csvs = [w.synthetic.arrivals_csv] if w.kind == "synthetic" else []
+    if spec.serving.mode == "online" and spec.serving.arrivals == "csv":
+        csvs.append(spec.serving.arrivals_csv)
+    for csv in csvs:
+        if csv and f"csv:{csv}" not in seen:
+            read_azure_csv(csv)
+            seen[f"csv:{csv}"] = True
 
 
 def _trace_path(spec: RunSpec) -> Path:

@@ -51,7 +51,10 @@ def load_preset(group: str, name: str, schema: type[T]) -> T:
     path = CONF_DIR / group / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(group, name, f"unknown {group} preset; valid: {valid_presets(group)}")
-    raw = OmegaConf.load(path)
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as exc:  # noqa: BLE001 - yaml's errors, not UTF-8, OmegaConf's
+        raise ConfigError(f"{group}/{name}.yaml", "", f"is not YAML: {one_line(exc)}") from None
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"{group}/{name}.yaml", "", "must be a YAML mapping")
     if "defaults" in raw:
@@ -156,6 +159,8 @@ def build_run(cfg: DictConfig) -> RunSpec:
         raise ConfigError("policy._target_", cfg.policy._target_, "is not a policies.base.Policy")
     output: OutputConfig = OmegaConf.to_object(cfg.output)  # type: ignore[assignment]
     check_output_name(output.name)
+    if not 0 <= cfg.seed < 2**63:  # an int64 seed (numpy's generators take no negative one)
+        raise ConfigError("seed", cfg.seed, "must be an integer in [0, 2**63)")
     return RunSpec(
         model,
         hardware,

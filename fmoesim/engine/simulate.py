@@ -32,6 +32,7 @@ from fmoesim.errors import ConfigError
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
 from fmoesim.trace.reader import Trace
+from fmoesim.trace.schema import TraceManifest
 from policies.base import FutureAccesses, LayerTimes, Policy, PolicyContext, RequestTrace
 from policies.lru import LRU
 
@@ -84,13 +85,19 @@ def transfer_table(transfers: list[TransferRecord], timed: bool = True) -> dict[
 
 def check_shapes(trace: Trace, model: ModelSpec) -> None:
     """Refuse a trace whose shape differs from the model's."""
-    tm = trace.manifest.model
+    check_manifest_shape(trace.manifest, trace.path, model)
+
+
+def check_manifest_shape(manifest: TraceManifest, path: Any, model: ModelSpec) -> None:
+    """Refuse a trace (its manifest, read from ``path``) whose shape differs from the
+    model's."""
+    tm = manifest.model
     for key in ("num_layers", "num_experts", "top_k", "encoder_layers"):
         if getattr(tm, key, 0) != getattr(model, key):
             raise ConfigError(
                 f"model.{key}",
                 getattr(model, key),
-                f"trace {trace.path} has {key} = {getattr(tm, key, 0)} "
+                f"trace {path} has {key} = {getattr(tm, key, 0)} "
                 f"(model '{tm.name}'); pick the matching model= preset",
             )
 

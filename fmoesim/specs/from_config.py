@@ -32,6 +32,7 @@ from typing import Any
 
 from fmoesim.errors import FmoesimError, run_or_exit
 from fmoesim.specs.model import DTYPE_BYTES, ModelSpec
+from fmoesim.trace.schema import is_json_int
 
 PROG = "fmoesim-model"
 FAMILIES = (
@@ -52,6 +53,8 @@ class _Keys:
         when none is and a default is given, else a one-line refusal."""
         for k in keys:
             if k in self.raw and self.raw[k] is not None:
+                if not is_json_int(self.raw[k]):  # every field read here counts something
+                    raise self.refuse(k, "an integer")
                 self.used[field] = k + (f" {note}" if note else "")
                 return self.raw[k]
         if default is not None:
@@ -62,6 +65,15 @@ class _Keys:
     @property
     def family(self) -> str:
         return str(self.raw.get("model_type", "?"))
+
+    def optional_int(self, key: str, default: int) -> int:
+        """An integer key that may be absent or null (``default`` then)."""
+        v = self.raw.get(key)
+        if v is None:
+            return default
+        if not is_json_int(v):
+            raise self.refuse(key, "an integer")
+        return int(v)
 
     def refuse(self, key: str, rule: str) -> FmoesimError:
         return FmoesimError(f"{self.path}: {key} = {self.raw.get(key)!r} (rule: {rule})")
@@ -88,14 +100,14 @@ def model_from_config(
         out["top_k"] = k.get("top_k", "num_experts_per_tok", "experts_per_token")
         out["expert_intermediate_size"] = k.get("expert_intermediate_size", "intermediate_size")
         if mt == "llama4":
-            if int(cfg.get("interleave_moe_layer_step", 1)) != 1:
+            if k.optional_int("interleave_moe_layer_step", 1) != 1:
                 raise k.refuse("interleave_moe_layer_step", "1: every layer MoE")
             out["num_shared_experts"] = 1
             out["shared_expert_intermediate_size"] = k.get(
                 "shared_expert_intermediate_size", "intermediate_size", note="(one shared expert)"
             )
     elif mt in ("qwen2_moe", "qwen3_moe", "olmoe"):
-        if int(cfg.get("decoder_sparse_step", 1)) != 1:
+        if k.optional_int("decoder_sparse_step", 1) != 1:
             raise k.refuse("decoder_sparse_step", "1: every layer MoE")
         if cfg.get("mlp_only_layers"):
             raise k.refuse("mlp_only_layers", "empty: every layer MoE")
@@ -110,13 +122,13 @@ def model_from_config(
                 "shared_expert_intermediate_size", "shared_expert_intermediate_size"
             )
     else:  # deepseek_v2, deepseek_v3
-        if int(cfg.get("moe_layer_freq", 1)) != 1:
+        if k.optional_int("moe_layer_freq", 1) != 1:
             raise k.refuse("moe_layer_freq", "1: every layer after the dense ones MoE")
         out["num_experts"] = k.get("num_experts", "n_routed_experts")
         out["top_k"] = k.get("top_k", "num_experts_per_tok")
         inter = int(k.get("expert_intermediate_size", "moe_intermediate_size"))
         out["expert_intermediate_size"] = inter
-        n_shared = int(cfg.get("n_shared_experts") or 0)
+        n_shared = k.optional_int("n_shared_experts", 0)
         if n_shared:
             out["num_shared_experts"] = n_shared
             out["shared_expert_intermediate_size"] = n_shared * inter
@@ -138,8 +150,8 @@ def model_from_config(
     head_keys = ("v_head_dim", "head_dim") if mt.startswith("deepseek") else ("head_dim",)
     out["head_dim"] = k.get("head_dim", *head_keys, default=hidden // heads)
     if mt.startswith("deepseek"):  # multi-head latent attention
-        q_rank = cfg.get("q_lora_rank")
-        out["q_lora_rank"] = int(q_rank or 0)
+        q_rank = k.optional_int("q_lora_rank", 0)
+        out["q_lora_rank"] = q_rank
         k.used["q_lora_rank"] = "q_lora_rank" + ("" if q_rank else " null: a direct projection")
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"):
             out[name] = int(k.get(name, name))
@@ -151,6 +163,14 @@ def model_from_config(
     except FmoesimError as exc:
         raise FmoesimError(f"{path}: {exc}") from None
     return spec, k.used
+
+
+def _yaml_item(key: str, text: str) -> str:
+    """``key: text`` with ``text`` quoted where YAML would read it otherwise (a colon, a
+    leading bracket, ``true``, a number)."""
+    import yaml
+
+    return str(yaml.safe_dump({key: text}, default_flow_style=False, width=10**6)).strip()
 
 
 def preset_yaml(spec: ModelSpec, used: dict[str, str]) -> str:
@@ -170,15 +190,15 @@ def preset_yaml(spec: ModelSpec, used: dict[str, str]) -> str:
         f"# From {spec.source}, by `fmoesim-model from-config`:",
         f"# {spec.num_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}; an "
         f"expert of {spec.expert_size_bytes:,} bytes in {spec.dtype}.",
-        f"name: {spec.name}",
+        _yaml_item("name", spec.name),
     ]
     if spec.hf_model_id:
-        lines.append(f"hf_model_id: {spec.hf_model_id}")
+        lines.append(_yaml_item("hf_model_id", spec.hf_model_id))
     for f in fields:
         v = getattr(spec, f)
         if f in used or v:
             lines.append(f"{f + ':':<34}{v}".rstrip() + (f"  # {used[f]}" if f in used else ""))
-    lines += [f"dtype: {spec.dtype}", f'source: "{spec.source}"', ""]
+    lines += [f"dtype: {spec.dtype}", _yaml_item("source", spec.source), ""]
     return "\n".join(lines)
 
 

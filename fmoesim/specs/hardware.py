@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,4 +64,24 @@ class HardwareSpec:
             raise ConfigError(
                 f"{prefix}.chunk_bytes", self.chunk_bytes, "must be a positive integer"
             )
+        if not isinstance(self.measured, Mapping):
+            raise ConfigError(f"{prefix}.measured", self.measured, "must be a mapping")
+        for name, table in self.measured.items():  # a model's, the link's: name -> number
+            if not isinstance(table, Mapping):
+                raise ConfigError(
+                    f"{prefix}.measured.{name}", table, "must be a mapping of coefficients"
+                )
+            _check_measured(table, f"{prefix}.measured.{name}")
         return self
+
+
+def _check_measured(node: Any, key: str) -> None:
+    """``measured``: mappings down to finite numbers, each time (``*_s``) >= 0."""
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            _check_measured(v, f"{key}.{k}")
+        return
+    if isinstance(node, bool) or not isinstance(node, (int, float)) or not math.isfinite(node):
+        raise ConfigError(key, node, "must be a finite number (or a mapping of them)")
+    if key.endswith("_s") and node < 0:
+        raise ConfigError(key, node, "must be >= 0 (a time in seconds)")

@@ -218,6 +218,17 @@ class ModelSpec:
 
     def validate(self, prefix: str = "model") -> ModelSpec:
         """Check every field; raise :class:`ConfigError` naming the first bad one."""
+        name = self.name
+        if (
+            not isinstance(name, str)
+            or not name
+            or any(c in name for c in "/\\")
+            or (".." in name or name.startswith("."))
+        ):  # it names run folders and trace caches
+            raise ConfigError(
+                f"{prefix}.name", name,
+                "must be a plain name (not empty, no '/', '\\' or '..', not starting with '.')",
+            )  # fmt: skip
         for key in (
             "num_layers",
             "num_experts",

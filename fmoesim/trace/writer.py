@@ -93,10 +93,10 @@ class TraceWriter:
         self.manifest = manifest
         self._check, self._overwrite = check, overwrite
         check_destination(self.path, overwrite)
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # its OSError names the path
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent)
-        except OSError as exc:  # a parent that is a file, a read-only or virtual file system
+        except OSError as exc:  # a read-only or virtual file system: name the destination
             raise FmoesimError(
                 f"{self.path}: cannot be written ({exc.strerror or exc}; rule: the trace's "
                 "folder can be created and written to)"
