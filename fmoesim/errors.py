@@ -9,6 +9,7 @@ SIGPIPE would.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable
@@ -18,6 +19,17 @@ from typing import Any, NoReturn
 EXIT_INTERRUPTED = 130
 #: exit status of a command whose stdout was closed by its reader (128 + SIGPIPE)
 EXIT_STDOUT_CLOSED = 141
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors keep the commands' contract: one line
+    (``<prog>: error: <what> (see --help)``) and exit status 2, not the usage text
+    followed by the error."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` as one line and exit with status 2."""
+        print(f"{self.prog}: error: {' '.join(message.split())} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
 
 
 class FmoesimError(Exception):

@@ -33,6 +33,7 @@ time); the crossover lengthens compute by running every operator n times.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import datetime as dt
@@ -44,7 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from fmoesim.errors import FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
 from replay.events import EventLog, EventRecorder, log_name, save_log
 
 PROG = "fmoesim-validate-grid"
@@ -731,14 +732,17 @@ def read_replay_csv(f: Path) -> Any:
     ``overrides`` space-separated ``key=value`` overrides, ``budget_gb`` a positive
     number, ``compute_repeat`` an integer >= 1 (``repeat``, where present, an integer >=
     0), every ``replay_*`` cell a number or empty, and the compared metrics finite: the
-    latencies (:data:`LATENCIES`) > 0, the others >= 0.  A broken rule is one line naming
-    the file, the row (0-based, the header not counted) and the column."""
+    latencies (:data:`LATENCIES`) > 0, the others >= 0 (the rates at most 1); every other
+    ``replay_*`` number >= 0 (``replay_probe_s`` > 0); a column once in the header; the
+    model, policy and budget the same as the row's overrides say; a run's ``repeat`` once
+    in the file.  A broken rule is one line naming the file, the row (counted from 1, the
+    header not counted) and the column."""
     import io
 
     import pandas as pd
 
     try:
-        with f.open(newline="") as fh:
+        with f.open(newline="", encoding="utf-8-sig") as fh:  # a spreadsheet's BOM is no name
             text = fh.read()
     except UnicodeDecodeError:
         raise FmoesimError(f"{f}: not UTF-8 text (rule: a CSV file, as '{PROG} replay' "
@@ -752,6 +756,9 @@ def read_replay_csv(f: Path) -> Any:
     if not rows:
         raise FmoesimError(f"{f}: empty (rule: a header and a row per replayed run)")
     header, body = rows[0], rows[1:]
+    twice = next((c for i, c in enumerate(header) if c in header[:i]), None)
+    if twice is not None:
+        raise FmoesimError(f"{f}: column {twice!r} twice in the header (rule: a column each)")
     missing = [c for c in REPLAY_COLUMNS if c not in header]
     if missing:
         raise FmoesimError(f"{f}: column {missing[0]!r} is missing (rule: a replay.csv has "
@@ -803,7 +810,40 @@ def read_replay_csv(f: Path) -> Any:
         else:
             ok, rule = (v >= 0) & (v < math.inf), "a finite number >= 0"
         refuse(name, (~ok).to_list(), rule)
+    for name, v in numbers.items():  # the other measures: counts, seconds, shares
+        if name == "replay_probe_s":  # scales the host costs: a time taken, > 0
+            ok, rule = v.isna() | ((v > 0) & (v < math.inf)), "empty or a finite number > 0"
+        else:
+            ok, rule = v.isna() | ((v >= 0) & (v < math.inf)), "empty or a finite number >= 0"
+        refuse(name, (~ok).to_list(), rule)
+    for key in ("replay_hit_rate", "replay_late_rate", "replay_miss_rate"):
+        refuse(key, (numbers[key] > 1).to_list(), "a share of the accesses, at most 1")
+    given = [dict(o.split("=", 1) for o in str(v).split()) for v in df["overrides"]]
+    for name in ("model", "policy"):
+        refuse(name, [g.get(name, c) != c for g, c in zip(given, df[name], strict=True)],
+               f"the {name}= of the row's overrides")  # fmt: skip
+    budgets = [g.get("cache.budget_gb") for g in given]
+    refuse("budget_gb", [b is not None and _float_or_nan(b) != v
+                         for b, v in zip(budgets, numbers["budget_gb"], strict=True)],
+           "the cache.budget_gb= of the row's overrides")  # fmt: skip
+    if "repeat" in df.columns:
+        seen: dict[tuple[Any, ...], int] = {}
+        for i, r in enumerate(df[[*KEY, "repeat"]].itertuples(index=False)):
+            k = tuple(str(x) for x in r)
+            if k in seen:
+                raise FmoesimError(
+                    f"{f} row {i + 1}: run {' '.join(k[:-1])} repeat {k[-1]} again (row "
+                    f"{seen[k] + 1} has it; rule: a repeat of a run once)"
+                )
+            seen[k] = i
     return df
+
+
+def _float_or_nan(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
 
 
 def read_replays(paths: Sequence[Path], merge: bool = True) -> list[dict[str, Any]]:
@@ -821,10 +861,14 @@ def read_replays(paths: Sequence[Path], merge: bool = True) -> list[dict[str, An
     import pandas as pd
 
     frames = []
+    read: set[Path] = set()
     for p in paths:
         f = p / "replay.csv" if p.is_dir() else p
         if not f.is_file():
             raise FmoesimError(f"{f}: no replay.csv (run '{PROG} replay' on a GPU first)")
+        if f.resolve() in read:  # its runs would count twice as repeats
+            raise FmoesimError(f"{f}: given twice (rule: each replay.csv once)")
+        read.add(f.resolve())
         frames.append(read_replay_csv(f))
     df = pd.concat(frames, ignore_index=True)
     if merge:
@@ -978,19 +1022,35 @@ def row_spec(row: dict[str, Any], hardware: str, spec_hw: Any = None) -> tuple[A
     time refuses a run without launch timers)."""
     from fmoesim.cli.main import _trace_path, compose_config
     from fmoesim.config.build import build_run
+    from fmoesim.engine.simulate import check_shapes
     from fmoesim.plots.crossover import scale_hardware
     from fmoesim.trace.reader import read_trace
 
     overrides = [o for o in str(row["overrides"]).split() if not o.startswith("hardware=")]
-    cfg = compose_config([*overrides, f"hardware={hardware}", "progress=false"])
-    spec = build_run(cfg)
+    with _naming_run(row):
+        cfg = compose_config([*overrides, f"hardware={hardware}", "progress=false"])
+        spec = build_run(cfg)
     if spec_hw is not None:
         spec = dataclasses.replace(spec, hardware=spec_hw)
     n = int(row["compute_repeat"])
     if n != 1:
         spec = dataclasses.replace(spec, hardware=scale_hardware(spec.hardware, n, 1.0))
     spec = dataclasses.replace(spec, hardware=run_hardware(spec.hardware, row))
-    return spec, read_trace(_trace_path(spec))
+    with _naming_run(row):
+        trace = read_trace(_trace_path(spec))
+        check_shapes(trace, spec.model)
+    return spec, trace
+
+
+@contextlib.contextmanager
+def _naming_run(row: dict[str, Any]) -> Iterator[None]:
+    """An error of a replay.csv row's configuration (its overrides, its trace) names the
+    row's run: it did not come from the command line."""
+    try:
+        yield
+    except FmoesimError as exc:
+        run = " ".join(str(row[k]) for k in KEY)
+        raise FmoesimError(f"the replayed run {run}: its overrides: {exc}") from None
 
 
 def simulate_row(row: dict[str, Any], hardware: str, spec_hw: Any = None) -> dict[str, Any]:
@@ -2086,7 +2146,7 @@ def cross_check(
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     rp = sub.add_parser("replay", help="replay the grid's runs (a GPU)")
     rp.add_argument("--device", default="cuda")

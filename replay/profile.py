@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from fmoesim.errors import FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
 from fmoesim.specs import HardwareSpec, ModelSpec
 
 PROG = "fmoesim-profile"
@@ -427,7 +427,7 @@ def write_profile(spec: HardwareSpec, path: str | os.PathLike[str]) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mixtral-8x7b",
                     help="model presets whose shapes to time, comma-separated")  # fmt: skip
     ap.add_argument("--device", default="cuda")

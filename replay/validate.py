@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fmoesim.errors import FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
 
 PROG = "fmoesim-validate"
 DEFAULT_POLICIES = "lru,lfu,moe-infinity,fmoe,moepic"
@@ -243,7 +243,7 @@ def validate(
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated presets")
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: cuda)")
     ap.add_argument("--out", default=None, help="report directory (default: "

@@ -585,3 +585,26 @@ def test_a_measured_profile_of_the_wrong_kind_is_refused(measured, rule):
     with pytest.raises(ConfigError) as info:
         HardwareSpec(name="h", measured=measured).validate()
     assert rule in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "line"),
+    [("fmoesim.cli.min_budget", ["--target-tpot-ms", "abc"],
+      "fmoesim-min-budget: error: argument --target-tpot-ms: not a comma-separated list"),
+     ("fmoesim.results.regress", ["--tolerance-points", "abc"],
+      "fmoesim-regress: error: argument --tolerance-points: invalid float value: 'abc'"),
+     ("fmoesim.cli.trace_cli", ["import", "nosuch", "a", "b"],
+      "fmoesim-trace import: error: argument format: invalid choice: 'nosuch'"),
+     ("fmoesim.specs.from_config", ["from-config", "c.json", "--dtype", "float7"],
+      "fmoesim-model from-config: error: argument --dtype: invalid choice: 'float7'")],
+    ids=["min-budget", "regress", "trace-subcommand", "model"],
+)  # fmt: skip
+def test_a_bad_argument_is_one_line(capsys, module, argv, line):
+    """Red if argparse prints its usage text before the error (two to five lines)."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(module).main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(line) and err[0].endswith(" (see --help)"), err

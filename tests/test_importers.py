@@ -174,6 +174,13 @@ def test_gating_weights_become_tokens_parquet_and_are_checked(tmp_path):
     pq.write_table(pa.table(t, schema=tokens_schema(2)), tmp_path / "t" / "tokens.parquet")
     with pytest.raises(FmoesimError, match="top-k ids add up to expert_counts"):
         read_tokens(read_trace(tmp_path / "t"))
+    # the error names the (iteration, layer) whose counts differ, not the iteration's row 0
+    t["topk_ids"][0] = [0, 1]
+    t["topk_ids"][3] = [0, 3]  # token 1, layer 1 of iteration 0
+    pq.write_table(pa.table(t, schema=tokens_schema(2)), tmp_path / "t" / "tokens.parquet")
+    with pytest.raises(FmoesimError, match=r"tokens\.parquet row 1: request 0, iteration 0, "
+                       r"layer 1: the first row of that layer's tokens"):  # fmt: skip
+        read_tokens(read_trace(tmp_path / "t"))
     # without weights in the log, no tokens.parquet
     bare = [{k: v for k, v in r.items() if k != "gating_probs"} for r in rows(routes)]
     tr2 = read_trace(

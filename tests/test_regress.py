@@ -50,6 +50,21 @@ def test_compare_flags_moves_new_and_gone():
     assert "| a | 2 | 60.000 | 61.000 | +1.000 | MOVED |" in table
 
 
+def test_compare_flags_a_golden_row_of_another_setting():
+    """Red if a golden row measured on another model, trace, request count or number of
+    accesses passes because its hit rate happens to lie within the tolerance."""
+    base = {"policy": ["a"], "budget_gb": [1.0], "hit_rate": [0.5], "model": ["m"],
+            "trace": ["traces/default"], "requests": [4], "accesses": [100]}  # fmt: skip
+    assert list(compare(pd.DataFrame(base), pd.DataFrame(base)).status) == ["ok"]
+    for col, other in (("model", "q"), ("trace", "/elsewhere"), ("requests", 8),
+                       ("accesses", 101)):  # fmt: skip
+        old = pd.DataFrame({**base, col: [other]})
+        assert list(compare(old, pd.DataFrame(base)).status) == ["SETTING"], col
+    # a golden file without the setting's columns is compared on its hit rates alone
+    old = pd.DataFrame({k: base[k] for k in ("policy", "budget_gb", "hit_rate")})
+    assert list(compare(old, pd.DataFrame(base)).status) == ["ok"]
+
+
 def run(*args: str):  # type: ignore[no-untyped-def]
     return subprocess.run(
         [sys.executable, "-m", "fmoesim.results.regress", *args],

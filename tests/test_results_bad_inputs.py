@@ -227,7 +227,8 @@ def _replay_csv(rows: int = 2) -> str:
     w.writerow(header)
     for i, pol in enumerate(("lru", "fmoe")[:rows]):
         values = {"model": "olmoe-1b-7b", "budget_gb": 3.2, "mode": "batch1", "policy": pol,
-                  "compute_repeat": 1, "overrides": f"model=olmoe-1b-7b policy={pol}",
+                  "compute_repeat": 1,
+                  "overrides": f"model=olmoe-1b-7b cache.budget_gb=3.2 policy={pol}",
                   "replay_ttft_mean_s": 0.05, "replay_tpot_mean_s": 0.01 + i,
                   "replay_stall_s": 0.0, "replay_pcie_bytes": 1e6, "replay_hit_rate": 0.5,
                   "replay_late_rate": 0.1, "replay_miss_rate": 0.4, "repeat": 0}  # fmt: skip
@@ -272,6 +273,23 @@ BAD_REPLAYS = [
      " row 2: 4 fields, the header 14 (rule: a field per column"),
     ("open-quote", lambda t: t + '"olmoe,3.2\n',
      " line 4: not CSV: unexpected end of data"),
+    # each of these was scored, exit 0: a 106% hit rate, lfu's label on lru's run, a run
+    # counted as its own repeat, pandas' renamed second column, host costs left unscaled
+    ("hit-1.5", _set("replay_hit_rate", "1.5"),
+     " row 2: replay_hit_rate = '1.5' (rule: a share of the accesses, at most 1)"),
+    ("policy-not-overrides", _set("policy", "lfu"),
+     " row 2: policy = 'lfu' (rule: the policy= of the row's overrides)"),
+    ("budget-not-overrides", _set("budget_gb", "6.4"),
+     " row 2: budget_gb = '6.4' (rule: the cache.budget_gb= of the row's overrides)"),
+    ("same-repeat-twice", lambda t: t + t.splitlines(True)[1],
+     " row 3: run olmoe-1b-7b 3.2 batch1 lru 1 repeat 0 again (row 1 has it; rule: a "
+     "repeat of a run once)"),
+    ("column-twice", lambda t: t.replace("replay_stall_s", "replay_tpot_mean_s", 1),
+     ": column 'replay_tpot_mean_s' twice in the header (rule: a column each)"),
+    ("probe-0", _set("replay_probe_s", "0"),
+     " row 2: replay_probe_s = '0' (rule: empty or a finite number > 0)"),
+    ("host-negative", _set("replay_host_expert_calls", "-5"),
+     " row 2: replay_host_expert_calls = '-5' (rule: empty or a finite number >= 0)"),
 ]  # fmt: skip
 SUBCOMMANDS = {
     "score": ["--hardware", "h100-pcie5"],
@@ -307,6 +325,27 @@ def test_a_binary_replay_csv_is_one_line(tmp_path, capsys):
     line = refused(capsys, C.PROG, lambda: C.main(["score", str(f), "--hardware", "h100-pcie5",
                                                    "--out", str(tmp_path / "o")]))  # fmt: skip
     assert f"{f}: not UTF-8 text" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_bad_override_in_a_replay_csv_names_its_run(tmp_path, capsys):
+    """Red if an override the simulator refuses (a negative cache size) or a trace that
+    does not fit the row's model is reported without the run whose cell holds it, as if
+    the command line had given it."""
+    f = tmp_path / "replay.csv"
+    f.write_text(GOOD.replace("cache.budget_gb=3.2 policy=fmoe", "cache.budget_gb=3.2 "
+                              "policy=fmoe cache.experts_per_layer=-1"))  # fmt: skip
+    line = refused(capsys, C.PROG, lambda: C.main(["score", str(f), "--hardware", "h100-pcie5",
+                                                   "--out", str(tmp_path / "o")]))  # fmt: skip
+    assert "the replayed run olmoe-1b-7b 3.2 batch1 lru 1: its overrides: config key " \
+        "'model.num_layers' = 16: trace traces/default has num_layers = 32" in line  # fmt: skip
+    f.write_text(GOOD.replace("model=olmoe-1b-7b cache", "model=olmoe-1b-7b workload=synthetic "
+                              "cache").replace("policy=lru", "policy=lru "
+                              "cache.experts_per_layer=-1"))  # fmt: skip
+    line = refused(capsys, C.PROG, lambda: C.main(["score", str(f), "--hardware", "h100-pcie5",
+                                                   "--out", str(tmp_path / "o")]))  # fmt: skip
+    assert "the replayed run olmoe-1b-7b 3.2 batch1 lru 1: its overrides: config key " \
+        "'cache.experts_per_layer' = -1" in line  # fmt: skip
     assert not (tmp_path / "o").exists()
 
 
@@ -418,3 +457,13 @@ def test_the_committed_gpu_recipes_pass_the_replay_checks(capsys, monkeypatch, t
             want = flags[flags.index("--policies") + 1].split(",")
             assert sorted({r.policy for r in runs}) == sorted(want), recipe
     capsys.readouterr()
+
+
+def test_a_replay_csv_with_a_bom_reads_and_one_given_twice_is_refused(tmp_path):
+    """Red if a spreadsheet's byte-order mark makes the first column 'missing', or the
+    same file given twice counts each of its runs as two repeats of itself."""
+    f = tmp_path / "replay.csv"
+    f.write_bytes(b"\xef\xbb\xbf" + GOOD.encode())
+    assert [r["policy"] for r in C.read_replays([f])] == ["lru", "fmoe"]
+    with pytest.raises(FmoesimError, match=r"replay\.csv: given twice \(rule: each replay"):
+        C.read_replays([f, tmp_path])

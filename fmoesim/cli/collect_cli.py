@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fmoesim.errors import FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
 
 PROG = "fmoesim-collect"
 TEXT_FIELDS = ("prompt", "text", "question", "content")
@@ -95,7 +95,7 @@ def _prompt_of(path: Path, n: int, item: Any, field: str | None) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("model", help="a local model directory or a hub id")
     ap.add_argument("prompts", help="JSONL/JSON prompt file")
     ap.add_argument("out", help="destination trace directory")

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fmoesim.errors import run_or_exit
+from fmoesim.errors import ArgumentParser, run_or_exit
 
 PROG = "fmoesim-min-budget"
 
@@ -66,7 +66,7 @@ def _floats(s: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point (exit contract: :mod:`fmoesim.errors`)."""
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument(
         "--target-tpot-ms",
         type=_floats,

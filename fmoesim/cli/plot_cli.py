@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from fmoesim.errors import FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
 
 PROG = "fmoesim-plot"
 AZURE_CSV = "traces/.cache/azure-synthetic.csv"
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
 
         crossover_main(argv[1:], PROG)
         return
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", default=["all"], help="figure names, or all")
     ap.add_argument("--store", default="results/store", help="results store (%(default)s)")
     ap.add_argument("--out", default="results/figures", help="figure directory (%(default)s)")

@@ -28,7 +28,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fmoesim.errors import FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
 
 PROG = "fmoesim-reproduce"
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     from fmoesim.reproduce.claims import PAPERS
 
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("paper", help=f"one of: all, {', '.join(PAPERS)}")
     ap.add_argument(
         "--run", action="store_true", help="run the claims' points missing from the store"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from fmoesim.errors import ConfigError, run_or_exit
+from fmoesim.errors import ArgumentParser, ConfigError, run_or_exit
 
 PROG = "fmoesim-trace"
 
@@ -55,7 +55,7 @@ def _parse_set(items: list[str]) -> dict[str, object]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``fmoesim-trace``."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=PROG, description="Inspect, validate and synthesise MoE routing traces."
     )
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from fmoesim.atomic import atomic_file
-from fmoesim.errors import FmoesimError
+from fmoesim.errors import ArgumentParser, FmoesimError
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
 
@@ -504,7 +504,7 @@ def main(argv: list[str], prog: str = "fmoesim-plot") -> None:
     option or value is one line on stderr and exit status 2."""
     from fmoesim.errors import run_or_exit
 
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog=f"{prog} {NAME}",
         description="where each prefetching policy starts to beat on-demand LRU on TPOT",
     )

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fmoesim.config.schema import PROJECT_ROOT as ROOT
-from fmoesim.errors import FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
 
 PROG = "fmoesim-regress"
 GOLDEN = ROOT / "results" / "golden" / "hit_rates.csv"
@@ -84,12 +84,19 @@ def compute_table(
     return pd.DataFrame(rows)
 
 
+#: the columns that say what a golden hit rate was measured on (optional in the file)
+SETTING = ("model", "trace", "requests", "accesses")
+
+
 def compare(old: Any, new: Any, tolerance_points: float = TOLERANCE_POINTS) -> Any:
     """Old and new hit rates side by side: ``status`` is ``ok``, ``MOVED`` (beyond the
-    tolerance), ``NEW`` (not in the golden file) or ``GONE`` (no longer computed)."""
+    tolerance), ``SETTING`` (the golden row names another model, trace, number of
+    requests or of accesses: its hit rate measured something else), ``NEW`` (not in the
+    golden file) or ``GONE`` (no longer computed)."""
     keys = ["policy", "budget_gb"]
-    m = old[[*keys, "hit_rate"]].merge(
-        new[[*keys, "hit_rate"]], on=keys, how="outer", suffixes=("_old", "_new")
+    setting = [c for c in SETTING if c in old.columns and c in new.columns]
+    m = old[[*keys, "hit_rate", *setting]].merge(
+        new[[*keys, "hit_rate", *setting]], on=keys, how="outer", suffixes=("_old", "_new")
     )
     m["delta_points"] = 100 * (m["hit_rate_new"] - m["hit_rate_old"])
     status = []
@@ -98,6 +105,8 @@ def compare(old: Any, new: Any, tolerance_points: float = TOLERANCE_POINTS) -> A
             status.append("NEW")
         elif r["hit_rate_new"] != r["hit_rate_new"]:
             status.append("GONE")
+        elif any(str(r[f"{c}_old"]) != str(r[f"{c}_new"]) for c in setting):
+            status.append("SETTING")
         elif abs(r["delta_points"]) > tolerance_points:
             status.append("MOVED")
         else:
@@ -125,8 +134,8 @@ GOLDEN_RULE = "a CSV with columns policy, budget_gb and hit_rate, one row per po
 
 
 def read_golden(path: Path) -> Any:
-    """The golden table; one line naming the file (and the row, counting the header as
-    row 1) when it is missing, is not a readable CSV, lacks a column, has a policy that
+    """The golden table; one line naming the file (and the row, data rows counted from 1)
+    when it is missing, is not a readable CSV, lacks a column, has a policy that
     is empty, a budget that is not a positive number, a hit rate outside [0, 1] or a
     policy and budget twice."""
     import pandas as pd
@@ -183,7 +192,7 @@ def check_tolerance(points: float) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point (exit contract: :mod:`fmoesim.errors`)."""
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--golden", default=str(GOLDEN), help="golden CSV (default: %(default)s)")
     ap.add_argument("--update", action="store_true", help="write the new numbers as golden")
     ap.add_argument("--policies", default="", help="comma-separated presets (default: all)")
@@ -221,8 +230,9 @@ def _run(args: argparse.Namespace) -> int:
     moved = m[m.status != "ok"]
     if len(moved):
         print(
-            f"\n{len(moved)} hit rate(s) moved beyond {args.tolerance_points:g} points or "
-            f"changed the table; if intended, run `{PROG} --update` and commit {golden}",
+            f"\n{len(moved)} hit rate(s) moved beyond {args.tolerance_points:g} points, "
+            "changed the table or were measured in another setting (model, trace, requests, "
+            f"accesses); if intended, run `{PROG} --update` and commit {golden}",
             file=sys.stderr,
         )
         return 1

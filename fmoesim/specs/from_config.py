@@ -25,12 +25,11 @@ What each family's keys mean here:
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
 
-from fmoesim.errors import FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
 from fmoesim.specs.model import DTYPE_BYTES, ModelSpec
 from fmoesim.trace.schema import is_json_int
 
@@ -204,7 +203,7 @@ def preset_yaml(spec: ModelSpec, used: dict[str, str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point of ``fmoesim-model``."""
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     fc = sub.add_parser("from-config", help="a conf/model/ preset from a config.json")
     fc.add_argument("config", help="a Hugging Face config.json")

@@ -643,8 +643,12 @@ def read_tokens(trace: Trace) -> TokenTable:
         )
     counts = np.zeros((trace.num_iterations, L, E), dtype=np.int64)
     np.add.at(counts, (np.repeat(rows, k), np.repeat(lay, k), ids.reshape(-1)), 1)
-    bad = (counts != trace.counts).any(axis=(1, 2))
-    _refuse(np.repeat(bad, trace.num_tokens * L), path, "top-k ids add up to expert_counts")
+    bad = (counts != trace.counts).any(axis=2)  # (iterations, L): the layers that differ
+    _refuse(
+        bad[rows, lay], path, "top-k ids add up to expert_counts",
+        lambda row: f"request {rid[row]}, iteration {it[row]}, layer {lay[row]}: the first "
+        "row of that layer's tokens",
+    )  # fmt: skip
     return TokenTable(
         cols["request_id"], cols["iteration"], cols["token"], cols["layer"],
         ids.astype(np.int16), w,

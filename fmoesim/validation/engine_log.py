@@ -29,7 +29,6 @@ as derived from ``--metrics``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import tempfile
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ import numpy as np
 
 from fmoesim.engine.compute import ComputeModel
 from fmoesim.engine.sim import SimBackend
-from fmoesim.errors import FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
 from fmoesim.specs.hardware import HardwareSpec
 
 PROG = "python -m fmoesim.validation.engine_log"
@@ -495,7 +494,7 @@ def format_calibration(cal: StorageCalibration, model_name: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Command line: print the comparison tables (or, with ``--calibrate``, the numbers of
     a ``hardware`` preset derived from ``--metrics``)."""
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("log", help="route log with phase, step, layer, expert and residency")
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--top-k", type=int, default=6)

@@ -19,7 +19,6 @@ matrix fits ``skew`` and ``locality`` to its top-1 frequency Gini and top-1 stic
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from fmoesim.errors import ArgumentParser
 from fmoesim.specs import HardwareSpec, ModelSpec
 from fmoesim.trace.reader import Trace
 
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     from fmoesim.trace.importers import import_vllm_routes
 
     data = PROJECT_ROOT.parent / "shared" / "data" / "routing"
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--real", default=str(data / "mixtral-8x7b-vllm-top2"))
     ap.add_argument(
         "--qwen3", default=str(data / "qwen3-coactivation/coactivation_qwen3-30b-a3b.json")
