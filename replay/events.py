@@ -252,17 +252,17 @@ class EventLog:
         steps = len(a["step_layer"])
         if not steps:
             raise FmoesimError(f"{self.name}: no layer step (rule: a run's log has one or more)")
-        bad = np.flatnonzero(~(np.isfinite(a["step_gate_s"]) & (a["step_gate_s"] >= 0)))
-        if len(bad):
+        rows = np.flatnonzero(~(np.isfinite(a["step_gate_s"]) & (a["step_gate_s"] >= 0)))
+        if len(rows):
             raise FmoesimError(
-                f"{self.name}: step_gate_s row {bad[0]} is {a['step_gate_s'][bad[0]]} (rule: a "
-                "time in seconds, finite and >= 0)"
+                f"{self.name}: step_gate_s row {rows[0]} is {a['step_gate_s'][rows[0]]} (rule: "
+                "a time in seconds, finite and >= 0)"
             )
         for k in ("xfer_submit_s", "xfer_release_s", "xfer_start_s", "xfer_end_s"):
-            bad = np.flatnonzero(a[k] < 0)  # NaN: a transfer that never started or ended
-            if len(bad):
+            rows = np.flatnonzero(a[k] < 0)  # NaN: a transfer that never started or ended
+            if len(rows):
                 raise FmoesimError(
-                    f"{self.name}: {k} row {bad[0]} is {a[k][bad[0]]} (rule: a time in "
+                    f"{self.name}: {k} row {rows[0]} is {a[k][rows[0]]} (rule: a time in "
                     "seconds, >= 0, or NaN where the transfer has none)"
                 )
         out = np.flatnonzero((a["access_step"] < 0) | (a["access_step"] >= steps))

@@ -201,12 +201,17 @@ def test_a_tolerance_that_turns_the_guard_off_is_refused(tmp_path, capsys, tol):
         ("nan", (), "config key '--target-tpot-ms' = nan: must be a finite number > 0"),
         ("100", ("engine.timing=false",), "config key 'engine.timing' = False: "
          "fmoesim-min-budget searches by TPOT, which needs timed runs"),
+        # ignored (the same answer as without it), or refused at the first run
+        ("100", ("cache.experts_per_layer=1",), "config key 'cache.experts_per_layer' = 1: "
+         "fmoesim-min-budget searches a global cache.budget_gb: drop it"),
+        ("100", ("cache.preload=true",), "config key 'cache.preload' = True: "
+         "fmoesim-min-budget searches a global cache.budget_gb: drop it"),
     ],
 )  # fmt: skip
 def test_min_budget_refuses_an_infinite_target_and_untimed_runs(tmp_path, capsys, target,
                                                                 extra, fragment):  # fmt: skip
-    """Red when an infinite target is searched for, or ``engine.timing=false`` runs
-    timed all the same."""
+    """Red when an infinite target is searched for, ``engine.timing=false`` runs timed all
+    the same, a per-layer cache is ignored or a preload fails at the first run."""
     trace = write_sequence_trace(tmp_path / "seq", ROUTES)
     over = [o for o in tiny_overrides(trace, tmp_path / "out") if not o.startswith("cache.")]
     line = refused(

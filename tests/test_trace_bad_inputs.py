@@ -312,6 +312,22 @@ def test_zero_prompt_tokens_refused_for_routed_experts(tmp_path: Path, capsys) -
     assert_nothing_written(tmp_path / "o")
 
 
+def test_an_import_refuses_the_options_it_does_not_use(tmp_path: Path, capsys) -> None:
+    """Red if ``import eamc --top-k 1`` or ``import vllm-routed-experts --map ...`` exits 0
+    with a trace that ignored the option."""
+    np.save(tmp_path / "r.npy", _ok(T=20, L=MIXTRAL_L))
+    for fmt, extra, line in (
+        ("eamc", ["--top-k", "1"], "--top-k: import eamc does not use it (rule: it takes none "
+         "of --map, --prompt-tokens and --top-k)"),
+        ("vllm-routed-experts", ["--map", "layer=foo"], "--map: import vllm-routed-experts "
+         "does not use it (rule: it takes --prompt-tokens alone of --map, --prompt-tokens and "
+         "--top-k)"),
+    ):  # fmt: skip
+        got = refused(capsys, "import", fmt, str(tmp_path / "r.npy"), str(tmp_path / "o"), *extra)
+        assert got == f"fmoesim-trace: error: {line}"
+        assert_nothing_written(tmp_path / "o")
+
+
 def test_more_experts_than_top_k_refused_on_the_command_line(tmp_path: Path, capsys) -> None:
     """Red if the import exits 0 and writes a top-3 trace that a run then refuses."""
     np.save(tmp_path / "r.npy", _ok(T=20, L=MIXTRAL_L, K=3))

@@ -90,3 +90,10 @@ def test_bad_input_is_one_line(tmp_path):
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "'engine.link_order' = 'fifo': is the simulator's what-if" in p.stderr
     assert not (tmp_path / "f").exists()
+    # a device the replay cannot use: refused before the synthetic trace is made (14 s,
+    # a progress line and a bar on stderr before the error)
+    p = run("--device", "tpu", "--out", str(tmp_path / "d"), "--policies", "lru")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "fmoesim-validate: error: --device tpu: must be 'cpu' or 'cuda[:N]'"
+    ]
+    assert not (tmp_path / "d").exists()

@@ -87,6 +87,7 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
 
     from fmoesim.cli.main import _trace_path, compose_config
     from fmoesim.config.build import build_run, simulate_spec
+    from fmoesim.engine.simulate import check_shapes
     from fmoesim.errors import ConfigError
     from fmoesim.trace.reader import read_trace
 
@@ -99,7 +100,13 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
             "engine.timing", False, f"{PROG} searches by TPOT, which needs timed runs: drop it"
         )
     spec = build_run(cfg)
+    for key, value in (("experts_per_layer", spec.experts_per_layer), ("preload", spec.preload)):
+        if value:  # the search sets one global budget, expert by expert
+            raise ConfigError(
+                f"cache.{key}", value, f"{PROG} searches a global cache.budget_gb: drop it"
+            )
     trace = read_trace(_trace_path(spec))
+    check_shapes(trace, spec.model)  # before the header, not at the first run
     m = spec.model
     size = m.expert_size_bytes
     runs: dict[int, float] = {}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from fmoesim.errors import ArgumentParser, ConfigError, run_or_exit
+from fmoesim.errors import ArgumentParser, ConfigError, FmoesimError, run_or_exit
 
 PROG = "fmoesim-trace"
 
@@ -152,6 +152,18 @@ def _run(args: argparse.Namespace) -> None:
         from fmoesim.specs.model import ModelSpec
         from fmoesim.trace.importers import import_eamc
 
+        given = {"--map": bool(args.map), "--top-k": args.top_k is not None,
+                 "--prompt-tokens": args.prompt_tokens is not None}  # fmt: skip
+        uses = {"table": set(given), "vllm-routes": set(given),
+                "vllm-routed-experts": {"--prompt-tokens"}, "eamc": set()}  # fmt: skip
+        takes = uses[args.format]
+        unused = [flag for flag, on in given.items() if on and flag not in takes]
+        if unused:  # it would be ignored: the trace would not be what was asked
+            of = "of --map, --prompt-tokens and --top-k"
+            rule = f"{', '.join(sorted(takes))} alone {of}" if takes else f"none {of}"
+            raise FmoesimError(
+                f"{unused[0]}: import {args.format} does not use it (rule: it takes {rule})"
+            )
         model = load_preset("model", args.model, ModelSpec)
         if args.format in ("table", "vllm-routes"):  # a vLLM route log is a route table
             from fmoesim.trace.table import import_table
