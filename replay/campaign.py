@@ -587,15 +587,16 @@ def _free_device(device: str) -> None:
     gc.collect()
 
 
-def _done_counts(path: Path) -> dict[tuple[str, ...], int]:
-    """How many rows of each run ``path`` holds (none when it does not exist)."""
-    counts: dict[tuple[str, ...], int] = {}
+def _done_repeats(path: Path) -> dict[tuple[str, ...], set[int]]:
+    """The repeats of each run that ``path`` holds (none when it does not exist): a
+    repeat that failed in its round is run again, and one that is there is not."""
+    done: dict[tuple[str, ...], set[int]] = {}
     if path.exists():
         with path.open(newline="") as f:
             for r in csv.DictReader(f):
                 k = tuple(r[k] for k in KEY)
-                counts[k] = counts.get(k, 0) + 1
-    return counts
+                done.setdefault(k, set()).add(int(float(r["repeat"])))
+    return done
 
 
 def _header(path: Path) -> list[str]:
@@ -669,8 +670,8 @@ def run_replays(
                 f"{path}: no column {missing} (rule: one replay.csv holds runs of one kind; "
                 "pick another --out)"
             )
-    done = _done_counts(path) if skip_done else {}
-    todo = [(run, i) for i in range(repeats) for run in runs if done.get(run.key(), 0) <= i]
+    done = _done_repeats(path) if skip_done else {}
+    todo = [(run, i) for i in range(repeats) for run in runs if i not in done.get(run.key(), ())]
     t_start = time.perf_counter()
     longest = 0.0
     n = 0
@@ -1050,7 +1051,7 @@ def _naming_run(row: dict[str, Any]) -> Iterator[None]:
         yield
     except FmoesimError as exc:
         run = " ".join(str(row[k]) for k in KEY)
-        raise FmoesimError(f"the replayed run {run}: its overrides: {exc}") from None
+        raise FmoesimError(f"the replayed run {run}: its configuration: {exc}") from None
 
 
 def simulate_row(row: dict[str, Any], hardware: str, spec_hw: Any = None) -> dict[str, Any]:

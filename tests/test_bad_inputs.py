@@ -214,6 +214,16 @@ BAD = [
     (["seed=99999999999999999999999"], "must be an integer in [0, 2**63)"),
     # an optional group: Hydra skipped the unknown preset and ran the defaults (exit 0)
     (["experiment=nosuch"], "experiment=nosuch: unknown experiment; valid: fmoe-fig10"),
+    # int("abc") named no key; bool("maybe") ran fMoE without its semantic search
+    (
+        ["policy=fmoe", "policy.prefetch_distance=abc"],
+        "config key 'policy.prefetch_distance' = 'abc': must be an integer",
+    ),
+    (
+        ["policy=fmoe", "policy.semantic=maybe"],
+        "config key 'policy.semantic' = 'maybe': must be true or false",
+    ),
+    (["policy=fmoe", "policy.label=1"], "config key 'policy.label' = 1: must be a string or null"),
     # OmegaConf's tracebacks (33 to 79 lines)
     (["~model"], "config key 'model': Missing mandatory value: model"),
     (["cache.budget_gb=${nosuch.key}"], "Interpolation key 'nosuch.key' not found"),
@@ -474,6 +484,20 @@ def test_a_sweep_reads_every_points_inputs_before_its_first_run(tmp_path):
     ):
         assert_refused(fmoesim("-m", *base[1:], base[0], *sweep), needle)
         assert_nothing_written(tmp_path)
+
+
+def test_a_sweep_reads_a_synthetic_traces_arrivals_as_far_as_its_requests(tmp_path):
+    """Red if a sweep refuses an arrivals CSV for a bad row past the requests the
+    synthetic trace reads (a single run takes it), or misses one within them."""
+    from fmoesim.cli.main import _preflight_sweep
+
+    csv = tmp_path / "a.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,4,2\n1,4,2\n2,0,2\n")
+    base = ["workload=synthetic", f"workload.synthetic.arrivals_csv={csv}", "seed=0,1",
+            f"output.dir={tmp_path}/runs", f"store.dir={tmp_path}/store"]  # fmt: skip
+    assert _preflight_sweep([*base, "workload.synthetic.num_requests=2"]) == 2
+    with pytest.raises(FmoesimError, match=r"a\.csv row 3: ContextTokens = 0"):
+        _preflight_sweep([*base, "workload.synthetic.num_requests=3"])
 
 
 def test_an_unreadable_config_is_one_line_in_every_command(capsys):

@@ -281,9 +281,11 @@ TINY_GRID = C.ModelGrid(
 def test_repeats_run_in_rounds_and_resume_by_count(tmp_path):
     """``repeats``: every run once, then every run again (rows numbered by ``repeat``);
     a later call with more repeats replays only the missing rounds, and scoring reads
-    the rows of one run as its repeats.  Every row carries the host's record (probe, CPU
-    seconds, the collector's pauses; none with the collector off).  Red if repeats are
-    run back to back, counted wrongly on resume, or the host's record is missing."""
+    the rows of one run as its repeats; a repeat missing from the middle (its round
+    failed) is replayed once.  Every row carries the host's record (probe, CPU seconds,
+    the collector's pauses; none with the collector off).  Red if repeats are run back to
+    back, counted wrongly on resume (a second repeat 2 instead of the missing 0), or the
+    host's record is missing."""
     pytest.importorskip("torch", reason="the replay needs torch")
     runs = C.grid_runs([TINY_GRID], ["lru", "lfu"], ["batch1"], crossover=False)
     logs: list[str] = []
@@ -302,6 +304,13 @@ def test_repeats_run_in_rounds_and_resume_by_count(tmp_path):
         ("lru", "2", "0"), ("lfu", "2", "0"),
     ]  # fmt: skip
     assert C.run_replays(runs, "cpu", out, log=logs.append, repeats=3) == 0
+    # lfu's round 0 failed (no row): a rerun replays that repeat, once, not a second 2
+    lines = (out / "replay.csv").read_text().splitlines(True)
+    gone = [i for i, r in enumerate(rows, start=1) if (r["policy"], r["repeat"]) == ("lfu", "0")]
+    (out / "replay.csv").write_text("".join(ln for i, ln in enumerate(lines) if i not in gone))
+    assert C.run_replays(runs, "cpu", out, log=logs.append, repeats=3) == 1
+    lfu = [r["repeat"] for r in _csv_rows(out / "replay.csv") if r["policy"] == "lfu"]
+    assert sorted(lfu) == ["0", "1", "2"]
     merged = C.read_replays([out])
     assert {r["policy"]: r["replay_repeats"] for r in merged} == {"lru": 3, "lfu": 3}
     for r in merged:  # the host probe's spread over the repeats

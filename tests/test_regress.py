@@ -60,6 +60,12 @@ def test_compare_flags_a_golden_row_of_another_setting():
                        ("accesses", 101)):  # fmt: skip
         old = pd.DataFrame({**base, col: [other]})
         assert list(compare(old, pd.DataFrame(base)).status) == ["SETTING"], col
+    # a row on one side only leaves the others as they are (not SETTING: 4 is not 4.0)
+    extra = pd.DataFrame({**base, "policy": ["b"]})
+    both = compare(pd.DataFrame(base), pd.concat([pd.DataFrame(base), extra]))
+    assert list(both.status) == ["ok", "NEW"]
+    assert list(compare(pd.concat([pd.DataFrame(base), extra]), pd.DataFrame(base)).status) == [
+        "ok", "GONE"]  # fmt: skip
     # a golden file without the setting's columns is compared on its hit rates alone
     old = pd.DataFrame({k: base[k] for k in ("policy", "budget_gb", "hit_rate")})
     assert list(compare(old, pd.DataFrame(base)).status) == ["ok"]

@@ -588,13 +588,16 @@ def _check_inputs(spec: RunSpec, seen: dict[str, Any]) -> None:
                 raise FmoesimError(f"workload.path '{w.path}': trace directory not found")
             seen[key] = TraceManifest.load(path / MANIFEST)
         check_manifest_shape(seen[key], path, spec.model)
-    csvs = [w.synthetic.arrivals_csv] if w.kind == "synthetic" else []
+    # (file, rows read): a synthetic trace reads its requests' rows, serving the whole file
+    csvs: list[tuple[str | None, int | None]] = []
+    if w.kind == "synthetic":
+        csvs.append((w.synthetic.arrivals_csv, w.synthetic.num_requests))
     if spec.serving.mode == "online" and spec.serving.arrivals == "csv":
-        csvs.append(spec.serving.arrivals_csv)
-    for csv in csvs:
-        if csv and f"csv:{csv}" not in seen:
-            read_azure_csv(csv)
-            seen[f"csv:{csv}"] = True
+        csvs.append((spec.serving.arrivals_csv, None))
+    for csv, limit in csvs:
+        if csv and f"csv:{csv}:{limit}" not in seen:
+            read_azure_csv(csv, limit=limit)
+            seen[f"csv:{csv}:{limit}"] = True
 
 
 def _trace_path(spec: RunSpec) -> Path:

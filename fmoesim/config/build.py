@@ -111,6 +111,43 @@ def unknown_argument(node: DictConfig) -> str | None:
     return None
 
 
+def argument_type_error(node: DictConfig, prefix: str = "policy") -> ConfigError | None:
+    """The first of ``node``'s keys whose value is not of the type its ``_target_``
+    class's ``__init__`` annotates (``int``, ``float``, ``bool``, ``str``, or one of them
+    or None), as a :class:`ConfigError` naming ``<prefix>.<key>``; None when all are, or
+    the annotations cannot be read (instantiating reports what remains).  Without it a
+    ``prefetch_distance=abc`` fails in ``int()`` naming no key, and ``semantic=maybe``
+    is taken as true."""
+    import typing
+
+    from hydra.utils import get_class
+
+    try:
+        hints = typing.get_type_hints(get_class(str(node.get("_target_"))).__init__)
+    except Exception:  # noqa: BLE001 - no class, a compiled one: instantiate reports it
+        return None
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    for key in (str(k) for k in node if not str(k).startswith("_")):
+        if key not in hints:
+            continue
+        kinds = typing.get_args(hints[key]) or (hints[key],)
+        if not all(k in names or k is type(None) for k in kinds):
+            continue  # a type this check does not know
+        value = node.get(key)
+        ok = any(
+            (k is type(None) and value is None)
+            or (k is bool and isinstance(value, bool))
+            or (k is int and isinstance(value, int) and not isinstance(value, bool))
+            or (k is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+            or (k is str and isinstance(value, str))
+            for k in kinds
+        )
+        if not ok:
+            rule = " or ".join("null" if k is type(None) else names[k] for k in kinds)
+            return ConfigError(f"{prefix}.{key}", value, f"must be {rule}")
+    return None
+
+
 def build_run(cfg: DictConfig) -> RunSpec:
     """Check every value of a composed config and instantiate the policy (no I/O)."""
     from hydra.utils import instantiate
@@ -149,6 +186,9 @@ def build_run(cfg: DictConfig) -> RunSpec:
     unknown = unknown_argument(cfg.policy)
     if unknown is not None:
         raise ConfigError("policy", cfg.policy.get("_target_"), unknown)
+    wrong = argument_type_error(cfg.policy)
+    if wrong is not None:
+        raise wrong
     try:
         policy = instantiate(cfg.policy)
     except Exception as exc:  # noqa: BLE001 - hydra wraps import/TypeError; report one line

@@ -88,16 +88,30 @@ def compute_table(
 SETTING = ("model", "trace", "requests", "accesses")
 
 
+def _canon(v: Any) -> str:
+    """A setting's cell as text: a whole number without its ``.0``, a missing cell ``""``."""
+    if v is None or (isinstance(v, float) and v != v):
+        return ""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    return str(int(f)) if f.is_integer() else repr(f)
+
+
 def compare(old: Any, new: Any, tolerance_points: float = TOLERANCE_POINTS) -> Any:
     """Old and new hit rates side by side: ``status`` is ``ok``, ``MOVED`` (beyond the
     tolerance), ``SETTING`` (the golden row names another model, trace, number of
-    requests or of accesses: its hit rate measured something else), ``NEW`` (not in the
-    golden file) or ``GONE`` (no longer computed)."""
+    requests or of accesses: its hit rate measured something else; an empty cell is not
+    compared), ``NEW`` (not in the golden file) or ``GONE`` (no longer computed)."""
     keys = ["policy", "budget_gb"]
     setting = [c for c in SETTING if c in old.columns and c in new.columns]
-    m = old[[*keys, "hit_rate", *setting]].merge(
-        new[[*keys, "hit_rate", *setting]], on=keys, how="outer", suffixes=("_old", "_new")
-    )
+    # as canonical text before the merge: a missing cell (a row on one side only, a
+    # golden row without them) makes a column float, and 4 would then read 4.0
+    m = old[[*keys, "hit_rate"]].assign(**{c: old[c].map(_canon) for c in setting}).merge(
+        new[[*keys, "hit_rate"]].assign(**{c: new[c].map(_canon) for c in setting}),
+        on=keys, how="outer", suffixes=("_old", "_new"),
+    )  # fmt: skip
     m["delta_points"] = 100 * (m["hit_rate_new"] - m["hit_rate_old"])
     status = []
     for _, r in m.iterrows():
@@ -105,7 +119,7 @@ def compare(old: Any, new: Any, tolerance_points: float = TOLERANCE_POINTS) -> A
             status.append("NEW")
         elif r["hit_rate_new"] != r["hit_rate_new"]:
             status.append("GONE")
-        elif any(str(r[f"{c}_old"]) != str(r[f"{c}_new"]) for c in setting):
+        elif any(r[f"{c}_old"] not in ("", r[f"{c}_new"]) for c in setting):  # "": not recorded
             status.append("SETTING")
         elif abs(r["delta_points"]) > tolerance_points:
             status.append("MOVED")
