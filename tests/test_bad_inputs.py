@@ -632,3 +632,13 @@ def test_a_bad_argument_is_one_line(capsys, module, argv, line):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(line) and err[0].endswith(" (see --help)"), err
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux's /proc")
+def test_a_store_that_cannot_be_made_fails_before_the_run(tmp_path):
+    """Red if a store folder that cannot be made (in /proc, writable by its mode bits for
+    root) is found only when the finished run is saved: after the whole simulation, an
+    empty output folder left behind."""
+    p = fmoesim(*tiny(tmp_path, "store.dir=/proc/fmoesim-store"))
+    assert_refused(p, "config key 'store.dir' = '/proc/fmoesim-store': cannot be made (")
+    assert not (tmp_path / "runs").exists()

@@ -177,6 +177,16 @@ def test_a_bad_golden_file_is_one_line_before_any_run(tmp_path, capsys, monkeypa
     assert golden.read_bytes() == content
 
 
+def test_a_golden_path_that_is_a_folder_is_refused(tmp_path, capsys, monkeypatch):
+    """Red if ``--update --golden <folder>`` is answered "golden file not found (--update
+    makes it)", or an empty ``--golden`` names the working folder."""
+    monkeypatch.setattr(regress, "compute_table", lambda *a, **k: pytest.fail("ran first"))
+    for golden in (str(tmp_path), ""):
+        line = refused(capsys, "fmoesim-regress",
+                       lambda: regress.main(["--update", "--golden", golden]))  # noqa: B023  # fmt: skip
+        assert line.endswith(f"--golden {golden!r}: a directory or no name (rule: a CSV file)")
+
+
 @pytest.mark.parametrize("tol", ["nan", "-1", "inf"])
 def test_a_tolerance_that_turns_the_guard_off_is_refused(tmp_path, capsys, tol):
     """``--tolerance-points nan`` passed every move (exit 0) and -1 failed every one

@@ -106,6 +106,9 @@ BAD_TABLES = [
      " line 1: problem_id is given on every row (it is empty)"),
     # top-k count and duplicates: the row that breaks the rule
     ("r.csv", 'layer,experts\n0,"[0, 1]"\n1,"[0, 1, 2]"\n', " row 2: every token has 2 distinct"),
+    # one expert where top-2 are routed: its rule, not "weights holds one number per expert"
+    ("r.csv", 'layer,experts,weights\n0,"[1]","[0.5, 0.5]"\n',
+     " row 1: every token has 2 distinct"),
     ("r.csv", "layer,slot,expert\n0,0,1\n0,1,1\n", " row 2: every token has 2 distinct"),
     ("r.csv", "layer,slot,expert\n0,0,1\n0,1,2\n1,0,3\n", " row 3: every token has 2 distinct"),
     ("r.csv", "position,layer,expert,phase\n0,0,0,1\n0,0,1,1\n1,0,2,0\n1,0,3,0\n",

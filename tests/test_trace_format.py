@@ -301,8 +301,9 @@ def test_manifest_missing(trace_dir: Path) -> None:
         ("", "rule: trace.json is valid JSON"),
         ("[1, 2]", "rule: trace.json is a JSON object"),
         ("[" * 100_000 + "]" * 100_000, "rule: trace.json is valid JSON"),  # RecursionError
+        ('{"embedding_dim": 0, "embedding_dim": 4}', "key 'embedding_dim' given twice (rule"),
     ],
-    ids=["not-json", "empty", "array", "nested-too-deep"],
+    ids=["not-json", "empty", "array", "nested-too-deep", "key-twice"],
 )
 def test_manifest_not_json_object(trace_dir: Path, text: str, expected: str) -> None:
     (trace_dir / S.MANIFEST).write_text(text)

@@ -325,13 +325,17 @@ def test_read_azure_csv(tmp_path: Path) -> None:
         ),
         (
             AZURE.replace("879,20", "879,"),
-            " row 3: GeneratedTokens = nan (rule: a positive integer at most 2147483647)",
+            " row 3: GeneratedTokens = '' (rule: a positive integer at most 2147483647)",
         ),
         (
             AZURE.replace("2023-11-16 18:15:50.9951690", "yesterday"),
             " row 2: TIMESTAMP 'yesterday' is not a time",
         ),
         (AZURE.replace("18:16:01", "18:15:01"), " row 3: TIMESTAMP goes backwards"),
+        (  # pandas read the text nan as a missing value, shown as ''
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n0,4,2\nnan,4,2\n",
+            " row 2: TIMESTAMP 'nan' is not a finite number",
+        ),
         ("TIMESTAMP,ContextTokens,GeneratedTokens\n", ": no rows (rule: at least one request)"),
     ],
     ids=[
@@ -341,6 +345,7 @@ def test_read_azure_csv(tmp_path: Path) -> None:
         "empty_cell",
         "bad_time",
         "backwards",
+        "nan_time",
         "no_rows",
     ],
 )

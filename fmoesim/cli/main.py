@@ -443,6 +443,14 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
     versions = {"code_version": code_version(), "input_digest": input_digest(inputs)}
     cfg_hash, cfg_json = config_key(resolved, versions)
     store = ResultsStore(check_dir("store.dir", cfg.store.dir)) if cfg.store.enabled else None
+    if store is not None:  # made before the run: a store that cannot be, fails it first
+        try:
+            store.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise FmoesimError(
+                f"config key 'store.dir' = '{cfg.store.dir}': cannot be made "
+                f"({exc.strerror or exc})"
+            ) from None
     skip = cfg.store.skip_done if cfg.store.skip_done is not None else multirun
     if store is not None and skip and store.has(cfg_hash):
         if verbose or not multirun:

@@ -154,6 +154,8 @@ def read_golden(path: Path) -> Any:
     policy and budget twice."""
     import pandas as pd
 
+    if path.is_dir():
+        raise FmoesimError(f"{path}: a directory (rule: {GOLDEN_RULE})")
     if not path.is_file():
         raise FmoesimError(f"{path}: golden file not found (fmoesim-regress --update makes it)")
     try:
@@ -219,6 +221,8 @@ def _run(args: argparse.Namespace) -> int:
     from fmoesim.atomic import atomic_file
 
     golden = Path(args.golden)
+    if not args.golden or golden.is_dir():  # --update would write into the folder's name
+        raise FmoesimError(f"--golden {args.golden!r}: a directory or no name (rule: a CSV file)")
     policies = [p for p in args.policies.split(",") if p] or None
     check_tolerance(args.tolerance_points)
     # the golden file is checked before the runs: bad input fails at once

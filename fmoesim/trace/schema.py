@@ -97,6 +97,16 @@ def tokens_schema(top_k: int) -> pa.Schema:
 MAX_TOKENS = 2**31 - 1
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each given once (json keeps the last silently)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} given twice")
+        out[k] = v
+    return out
+
+
 def is_json_int(v: Any) -> bool:
     """An integer of a JSON file (true and false are not)."""
     return isinstance(v, int) and not isinstance(v, bool)
@@ -195,7 +205,7 @@ class TraceManifest:
         if not path.is_file():
             raise TraceError(path, "a trace directory holds trace.json", detail="file not found")
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_text(), object_pairs_hook=_unique_keys)
         except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise TraceError(
                 path, "trace.json is valid JSON", detail=str(exc).splitlines()[0]

@@ -430,6 +430,8 @@ def read_table(
             experts = _as_list(get["experts"][i])
             if experts is None:
                 raise origin.error(i, "experts holds a list of expert ids")
+            if len(experts) != K:  # the rule the row breaks first, not its weights'
+                raise origin.error(i, topk_rule, f"layer {layer}: experts {experts}")
             ws = _as_list(weights[i]) if weights is not None else None
             if weights is not None and (ws is None or len(ws) != len(experts)):
                 raise origin.error(i, "weights holds one number per expert")

@@ -276,9 +276,11 @@ def read_azure_csv(path: str | os.PathLike[str], limit: int | None = None) -> _L
 
     p = Path(path)
     if not p.is_file():
-        raise FmoesimError(f"{p}: arrival CSV not found")
+        what = "a directory, not a CSV file" if p.is_dir() else "arrival CSV not found"
+        raise FmoesimError(f"{p}: {what}")
     try:
-        df = pd.read_csv(p, nrows=limit, dtype={"TIMESTAMP": str})
+        # every cell as written (no "nan" or "" turned into a missing value unseen)
+        df = pd.read_csv(p, nrows=limit, dtype={"TIMESTAMP": str}, keep_default_na=False)
     except Exception as exc:  # noqa: BLE001 - pandas raises many types; report one line
         raise FmoesimError(f"{p}: not a readable CSV ({str(exc).splitlines()[0]})") from None
     need = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
