@@ -523,14 +523,18 @@ def csv_summary(row: dict[str, Any]) -> dict[str, float]:
     """What a replay.csv row says of :func:`summarize`'s numbers (NaN for the rest):
     a replay without an event log."""
     out = {key: math.nan for key, *_ in TABLE_ROWS}
-    steps = float(row["replay_layer_steps"])
+
+    def col(name: str) -> float:  # a column a replay.csv of an older version lacks: NaN
+        return float(row.get(name, math.nan))
+
+    steps = col("replay_layer_steps")
     out.update(
         steps=steps,
-        hit=float(row["replay_hit_rate"]),
-        late=float(row["replay_late_rate"]),
-        miss=float(row["replay_miss_rate"]),
-        moved=float(row["replay_transfers"]) / steps,
-        cancelled=float(row["replay_cancelled_transfers"]) / steps,
+        hit=col("replay_hit_rate"),
+        late=col("replay_late_rate"),
+        miss=col("replay_miss_rate"),
+        moved=col("replay_transfers") / steps,
+        cancelled=col("replay_cancelled_transfers") / steps,
     )
     return out
 

@@ -386,3 +386,16 @@ def test_the_stored_gpu_logs_read_and_the_simulator_makes_lrus_decisions_step_by
     cmp = E.compare(logs["olmoe-1b-7b_3.2GB_batch1_x1_lru_r0.npz"], sim)
     assert cmp["aligned"]
     assert cmp["outcomes"].sum() == 19291 and cmp["agree"] == 1.0
+
+
+def test_a_replay_csv_row_of_an_older_version_summarises_what_it_has():
+    """Red if a replay.csv row without the columns a later version added (cancelled
+    transfers, layer steps) raises a KeyError in the events command instead of n/a."""
+    row = {"replay_hit_rate": 0.5, "replay_late_rate": 0.1, "replay_miss_rate": 0.4,
+           "replay_transfers": 10.0}  # fmt: skip
+    got = E.csv_summary(row)
+    assert (got["hit"], got["late"], got["miss"]) == (0.5, 0.1, 0.4)
+    assert math.isnan(got["steps"]) and math.isnan(got["cancelled"]) and math.isnan(got["moved"])
+    row.update(replay_layer_steps=5.0, replay_cancelled_transfers=1.0)
+    got = E.csv_summary(row)
+    assert (got["moved"], got["cancelled"]) == (2.0, 0.2)
