@@ -100,7 +100,17 @@ def test_bad_configs_name_the_file_and_key(tmp_path: Path) -> None:
     bad = _write(tmp_path / "config.json", "{not json")
     out = tmp_path / "m.yaml"
     p = _command(bad, out)
-    assert p.returncode == 2 and "config.json: is JSON" in p.stderr and not out.exists()
+    assert p.returncode == 2 and "config.json: not JSON (" in p.stderr and not out.exists()
+
+
+def test_a_shape_the_model_refuses_names_the_config_key() -> None:
+    """Red if the error names the preset's field (model.top_k) instead of the key of
+    config.json the user can fix (num_experts_per_tok)."""
+    cfg = {**BASE, **CASES["mixtral"][0], "model_type": "mixtral", "num_experts_per_tok": 9}
+    with pytest.raises(FmoesimError) as info:
+        model_from_config(cfg, "m")
+    assert str(info.value) == "config.json: num_experts_per_tok = 9 (rule: must be <= " \
+        "num_experts (8))"  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, ConfigError, FmoesimError, run_or_exit
 from fmoesim.specs.model import DTYPE_BYTES, ModelSpec
 from fmoesim.trace.schema import is_json_int
 
@@ -159,7 +159,11 @@ def model_from_config(
     spec = ModelSpec(**out, hf_model_id=str(hf_id), source=f"{path} (model_type {mt})")
     try:
         spec.validate()
-    except FmoesimError as exc:
+    except ConfigError as exc:  # named by the config.json key the field came from
+        field = exc.key.removeprefix("model.")
+        src = k.used.get(field, "").split(" ")[0]
+        if src and src in cfg:
+            raise FmoesimError(f"{path}: {src} = {exc.value!r} (rule: {exc.rule})") from None
         raise FmoesimError(f"{path}: {exc}") from None
     return spec, k.used
 
@@ -219,10 +223,10 @@ def main(argv: list[str] | None = None) -> None:
             raise FmoesimError(f"{path}: no such file")
         try:
             raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise FmoesimError(f"{path}: is JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deep
+            raise FmoesimError(f"{path}: not JSON ({exc}; rule: a config.json)") from None
         if not isinstance(raw, dict):
-            raise FmoesimError(f"{path}: is a JSON object")
+            raise FmoesimError(f"{path}: {type(raw).__name__} (rule: a JSON object)")
         name = args.name or path.resolve().parent.name.lower()
         spec, used = model_from_config(raw, name, args.dtype, str(path))
         text = preset_yaml(spec, used)
