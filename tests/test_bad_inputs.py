@@ -209,6 +209,11 @@ BAD = [
     # the model's name names the run folder: '../..' wrote the run outside output.dir
     (["model.name=../../x"], "config key 'model.name' = '../../x': must be a plain name"),
     (["model.name="], "config key 'model.name' = '': must be a plain name"),
+    # more key/value heads than attention heads: a KV cache larger than the model's
+    (
+        ["model.num_kv_heads=64"],
+        "config key 'model.num_kv_heads' = 64: must be <= num_attention_heads (32)",
+    ),
     # numpy's ValueError and OverflowError tracebacks
     (["seed=-1"], "config key 'seed' = -1: must be an integer in [0, 2**63)"),
     (["seed=99999999999999999999999"], "must be an integer in [0, 2**63)"),

@@ -60,6 +60,10 @@ def test_cli_prints_the_table_and_refuses_bad_targets(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "| 1000 | 1 |" in p.stdout  # one expert is enough for a 1 s target
     p = subprocess.run(
+        [*cmd, "--target-tpot-ms", "1000,1000", *over], capture_output=True, text=True, cwd=ROOT
+    )
+    assert p.returncode == 0 and p.stdout.count("| 1000 | 1 |") == 1  # a target once
+    p = subprocess.run(
         [*cmd, "--target-tpot-ms", "-5", *over], capture_output=True, text=True, cwd=ROOT
     )
     assert p.returncode == 2 and "--target-tpot-ms" in p.stderr

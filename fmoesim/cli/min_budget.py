@@ -129,7 +129,7 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
 
     lo, hi = m.top_k, m.num_layers * m.num_experts
     print(f"{spec.policy.name} on {m.name} / {spec.hardware.name}: bisection over {lo}..{hi}")
-    answers = [min_budget(tpot, lo, hi, t / 1e3) for t in sorted(targets_ms)]
+    answers = [min_budget(tpot, lo, hi, t / 1e3) for t in sorted(set(targets_ms))]
     print("\n| target TPOT ms | min experts | min GB | TPOT there ms |")
     print("|---|---|---|---|")
     for a in answers:

@@ -257,6 +257,12 @@ class ModelSpec:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{prefix}.{key}", value, "must be a non-negative integer")
+        if self.num_kv_heads > self.num_attention_heads:  # grouped-query attention shares them
+            raise ConfigError(
+                f"{prefix}.num_kv_heads",
+                self.num_kv_heads,
+                f"must be <= num_attention_heads ({self.num_attention_heads})",
+            )
         mla = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
         if not self.kv_lora_rank:
             for key in mla:
