@@ -647,3 +647,13 @@ def test_a_store_that_cannot_be_made_fails_before_the_run(tmp_path):
     p = fmoesim(*tiny(tmp_path, "store.dir=/proc/fmoesim-store"))
     assert_refused(p, "config key 'store.dir' = '/proc/fmoesim-store': cannot be made (")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_glob_sweep_is_refused_in_words_and_version_is_fmoesims(tmp_path):
+    """Red if ``policy=glob(l*)`` is answered "ConfigLoader is not set", or ``--version``
+    prints Hydra's version instead of fmoesim's."""
+    p = fmoesim("-m", "policy=glob(l*)", *tiny(tmp_path))
+    assert_refused(p, "policy=glob(l*): a glob() sweep is not supported (rule: list the values")
+    assert_nothing_written(tmp_path)
+    p = fmoesim("--version")
+    assert p.returncode == 0 and p.stdout.startswith("fmoesim ") and "Hydra" not in p.stdout

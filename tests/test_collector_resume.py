@@ -208,3 +208,29 @@ def test_an_unreadable_prompt_file_is_one_error(tmp_path, name, data, rule):
         read_prompt_lines(tmp_path / name, None, None)
     sep = " " if rule.startswith("line") else ": "
     assert str(info.value).startswith(f"{tmp_path / name}{sep}{rule}"), str(info.value)
+
+
+def test_cli_prompt_errors_name_the_file_and_place_before_anything_is_written(tmp_path, capfd):
+    """Red if a token id outside the vocabulary is named by its prompt's index alone, a
+    boolean id is read as 1, an item of a JSON list is called a line, or a negative
+    --projection-seed raises numpy's ValueError after the stopped collection's state was
+    written (which then blocks the corrected rerun)."""
+    tiny("olmoe").save_pretrained(tmp_path / "model")
+    capfd.readouterr()  # the progress bar of saving
+    out = tmp_path / "out"
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"input_ids": [5, 6]}\n{"input_ids": [5, 999999]}\n')
+    (err,) = cli(capfd, tmp_path / "model", p, out, "--max-new-tokens", "2")
+    assert err.startswith(f"fmoesim-collect: error: {p} line 2: token id 999999 is outside "
+                          f"{tmp_path / 'model'}'s vocabulary (rule: ids in [0, "), err  # fmt: skip
+    p.write_text('{"input_ids": [5, true]}\n')
+    (err,) = cli(capfd, tmp_path / "model", p, out)
+    assert err.endswith(f"{p} line 1: input_ids is a non-empty list of token ids")
+    j = tmp_path / "p.json"
+    j.write_text('[{"input_ids": [5]}, 7]')
+    (err,) = cli(capfd, tmp_path / "model", j, out)
+    assert err.endswith(f"{j} item 2: a prompt is a string or an object")
+    p.write_text('{"input_ids": [5, 6]}\n')
+    (err,) = cli(capfd, tmp_path / "model", p, out, "--projection-seed", "-1")
+    assert err.endswith("--projection-seed must be >= 0, got -1")
+    assert not out.exists() and not (tmp_path / "out.parts").exists()

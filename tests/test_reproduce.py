@@ -22,7 +22,7 @@ from fmoesim.cli.main import compose_config
 from fmoesim.config.schema import CONF_DIR, PROJECT_ROOT
 from fmoesim.errors import FmoesimError
 from fmoesim.plots.figures import sweep_params
-from fmoesim.reproduce.claims import Claim, Pair, load_catalog
+from fmoesim.reproduce.claims import PAPERS, Claim, Pair, load_catalog
 from fmoesim.reproduce.report import (
     COLUMNS,
     OVERVIEW,
@@ -801,6 +801,27 @@ def test_a_docs_page_without_the_overview_is_refused_before_anything_is_written(
     )
     assert page.read_text() == f"{start}\nold\n{end}\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_one_papers_docs_keep_the_others_in_the_overview(tmp_path: Path) -> None:
+    """A page with every marker, one paper scored into an --out without the other
+    papers' scoreboards: refused before anything is written.  Red if the overview is
+    rewritten from that paper alone (the other papers' rows gone from the page)."""
+    page = tmp_path / "page.md"
+    text = "".join(f"{a}\nold\n{b}\n" for a, b in (markers(p) for p in (*PAPERS, "overview")))
+    page.write_text(text)
+    p = subprocess.run(
+        [sys.executable, "-m", "fmoesim.cli.reproduce_cli", "moe-infinity", "--docs", str(page),
+         "--out", str(tmp_path / "out"), "--store", str(tmp_path / "store")],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == (
+        f"fmoesim-reproduce: error: --docs {page}: its overview counts every paper's claims, "
+        f"and --out {tmp_path / 'out'} holds no fmoe.csv (rule: score every paper, or into "
+        "the --out that holds the others' scoreboards)"
+    )
+    assert page.read_text() == text and not (tmp_path / "out").exists()
 
 
 # -- regression on the scoreboard ------------------------------------------------------

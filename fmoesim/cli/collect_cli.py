@@ -36,8 +36,16 @@ def read_prompts(path: Path, field: str | None, limit: int | None) -> list[Any]:
     return [p for _, p in read_prompt_lines(path, field, limit)]
 
 
+def place(path: str | Path, n: int) -> str:
+    """Where prompt ``n`` of a prompt file is: its line (JSON lines) or its item (a JSON
+    list), counted from 1."""
+    return f"{path} {'item' if str(path).endswith('.json') else 'line'} {n}"
+
+
 def read_prompt_lines(path: Path, field: str | None, limit: int | None) -> list[tuple[int, Any]]:
     """``(line or item number, prompt)`` pairs of a prompt file (see :func:`read_prompts`)."""
+    if path.is_dir():
+        raise FmoesimError(f"{path}: a directory (rule: a JSON or JSON-lines prompt file)")
     if not path.is_file():
         raise FmoesimError(f"{path}: prompt file not found")
     try:
@@ -75,14 +83,15 @@ def read_prompt_lines(path: Path, field: str | None, limit: int | None) -> list[
 
 
 def _prompt_of(path: Path, n: int, item: Any, field: str | None) -> Any:
-    where = f"{path} line {n}"
+    where = place(path, n)
     if isinstance(item, str):
         return item
     if not isinstance(item, dict):
         raise FmoesimError(f"{where}: a prompt is a string or an object")
     if field is None and "input_ids" in item:
         ids = item["input_ids"]
-        if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids)):
+        whole = all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids or [0])
+        if not (isinstance(ids, list) and ids and whole):
             raise FmoesimError(f"{where}: input_ids is a non-empty list of token ids")
         return ids
     keys = (field,) if field else TEXT_FIELDS
@@ -134,6 +143,8 @@ def _run(args: argparse.Namespace) -> None:
     check_arguments(args.max_new_tokens, args.batch_size, embedding_dim)
     if args.limit is not None and args.limit < 1:
         raise FmoesimError(f"--limit must be >= 1, got {args.limit}")
+    if args.projection_seed < 0:  # numpy's generators take none: checked before any state
+        raise FmoesimError(f"--projection-seed must be >= 0, got {args.projection_seed}")
     check_destination(args.out, args.force)
     prompts = read_prompt_lines(Path(args.prompts), args.field, args.limit)
     try:
@@ -148,6 +159,14 @@ def _run(args: argparse.Namespace) -> None:
     ids = _token_ids(prompts, args.model, args.prompts)
     arguments = collection_arguments(ids, args.max_new_tokens, embedding_dim, args.projection_seed)
     check_resume(parts_dir(args.out), arguments, library_versions(), None, args.force)
+    vocab = _config_vocab_size(args.model)
+    for (n, _), p in zip(prompts, ids, strict=True):  # before the weights load (seconds)
+        bad = next((t for t in p if vocab is not None and not 0 <= t < vocab), None)
+        if bad is not None:
+            raise FmoesimError(
+                f"{place(args.prompts, n)}: token id {bad} is outside {args.model}'s "
+                f"vocabulary (rule: ids in [0, {vocab}))"
+            )
     model = _load_model(args.model, getattr(torch, args.dtype))
     out = collect(
         model,
@@ -163,6 +182,21 @@ def _run(args: argparse.Namespace) -> None:
         tokens=args.tokens,
     )
     print(f"wrote {out}: {len(ids)} requests")
+
+
+def _config_vocab_size(name: str) -> int | None:
+    """The vocabulary size ``name``'s config gives (its text model's, for a multimodal
+    one), or None where the config does not load or say: loading the model reports it,
+    and the collector checks the ids against the loaded embeddings."""
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(name)
+    except Exception:  # noqa: BLE001 - reported in one line by the model's load
+        return None
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    vocab = getattr(text, "vocab_size", None)
+    return vocab if isinstance(vocab, int) and vocab > 0 else None
 
 
 def _load_model(name: str, dtype: Any) -> Any:
@@ -187,7 +221,7 @@ def _token_ids(prompts: list[tuple[int, Any]], model: str, path: str) -> list[li
         if isinstance(p, list):
             ids.append(p)
             continue
-        where = f"{path} line {n}"
+        where = place(path, n)
         if tok is None:
             try:
                 tok = AutoTokenizer.from_pretrained(model)

@@ -300,6 +300,12 @@ def _preflight_sweep(overrides: list[str]) -> int:
             try:
                 first = sweep_points(own, {})[0]
             except Exception as exc:  # noqa: BLE001 - Hydra's parse errors, one line
+                globbed = next((o for o in own if "glob(" in o), None)
+                if globbed is not None:  # Hydra expands glob() against its config loader
+                    raise FmoesimError(
+                        f"{globbed}: a glob() sweep is not supported (rule: list the values, "
+                        "policy=lru,lfu, so that every point is checked before the first run)"
+                    ) from None
                 raise FmoesimError(one_line(exc)) from None
             sweeper = _compose(first, hydra_config=True).hydra.sweeper
             if not str(sweeper.get("_target_", "")).endswith(".BasicSweeper"):
@@ -369,6 +375,14 @@ def main(argv: list[str] | None = None) -> None:
 def _main(argv: list[str]) -> None:
     import hydra
 
+    if "--version" in argv:  # fmoesim's, not Hydra's (Hydra's own flag printed its version)
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"{PROG} {version('fmoesim')}")
+        except PackageNotFoundError:  # a source tree on the path, not installed
+            print(f"{PROG} (not installed)")
+        return
     if any(a in VERBOSE_FLAGS for a in argv):
         argv = [a for a in argv if a not in VERBOSE_FLAGS] + list(_VERBOSE_OVERRIDES)
     register_configs()

@@ -88,6 +88,16 @@ def _run(args: argparse.Namespace) -> None:
                 insert_table(text, block, "")
             except FmoesimError as e:
                 raise FmoesimError(f"--docs {docs}: {e}") from None
+        # the overview counts every paper: one not scored now is read from --out
+        absent = [
+            p for p in PAPERS if p not in catalogs and not (Path(args.out) / f"{p}.csv").is_file()
+        ]
+        if absent:
+            raise FmoesimError(
+                f"--docs {docs}: its overview counts every paper's claims, and --out "
+                f"{args.out} holds no {absent[0]}.csv (rule: score every paper, or into the "
+                "--out that holds the others' scoreboards)"
+            )
     check_store_dir(args.store, f"{PROG} {args.paper} --run makes it and runs the claims", args.run)
     store = Path(args.store).resolve()
     if args.run:  # one queue over every paper's runs
