@@ -495,6 +495,23 @@ class GpuBackend(Backend):
         self.exe.release()
 
 
+def check_device(device: str, needs: str = "the replay") -> Any:
+    """``device`` is one the replay can use (``cpu``, or ``cuda[:N]`` with CUDA here) and
+    torch imports; returns the torch module.  Checked by every command before its first
+    run or measurement, in one line naming ``--device``."""
+    cuda = device.startswith("cuda")
+    if not cuda and device != "cpu":
+        raise FmoesimError(f"--device {device}: must be 'cpu' or 'cuda[:N]'")
+    try:
+        import torch
+    except ImportError:
+        raise FmoesimError(f"{needs} needs torch (pip install torch)") from None
+    if cuda and not torch.cuda.is_available():
+        raise FmoesimError(f"--device {device}: CUDA is not available here (rule: the "
+                           "replay runs on a GPU; --device cpu replays on the CPU)")  # fmt: skip
+    return torch
+
+
 def replay_backend(
     model: ModelSpec,
     hardware: HardwareSpec,

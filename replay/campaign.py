@@ -2296,16 +2296,9 @@ def _check_replay_args(policies: Sequence[str], args: argparse.Namespace) -> Non
                            f"{valid_presets('hardware')}")  # fmt: skip
     if not args.deadline_s > 0:
         raise FmoesimError(f"--deadline-s {args.deadline_s:g}: must be > 0 (default: no deadline)")
-    cuda = args.device.startswith("cuda")
-    if not cuda and args.device != "cpu":
-        raise FmoesimError(f"--device {args.device}: must be 'cpu' or 'cuda[:N]'")
-    try:
-        import torch
-    except ImportError:
-        raise FmoesimError("the replay needs torch (pip install torch)") from None
-    if cuda and not torch.cuda.is_available():
-        raise FmoesimError(f"--device {args.device}: CUDA is not available here (rule: the "
-                           "replay runs on a GPU; --device cpu replays on the CPU)")  # fmt: skip
+    from replay.backend import check_device
+
+    check_device(args.device)
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -249,14 +249,9 @@ def profile(
     ``log`` gets one line per pass: its link and each model's expert fixed cost."""
     import dataclasses
 
-    try:
-        import torch
-    except ImportError:
-        raise FmoesimError("the profiler needs torch (pip install torch)") from None
-    if device != "cpu" and not device.startswith("cuda"):
-        raise FmoesimError(f"--device {device}: must be 'cpu' or 'cuda[:N]'")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise FmoesimError(f"--device {device}: CUDA is not available here")
+    from replay.backend import check_device
+
+    torch = check_device(device, "the profiler")
     models = [models] if isinstance(models, ModelSpec) else list(models)
     from replay.weights import torch_dtype
 

@@ -261,20 +261,13 @@ def _run(args: argparse.Namespace) -> None:
     policies = [p for p in args.policies.split(",") if p]
     if not policies:
         raise FmoesimError("--policies: give at least one policy preset")
-    cuda = args.device.startswith("cuda")
-    if not cuda and args.device != "cpu":  # before the trace is made (seconds)
-        raise FmoesimError(f"--device {args.device}: must be 'cpu' or 'cuda[:N]'")
-    try:
-        import torch
-    except ImportError:
-        raise FmoesimError("fmoesim-validate needs torch (pip install torch)") from None
-    if cuda and not torch.cuda.is_available():
-        raise FmoesimError(f"--device {args.device}: CUDA is not available here (rule: the "
-                           "replay runs on a GPU; --device cpu replays on the CPU)")  # fmt: skip
+    from replay.backend import check_device
+
+    torch = check_device(args.device, PROG)  # before the trace is made (seconds)
     out = args.out
     if out is None:
-        slug = "cpu" if args.device == "cpu" else args.device.replace(":", "")
-        if cuda:
+        slug = "cpu"
+        if args.device.startswith("cuda"):
             slug = torch.cuda.get_device_name(args.device).lower().replace(" ", "-")
         out = f"results/validation/{slug}-{dt.date.today().isoformat()}"
     path = validate(policies, args.overrides, args.device, Path(out), args.checkpoint, args.depth)

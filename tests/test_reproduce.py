@@ -38,6 +38,7 @@ from fmoesim.reproduce.score import (
     NA,
     NO,
     YES,
+    experiments_of,
     magnitude_ratio,
     reduce_layers,
     score_claim,
@@ -810,6 +811,12 @@ def test_one_papers_docs_keep_the_others_in_the_overview(tmp_path: Path) -> None
     page = tmp_path / "page.md"
     text = "".join(f"{a}\nold\n{b}\n" for a, b in (markers(p) for p in (*PAPERS, "overview")))
     page.write_text(text)
+    from fmoesim.results.store import code_version
+
+    (tmp_path / "store").mkdir()  # a run of one of its presets, of this code's version
+    row = {"experiment": experiments_of(load_catalog("moe-infinity"))[0],
+           "code_version": code_version()}  # fmt: skip
+    pd.DataFrame([row]).to_parquet(tmp_path / "store" / "a.parquet")
     p = subprocess.run(
         [sys.executable, "-m", "fmoesim.cli.reproduce_cli", "moe-infinity", "--docs", str(page),
          "--out", str(tmp_path / "out"), "--store", str(tmp_path / "store")],

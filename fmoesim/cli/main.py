@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import os
 import sys
+import tempfile
 import time
 import typing
 from contextlib import nullcontext
@@ -213,7 +214,12 @@ def check_dir(key: str, directory: str | os.PathLike[str]) -> Path:
     if not probe.is_dir():
         what = "is not a directory" if probe == d else f"cannot be made: {probe} is a file"
         raise FmoesimError(f"config key '{key}' = '{directory}': {what}")
-    if not os.access(probe, os.W_OK | os.X_OK):
+    try:  # a folder made and removed: the mode bits do not tell (root, /proc, read-only)
+        os.rmdir(tempfile.mkdtemp(prefix=".fmoesim-probe-", dir=probe))
+        writable = os.access(probe, os.W_OK | os.X_OK)
+    except OSError:
+        writable = False
+    if not writable:
         what = "is not writable" if probe == d else f"cannot be made: {probe} is not writable"
         raise FmoesimError(f"config key '{key}' = '{directory}': {what}")
     return d
@@ -457,14 +463,6 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
     versions = {"code_version": code_version(), "input_digest": input_digest(inputs)}
     cfg_hash, cfg_json = config_key(resolved, versions)
     store = ResultsStore(check_dir("store.dir", cfg.store.dir)) if cfg.store.enabled else None
-    if store is not None:  # made before the run: a store that cannot be, fails it first
-        try:
-            store.root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise FmoesimError(
-                f"config key 'store.dir' = '{cfg.store.dir}': cannot be made "
-                f"({exc.strerror or exc})"
-            ) from None
     skip = cfg.store.skip_done if cfg.store.skip_done is not None else multirun
     if store is not None and skip and store.has(cfg_hash):
         if verbose or not multirun:

@@ -88,19 +88,10 @@ def _run(args: argparse.Namespace) -> None:
                 insert_table(text, block, "")
             except FmoesimError as e:
                 raise FmoesimError(f"--docs {docs}: {e}") from None
-        # the overview counts every paper: one not scored now is read from --out
-        absent = [
-            p for p in PAPERS if p not in catalogs and not (Path(args.out) / f"{p}.csv").is_file()
-        ]
-        if absent:
-            raise FmoesimError(
-                f"--docs {docs}: its overview counts every paper's claims, and --out "
-                f"{args.out} holds no {absent[0]}.csv (rule: score every paper, or into the "
-                "--out that holds the others' scoreboards)"
-            )
     check_store_dir(args.store, f"{PROG} {args.paper} --run makes it and runs the claims", args.run)
     store = Path(args.store).resolve()
     if args.run:  # one queue over every paper's runs
+        _check_overview(docs, Path(args.out), [p for p in PAPERS if p not in catalogs])
         ensure_runs([c for claims in catalogs.values() for c in claims], store, args.jobs)
     results = load_results(store, columns=("experiment",))
     held = set(results["experiment"]) if len(results) else set()
@@ -121,6 +112,8 @@ def _run(args: argparse.Namespace) -> None:
                 f"versions than this one ({code_version()}) (rule: scores come from runs of "
                 f"the running code; run: {PROG} {name} --run)"
             )
+    if not args.run:
+        _check_overview(docs, Path(args.out), [p for p in PAPERS if p not in catalogs])
     for name, claims in catalogs.items():
         scores = scoreboard(claims, results)
         paths = write_scoreboard(name, scores, Path(args.out))
@@ -130,6 +123,19 @@ def _run(args: argparse.Namespace) -> None:
     if docs is not None:
         update_overview(docs, Path(args.out), list(PAPERS))
         print(f"the overview of every paper's scoreboard written into {docs}")
+
+
+def _check_overview(docs: Path | None, out: Path, others: list[str]) -> None:
+    """The docs page's overview counts every paper: the papers not scored now are read
+    from ``out``, so each must have its scoreboard there (checked before runs and writes:
+    without it, the overview would lose that paper's row)."""
+    absent = [p for p in others if not (out / f"{p}.csv").is_file()]
+    if docs is not None and absent:
+        raise FmoesimError(
+            f"--docs {docs}: its overview counts every paper's claims, and --out {out} holds "
+            f"no {absent[0]}.csv (rule: score every paper, or into the --out that holds the "
+            "others' scoreboards)"
+        )
 
 
 if __name__ == "__main__":

@@ -123,7 +123,8 @@ def argument_type_error(node: DictConfig, prefix: str = "policy") -> ConfigError
     from hydra.utils import get_class
 
     try:
-        hints = typing.get_type_hints(get_class(str(node.get("_target_"))).__init__)
+        cls: Any = get_class(str(node.get("_target_")))
+        hints = typing.get_type_hints(cls.__init__)
     except Exception:  # noqa: BLE001 - no class, a compiled one: instantiate reports it
         return None
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
