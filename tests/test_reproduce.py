@@ -781,6 +781,15 @@ def test_cli_errors_are_one_line(argv: list[str], message: str, tmp_path: Path) 
     assert p.stderr.strip() == f"fmoesim-reproduce: error: {message}"
 
 
+def _reproduce_into(tmp_path: Path, paper: str, page: Path) -> subprocess.CompletedProcess[str]:
+    """``fmoesim-reproduce paper --docs page`` with ``--out`` and ``--store`` in tmp_path."""
+    return subprocess.run(
+        [sys.executable, "-m", "fmoesim.cli.reproduce_cli", paper, "--docs", str(page),
+         "--out", str(tmp_path / "out"), "--store", str(tmp_path / "store")],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+
+
 def test_a_docs_page_without_the_overview_is_refused_before_anything_is_written(
     tmp_path: Path,
 ) -> None:
@@ -790,11 +799,7 @@ def test_a_docs_page_without_the_overview_is_refused_before_anything_is_written(
     page = tmp_path / "page.md"
     start, end = markers("fmoe")
     page.write_text(f"{start}\nold\n{end}\n")
-    p = subprocess.run(
-        [sys.executable, "-m", "fmoesim.cli.reproduce_cli", "fmoe", "--docs", str(page),
-         "--out", str(tmp_path / "out"), "--store", str(tmp_path / "store")],
-        capture_output=True, text=True, cwd=tmp_path,
-    )  # fmt: skip
+    p = _reproduce_into(tmp_path, "fmoe", page)
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip() == (
         f"fmoesim-reproduce: error: --docs {page}: the page needs one "
@@ -817,11 +822,7 @@ def test_one_papers_docs_keep_the_others_in_the_overview(tmp_path: Path) -> None
     row = {"experiment": experiments_of(load_catalog("moe-infinity"))[0],
            "code_version": code_version()}  # fmt: skip
     pd.DataFrame([row]).to_parquet(tmp_path / "store" / "a.parquet")
-    p = subprocess.run(
-        [sys.executable, "-m", "fmoesim.cli.reproduce_cli", "moe-infinity", "--docs", str(page),
-         "--out", str(tmp_path / "out"), "--store", str(tmp_path / "store")],
-        capture_output=True, text=True, cwd=tmp_path,
-    )  # fmt: skip
+    p = _reproduce_into(tmp_path, "moe-infinity", page)
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip() == (
         f"fmoesim-reproduce: error: --docs {page}: its overview counts every paper's claims, "
