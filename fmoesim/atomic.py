@@ -34,6 +34,35 @@ _TEMP_UNOWNED = re.compile(r"\..+\.tmp-[a-z0-9_]{8}")
 STALE_AGE_S = 24 * 3600.0
 
 
+def is_plain_name(name: object) -> bool:
+    """A name that stays one folder inside its parent: text, not empty, no ``/``, ``\\``
+    or ``..``, not starting with ``.`` (the hidden files and temporaries here do)."""
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and not any(c in name for c in "/\\")
+        and ".." not in name
+        and not name.startswith(".")
+    )
+
+
+def writable_ancestor(path: str | os.PathLike[str]) -> tuple[Path, str | None]:
+    """The nearest existing folder at or above ``path`` (where it would be made), and why
+    it cannot take a new entry (``"is a file"``, ``"is not writable"``) or None.  A folder
+    is made and removed there: the mode bits do not tell (root, /proc, read-only mounts)."""
+    probe = Path(path).expanduser()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return probe, "is a file"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fmoesim-probe-", dir=probe))
+        writable = os.access(probe, os.W_OK | os.X_OK)
+    except OSError:
+        writable = False
+    return probe, None if writable else "is not writable"
+
+
 def _prefix(name: str) -> str:
     """The start of a temporary name for ``name`` made by this process."""
     return f".{name}.tmp-{HOST}-{os.getpid()}-"

@@ -21,6 +21,11 @@ EXIT_INTERRUPTED = 130
 EXIT_STDOUT_CLOSED = 141
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception's message collapsed to one line."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose usage errors keep the commands' contract: one line
     (``<prog>: error: <what> (see --help)``) and exit status 2, not the usage text

@@ -45,7 +45,7 @@ from zipfile import BadZipFile
 
 import numpy as np
 
-from fmoesim.errors import FmoesimError
+from fmoesim.errors import FmoesimError, one_line
 
 #: the format of an event log file (``meta["format"]``)
 FORMAT = 1
@@ -217,7 +217,7 @@ class EventLog:
                 meta = json.loads(str(z["meta"]))
                 arrays = {k: z[k] for k in COLUMNS}
         except (OSError, ValueError, EOFError, BadZipFile) as exc:  # not an .npz, or cut
-            raise FmoesimError(f"{name}: not an event log ({_one_line(exc)})") from None
+            raise FmoesimError(f"{name}: not an event log ({one_line(exc)})") from None
         if not isinstance(meta, dict):
             raise FmoesimError(f"{name}: meta is {type(meta).__name__} (rule: a JSON object)")
         for k, want in COLUMNS.items():
@@ -299,18 +299,12 @@ def open_logs(source: Path) -> dict[str, EventLog]:
                         name = Path(m.name).name
                         logs[name] = EventLog.read(f.read(), f"{source}:{m.name}")
         except (tarfile.TarError, EOFError, OSError) as exc:  # a tar file cut short
-            raise FmoesimError(
-                f"--logs {source}: not a whole tar file ({_one_line(exc)})"
-            ) from None
+            raise FmoesimError(f"--logs {source}: not a whole tar file ({one_line(exc)})") from None
     else:
         raise FmoesimError(f"--logs {source}: neither a directory nor a tar file of event logs")
     if not logs:
         raise FmoesimError(f"--logs {source}: holds no event log (*.npz)")
     return logs
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 # -- what a log says --------------------------------------------------------------------

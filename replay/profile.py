@@ -471,14 +471,13 @@ def _run(args: argparse.Namespace) -> None:
 def _check_file_destination(flag: str, path: Path) -> None:
     """``path`` can be written as a file: not a directory, and its nearest existing
     ancestor is a writable directory (checked before minutes of measuring)."""
+    from fmoesim.atomic import writable_ancestor
+
     if path.is_dir():
         raise FmoesimError(f"{flag} {path}: is a directory (rule: a file to write)")
-    probe = path.parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        why = "is a file" if not probe.is_dir() else "is not writable"
-        raise FmoesimError(f"{flag} {path}: cannot be written ({probe} {why})")
+    probe, problem = writable_ancestor(path.parent)
+    if problem is not None:
+        raise FmoesimError(f"{flag} {path}: cannot be written ({probe} {problem})")
 
 
 if __name__ == "__main__":

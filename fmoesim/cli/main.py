@@ -21,14 +21,13 @@ import copy
 import dataclasses
 import os
 import sys
-import tempfile
 import time
 import typing
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from fmoesim.atomic import atomic_dir, clean_stale_temps
+from fmoesim.atomic import atomic_dir, clean_stale_temps, writable_ancestor
 from fmoesim.config.build import (
     RunSpec,
     build_run,
@@ -208,19 +207,12 @@ def check_dir(key: str, directory: str | os.PathLike[str]) -> Path:
     """``directory`` (the value of config key ``key``) is a writable directory or can be
     made: its nearest existing ancestor is a writable directory.  Returns it as a path."""
     d = Path(directory).expanduser()
-    probe = d
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
+    probe, problem = writable_ancestor(d)
+    if problem == "is a file":
         what = "is not a directory" if probe == d else f"cannot be made: {probe} is a file"
         raise FmoesimError(f"config key '{key}' = '{directory}': {what}")
-    try:  # a folder made and removed: the mode bits do not tell (root, /proc, read-only)
-        os.rmdir(tempfile.mkdtemp(prefix=".fmoesim-probe-", dir=probe))
-        writable = os.access(probe, os.W_OK | os.X_OK)
-    except OSError:
-        writable = False
-    if not writable:
-        what = "is not writable" if probe == d else f"cannot be made: {probe} is not writable"
+    if problem is not None:
+        what = problem if probe == d else f"cannot be made: {probe} {problem}"
         raise FmoesimError(f"config key '{key}' = '{directory}': {what}")
     return d
 

@@ -90,8 +90,9 @@ def _run(args: argparse.Namespace) -> None:
                 raise FmoesimError(f"--docs {docs}: {e}") from None
     check_store_dir(args.store, f"{PROG} {args.paper} --run makes it and runs the claims", args.run)
     store = Path(args.store).resolve()
+    others = [p for p in PAPERS if p not in catalogs]  # the overview reads them from --out
     if args.run:  # one queue over every paper's runs
-        _check_overview(docs, Path(args.out), [p for p in PAPERS if p not in catalogs])
+        _check_overview(docs, Path(args.out), others)
         ensure_runs([c for claims in catalogs.values() for c in claims], store, args.jobs)
     results = load_results(store, columns=("experiment",))
     held = set(results["experiment"]) if len(results) else set()
@@ -112,8 +113,8 @@ def _run(args: argparse.Namespace) -> None:
                 f"versions than this one ({code_version()}) (rule: scores come from runs of "
                 f"the running code; run: {PROG} {name} --run)"
             )
-    if not args.run:
-        _check_overview(docs, Path(args.out), [p for p in PAPERS if p not in catalogs])
+    if not args.run:  # after the store's own checks, whose errors come first
+        _check_overview(docs, Path(args.out), others)
     for name, claims in catalogs.items():
         scores = scoreboard(claims, results)
         paths = write_scoreboard(name, scores, Path(args.out))

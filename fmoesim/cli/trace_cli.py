@@ -39,10 +39,9 @@ def _parse_set(items: list[str]) -> dict[str, object]:
             raise ConfigError(
                 f"--set {key}", value, f"unknown knob; valid: {', '.join(sorted(hints))}"
             )
-        kinds = [t for t in typing.get_args(hints[key]) or (hints[key],) if t is not type(None)]
-        kind = kinds[0]
-        optional = len(kinds) < len(typing.get_args(hints[key]) or (hints[key],))
-        if optional and value.lower() in ("null", "none"):
+        union = typing.get_args(hints[key]) or (hints[key],)  # (str, None) for str | None
+        kind = next(t for t in union if t is not type(None))
+        if type(None) in union and value.lower() in ("null", "none"):
             out[key] = None
             continue
         try:

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fmoesim.atomic import is_plain_name
 from fmoesim.config.schema import CONF_DIR, EngineConfig, OutputConfig, WorkloadConfig
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import (
@@ -20,7 +21,7 @@ from fmoesim.engine.simulate import (
     check_link_order,
     simulate,
 )
-from fmoesim.errors import ConfigError, FmoesimError
+from fmoesim.errors import ConfigError, FmoesimError, one_line
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
 from policies.base import Policy
@@ -64,11 +65,6 @@ def load_preset(group: str, name: str, schema: type[T]) -> T:
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{group}/{name}.yaml", "", one_line(exc)) from None
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception's message collapsed to one line."""
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 @dataclass
@@ -223,9 +219,7 @@ def check_output_name(name: str | None) -> None:
     """``output.name`` is one plain directory name: not empty, no ``/``, ``\\`` or
     ``..``, not starting with ``.`` (the results' temporaries and hidden files do), so a
     run writes only inside ``output.dir``."""
-    if name is None:
-        return
-    if not name or "/" in name or "\\" in name or ".." in name or name.startswith("."):
+    if name is not None and not is_plain_name(name):
         raise ConfigError(
             "output.name",
             name,

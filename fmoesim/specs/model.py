@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fmoesim.atomic import is_plain_name
 from fmoesim.errors import ConfigError
 
 #: bytes per weight of each storage format, block and group scales included
@@ -218,15 +219,9 @@ class ModelSpec:
 
     def validate(self, prefix: str = "model") -> ModelSpec:
         """Check every field; raise :class:`ConfigError` naming the first bad one."""
-        name = self.name
-        if (
-            not isinstance(name, str)
-            or not name
-            or any(c in name for c in "/\\")
-            or (".." in name or name.startswith("."))
-        ):  # it names run folders and trace caches
+        if not is_plain_name(self.name):  # it names run folders and trace caches
             raise ConfigError(
-                f"{prefix}.name", name,
+                f"{prefix}.name", self.name,
                 "must be a plain name (not empty, no '/', '\\' or '..', not starting with '.')",
             )  # fmt: skip
         for key in (

@@ -29,7 +29,13 @@ import numpy as np
 
 from fmoesim.errors import FmoesimError
 from fmoesim.specs.model import ModelSpec
-from fmoesim.trace.schema import MAX_TOKENS, TraceManifest, TraceModel, is_json_int
+from fmoesim.trace.schema import (
+    MAX_TOKENS,
+    TraceManifest,
+    TraceModel,
+    check_prompt_tokens,
+    is_json_int,
+)
 from fmoesim.trace.writer import TraceWriter, check_destination
 
 FORMATS = ("vllm-routes", "eamc")
@@ -157,8 +163,7 @@ def import_vllm_routes(
     iteration.  ``counts`` are the routed top-k; ``probs`` are null.
     """
     check_destination(dst, overwrite)
-    if prompt_tokens < 1:
-        raise FmoesimError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
+    check_prompt_tokens(prompt_tokens)
     routes, files = read_vllm_routes(src, model)
     if not routes:
         raise FmoesimError(f"{src}: no routing rows")

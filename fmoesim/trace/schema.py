@@ -97,6 +97,12 @@ def tokens_schema(top_k: int) -> pa.Schema:
 MAX_TOKENS = 2**31 - 1
 
 
+def check_prompt_tokens(prompt_tokens: int | None) -> None:
+    """A prompt length given on the command line (``--prompt-tokens``): None, or >= 1."""
+    if prompt_tokens is not None and prompt_tokens < 1:
+        raise FmoesimError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object whose keys are each given once (json keeps the last silently)."""
     out: dict[str, Any] = {}

@@ -61,7 +61,7 @@ import numpy as np
 
 from fmoesim.errors import FmoesimError
 from fmoesim.specs.model import ModelSpec
-from fmoesim.trace.schema import TraceManifest, TraceModel, is_json_int
+from fmoesim.trace.schema import TraceManifest, TraceModel, check_prompt_tokens, is_json_int
 from fmoesim.trace.writer import TraceWriter, check_destination
 
 #: canonical key -> the column names recognised without a map, first match wins
@@ -532,8 +532,7 @@ def import_table(
     fewer); ``prompt_tokens``, when given, sets the prompt length whatever the table's
     phase column says."""
     check_destination(dst, overwrite)
-    if prompt_tokens is not None and prompt_tokens < 1:
-        raise FmoesimError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
+    check_prompt_tokens(prompt_tokens)
     if top_k is not None:
         if not 1 <= top_k <= model.num_experts:
             raise FmoesimError(f"--top-k must be in [1, {model.num_experts}], got {top_k}")
@@ -780,8 +779,7 @@ def import_routed_experts(
         raise FmoesimError(f"{path}: a .npy, .npz or .json file, not a directory")
     if not path.is_file():
         raise FmoesimError(f"{path}: no such file")
-    if prompt_tokens is not None and prompt_tokens < 1:
-        raise FmoesimError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
+    check_prompt_tokens(prompt_tokens)
     stored: list[int] | None = None
     keys: list[str] | None = None
     try:
