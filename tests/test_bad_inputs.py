@@ -219,6 +219,9 @@ BAD = [
     (["seed=99999999999999999999999"], "must be an integer in [0, 2**63)"),
     # an optional group: Hydra skipped the unknown preset and ran the defaults (exit 0)
     (["experiment=nosuch"], "experiment=nosuch: unknown experiment; valid: fmoe-fig10"),
+    # Hydra's own groups: a miss was Hydra's message over 8 lines, checked inside hydra.main
+    (["hydra/launcher=nosuch"], "hydra/launcher=nosuch: unknown hydra/launcher; valid: basic"),
+    (["-m", "hydra/job_logging=nosuch"], "unknown hydra/job_logging; valid: default, disabled"),
     # int("abc") named no key; bool("maybe") ran fMoE without its semantic search
     (
         ["policy=fmoe", "policy.prefetch_distance=abc"],
@@ -264,6 +267,21 @@ def test_check_added_keys_leaves_policy_groups_and_hydra_alone():
     with pytest.raises(FmoesimError, match="experiment=nosuch: unknown experiment"):
         check_added_keys(["experiment=fmoe-fig4,nosuch"])  # each value of a sweep
     check_added_keys(["hardware=measured/h100-3", "policy=lru,lfu"])  # presets that exist
+
+
+def test_a_launcher_of_an_extra_names_the_extra(tmp_path):
+    """Red if choosing the SLURM launcher without its plugin gives Hydra's "Could not
+    find" over several lines, or a line that does not say which extra installs it."""
+    import importlib.util
+
+    if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None:
+        pytest.skip("the submitit launcher is installed here")
+    assert_refused(
+        fmoesim(*tiny(tmp_path, "-m", "hydra/launcher=submitit_slurm")),
+        "hydra/launcher=submitit_slurm: unknown hydra/launcher (pip install -e '.[slurm]' "
+        "installs it); valid: basic",
+    )
+    assert_nothing_written(tmp_path)
 
 
 def test_a_budget_above_every_expert_runs(tmp_path):
@@ -602,11 +620,13 @@ def test_a_preset_that_is_not_yaml_is_one_config_error(tmp_path, monkeypatch):
      ({"m": 3}, "'hardware.measured.m' = 3: must be a mapping of coefficients"),
      ({"m": {"expert_a_s": -1.0}}, "= -1.0: must be >= 0 (a time in seconds)"),
      ({"m": {"host_decision_s": {"lru": float("nan")}}}, "host_decision_s.lru' = nan: must be"),
+     ({"m": {"host_decision_s": {"lru": -1e-6}}}, "host_decision_s.lru' = -1e-06: must be >= 0"),
      ({"link": {"h2d_65536_s": True}}, "h2d_65536_s' = True: must be a finite number")],
 )  # fmt: skip
 def test_a_measured_profile_of_the_wrong_kind_is_refused(measured, rule):
-    """Red if ``measured`` coefficients that are text, negative times, NaN or a number
-    where a model's table belongs reach the compute model (a ValueError or
+    """Red if ``measured`` coefficients that are text, negative times (a policy's time
+    in ``host_decision_s`` too), NaN or a number where a model's table belongs reach the
+    compute model (a ValueError or
     AttributeError traceback in fmoesim-validate-grid score)."""
     from fmoesim.errors import ConfigError
     from fmoesim.specs import HardwareSpec

@@ -175,6 +175,54 @@ def check_added_keys(overrides: list[str]) -> None:
             raise FmoesimError(why)
 
 
+#: Hydra launchers that come with an extra of fmoesim's (pyproject.toml), for the hint
+#: when one is chosen without its plugin installed
+_LAUNCHER_EXTRAS = {
+    "joblib": "sweep",
+    "submitit_slurm": "slurm",
+    "submitit_local": "slurm",
+    "ray": "ray",
+    "ray_aws": "ray",
+}
+
+
+def check_hydra_groups(overrides: list[str]) -> None:
+    """Refuse a choice in one of Hydra's own groups (``hydra/launcher=...``) that Hydra
+    does not have, in one line listing the ones it has, before ``hydra.main`` (which
+    prints the miss over several lines): a launcher of an uninstalled plugin names the
+    extra that installs it."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not any(o.lstrip("+~").startswith("hydra/") for o in overrides):
+        return
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as exc:  # noqa: BLE001 - Hydra's parse errors, one line
+        raise FmoesimError(one_line(exc)) from None
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            loader = GlobalHydra.instance().config_loader()
+            for o in parsed:
+                group = o.key_or_group
+                if not group.startswith("hydra/") or o.is_delete():
+                    continue
+                value = o.value()
+                names = [value] if isinstance(value, str) else getattr(value, "list", None)
+                options = loader.get_group_options(group)
+                for name in names or []:
+                    if not isinstance(name, str) or name in options:
+                        continue
+                    listed = ", ".join(options) or "(none)"
+                    extra = _LAUNCHER_EXTRAS.get(name) if group == "hydra/launcher" else None
+                    hint = f" (pip install -e '.[{extra}]' installs it)" if extra else ""
+                    raise FmoesimError(f"{group}={name}: unknown {group}{hint}; valid: {listed}")
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def _compose(overrides: list[str], hydra_config: bool = False) -> Any:
     """Hydra's compose of ``overrides`` (within an initialised Hydra); a composition
     error becomes one :class:`FmoesimError` line."""
@@ -393,6 +441,10 @@ def _main(argv: list[str]) -> None:
     special = any(a.split("=")[0] in _HYDRA_FLAGS for a in argv)
     if not special:
         overrides = [a for a in argv if not a.startswith("-")]
+        try:
+            check_hydra_groups(overrides)
+        except FmoesimError as exc:
+            _fail(str(exc))
         if multirun and any(a.startswith("hydra/sweeper=") for a in overrides):
             pass  # another sweeper (optuna...) picks its points as it goes: jobs check
         elif multirun:

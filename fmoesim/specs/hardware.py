@@ -75,13 +75,16 @@ class HardwareSpec:
         return self
 
 
-def _check_measured(node: Any, key: str) -> None:
-    """``measured``: mappings down to finite numbers, each time (``*_s``) >= 0."""
+def _check_measured(node: Any, key: str, is_time: bool = False) -> None:
+    """``measured``: mappings down to finite numbers, each time >= 0. A time is a value
+    whose key ends in ``_s`` or lies in a mapping whose key does (``host_decision_s``:
+    policy name -> seconds)."""
+    is_time = is_time or key.endswith("_s")
     if isinstance(node, Mapping):
         for k, v in node.items():
-            _check_measured(v, f"{key}.{k}")
+            _check_measured(v, f"{key}.{k}", is_time)
         return
     if isinstance(node, bool) or not isinstance(node, (int, float)) or not math.isfinite(node):
         raise ConfigError(key, node, "must be a finite number (or a mapping of them)")
-    if key.endswith("_s") and node < 0:
+    if is_time and node < 0:
         raise ConfigError(key, node, "must be >= 0 (a time in seconds)")
