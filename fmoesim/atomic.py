@@ -68,7 +68,7 @@ def _prefix(name: str) -> str:
     return f".{name}.tmp-{HOST}-{os.getpid()}-"
 
 
-def _as_created(path: str | os.PathLike[str], mode: int) -> None:
+def as_created(path: str | os.PathLike[str], mode: int) -> None:
     """Give a temporary file or directory the permissions a plain create would have."""
     os.chmod(path, mode & ~_UMASK)
 
@@ -88,7 +88,7 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_prefix(path.stem), suffix=path.suffix)
     os.close(fd)
-    _as_created(tmp, 0o666)
+    as_created(tmp, 0o666)
     try:
         yield Path(tmp)
         os.replace(tmp, path)
@@ -105,7 +105,7 @@ def atomic_dir(path: str | os.PathLike[str], replace: bool = False) -> Iterator[
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=_prefix(path.name), dir=path.parent))
-    _as_created(tmp, 0o777)
+    as_created(tmp, 0o777)
     try:
         yield tmp
         if replace and path.exists():

@@ -33,7 +33,6 @@ import datetime as dt
 import math
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from fmoesim.atomic import atomic_file
 from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
 from fmoesim.specs import HardwareSpec, ModelSpec
 
@@ -406,17 +406,10 @@ def write_profile(spec: HardwareSpec, path: str | os.PathLike[str]) -> Path:
     import yaml
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = {"defaults": ["hardware_schema", "_self_"], **dataclasses.asdict(spec)}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".yaml")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(f"# {spec.source}\n")
-            yaml.safe_dump(data, f, sort_keys=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as tmp, open(tmp, "w") as f:
+        f.write(f"# {spec.source}\n")
+        yaml.safe_dump(data, f, sort_keys=False)
     return path
 
 

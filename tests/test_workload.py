@@ -501,3 +501,17 @@ def test_spec_recall_against_a_loop(tmp_path: Path) -> None:
     one = dataclasses.replace(MODEL, num_layers=1)
     nospec = _gen(tmp_path, "nospec", model=one, output_tokens_max=1, num_requests=4)
     assert np.isnan(spec_recall(nospec)).all()
+
+
+def test_a_trace_folder_has_the_permissions_of_a_plain_mkdir(tmp_path: Path) -> None:
+    """Red if a trace folder keeps ``mkdtemp``'s mode 0700 (the writer builds it as a
+    temporary folder and renames it): a trace on a shared file system would be unreadable
+    by the rest of the group, where ``mkdir`` would give 0755 under umask 022."""
+    import os
+
+    from fmoesim.atomic import _UMASK
+
+    path = generate(MODEL, SyntheticConfig(num_requests=1), tmp_path / "t")
+    assert path.stat().st_mode & 0o777 == 0o777 & ~_UMASK
+    if _UMASK & 0o055 == 0:  # group and others may read and enter what mkdir makes here
+        assert os.stat(path).st_mode & 0o055 == 0o055

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from fmoesim.atomic import as_created
 from fmoesim.errors import FmoesimError, TraceError
 from fmoesim.trace import schema as S
 
@@ -101,6 +102,7 @@ class TraceWriter:
                 f"{self.path}: cannot be written ({exc.strerror or exc}; rule: the trace's "
                 "folder can be created and written to)"
             ) from None
+        as_created(tmp, 0o777)  # mkdtemp's 0700 would keep the trace from the group
         self._tmp = Path(tmp)
         m = manifest.model
         self._L, self._E, self._D = m.num_layers, m.num_experts, manifest.embedding_dim

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from fmoesim.atomic import atomic_file
 from fmoesim.errors import ArgumentParser
 from fmoesim.specs import HardwareSpec, ModelSpec
 from fmoesim.trace.reader import Trace
@@ -468,10 +468,8 @@ def main(argv: list[str] | None = None) -> None:
         args.real, real, dropped, target, stats, ranked, plot.name, q, trans, sticky, q15,
         depth,
     )  # fmt: skip
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp_name, out)
+    with atomic_file(out) as tmp_path:
+        tmp_path.write_text(text)
     print(f"best knobs {best.knobs}: worst point {best.max_error_points:.1f} points; wrote {out}")
 
 
@@ -574,11 +572,11 @@ def _plot(target: dict[str, list[float]], best: Candidate, path: Path) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def _qwen15_section(q: dict[str, Any] | None) -> list[str]:
