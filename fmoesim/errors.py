@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 #: exit status of a command stopped by Ctrl-C (128 + SIGINT)
@@ -24,6 +24,20 @@ EXIT_STDOUT_CLOSED = 141
 def one_line(exc: BaseException) -> str:
     """An exception's message collapsed to one line."""
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def spans(values: Iterable[int]) -> str:
+    """Sorted integers as runs, for a message: ``[1, 2, 3, 7, 9, 10]`` -> ``1-3, 7, 9-10``."""
+    vals = sorted(set(values))
+    out: list[str] = []
+    i = 0
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        out.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
+        i = j + 1
+    return ", ".join(out)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -678,3 +678,35 @@ def test_a_glob_sweep_is_refused_in_words_and_version_is_fmoesims(tmp_path):
     assert_nothing_written(tmp_path)
     p = fmoesim("--version")
     assert p.returncode == 0 and p.stdout.startswith("fmoesim ") and "Hydra" not in p.stdout
+
+
+def test_a_trace_of_another_shape_names_the_fix():
+    """Red if a trace whose model is no preset (an imported log with its own top-k) is
+    refused with "pick the matching model= preset", a preset that does not exist, instead
+    of the override that fits it; or if a trace of a preset's model does not name it."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from fmoesim.engine.simulate import check_manifest_shape
+    from fmoesim.errors import ConfigError
+
+    qwen = SimpleNamespace(model=dataclasses.replace(TINY, name="qwen-edge", top_k=6))
+    with pytest.raises(ConfigError, match=r"has top_k = 6 \(model 'qwen-edge'\); pick a "
+                       r"model= preset of its shape, or set model.top_k=6$"):  # fmt: skip
+        check_manifest_shape(qwen, "t", TINY)
+    same = SimpleNamespace(model=dataclasses.replace(TINY, top_k=6))  # TINY's name, no preset
+    with pytest.raises(ConfigError, match=r"or set model.top_k=6$"):
+        check_manifest_shape(same, "t", TINY)
+    olmoe = SimpleNamespace(model=dataclasses.replace(TINY, name="olmoe-1b-7b"))
+    with pytest.raises(ConfigError, match=r"; model=olmoe-1b-7b matches it$"):
+        check_manifest_shape(olmoe, "t", dataclasses.replace(TINY, num_layers=TINY.num_layers + 1))
+
+
+def test_spans_names_every_value_in_runs():
+    """Red if a message's list of layers is cut (the first five, with no mark that more
+    follow) or a run is split or merged across a gap."""
+    from fmoesim.errors import spans
+
+    assert spans([9, 1, 2, 3, 7, 10, 3]) == "1-3, 7, 9-10"
+    assert spans(range(1, 32)) == "1-31"
+    assert spans([4]) == "4" and spans([]) == ""

@@ -61,6 +61,8 @@ FAMILIES = {
                    head_dim=8, eos_token_id=1)),
 }  # fmt: skip
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
+#: the families above whose config declares a shared expert
+SHARED = {"qwen2_moe", "deepseek_v3", "glm4_moe", "dots1", "exaone_moe"}
 
 
 def tiny(family: str):  # type: ignore[no-untyped-def]
@@ -86,6 +88,10 @@ def test_every_family_gives_a_valid_trace(tmp_path, family):
     assert tr.spec_valid is not None
     assert (~tr.spec_valid[[0, 3], 0]).all() and tr.spec_valid[[1, 2, 4, 5]].all()
     assert tr.spec_valid[:, 1:].all()
+    # the configs above: one shared expert where they set one, none elsewhere
+    shared = 1 if family in SHARED else 0
+    assert tr.manifest.model.num_shared_experts == shared
+    assert tr.manifest.created_at is not None  # a collection is not a pure function
 
 
 def router_inputs(model, ids):  # type: ignore[no-untyped-def]

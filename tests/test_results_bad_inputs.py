@@ -352,7 +352,8 @@ def test_a_bad_override_in_a_replay_csv_names_its_run(tmp_path, capsys):
     line = refused(capsys, C.PROG, lambda: C.main(["score", str(f), "--hardware", "h100-pcie5",
                                                    "--out", str(tmp_path / "o")]))  # fmt: skip
     assert "the replayed run olmoe-1b-7b 3.2 batch1 lru 1: its configuration: config key " \
-        "'model.num_layers' = 16: trace traces/default has num_layers = 32" in line  # fmt: skip
+        "'model.num_layers' = 16: trace traces/default has num_layers = 32 (model " \
+        "'mixtral-8x7b'); model=mixtral-8x7b matches it" in line  # fmt: skip
     f.write_text(GOOD.replace("model=olmoe-1b-7b cache", "model=olmoe-1b-7b workload=synthetic "
                               "cache").replace("policy=lru", "policy=lru "
                               "cache.experts_per_layer=-1"))  # fmt: skip

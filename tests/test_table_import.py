@@ -47,6 +47,38 @@ def test_wide_csv_with_other_column_names_and_comments(tmp_path: Path) -> None:
     assert tr.manifest.source["format"] == "table" and not tr.manifest.layer_gaps
 
 
+def test_a_log_of_fewer_layers_than_the_model_is_refused(tmp_path: Path) -> None:
+    """Red if a 2-layer model's log imported as a 4-layer model is written, its last two
+    layers routing nothing, with only a count of (token, layer) gaps to show for it (a
+    run on it reports a hit rate of a model that is not the log's); red too if the
+    arrays' path (from_arrays) lets it through."""
+    src = tmp_path / "r.csv"
+    src.write_text('request,position,layer,experts\na,0,0,"[0, 1]"\na,0,1,"[2, 3]"\n')
+    four = small_model(4, 4, 2)
+    rule = r"^r\.csv: no token routes at layer\(s\) 2-3 of tiny-4x4-top2's 4 \(rule: every "
+    with pytest.raises(FmoesimError, match=rule):
+        import_table(src, tmp_path / "t", four)
+    ids = np.array([[[0, 1], [2, 3], [-1, -1], [0, 1]]])  # (T=1, L=4, K=2): layer 2 never
+    with pytest.raises(FmoesimError, match=r"^arrays: no token routes at layer\(s\) 2 of"):
+        from_arrays(ids, tmp_path / "t", four)
+    assert not (tmp_path / "t").exists()
+    import_table(src, tmp_path / "t", M)  # its own model's: fine
+
+
+def test_a_request_column_by_another_usual_name_or_none(tmp_path: Path) -> None:
+    """Red if a ``seq_id`` column is not read as the request (two requests merged into
+    one, their positions' restarts read as new steps), or if a log without any request
+    column merges its requests without the report saying there was none."""
+    rows = 'a,0,0,"[0, 1]"\na,0,1,"[2, 3]"\nb,0,0,"[1, 2]"\nb,0,1,"[0, 3]"\n'
+    for name, requests in (("seq_id", 2), ("sid", 1)):
+        src = tmp_path / f"{name}.csv"
+        src.write_text(f"{name},position,layer,experts\n" + rows)
+        _, rep = import_table(src, tmp_path / name, M)
+        assert rep.requests == requests
+        hint = [line for line in rep.lines() if line.startswith("no request column")]
+        assert len(hint) == (requests == 1), rep.lines()
+
+
 def test_long_rows_phase_restarted_positions_and_a_missing_layer(tmp_path: Path) -> None:
     """Red if the restart rule does not split decode steps whose position is 0 every
     step, if phase does not set the prompt, or if a token missing a layer is dropped
@@ -70,6 +102,9 @@ def test_long_rows_phase_restarted_positions_and_a_missing_layer(tmp_path: Path)
     path, rep = import_table(src, tmp_path / "t", M)
     tr = read_trace(path)
     assert rep.steps_restarted == 2 and rep.missing_pairs == 1 and rep.tokens == 4
+    # the weights cannot go to tokens.parquet with a pair missing: said, not silent
+    assert rep.lines()[-1].startswith("weights (weight) not kept: ")
+    assert not tr.manifest.has_tokens
     assert tr.prompt_tokens.tolist() == [2] and tr.output_tokens.tolist() == [3]
     np.testing.assert_array_equal(tr.counts[0], [[1, 2, 1, 0], [1, 2, 1, 0]])
     np.testing.assert_array_equal(tr.counts[1], [[0, 0, 1, 1], [0, 0, 1, 1]])

@@ -80,6 +80,8 @@ BAD_TABLES = [
     # a truncated line: its line number, not a byte offset
     ("r.jsonl", [*GOOD, '{"layer": 0, "token_idx"'],
      " line 3: each line is a JSON object (Expecting ':' delimiter at column 25)"),
+    ("r.jsonl", [*GOOD, '{"layer": 0, "phase": "pre'],
+     " line 3: each line is a JSON object (Unterminated string starting at column 23)"),
     # a blank line still counts in the file's line numbers
     ("r.jsonl", [GOOD[0], "", route(5, 0, [0, 1])], " line 3: layer in [0, 2) (got 5)"),
     # rank out of range, an unknown phase, bad size comments

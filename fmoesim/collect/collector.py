@@ -32,6 +32,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -274,6 +275,20 @@ def _vocab_size(model: Any) -> int | None:
     return n if isinstance(n, int) else getattr(model.config, "vocab_size", None)
 
 
+def shared_experts(config: Any) -> int:
+    """Shared (always active) experts per MoE layer that a Hugging Face config declares:
+    ``n_shared_experts`` (DeepSeek, GLM-4.5, dots.llm1), ``num_shared_experts`` (EXAONE),
+    one for Qwen2-MoE's ``shared_expert_intermediate_size`` and for Llama 4."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(cfg, "model_type", "") in ("llama4", "llama4_text"):
+        return 1
+    for key in ("n_shared_experts", "num_shared_experts"):
+        n = getattr(cfg, key, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return 1 if getattr(cfg, "shared_expert_intermediate_size", None) else 0
+
+
 def collect(
     model: Any,
     prompts: Sequence[Sequence[int]],
@@ -335,6 +350,7 @@ def collect(
             top_k=K,
             hidden_size=hidden,
             dense_layers=len(decoder_layers(model)) - L,
+            num_shared_experts=shared_experts(cfg),
         ),
         embedding_dim=D,
         source={
@@ -349,6 +365,7 @@ def collect(
         },
         has_probs=True,
         has_spec_probs=True,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         embedding_projection=None
         if proj is None
         else {"input_dim": hidden, "seed": projection_seed},

@@ -91,14 +91,21 @@ def check_shapes(trace: Trace, model: ModelSpec) -> None:
 def check_manifest_shape(manifest: TraceManifest, path: Any, model: ModelSpec) -> None:
     """Refuse a trace (its manifest, read from ``path``) whose shape differs from the
     model's."""
+    from fmoesim.config.build import preset_names
+
     tm = manifest.model
     for key in ("num_layers", "num_experts", "top_k", "encoder_layers"):
-        if getattr(tm, key, 0) != getattr(model, key):
+        value = getattr(tm, key, 0)
+        if value != getattr(model, key):
+            fix = (
+                f"model={tm.name} matches it"
+                if tm.name != model.name and tm.name in preset_names("model")
+                else f"pick a model= preset of its shape, or set model.{key}={value}"
+            )
             raise ConfigError(
                 f"model.{key}",
                 getattr(model, key),
-                f"trace {path} has {key} = {getattr(tm, key, 0)} "
-                f"(model '{tm.name}'); pick the matching model= preset",
+                f"trace {path} has {key} = {value} (model '{tm.name}'); {fix}",
             )
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fmoesim.errors import FmoesimError
+from fmoesim.errors import FmoesimError, spans
 from fmoesim.specs.model import ModelSpec
 from fmoesim.trace.schema import (
     MAX_TOKENS,
@@ -176,9 +176,9 @@ def import_vllm_routes(
     for key in sorted(routes):
         layers = routes[key]
         if len(layers) != L:
-            missing = sorted(set(range(L)) - set(layers))
+            missing = set(range(L)) - set(layers)
             raise FmoesimError(
-                f"{src}: request {key} has no rows for layer(s) {missing[:5]} "
+                f"{src}: request {key} has no rows for layer(s) {spans(missing)} "
                 f"(rule: every layer of every token)"
             )
         common = set.intersection(*(set(t) for t in layers.values()))

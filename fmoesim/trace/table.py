@@ -16,9 +16,10 @@ llama.cpp-style logger's header; B a positive integer) gives layer N's expert si
 the trace (``source.expert_bytes_by_layer``) and from there to a run's model.  Which rows
 are one token, in order:
 
-- a request is the value of the request column (``request_id``, ``req_id``,
-  ``problem_id``, ``turn``; one request without it) within its ``dataset`` (a column, or
-  the file's name when ``src`` is a directory of tables), in order of first appearance;
+- a request is the value of the request column (``request_id``, ``request``, ``req_id``,
+  ``seq_id``, ``sequence_id``, ``problem_id``, ``turn``; one request without it) within
+  its ``dataset`` (a column, or the file's name when ``src`` is a directory of tables),
+  in order of first appearance;
 - inside a request, rows are read in file order, and a token is a (step, position) pair.
   **The restart rule:** a row whose (position, layer) pair, or (position, layer, rank)
   in the long shape, was already seen in the current step starts a new step, because the
@@ -34,7 +35,8 @@ Every token has ``top_k`` distinct experts at each layer it was logged at (the m
 or ``top_k`` given for a run made with fewer), a rank is in ``[0, top_k)``, weights are
 finite numbers >= 0.  A token the log lacks at some layer is kept: it routes nothing there
 (the trace's ``layer_gaps``), and the import reports how many (token, layer) pairs that
-is.  Nothing is dropped.
+is.  No routed row is dropped; the weights are kept (``tokens.parquet``) only when every
+token has every layer, and the report says when they are not.
 
 :func:`from_arrays` writes a trace from per-request ``(tokens, layers, top_k)`` arrays of
 expert ids (and optional weights), the shape vLLM's routed-experts output and most
@@ -59,14 +61,14 @@ from zipfile import BadZipFile
 
 import numpy as np
 
-from fmoesim.errors import FmoesimError
+from fmoesim.errors import FmoesimError, spans
 from fmoesim.specs.model import ModelSpec
 from fmoesim.trace.schema import TraceManifest, TraceModel, check_prompt_tokens, is_json_int
 from fmoesim.trace.writer import TraceWriter, check_destination
 
 #: canonical key -> the column names recognised without a map, first match wins
 COLUMNS: dict[str, tuple[str, ...]] = {
-    "request": ("request_id", "req_id", "problem_id", "turn"),
+    "request": ("request_id", "request", "req_id", "seq_id", "sequence_id", "problem_id", "turn"),
     "position": ("token_idx", "token_pos", "position", "step"),
     "layer": ("layer", "layer_id", "layer_idx"),
     "experts": ("experts", "topk_ids", "expert", "expert_id"),
@@ -116,11 +118,21 @@ class ImportReport:
             out.append(f"expert sizes per layer: {', '.join(map(str, sizes))} bytes")
         if self.steps_restarted:
             out.append(f"{self.steps_restarted} position restarts read as new steps")
+            if "request" not in self.columns:
+                out.append(
+                    "no request column: every row is one request (--map request=COL names "
+                    "the column of a log of several)"
+                )
         if self.missing_pairs:
             out.append(
                 f"{self.missing_pairs} (token, layer) pairs without rows: kept, routing "
                 "nothing at that layer (layer_gaps)"
             )
+            if "weights" in self.columns:
+                out.append(
+                    f"weights ({self.columns['weights']}) not kept: tokens.parquet holds a "
+                    "token's weights at every layer, and those pairs have none"
+                )
         return out
 
 
@@ -176,7 +188,8 @@ def _read_jsonl(path: Path) -> tuple[Any, np.ndarray]:
             try:
                 rec = json.loads(raw.rstrip())
             except json.JSONDecodeError as exc:
-                detail = f"{exc.msg} at column {exc.colno}"
+                at = "" if exc.msg.endswith(" at") else " at"  # "...string starting at"
+                detail = f"{exc.msg}{at} column {exc.colno}"
                 raise TableError(path, n, rule, detail, "line") from None
             except (ValueError, RecursionError) as exc:  # not UTF-8 text, nested too deep
                 raise TableError(path, n, rule, str(exc).splitlines()[0], "line") from None
@@ -318,7 +331,10 @@ def _columns(path: Path, names: Sequence[str], mapping: dict[str, str]) -> dict[
     for key in ("layer", "experts"):
         if key not in out:
             raise TableError(
-                path, None, f"has a {key} column ({' / '.join(COLUMNS[key])}, or --map {key}=...)"
+                path,
+                None,
+                f"has {'an' if key[0] in 'aeiou' else 'a'} {key} column "
+                f"({' / '.join(COLUMNS[key])}, or --map {key}=...)",
             )
     return {k: out[k] for k in COLUMNS if k in out}
 
@@ -485,8 +501,10 @@ def read_table(
     rep.tokens = sum(len(r.tokens) for r in out.values())
     if size_col is not None or layer_size:
         if len(layer_size) != L or any(b <= 0 for b in layer_size.values()):
-            missing = sorted(set(range(L)) - set(layer_size))
-            raise TableError(path, None, "expert sizes for every layer", f"none for {missing[:5]}")
+            missing = set(range(L)) - set(layer_size)
+            bad = missing or {i for i, b in layer_size.items() if b <= 0}
+            what = "none for layers" if missing else "sizes <= 0 for layers"
+            raise TableError(path, None, "expert sizes for every layer", f"{what} {spans(bad)}")
         rep.layer_bytes = [layer_size[i] for i in range(L)]
     return list(out.values()), rep
 
@@ -603,10 +621,21 @@ def write_routed(
     where a layer was not logged, weights (T, L, K), prompt tokens)``: the first prompt
     tokens one prefill iteration, each later token one decode iteration; per-token top-k
     with weights when ``with_weights`` and no layer is missing.  ``datasets`` names each
-    request's dataset (default: its name); ``extra`` goes into ``source``.  Returns the
+    request's dataset (default: its name); ``extra`` goes into ``source``.  Refuses a
+    layer that no token routes at (the log of a model with fewer layers).  Returns the
     (token, layer) pairs without routing."""
     L, E = model.num_layers, model.num_experts
     missing = sum(int((ids[:, :, 0] < 0).sum()) for _, ids, _, _ in arrays)
+    routed = np.zeros(L, dtype=bool)  # (L,) layers some token routes at
+    for _, ids, _, _ in arrays:
+        routed |= (ids[:, :, 0] >= 0).any(axis=0)
+    if not routed.all():
+        where = ", ".join(original) or fmt
+        raise FmoesimError(
+            f"{where}: no token routes at layer(s) {spans((~routed).nonzero()[0].tolist())} of "
+            f"{model.name}'s {L} (rule: every layer of the model is in the log; a log of a "
+            "model with fewer layers?)"
+        )
     man = TraceManifest(
         model=TraceModel.decoder_only(model, "the trace importer"),
         embedding_dim=0,
