@@ -169,8 +169,9 @@ class TraceManifest:
     ``source`` says where the trace came from: ``{"kind": "synthetic", "generator": ...,
     "params": {...}, "seed": ...}``, ``{"kind": "collector", "model_id": ..., "versions":
     {...}}`` or ``{"kind": "importer", "format": ..., "original": ...}``.
-    ``created_at`` is an ISO-8601 UTC time, or null for synthetic traces: those are a
-    pure function of their parameters and seed, so the same seed gives the same bytes.
+    ``created_at`` is the ISO-8601 UTC time of a collection, or null for synthetic and
+    imported traces: those are a pure function of their parameters and seed or of the
+    log they read, so the same input gives the same bytes.
     ``embedding_projection`` is null, or ``{"input_dim": D_in, "seed": s}`` when the
     embeddings were reduced by a seeded Gaussian random projection.
     ``layer_gaps`` (written only when true) says that some tokens have no routing at some
