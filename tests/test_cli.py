@@ -50,6 +50,8 @@ def tiny_overrides(trace: Path, out: Path) -> list[str]:
 
 
 def test_run_writes_summary_with_hand_computed_hit_rate(tmp_path):
+    """Red if the hit rate is not the hand count (5 of 12), a run file is missing, or the
+    summary does not note weights above the GPU's memory (the budget is unchecked)."""
     trace = write_sequence_trace(tmp_path / "seq", ROUTES)
     out = tmp_path / "out"
     p = fmoesim(*tiny_overrides(trace, out), "output.name=tiny-run")
@@ -63,6 +65,11 @@ def test_run_writes_summary_with_hand_computed_hit_rate(tmp_path):
     assert (run_dir / "hit_rate.png").stat().st_size > 1000
     assert (run_dir / "config.yaml").is_file()
     assert not list(out.glob(".*tmp*")), "temporary directory left behind"
+    assert "note " not in p.stdout  # the tiny model's weights fit the GPU
+    # a GPU of 0.01 GB: the weights' peak is above it, and the summary says so
+    p = fmoesim(*tiny_overrides(trace, out), "hardware.gpu_memory_gb=0.01", "output.write=false")
+    assert p.returncode == 0, p.stderr
+    assert "note       VRAM (weights) exceeds the GPU's 0.01 GB: cache.budget_gb counts" in p.stdout
 
 
 BAD = [

@@ -216,6 +216,12 @@ def test_a_tolerance_that_turns_the_guard_off_is_refused(tmp_path, capsys, tol):
          "fmoesim-min-budget searches a global cache.budget_gb: drop it"),
         ("100", ("cache.preload=true",), "config key 'cache.preload' = True: "
          "fmoesim-min-budget searches a global cache.budget_gb: drop it"),
+        # a sweep list got Hydra's "add --multirun" (a flag this command refuses); a
+        # budget was taken and silently replaced by the search's
+        ("100", ("policy=lru,lfu",), "policy=lru,lfu: fmoesim-min-budget searches one "
+         "configuration (rule: one value per key; run it once per value)"),
+        ("100", ("cache.budget_gb=12",), "cache.budget_gb=12: fmoesim-min-budget searches the "
+         "budget (rule: leave it out)"),
     ],
 )  # fmt: skip
 def test_min_budget_refuses_an_infinite_target_and_untimed_runs(tmp_path, capsys, target,

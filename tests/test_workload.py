@@ -515,3 +515,10 @@ def test_a_trace_folder_has_the_permissions_of_a_plain_mkdir(tmp_path: Path) -> 
     assert path.stat().st_mode & 0o777 == 0o777 & ~_UMASK
     if _UMASK & 0o055 == 0:  # group and others may read and enter what mkdir makes here
         assert os.stat(path).st_mode & 0o055 == 0o055
+
+
+def test_no_progress_bar_off_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Red if a progress bar writes to a stderr that is no terminal (a sweep's log file
+    filled with carriage-return fragments of bars)."""
+    generate(MODEL, SyntheticConfig(num_requests=2), tmp_path / "t", progress=True)
+    assert capsys.readouterr().err == ""

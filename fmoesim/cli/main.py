@@ -544,7 +544,7 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
     # saved before anything is printed: a closed stdout does not cost the run its results
     stored = save_results(final, store, spec, row, resolved, result)
     if verbose:
-        print(format_summary(row))
+        print(format_summary(row, spec.hardware.gpu_memory_gb))
         if final is not None:
             print(f"results    {final}")
         if stored is not None:
@@ -702,9 +702,11 @@ def format_line(row: dict[str, Any]) -> str:
     return f"hit rate {100 * row['hit_rate']:.2f}%, TPOT {tpot}"
 
 
-def format_summary(row: dict[str, Any]) -> str:
+def format_summary(row: dict[str, Any], gpu_memory_gb: float | None = None) -> str:
     """The summary table printed after a run; a hit-rate-only run's times read
-    ``n/a (hit-rate-only)``."""
+    ``n/a (hit-rate-only)``.  With ``gpu_memory_gb`` (the hardware's, per GPU), a note
+    follows when the weights' peak is above it: the expert budget is not checked
+    against the GPU's memory."""
     timed = _timed(row)
     w = 20  # width of the value column
 
@@ -742,6 +744,13 @@ def format_summary(row: dict[str, Any]) -> str:
         f"{'simulated time':<22}{t('simulated_s', 's')}",
         f"{'wall time':<22}{row['wall_s']:>{w - 2}.3f} s",
     ]
+    vram = row.get("vram_footprint_bytes")
+    if gpu_memory_gb is not None and vram is not None and vram > gpu_memory_gb * 1e9:
+        lines += [
+            "",
+            f"note       VRAM (weights) exceeds the GPU's {gpu_memory_gb:g} GB: "
+            "cache.budget_gb counts routed experts only",
+        ]
     return "\n".join(lines)
 
 

@@ -82,6 +82,27 @@ def main(argv: list[str] | None = None) -> None:
     run_or_exit(PROG, parse_and_run)
 
 
+def _check_overrides(overrides: list[str]) -> None:
+    """Refuse a sweep (``policy=lru,lfu``: Hydra would answer with its multirun hint,
+    which this command does not take) and a budget (the search sets it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from fmoesim.errors import FmoesimError, one_line
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as exc:  # noqa: BLE001 - Hydra's parse errors, one line
+        raise FmoesimError(one_line(exc)) from None
+    for o, text in zip(parsed, overrides, strict=True):
+        if o.is_sweep_override():
+            raise FmoesimError(
+                f"{text}: {PROG} searches one configuration (rule: one value per key; run "
+                "it once per value)"
+            )
+        if o.key_or_group.lstrip("+~") == "cache.budget_gb":
+            raise FmoesimError(f"{text}: {PROG} searches the budget (rule: leave it out)")
+
+
 def _run(targets_ms: list[float], overrides: list[str]) -> None:
     from hydra.utils import instantiate
 
@@ -94,6 +115,7 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
     for t in targets_ms:
         if not 0 < t < math.inf:
             raise ConfigError("--target-tpot-ms", t, "must be a finite number > 0")
+    _check_overrides(overrides)
     cfg = compose_config(overrides)
     if not cfg.engine.timing:
         raise ConfigError(

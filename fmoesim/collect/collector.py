@@ -411,7 +411,7 @@ def _generate(
     if progress:
         from tqdm import tqdm
 
-        starts = tqdm(starts, desc="collect", unit="batch")
+        starts = tqdm(starts, desc="collect", unit="batch", disable=None)  # a terminal only
     pad = getattr(cfg, "pad_token_id", None) or 0
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])

@@ -560,7 +560,12 @@ def simulate(
         from tqdm import tqdm
 
         bar = tqdm(
-            total=total_iters, unit="it", desc=f"simulate {policy.name}", delay=2.0, leave=False
+            total=total_iters,
+            unit="it",
+            desc=f"simulate {policy.name}",
+            delay=2.0,
+            leave=False,
+            disable=None,  # only on a terminal: a log file gets no bar fragments
         )
         runner.on_iteration = bar.update
     t0 = time.perf_counter()

@@ -600,7 +600,7 @@ class SyntheticWorkload:
             if progress:
                 from tqdm import tqdm
 
-                it = tqdm(it, desc="synth", unit="req")
+                it = tqdm(it, desc="synth", unit="req", disable=None)  # a terminal only
             for r in it:
                 n_prompt, n_out = int(lens.prompt[r]), int(lens.output[r])
                 arrival = None if lens.arrival_s is None else float(lens.arrival_s[r])
