@@ -219,6 +219,12 @@ BAD = [
     (["seed=99999999999999999999999"], "must be an integer in [0, 2**63)"),
     # an optional group: Hydra skipped the unknown preset and ran the defaults (exit 0)
     (["experiment=nosuch"], "experiment=nosuch: unknown experiment; valid: fmoe-fig10"),
+    # a workload fitted to another model ran its knobs on this one, unsaid
+    (
+        ["workload=routing-qwen3-30b-a3b"],
+        "config key 'workload.fitted_to' = ['qwen3-30b-a3b']: "
+        "the workload's knobs are fitted to these models, not to model 'tiny' (rule: model= one",
+    ),
     # Hydra's own groups: a miss was Hydra's message over 8 lines, checked inside hydra.main
     (["hydra/launcher=nosuch"], "hydra/launcher=nosuch: unknown hydra/launcher; valid: basic"),
     (["-m", "hydra/job_logging=nosuch"], "unknown hydra/job_logging; valid: default, disabled"),

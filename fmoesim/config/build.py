@@ -178,6 +178,14 @@ def build_run(cfg: DictConfig) -> RunSpec:
         raise ConfigError("workload.path", workload.path, "a trace directory is required")
     if workload.kind == "synthetic":
         workload.synthetic.validate()
+        if workload.fitted_to and model.name not in workload.fitted_to:
+            raise ConfigError(
+                "workload.fitted_to",
+                list(workload.fitted_to),
+                f"the workload's knobs are fitted to these models, not to model "
+                f"'{model.name}' (rule: model= one of them; workload.fitted_to=[] runs "
+                "the knobs on another model)",
+            )
     if "_target_" not in cfg.policy:
         raise ConfigError("policy", OmegaConf.to_container(cfg.policy), "needs a _target_ class")
     unknown = unknown_argument(cfg.policy)

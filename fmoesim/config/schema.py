@@ -59,6 +59,9 @@ class WorkloadConfig:
     kind: str = "trace"  # "trace" | "synthetic"
     path: str | None = "traces/default"
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    #: the ``model=`` presets a synthetic workload's knobs were fitted (or chosen) for;
+    #: another model is refused (empty: any model)
+    fitted_to: list[str] = field(default_factory=list)
 
 
 @dataclass
