@@ -114,7 +114,7 @@ def test_render_writes_four_files_with_caption(tmp_path: Path) -> None:
         budget_experts=64, hardware="rtx3090-pcie4",
     )  # fmt: skip
     t.attrs["skipped"] = {"m/moepic": "budget too small"}
-    paths = xo.render(t, tmp_path / "figs")
+    paths = xo.render(t, tmp_path / "figs", command="fmoesim-plot crossover --requests 2")
     assert sorted(p.name for p in paths) == sorted(
         f"crossover.{e}" for e in ("png", "pdf", "md", "csv")
     )
@@ -124,6 +124,7 @@ def test_render_writes_four_files_with_caption(tmp_path: Path) -> None:
     assert "2 of 32 requests served" in md
     assert "synthetic routing" in md
     assert "skipped: m/moepic: budget too small" in md
+    assert "- regenerate: `fmoesim-plot crossover --requests 2`" in md
     assert "| x1 | 1.200 | 0.900 | 1.100 | 0.800 | x8 |" in md
     back = pd.read_csv(tmp_path / "figs" / "crossover.csv")
     assert back["ratio"].tolist() == pytest.approx(t["ratio"].tolist())
@@ -147,3 +148,25 @@ def test_cli_crossover_not_in_all_and_bad_input(capsys: pytest.CaptureFixture[st
         assert err.count("\n") == 0 and "error" in err, err
         if "fmoe-fig11" in argv:
             assert "give it alone" in err, err
+
+
+def test_the_regenerate_line_is_the_command_that_ran() -> None:
+    """Red when a narrowed grid's page says ``fmoesim-plot crossover`` alone (following it
+    starts the full grid of every model, policy and factor) or drops a factor's form."""
+    import argparse
+
+    args = argparse.Namespace(
+        models=["olmoe-1b-7b"], policies=list(xo.POLICIES), compute=[0.25, 1.0, 32.0],
+        bandwidth=list(xo.BANDWIDTH_FACTORS), requests=1, hardware=xo.HARDWARE, jobs=1,
+        out="out/figures", name=xo.NAME,
+    )  # fmt: skip
+    assert xo.command_line(args) == (
+        "fmoesim-plot crossover --models olmoe-1b-7b --compute 1/4,1,32 --requests 1 "
+        "--out out/figures"
+    )
+    default = argparse.Namespace(
+        models=list(xo.MODELS), policies=list(xo.POLICIES), compute=list(xo.COMPUTE_FACTORS),
+        bandwidth=list(xo.BANDWIDTH_FACTORS), requests=xo.REQUESTS, hardware=xo.HARDWARE,
+        jobs=2, out="results/figures", name=xo.NAME,
+    )  # fmt: skip
+    assert xo.command_line(default) == "fmoesim-plot crossover"

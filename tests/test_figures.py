@@ -417,3 +417,14 @@ def test_online_figure_names_its_arrivals():
     drawing = draw_figure("fmoe-fig10", rows)
     assert drawing.setting.endswith(", online serving, arrivals from traces/.cache/az.csv")
     assert "online" not in draw_figure("fmoe-fig11", _fig11_rows()).setting
+
+
+def test_the_figure_list_is_aligned(capsys: pytest.CaptureFixture[str]) -> None:
+    """Red when a figure name longer than the column (moe-infinity-tab2-3-arctic) pushes
+    its experiment and title out of line with the others."""
+    from fmoesim.cli.plot_cli import main
+
+    main(["--list"])
+    lines = capsys.readouterr().out.splitlines()
+    starts = {ln.index("experiment=") for ln in lines if "experiment=" in ln}
+    assert len(lines) > 10 and len(starts) == 1

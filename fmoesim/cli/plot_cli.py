@@ -160,9 +160,11 @@ def _run(args: argparse.Namespace) -> None:
     from fmoesim.results.store import check_store_dir, load_results
 
     if args.list:
+        w = max(len(n) for n in FIGURES)
+        x = max(len(f"experiment={f.experiment}") for f in FIGURES.values())
         for name, f in FIGURES.items():
-            print(f"{name:<22} experiment={f.experiment:<22} {f.title}")
-        print(f"{'crossover':<22} {'(its own runs, alone)':<33} Where prefetching beats LRU")
+            print(f"{name:<{w}} {'experiment=' + f.experiment:<{x}} {f.title}")
+        print(f"{'crossover':<{w}} {'(its own runs, alone)':<{x}} Where prefetching beats LRU")
         return
     names = list(FIGURES) if args.names in (["all"], []) else args.names
     if "crossover" in names:

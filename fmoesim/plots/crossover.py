@@ -434,9 +434,10 @@ def _physical(table: Any) -> str:
     return "\n".join(rows)
 
 
-def render(table: Any, out_dir: Path, name: str = NAME) -> list[Path]:
+def render(table: Any, out_dir: Path, name: str = NAME, command: str | None = None) -> list[Path]:
     """Write ``<name>.png``, ``.pdf``, ``.md`` (caption, boundaries, ratio tables) and
-    ``.csv`` (the tidy table) under ``out_dir``, each atomically; return their paths."""
+    ``.csv`` (the tidy table) under ``out_dir``, each atomically; return their paths.
+    ``command`` is the command line that made ``table`` (the default grid's without)."""
     from fmoesim.plots.style import save_figure
 
     paths = save_figure(draw(table), out_dir, name, bbox_inches="tight")
@@ -462,7 +463,7 @@ def render(table: Any, out_dir: Path, name: str = NAME) -> list[Path]:
         "second line is that ratio at PCIe x1; each cell's value is in the last table",
         "- a marker filled: the policy's mean TPOT is below LRU's there; hollow: not",
         *(f"- skipped: {k}: {v}" for k, v in skipped.items()),
-        f"- regenerate: `fmoesim-plot {NAME}`",
+        f"- regenerate: `{command or f'fmoesim-plot {NAME}'}`",
         "",
         "## TPOT ratios (policy / LRU)",
         "",
@@ -523,6 +524,28 @@ def main(argv: list[str], prog: str = "fmoesim-plot") -> None:
     run_or_exit(prog, _cli, args)
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The ``fmoesim-plot crossover`` command that runs the grid of ``args`` again: the
+    options that differ from their defaults (``--jobs`` left out: it changes no number)."""
+
+    def factors(values: list[float]) -> str:
+        return ",".join(factor_label(x) for x in values)
+
+    given = [
+        ("--models", args.models, list(MODELS), ",".join),
+        ("--policies", args.policies, list(POLICIES), ",".join),
+        ("--compute", args.compute, list(COMPUTE_FACTORS), factors),
+        ("--bandwidth", args.bandwidth, list(BANDWIDTH_FACTORS), factors),
+        ("--requests", args.requests, REQUESTS, str),
+        ("--hardware", args.hardware, HARDWARE, str),
+        ("--out", args.out, "results/figures", str),
+        ("--name", args.name, NAME, str),
+    ]
+    parts = [f"fmoesim-plot {NAME}"]
+    parts += [f"{flag} {fmt(value)}" for flag, value, default, fmt in given if value != default]
+    return " ".join(parts)
+
+
 def _cli(args: argparse.Namespace) -> None:
     table = run_grid(
         args.models, args.policies, args.compute, args.bandwidth,
@@ -530,5 +553,5 @@ def _cli(args: argparse.Namespace) -> None:
     )  # fmt: skip
     for k, why in table.attrs.get("skipped", {}).items():
         print(f"skipped {k}: {why}")
-    paths = render(table, Path(args.out), args.name)
+    paths = render(table, Path(args.out), args.name, command_line(args))
     print(f"{args.name:<22} {paths[0]}  (+ .pdf, .md, .csv)")
