@@ -95,6 +95,7 @@ DOCS_RUN = {
         " --requests 1 --jobs 1 --out out/figures",
         "fmoesim-regress --policies lru,lfu",
     ],
+    "reproduction.md": ["fmoesim-reproduce --list | grep -i promoe"],
     "performance.md": [
         "python -m benchmarks.engine --policies lru --repeat 1 --skip-scaling",
         ".venv/bin/python fmoesim/_compiled.py status",

@@ -145,6 +145,23 @@ def test_fast_equals_event_driven(trace: Trace, name: str, serving: str) -> None
         assert 0 <= closed < fast.summary["layer_steps"]
 
 
+@pytest.mark.parametrize("name", DEMAND_ONLY + WHOLE_LAYER + MIXED)
+@pytest.mark.parametrize("experts", [2, 10])
+def test_hit_only_fast_equals_event_driven(trace: Trace, name: str, experts: int) -> None:
+    """Red if a hit-rate-only run of a policy that never prefetches, which takes the timed
+    backend's closed form, differs in anything but wall time from the same run event by
+    event on the hit-rate-only backend (the link's landing): hits, per-layer counts,
+    transfer and access logs, the caches' order. Two experts of room is less than a
+    batch's misses (deferred loads)."""
+    serving = ServingConfig(mode="static", batch_size=3)
+    kw: dict[str, Any] = dict(serving=serving, timing=False, access_log=True)
+    budget = experts * MODEL.expert_size_bytes
+    fast = simulate(trace, MODEL, TINY_HW, make_policy(name), budget, **kw)
+    slow = simulate(trace, MODEL, TINY_HW, make_policy(name), budget, fast=False, **kw)
+    assert_same_run(fast, slow)
+    assert fast.summary["misses"] > 0
+
+
 def test_fast_path_is_off_with_two_gpus(trace: Trace) -> None:
     hw = dataclasses.replace(TINY_HW, num_gpus=2)
     fast, slow, closed = run_both(trace, MODEL, hw, "lru", 6 * MODEL.expert_size_bytes)

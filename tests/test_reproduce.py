@@ -765,6 +765,7 @@ def test_the_docs_page_says_what_the_scoreboards_say() -> None:
     ("argv", "message"),
     [
         (["nope"], "paper 'nope': unknown; valid: all, fmoe, moe-infinity, moepic"),
+        ([], "a paper is required: one of all, fmoe, moe-infinity, moepic"),
         (["fmoe", "--jobs", "0"], "--jobs 0: must be >= 1"),
         (["fmoe", "--docs", "no/such.md"], "--docs no/such.md: no such page"),
     ],
@@ -779,6 +780,21 @@ def test_cli_errors_are_one_line(argv: list[str], message: str, tmp_path: Path) 
     )  # fmt: skip
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip() == f"fmoesim-reproduce: error: {message}"
+
+
+def test_list_names_every_claim_with_its_committed_outcome() -> None:
+    """Red when ``--list`` leaves a claim out, or shows an outcome other than the
+    committed scoreboard's (a reader filtering claims by policy would be misled)."""
+    p = subprocess.run(
+        [sys.executable, "-m", "fmoesim.cli.reproduce_cli", "--list"],
+        capture_output=True, text=True, cwd=PROJECT_ROOT,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    rows = [line.split("\t") for line in p.stdout.splitlines()]
+    assert all(len(r) == 6 for r in rows)
+    want = [(paper, r["id"], r["holds"] or "n.a.") for paper in CATALOGS
+            for r in read_csv(SCOREBOARD_DIR / f"{paper}.csv")]  # fmt: skip
+    assert sorted((r[0], r[1], r[4]) for r in rows) == sorted(want)
 
 
 def _reproduce_into(tmp_path: Path, paper: str, page: Path) -> subprocess.CompletedProcess[str]:

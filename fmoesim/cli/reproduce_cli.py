@@ -5,6 +5,7 @@ Examples::
     fmoesim-reproduce fmoe --run --jobs 2    # run the fMoE claims' points the store lacks
     fmoesim-reproduce fmoe                   # score from what the store holds
     fmoesim-reproduce fmoe --docs docs/reproduction.md   # also refresh the docs' table
+    fmoesim-reproduce --list | grep promoe   # the claims, with the committed outcomes
 
 For each claim of the paper's catalog (``fmoesim/reproduce/claims/<paper>.yaml``) it
 computes fmoesim's number from the rows of the claim's experiment preset and writes
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
 
@@ -38,7 +40,12 @@ def main(argv: list[str] | None = None) -> None:
     from fmoesim.reproduce.claims import PAPERS
 
     ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    ap.add_argument("paper", help=f"one of: all, {', '.join(PAPERS)}")
+    ap.add_argument("paper", nargs="?", help=f"one of: all, {', '.join(PAPERS)} (all with --list)")
+    ap.add_argument(
+        "--list",
+        action="store_true",
+        help="list the claims (id, section, preset, the committed scoreboard's outcome)",
+    )
     ap.add_argument(
         "--run", action="store_true", help="run the claims' points missing from the store"
     )
@@ -63,6 +70,10 @@ def _run(args: argparse.Namespace) -> None:
     from fmoesim.reproduce.score import ensure_runs, experiments_of, scoreboard
     from fmoesim.results.store import check_store_dir, code_version, load_results
 
+    if args.paper is None:
+        if not args.list:
+            raise FmoesimError(f"a paper is required: one of all, {', '.join(PAPERS)}")
+        args.paper = "all"
     if args.paper != "all" and args.paper not in PAPERS:
         raise FmoesimError(f"paper {args.paper!r}: unknown; valid: all, {', '.join(PAPERS)}")
     if args.jobs < 1:
@@ -78,6 +89,9 @@ def _run(args: argparse.Namespace) -> None:
             print(f"{name}: its claims catalog does not exist yet; left out", flush=True)
     if not catalogs:
         raise FmoesimError("no paper has a claims catalog")
+    if args.list:
+        _list(catalogs, Path(args.out))
+        return
     docs = Path(args.docs) if args.docs else None
     if docs is not None and not docs.is_file():
         raise FmoesimError(f"--docs {docs}: no such page")
@@ -137,6 +151,21 @@ def _check_overview(docs: Path | None, out: Path, others: list[str]) -> None:
             f"no {absent[0]}.csv (rule: score every paper, or into the --out that holds the "
             "others' scoreboards)"
         )
+
+
+def _list(catalogs: dict[str, list[Any]], out: Path) -> None:
+    """One line per claim, tab-separated: paper, id, section, preset, whether the
+    direction holds in ``out``'s scoreboard (``yes``, ``no``, ``n.a.`` when not computed,
+    ``-`` when the scoreboard has no row), the claim."""
+    from fmoesim.reproduce.report import read_csv
+
+    for paper, claims in catalogs.items():
+        board = out / f"{paper}.csv"
+        rows = read_csv(board) if board.is_file() else []
+        held = {r["id"]: r["holds"] or "n.a." for r in rows}
+        for c in claims:
+            outcome = held.get(c.id, "-")
+            print(f"{paper}\t{c.id}\t{c.where}\t{c.experiment or '-'}\t{outcome}\t{c.claim}")
 
 
 if __name__ == "__main__":

@@ -385,6 +385,30 @@ def sim_backend(
     return LinkStepBackend(hardware, compute, caches)
 
 
+def _demand_only(
+    policy: Policy,
+    model: ModelSpec,
+    num_gpus: int,
+    group_of: Callable[[int], int] | None,
+    release_after_use: bool,
+) -> bool:
+    """Whether a run's layer steps may all take the closed form of on-demand loading: a
+    policy that never returns actions (neither :meth:`Policy.on_gate` nor
+    :meth:`Policy.on_iteration_start` overridden) and loads only the routed misses, on
+    one GPU with one cache of whole experts of one size that keeps what it loads."""
+    cls = type(policy)
+    return (
+        cls.on_gate is Policy.on_gate
+        and cls.on_iteration_start is Policy.on_iteration_start
+        and not policy.fetches_whole_layers()
+        and not policy.uses_segments
+        and model.uniform_experts
+        and num_gpus == 1
+        and group_of is None
+        and not release_after_use
+    )
+
+
 def simulate(
     trace: Trace,
     model: ModelSpec,
@@ -537,6 +561,12 @@ def simulate(
     backend: Backend
     if make_backend is not None:
         backend = make_backend(caches)
+    elif fast and not timing and _demand_only(policy, model, num_gpus, group_of, release_after_use):
+        # perf: a policy that never asks for a transfer has the same hits and misses on
+        # every backend (each step's misses load before its experts compute, nothing is in
+        # flight between steps), so its hit-rate-only run takes the timed backend's
+        # closed-form layer steps (Runner._layers_closed_form) and reports no time
+        backend = SimBackend(hardware, compute, caches)
     else:
         backend = sim_backend(
             hardware, model, policy.name, caches, timing, landing, preempt, link_order
