@@ -186,3 +186,16 @@ def test_synth_set_types_knobs_by_their_annotation() -> None:
                        ("seed=null", "must be an integer")):  # fmt: skip
         with pytest.raises(ConfigError, match=rule):
             _parse_set([item])
+
+
+def test_a_runs_line_gives_late_share_ttft_and_tpot():
+    """Red if a sweep's line per run hides the share of late accesses of a prefetching
+    policy or its TTFT (comparing policies from the sweep's output alone would mislead),
+    or prints a time for a hit-rate-only run."""
+    from fmoesim.cli.main import format_line
+
+    row = {"hit_rate": 0.25, "late_rate": 0.125, "ttft_mean_s": 1.5, "tpot_mean_s": 0.0421,
+           "timing": True}  # fmt: skip
+    assert format_line(row) == "hit rate 25.00% (late 12.50%), TTFT 1500.0 ms, TPOT 42.1 ms"
+    row.update(late_rate=0.0, timing=False, ttft_mean_s=float("nan"))
+    assert format_line(row) == "hit rate 25.00%, TPOT n/a (hit-rate-only)"

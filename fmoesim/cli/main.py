@@ -697,9 +697,18 @@ def _time(x: Any, unit: str, timed: bool) -> str:
 
 
 def format_line(row: dict[str, Any]) -> str:
-    """One line for a run: hit rate and mean TPOT (``n/a`` without timing)."""
-    tpot = _time(row.get("tpot_mean_s"), "ms", _timed(row))
-    return f"hit rate {100 * row['hit_rate']:.2f}%, TPOT {tpot}"
+    """One line for a run: hit rate, the share of accesses late (in flight) when there
+    were any, mean TTFT and TPOT (``TPOT n/a (hit-rate-only)`` without timing)."""
+    timed = _timed(row)
+    late = row.get("late_rate") or 0.0
+    line = f"hit rate {100 * row['hit_rate']:.2f}%" + (f" (late {100 * late:.2f}%)" if late else "")
+    if not timed:
+        return f"{line}, TPOT {_time(None, 'ms', timed)}"
+    ttft, tpot = (
+        _time(row.get("ttft_mean_s"), "ms", timed),
+        _time(row.get("tpot_mean_s"), "ms", timed),
+    )
+    return f"{line}, TTFT {ttft}, TPOT {tpot}"
 
 
 def format_summary(row: dict[str, Any], gpu_memory_gb: float | None = None) -> str:

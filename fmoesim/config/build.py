@@ -102,7 +102,7 @@ def unknown_argument(node: DictConfig) -> str | None:
         cls = get_class(str(node.get("_target_")))
     except Exception:  # noqa: BLE001 - instantiate reports it in one line
         return None
-    if cls.__init__ is object.__init__:
+    if not any("__init__" in vars(k) for k in cls.__mro__ if k is not object):
         return f"{cls.__name__}() takes no arguments"
     return None
 
