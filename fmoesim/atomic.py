@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -69,8 +70,11 @@ def _prefix(name: str) -> str:
 
 
 def as_created(path: str | os.PathLike[str], mode: int) -> None:
-    """Give a temporary file or directory the permissions a plain create would have."""
-    os.chmod(path, mode & ~_UMASK)
+    """Give a temporary file or directory the permissions a plain create would have: the
+    umask's, and the set-group-ID bit a directory takes from a parent that has it (so
+    the files written into it keep the shared folder's group)."""
+    kept = os.stat(path).st_mode & stat.S_ISGID
+    os.chmod(path, (mode & ~_UMASK) | kept)
 
 
 def save_npz_atomic(path: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> None:

@@ -275,6 +275,17 @@ def test_check_added_keys_leaves_policy_groups_and_hydra_alone():
     check_added_keys(["hardware=measured/h100-3", "policy=lru,lfu"])  # presets that exist
 
 
+def test_a_hydra_group_option_on_the_search_path_runs(tmp_path):
+    """Red if a logging (or launcher) config kept in a folder of ``hydra.searchpath`` is
+    refused as unknown: only Hydra's own folders were searched for it."""
+    own = tmp_path / "myconf" / "hydra" / "job_logging"
+    own.mkdir(parents=True)
+    (own / "quiet.yaml").write_text("version: 1\nroot:\n  level: WARNING\n")
+    p = fmoesim(*tiny(tmp_path, f"hydra.searchpath=[file://{tmp_path / 'myconf'}]",
+                      "hydra/job_logging=quiet", "output.write=false"))  # fmt: skip
+    assert p.returncode == 0, p.stderr
+
+
 def test_a_launcher_of_an_extra_names_the_extra(tmp_path):
     """Red if choosing the SLURM launcher without its plugin gives Hydra's "Could not
     find" over several lines, or a line that does not say which extra installs it."""
@@ -689,23 +700,33 @@ def test_a_glob_sweep_is_refused_in_words_and_version_is_fmoesims(tmp_path):
 def test_a_trace_of_another_shape_names_the_fix():
     """Red if a trace whose model is no preset (an imported log with its own top-k) is
     refused with "pick the matching model= preset", a preset that does not exist, instead
-    of the override that fits it; or if a trace of a preset's model does not name it."""
+    of the overrides that fit it (every key that differs); if a trace of a preset's model
+    does not name that preset; or if a preset's name is offered for a trace of another
+    shape that only shares the name (made with model.num_layers=...)."""
     import dataclasses
     from types import SimpleNamespace
 
+    from fmoesim.config.build import load_preset
     from fmoesim.engine.simulate import check_manifest_shape
     from fmoesim.errors import ConfigError
+    from fmoesim.specs import ModelSpec
 
-    qwen = SimpleNamespace(model=dataclasses.replace(TINY, name="qwen-edge", top_k=6))
-    with pytest.raises(ConfigError, match=r"has top_k = 6 \(model 'qwen-edge'\); pick a "
-                       r"model= preset of its shape, or set model.top_k=6$"):  # fmt: skip
-        check_manifest_shape(qwen, "t", TINY)
-    same = SimpleNamespace(model=dataclasses.replace(TINY, top_k=6))  # TINY's name, no preset
-    with pytest.raises(ConfigError, match=r"or set model.top_k=6$"):
-        check_manifest_shape(same, "t", TINY)
-    olmoe = SimpleNamespace(model=dataclasses.replace(TINY, name="olmoe-1b-7b"))
-    with pytest.raises(ConfigError, match=r"; model=olmoe-1b-7b matches it$"):
-        check_manifest_shape(olmoe, "t", dataclasses.replace(TINY, num_layers=TINY.num_layers + 1))
+    def refusal(trace_model: ModelSpec, run_model: ModelSpec) -> str:
+        with pytest.raises(ConfigError) as info:
+            check_manifest_shape(SimpleNamespace(model=trace_model), "t", run_model)
+        return str(info.value)
+
+    qwen = dataclasses.replace(TINY, name="qwen-edge", top_k=6, num_layers=5)
+    assert refusal(qwen, TINY).endswith(
+        "has num_layers = 5 (model 'qwen-edge'); pick a model= preset of its shape, or set "
+        "model.num_layers=5 model.top_k=6"
+    )
+    olmoe = load_preset("model", "olmoe-1b-7b", ModelSpec)
+    assert refusal(olmoe, TINY).endswith("; model=olmoe-1b-7b matches it")
+    cut = dataclasses.replace(olmoe, num_layers=4)  # a preset's name, another shape
+    assert refusal(cut, TINY).endswith(
+        "or set model.num_layers=4 model.num_experts=64 model.top_k=8"
+    )
 
 
 def test_spans_names_every_value_in_runs():

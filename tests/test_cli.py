@@ -197,5 +197,5 @@ def test_a_runs_line_gives_late_share_ttft_and_tpot():
     row = {"hit_rate": 0.25, "late_rate": 0.125, "ttft_mean_s": 1.5, "tpot_mean_s": 0.0421,
            "timing": True}  # fmt: skip
     assert format_line(row) == "hit rate 25.00% (late 12.50%), TTFT 1500.0 ms, TPOT 42.1 ms"
-    row.update(late_rate=0.0, timing=False, ttft_mean_s=float("nan"))
+    row.update(late_rate=float("nan"), timing=False, ttft_mean_s=float("nan"))  # no access
     assert format_line(row) == "hit rate 25.00%, TPOT n/a (hit-rate-only)"

@@ -152,7 +152,8 @@ def test_cli_crossover_not_in_all_and_bad_input(capsys: pytest.CaptureFixture[st
 
 def test_the_regenerate_line_is_the_command_that_ran() -> None:
     """Red when a narrowed grid's page says ``fmoesim-plot crossover`` alone (following it
-    starts the full grid of every model, policy and factor) or drops a factor's form."""
+    starts the full grid of every model, policy and factor), or writes a factor or a
+    folder that does not read back as the one that ran (1/128 as 0, a path's space)."""
     import argparse
 
     args = argparse.Namespace(
@@ -170,3 +171,8 @@ def test_the_regenerate_line_is_the_command_that_ran() -> None:
         jobs=2, out="results/figures", name=xo.NAME,
     )  # fmt: skip
     assert xo.command_line(default) == "fmoesim-plot crossover"
+    # factors no short fraction gives exactly, and a folder with a space, read back as given
+    odd = argparse.Namespace(**{**vars(default), "compute": [1 / 128, 0.01], "out": "my figs"})
+    line = xo.command_line(odd)
+    assert line == "fmoesim-plot crossover --compute 0.0078125,0.01 --out 'my figs'"
+    assert xo._factors("0.0078125,0.01") == [1 / 128, 0.01]

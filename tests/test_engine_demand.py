@@ -148,11 +148,18 @@ def test_fast_equals_event_driven(trace: Trace, name: str, serving: str) -> None
 @pytest.mark.parametrize("name", DEMAND_ONLY + WHOLE_LAYER + MIXED)
 @pytest.mark.parametrize("experts", [2, 10])
 def test_hit_only_fast_equals_event_driven(trace: Trace, name: str, experts: int) -> None:
-    """Red if a hit-rate-only run of a policy that never prefetches, which takes the timed
+    """Red if a hit-rate-only run of a policy without gate hooks, which takes the timed
     backend's closed form, differs in anything but wall time from the same run event by
     event on the hit-rate-only backend (the link's landing): hits, per-layer counts,
-    transfer and access logs, the caches' order. Two experts of room is less than a
-    batch's misses (deferred loads)."""
+    transfer and access logs, the caches' order; red too if such a policy does not take
+    that path, or a policy with gate hooks (they may prefetch) does. Two experts of room
+    is less than a batch's misses (deferred loads)."""
+    from fmoesim.engine.cache import ExpertCache
+    from fmoesim.engine.simulate import _demand_only
+
+    policy = make_policy(name)
+    cache = ExpertCache(experts * MODEL.expert_size_bytes, policy)
+    assert _demand_only(policy, MODEL, [cache]) == (name in ("lru", "fifo", "rnd", "lfu"))
     serving = ServingConfig(mode="static", batch_size=3)
     kw: dict[str, Any] = dict(serving=serving, timing=False, access_log=True)
     budget = experts * MODEL.expert_size_bytes

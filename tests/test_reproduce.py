@@ -766,6 +766,7 @@ def test_the_docs_page_says_what_the_scoreboards_say() -> None:
     [
         (["nope"], "paper 'nope': unknown; valid: all, fmoe, moe-infinity, moepic"),
         ([], "a paper is required: one of all, fmoe, moe-infinity, moepic"),
+        (["--list", "--run"], "--list: lists the claims only (rule: no --run or --docs with it)"),
         (["fmoe", "--jobs", "0"], "--jobs 0: must be >= 1"),
         (["fmoe", "--docs", "no/such.md"], "--docs no/such.md: no such page"),
     ],

@@ -51,26 +51,32 @@ def test_a_log_of_fewer_layers_than_the_model_is_refused(tmp_path: Path) -> None
     """Red if a 2-layer model's log imported as a 4-layer model is written, its last two
     layers routing nothing, with only a count of (token, layer) gaps to show for it (a
     run on it reports a hit rate of a model that is not the log's); red too if the
-    arrays' path (from_arrays) lets it through."""
+    arrays' path (from_arrays) lets it through, or if a log whose first or inner layers
+    no token routes at (a block-indexed log's dense blocks) is refused."""
     src = tmp_path / "r.csv"
     src.write_text('request,position,layer,experts\na,0,0,"[0, 1]"\na,0,1,"[2, 3]"\n')
     four = small_model(4, 4, 2)
-    rule = r"^r\.csv: no token routes at layer\(s\) 2-3 of tiny-4x4-top2's 4 \(rule: every "
-    with pytest.raises(FmoesimError, match=rule):
+    rule = r"^r\.csv: no token routes at layer\(s\) 2-3 of tiny-4x4-top2's 4, the log's last "
+    with pytest.raises(FmoesimError, match=rule + r"being 1 \(rule: the log reaches the"):
         import_table(src, tmp_path / "t", four)
-    ids = np.array([[[0, 1], [2, 3], [-1, -1], [0, 1]]])  # (T=1, L=4, K=2): layer 2 never
-    with pytest.raises(FmoesimError, match=r"^arrays: no token routes at layer\(s\) 2 of"):
+    ids = np.array([[[0, 1], [2, 3], [0, 1], [-1, -1]]])  # (T=1, L=4, K=2): layer 3 never
+    with pytest.raises(FmoesimError, match=r"^arrays: no token routes at layer\(s\) 3 of"):
         from_arrays(ids, tmp_path / "t", four)
     assert not (tmp_path / "t").exists()
     import_table(src, tmp_path / "t", M)  # its own model's: fine
+    # a layer before the last that no token routes at (a dense block of a log that numbers
+    # every block) is kept, routing nothing
+    inner = np.array([[[-1, -1], [2, 3], [-1, -1], [0, 1]]])
+    assert read_trace(from_arrays(inner, tmp_path / "inner", four)).counts[:, [0, 2]].sum() == 0
 
 
 def test_a_request_column_by_another_usual_name_or_none(tmp_path: Path) -> None:
-    """Red if a ``seq_id`` column is not read as the request (two requests merged into
+    """Red if a ``request`` column is not read as the request (two requests merged into
     one, their positions' restarts read as new steps), or if a log without any request
-    column merges its requests without the report saying there was none."""
+    column (a ``seq_id``, an engine slot that may be reused, is none unless mapped)
+    merges its requests without the report saying there was none."""
     rows = 'a,0,0,"[0, 1]"\na,0,1,"[2, 3]"\nb,0,0,"[1, 2]"\nb,0,1,"[0, 3]"\n'
-    for name, requests in (("seq_id", 2), ("sid", 1)):
+    for name, requests in (("request", 2), ("seq_id", 1)):
         src = tmp_path / f"{name}.csv"
         src.write_text(f"{name},position,layer,experts\n" + rows)
         _, rep = import_table(src, tmp_path / name, M)

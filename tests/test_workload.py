@@ -503,18 +503,28 @@ def test_spec_recall_against_a_loop(tmp_path: Path) -> None:
     assert np.isnan(spec_recall(nospec)).all()
 
 
-def test_a_trace_folder_has_the_permissions_of_a_plain_mkdir(tmp_path: Path) -> None:
+def test_a_trace_folder_has_the_permissions_of_a_plain_mkdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Red if a trace folder keeps ``mkdtemp``'s mode 0700 (the writer builds it as a
-    temporary folder and renames it): a trace on a shared file system would be unreadable
-    by the rest of the group, where ``mkdir`` would give 0755 under umask 022."""
+    temporary folder and renames it), unreadable by the group where ``mkdir`` gives 0755
+    under umask 022; or loses the set-group-ID bit of a shared parent folder (its files
+    would then take the user's group, not the folder's)."""
     import os
+    import stat
 
-    from fmoesim.atomic import _UMASK
+    import fmoesim.atomic
 
+    monkeypatch.setattr(fmoesim.atomic, "_UMASK", 0o022)
     path = generate(MODEL, SyntheticConfig(num_requests=1), tmp_path / "t")
-    assert path.stat().st_mode & 0o777 == 0o777 & ~_UMASK
-    if _UMASK & 0o055 == 0:  # group and others may read and enter what mkdir makes here
-        assert os.stat(path).st_mode & 0o055 == 0o055
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o2775)
+    if not shared.stat().st_mode & stat.S_ISGID:
+        pytest.skip("this file system keeps no set-group-ID bit on folders")
+    path = generate(MODEL, SyntheticConfig(num_requests=1), shared / "t")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o2755
 
 
 def test_no_progress_bar_off_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

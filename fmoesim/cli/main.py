@@ -132,6 +132,17 @@ def _unknown_key(key: str) -> str | None:
     return None
 
 
+def parse_overrides(overrides: list[str]) -> list[Any]:
+    """Hydra's parse of ``overrides`` (its ``Override`` objects); a parse error becomes
+    one :class:`FmoesimError` line."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return list(OverridesParser.create().parse_overrides(overrides))
+    except Exception as exc:  # noqa: BLE001 - Hydra's parse errors, one line
+        raise FmoesimError(one_line(exc)) from None
+
+
 def check_added_keys(overrides: list[str]) -> None:
     """Refuse a ``+key=value`` or ``++key=value`` override whose key is not in the typed
     schema: Hydra adds such a key silently, so a typo (``+cache.budjet_gb=12``) would
@@ -139,13 +150,7 @@ def check_added_keys(overrides: list[str]) -> None:
     under ``policy`` (its constructor's keyword arguments) are left to Hydra and to the
     policy.  Refuse too a group's typed schema chosen as its preset
     (``hardware=hardware_schema``: every value its default, nothing named)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception as exc:  # noqa: BLE001 - Hydra's parse errors, one line
-        raise FmoesimError(one_line(exc)) from None
-    for o in parsed:
+    for o in parse_overrides(overrides):
         group = o.key_or_group
         if (
             not (o.is_add() or o.is_force_add() or o.is_delete())
@@ -190,17 +195,16 @@ def check_hydra_groups(overrides: list[str]) -> None:
     """Refuse a choice in one of Hydra's own groups (``hydra/launcher=...``) that Hydra
     does not have, in one line listing the ones it has, before ``hydra.main`` (which
     prints the miss over several lines): a launcher of an uninstalled plugin names the
-    extra that installs it."""
+    extra that installs it.  With ``hydra.searchpath`` given, Hydra's own check stands
+    (the groups may have options in the added folders)."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     if not any(o.lstrip("+~").startswith("hydra/") for o in overrides):
         return
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception as exc:  # noqa: BLE001 - Hydra's parse errors, one line
-        raise FmoesimError(one_line(exc)) from None
+    parsed = parse_overrides(overrides)
+    if any(o.key_or_group == "hydra.searchpath" for o in parsed):
+        return
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -701,6 +705,7 @@ def format_line(row: dict[str, Any]) -> str:
     were any, mean TTFT and TPOT (``TPOT n/a (hit-rate-only)`` without timing)."""
     timed = _timed(row)
     late = row.get("late_rate") or 0.0
+    late = late if late == late else 0.0  # NaN: a run without accesses
     line = f"hit rate {100 * row['hit_rate']:.2f}%" + (f" (late {100 * late:.2f}%)" if late else "")
     if not timed:
         return f"{line}, TPOT {_time(None, 'ms', timed)}"

@@ -85,21 +85,16 @@ def main(argv: list[str] | None = None) -> None:
 def _check_overrides(overrides: list[str]) -> None:
     """Refuse a sweep (``policy=lru,lfu``: Hydra would answer with its multirun hint,
     which this command does not take) and a budget (the search sets it)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from fmoesim.cli.main import parse_overrides
+    from fmoesim.errors import FmoesimError
 
-    from fmoesim.errors import FmoesimError, one_line
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception as exc:  # noqa: BLE001 - Hydra's parse errors, one line
-        raise FmoesimError(one_line(exc)) from None
-    for o, text in zip(parsed, overrides, strict=True):
+    for o, text in zip(parse_overrides(overrides), overrides, strict=True):
         if o.is_sweep_override():
             raise FmoesimError(
                 f"{text}: {PROG} searches one configuration (rule: one value per key; run "
                 "it once per value)"
             )
-        if o.key_or_group.lstrip("+~") == "cache.budget_gb":
+        if o.key_or_group == "cache.budget_gb":
             raise FmoesimError(f"{text}: {PROG} searches the budget (rule: leave it out)")
 
 

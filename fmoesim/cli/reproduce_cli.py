@@ -5,7 +5,7 @@ Examples::
     fmoesim-reproduce fmoe --run --jobs 2    # run the fMoE claims' points the store lacks
     fmoesim-reproduce fmoe                   # score from what the store holds
     fmoesim-reproduce fmoe --docs docs/reproduction.md   # also refresh the docs' table
-    fmoesim-reproduce --list | grep promoe   # the claims, with the committed outcomes
+    fmoesim-reproduce --list | grep promoe   # the claims, with the scoreboard's outcomes
 
 For each claim of the paper's catalog (``fmoesim/reproduce/claims/<paper>.yaml``) it
 computes fmoesim's number from the rows of the claim's experiment preset and writes
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--list",
         action="store_true",
-        help="list the claims (id, section, preset, the committed scoreboard's outcome)",
+        help="list the claims (id, section, preset, the outcome in --out's scoreboard)",
     )
     ap.add_argument(
         "--run", action="store_true", help="run the claims' points missing from the store"
@@ -70,6 +70,8 @@ def _run(args: argparse.Namespace) -> None:
     from fmoesim.reproduce.score import ensure_runs, experiments_of, scoreboard
     from fmoesim.results.store import check_store_dir, code_version, load_results
 
+    if args.list and (args.run or args.docs):
+        raise FmoesimError("--list: lists the claims only (rule: no --run or --docs with it)")
     if args.paper is None:
         if not args.list:
             raise FmoesimError(f"a paper is required: one of all, {', '.join(PAPERS)}")
@@ -161,6 +163,8 @@ def _list(catalogs: dict[str, list[Any]], out: Path) -> None:
 
     for paper, claims in catalogs.items():
         board = out / f"{paper}.csv"
+        if not board.is_file():
+            print(f"{PROG}: no {board}: outcomes shown as -", file=sys.stderr)
         rows = read_csv(board) if board.is_file() else []
         held = {r["id"]: r["holds"] or "n.a." for r in rows}
         for c in claims:

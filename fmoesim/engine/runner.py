@@ -51,6 +51,22 @@ _LATE: Final = Outcome.LATE
 _MISS: Final = Outcome.MISS
 
 
+def closed_form_applies(policy: Policy, model: ModelSpec, caches: Sequence[ExpertCache]) -> bool:
+    """Whether a layer step of ``policy`` without actions and with an idle link may be
+    timed in closed form (:meth:`Runner._layers_closed_form`): one GPU, one cache of
+    whole experts of one size that keeps what it loads, and a policy that loads the
+    routed misses only (no split experts, no whole-layer fetch)."""
+    c = caches[0]
+    return (
+        len(caches) == 1
+        and not policy.uses_segments
+        and not policy.fetches_whole_layers()  # the closed form loads the routed misses only
+        and c.group_of is None
+        and not c.release_after_use  # the closed form keeps what it loads
+        and model.uniform_experts  # the closed form counts free room in experts
+    )
+
+
 class Runner:
     """Serve ``trace`` with ``policy``; see the module docstring."""
 
@@ -131,13 +147,8 @@ class Runner:
         # one size (the closed form counts free room in experts).
         self._demand_ok = (
             closed_form
-            and model.uniform_experts
-            and self.N == 1
-            and not self.segments
-            and caches[0].group_of is None
-            and not caches[0].release_after_use  # the closed form keeps what it loads
-            and not self.whole_layer  # the closed form loads the routed misses only
             and backend.closed_form_demand
+            and closed_form_applies(policy, model, caches)
         )
         self.log: dict[str, list[Any]] | None = None
         if access_log:

@@ -20,7 +20,7 @@ from fmoesim.engine.compute import ComputeModel
 from fmoesim.engine.fast import NotApplicable, lru_hit_only
 from fmoesim.engine.host import HostBoundSimBackend, HostModel
 from fmoesim.engine.metrics import Metrics, blank_times
-from fmoesim.engine.runner import Runner
+from fmoesim.engine.runner import Runner, closed_form_applies
 from fmoesim.engine.serving import (
     ServingConfig,
     arrival_times_s,
@@ -91,22 +91,26 @@ def check_shapes(trace: Trace, model: ModelSpec) -> None:
 def check_manifest_shape(manifest: TraceManifest, path: Any, model: ModelSpec) -> None:
     """Refuse a trace (its manifest, read from ``path``) whose shape differs from the
     model's."""
-    from fmoesim.config.build import preset_names
+    from fmoesim.config.build import load_preset, preset_names
 
     tm = manifest.model
-    for key in ("num_layers", "num_experts", "top_k", "encoder_layers"):
-        value = getattr(tm, key, 0)
-        if value != getattr(model, key):
-            fix = (
-                f"model={tm.name} matches it"
-                if tm.name != model.name and tm.name in preset_names("model")
-                else f"pick a model= preset of its shape, or set model.{key}={value}"
-            )
-            raise ConfigError(
-                f"model.{key}",
-                getattr(model, key),
-                f"trace {path} has {key} = {value} (model '{tm.name}'); {fix}",
-            )
+    keys = ("num_layers", "num_experts", "top_k", "encoder_layers")
+    wrong = [k for k in keys if getattr(tm, k, 0) != getattr(model, k)]
+    if not wrong:
+        return
+    key, value = wrong[0], getattr(tm, wrong[0], 0)
+    fix = "pick a model= preset of its shape, or set " + " ".join(
+        f"model.{k}={getattr(tm, k, 0)}" for k in wrong
+    )
+    if tm.name != model.name and tm.name in preset_names("model"):
+        named = load_preset("model", tm.name, ModelSpec)
+        if all(getattr(named, k) == getattr(tm, k, 0) for k in keys):
+            fix = f"model={tm.name} matches it"
+    raise ConfigError(
+        f"model.{key}",
+        getattr(model, key),
+        f"trace {path} has {key} = {value} (model '{tm.name}'); {fix}",
+    )
 
 
 def model_for_trace(model: ModelSpec, trace: Trace) -> ModelSpec:
@@ -385,27 +389,15 @@ def sim_backend(
     return LinkStepBackend(hardware, compute, caches)
 
 
-def _demand_only(
-    policy: Policy,
-    model: ModelSpec,
-    num_gpus: int,
-    group_of: Callable[[int], int] | None,
-    release_after_use: bool,
-) -> bool:
-    """Whether a run's layer steps may all take the closed form of on-demand loading: a
-    policy that never returns actions (neither :meth:`Policy.on_gate` nor
-    :meth:`Policy.on_iteration_start` overridden) and loads only the routed misses, on
-    one GPU with one cache of whole experts of one size that keeps what it loads."""
+def _demand_only(policy: Policy, model: ModelSpec, caches: list[ExpertCache]) -> bool:
+    """Whether every layer step of a run may take the closed form of on-demand loading
+    (:func:`closed_form_applies`) with a policy that never returns actions: neither
+    :meth:`Policy.on_gate` nor :meth:`Policy.on_iteration_start` overridden."""
     cls = type(policy)
     return (
         cls.on_gate is Policy.on_gate
         and cls.on_iteration_start is Policy.on_iteration_start
-        and not policy.fetches_whole_layers()
-        and not policy.uses_segments
-        and model.uniform_experts
-        and num_gpus == 1
-        and group_of is None
-        and not release_after_use
+        and closed_form_applies(policy, model, caches)
     )
 
 
@@ -561,7 +553,7 @@ def simulate(
     backend: Backend
     if make_backend is not None:
         backend = make_backend(caches)
-    elif fast and not timing and _demand_only(policy, model, num_gpus, group_of, release_after_use):
+    elif fast and not timing and _demand_only(policy, model, caches):
         # perf: a policy that never asks for a transfer has the same hits and misses on
         # every backend (each step's misses load before its experts compute, nothing is in
         # flight between steps), so its hit-rate-only run takes the timed backend's

@@ -505,6 +505,12 @@ def main(argv: list[str], prog: str = "fmoesim-plot") -> None:
     option or value is one line on stderr and exit status 2."""
     from fmoesim.errors import run_or_exit
 
+    args = _parser(prog).parse_args(argv)
+    run_or_exit(prog, _cli, args)
+
+
+def _parser(prog: str = "fmoesim-plot") -> ArgumentParser:
+    """The options of ``fmoesim-plot crossover``."""
     ap = ArgumentParser(
         prog=f"{prog} {NAME}",
         description="where each prefetching policy starts to beat on-demand LRU on TPOT",
@@ -520,29 +526,32 @@ def main(argv: list[str], prog: str = "fmoesim-plot") -> None:
     ap.add_argument("--jobs", type=int, default=2, help="local processes (%(default)s)")
     ap.add_argument("--out", default="results/figures", help="figure directory (%(default)s)")
     ap.add_argument("--name", default=NAME, help="file name stem (%(default)s)")
-    args = ap.parse_args(argv)
-    run_or_exit(prog, _cli, args)
+    return ap
 
 
 def command_line(args: argparse.Namespace) -> str:
     """The ``fmoesim-plot crossover`` command that runs the grid of ``args`` again: the
-    options that differ from their defaults (``--jobs`` left out: it changes no number)."""
+    options that differ from their defaults (``--jobs`` left out: it changes no number),
+    each value as the option reads it back."""
+    import shlex
 
-    def factors(values: list[float]) -> str:
-        return ",".join(factor_label(x) for x in values)
+    def factor(x: float) -> str:  # a short fraction where it is exact, else the number
+        label = factor_label(x)
+        return label if float(Fraction(label)) == x else repr(x)
 
-    given = [
-        ("--models", args.models, list(MODELS), ",".join),
-        ("--policies", args.policies, list(POLICIES), ",".join),
-        ("--compute", args.compute, list(COMPUTE_FACTORS), factors),
-        ("--bandwidth", args.bandwidth, list(BANDWIDTH_FACTORS), factors),
-        ("--requests", args.requests, REQUESTS, str),
-        ("--hardware", args.hardware, HARDWARE, str),
-        ("--out", args.out, "results/figures", str),
-        ("--name", args.name, NAME, str),
-    ]
+    form = {"--compute": factor, "--bandwidth": factor}
+    defaults = vars(_parser().parse_args([]))
     parts = [f"fmoesim-plot {NAME}"]
-    parts += [f"{flag} {fmt(value)}" for flag, value, default, fmt in given if value != default]
+    for name, value in vars(args).items():
+        if name == "jobs" or value == defaults.get(name):
+            continue
+        flag = f"--{name}"
+        text = (
+            ",".join(form.get(flag, str)(v) for v in value)
+            if isinstance(value, list)
+            else str(value)
+        )
+        parts.append(f"{flag} {shlex.quote(text)}")
     return " ".join(parts)
 
 

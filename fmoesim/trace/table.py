@@ -17,9 +17,9 @@ the trace (``source.expert_bytes_by_layer``) and from there to a run's model.  W
 are one token, in order:
 
 - a request is the value of the request column (``request_id``, ``request``, ``req_id``,
-  ``seq_id``, ``sequence_id``, ``problem_id``, ``turn``; one request without it) within
-  its ``dataset`` (a column, or the file's name when ``src`` is a directory of tables),
-  in order of first appearance;
+  ``problem_id``, ``turn``; one request without it: a ``seq_id`` may be a reused engine
+  slot, so it is read only when mapped) within its ``dataset`` (a column, or the file's
+  name when ``src`` is a directory of tables), in order of first appearance;
 - inside a request, rows are read in file order, and a token is a (step, position) pair.
   **The restart rule:** a row whose (position, layer) pair, or (position, layer, rank)
   in the long shape, was already seen in the current step starts a new step, because the
@@ -35,8 +35,10 @@ Every token has ``top_k`` distinct experts at each layer it was logged at (the m
 or ``top_k`` given for a run made with fewer), a rank is in ``[0, top_k)``, weights are
 finite numbers >= 0.  A token the log lacks at some layer is kept: it routes nothing there
 (the trace's ``layer_gaps``), and the import reports how many (token, layer) pairs that
-is.  No routed row is dropped; the weights are kept (``tokens.parquet``) only when every
-token has every layer, and the report says when they are not.
+is.  A log whose last routed layer is below the model's last is refused (the log of a
+model with fewer layers).  No routed row is dropped; the weights are kept
+(``tokens.parquet``) only when every token has every layer, and the report says when
+they are not.
 
 :func:`from_arrays` writes a trace from per-request ``(tokens, layers, top_k)`` arrays of
 expert ids (and optional weights), the shape vLLM's routed-experts output and most
@@ -68,7 +70,7 @@ from fmoesim.trace.writer import TraceWriter, check_destination
 
 #: canonical key -> the column names recognised without a map, first match wins
 COLUMNS: dict[str, tuple[str, ...]] = {
-    "request": ("request_id", "request", "req_id", "seq_id", "sequence_id", "problem_id", "turn"),
+    "request": ("request_id", "request", "req_id", "problem_id", "turn"),
     "position": ("token_idx", "token_pos", "position", "step"),
     "layer": ("layer", "layer_id", "layer_idx"),
     "experts": ("experts", "topk_ids", "expert", "expert_id"),
@@ -621,20 +623,22 @@ def write_routed(
     where a layer was not logged, weights (T, L, K), prompt tokens)``: the first prompt
     tokens one prefill iteration, each later token one decode iteration; per-token top-k
     with weights when ``with_weights`` and no layer is missing.  ``datasets`` names each
-    request's dataset (default: its name); ``extra`` goes into ``source``.  Refuses a
-    layer that no token routes at (the log of a model with fewer layers).  Returns the
-    (token, layer) pairs without routing."""
+    request's dataset (default: its name); ``extra`` goes into ``source``.  Refuses a log
+    whose last routed layer is below the model's last (the log of a model with fewer
+    layers); a leading or inner layer no token routes at is kept (a block-indexed log's
+    dense blocks).  Returns the (token, layer) pairs without routing."""
     L, E = model.num_layers, model.num_experts
     missing = sum(int((ids[:, :, 0] < 0).sum()) for _, ids, _, _ in arrays)
     routed = np.zeros(L, dtype=bool)  # (L,) layers some token routes at
     for _, ids, _, _ in arrays:
         routed |= (ids[:, :, 0] >= 0).any(axis=0)
-    if not routed.all():
+    last = int(routed.nonzero()[0].max()) if routed.any() else -1
+    if last < L - 1:  # leading or inner empty layers may be dense blocks of a block-indexed log
         where = ", ".join(original) or fmt
         raise FmoesimError(
-            f"{where}: no token routes at layer(s) {spans((~routed).nonzero()[0].tolist())} of "
-            f"{model.name}'s {L} (rule: every layer of the model is in the log; a log of a "
-            "model with fewer layers?)"
+            f"{where}: no token routes at layer(s) {spans(range(last + 1, L))} of "
+            f"{model.name}'s {L}, the log's last being {last} (rule: the log reaches the "
+            "model's last layer; a log of a model with fewer layers?)"
         )
     man = TraceManifest(
         model=TraceModel.decoder_only(model, "the trace importer"),
