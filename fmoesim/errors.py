@@ -66,6 +66,20 @@ class ConfigError(FmoesimError):
         super().__init__(f"config key '{key}' = {value!r}: {rule}")
 
 
+class PolicyError(FmoesimError, RuntimeError):
+    """A policy broke the engine's contract while a run was under way: it returned
+    something that is not :class:`~policies.base.Actions`, prefetched a key outside the
+    model or with a priority that is not a finite number, named a victim that was not
+    among the candidates, or set budgets without groups.  The message names the policy,
+    the hook and the rule."""
+
+
+class AmbiguousRunsError(FmoesimError):
+    """A results store holds more than one run for a point of an experiment preset (a
+    sweep of the experiment with other overrides wrote into it), so a figure or a claim
+    cannot tell which run is the preset's."""
+
+
 class TraceError(FmoesimError):
     """A trace file breaks a rule of the trace format.
 

@@ -199,3 +199,14 @@ def test_a_runs_line_gives_late_share_ttft_and_tpot():
     assert format_line(row) == "hit rate 25.00% (late 12.50%), TTFT 1500.0 ms, TPOT 42.1 ms"
     row.update(late_rate=float("nan"), timing=False, ttft_mean_s=float("nan"))  # no access
     assert format_line(row) == "hit rate 25.00%, TPOT n/a (hit-rate-only)"
+
+
+def test_a_budget_beyond_the_model_says_it_holds_every_expert(tmp_path):
+    """Red if a budget larger than the model prints a count of experts the model does not
+    have (1 GB of 6 MB experts: '166 experts' for a model of 8)."""
+    trace = write_sequence_trace(tmp_path / "seq", ROUTES)
+    p = fmoesim(*tiny_overrides(trace, tmp_path / "out"), "cache.budget_gb=1", "output.write=false")
+    assert p.returncode == 0, p.stderr
+    assert "budget 1.00 GB (holds all 8 experts)" in p.stdout
+    p = fmoesim(*tiny_overrides(trace, tmp_path / "out"), "output.write=false")
+    assert "(2 experts)" in p.stdout  # within the model: the count

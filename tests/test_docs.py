@@ -93,6 +93,7 @@ DOCS_RUN = {
         "fmoesim-plot --list",
         "fmoesim-plot crossover --models olmoe-1b-7b --policies fmoe --compute 1,32 --bandwidth 1"
         " --requests 1 --jobs 1 --out out/figures",
+        "jupyter execute notebooks/trace_analysis.ipynb",
         "fmoesim-regress --policies lru,lfu",
     ],
     "reproduction.md": ["fmoesim-reproduce --list | grep -i promoe"],

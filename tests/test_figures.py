@@ -428,3 +428,39 @@ def test_the_figure_list_is_aligned(capsys: pytest.CaptureFixture[str]) -> None:
     lines = capsys.readouterr().out.splitlines()
     starts = {ln.index("experiment=") for ln in lines if "experiment=" in ln}
     assert len(lines) > 10 and len(starts) == 1
+
+
+def test_a_store_with_two_runs_for_a_point_scores_nothing(tmp_path, store_df):
+    """A sweep of an experiment with other overrides (a what-if) written into the
+    preset's store doubles its points.  Red if the scoreboard turns the claims that read
+    those points into "not computed" and writes itself anyway (exit 0, the docs'
+    tables emptied), instead of one line naming the point and exit status 2 with
+    nothing written; or if the figure's refusal does not count the other points."""
+    import subprocess
+    import sys
+
+    from fmoesim.errors import AmbiguousRunsError
+    from fmoesim.reproduce.claims import load_catalog
+    from fmoesim.reproduce.score import score_claim
+    from fmoesim.results.store import code_version
+
+    fig11 = store_df[store_df.experiment == "fmoe-fig11"]
+    twice = pd.concat([store_df, fig11.iloc[[3, 4]]], ignore_index=True)
+    twice = twice.assign(code_version=code_version())
+    with pytest.raises(AmbiguousRunsError, match=r"and 1 more points \(rule: one run per point"):
+        render("fmoe-fig11", twice, tmp_path)
+    claim = next(c for c in load_catalog("fmoe") if c.experiment == "fmoe-fig11")
+    with pytest.raises(AmbiguousRunsError):
+        score_claim(claim, twice)
+    store = tmp_path / "store"
+    store.mkdir()
+    for i, row in twice.iterrows():
+        pd.DataFrame([row]).to_parquet(store / f"{i}.parquet")
+    p = subprocess.run(
+        [sys.executable, "-m", "fmoesim.cli.reproduce_cli", "fmoe", "--store", str(store),
+         "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.startswith("fmoesim-reproduce: error: experiment fmoe-fig11: 2 runs for ")
+    assert len(p.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()

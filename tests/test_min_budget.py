@@ -74,3 +74,42 @@ def test_cli_prints_the_table_and_refuses_bad_targets(tmp_path):
 def test_empty_range_is_refused(bad):
     with pytest.raises(ValueError, match="empty budget range"):
         min_budget(lambda n: 0.0, *bad, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("experts", "size_bytes"),
+    [(131, 352_321_536), (1, 352_321_536), (96, 66_404_352), (300, 9_437_184), (7, 6_000_000)],
+)
+def test_the_answer_holds_that_many_experts_when_given_back(experts, size_bytes):
+    """Red if the budget printed for N experts, given back as cache.budget_gb, holds N - 1
+    (131 Mixtral experts printed as 46.15 GB hold 130: int(46.15e9) // 352321536) or
+    N + 1 (rounded up too far for a 9.4 MB Qwen3 expert)."""
+    from fmoesim.cli.main import compose_config
+    from fmoesim.cli.min_budget import budget_gb_for
+    from fmoesim.config.build import build_run
+
+    text = budget_gb_for(experts, size_bytes)
+    assert int(float(text) * 1e9) // size_bytes == experts
+    assert len(text.split(".")[1]) >= 2
+    if (experts, size_bytes) == (131, 352_321_536):
+        assert text == "46.16"  # 46.154121216 GB, rounded up at two decimals
+        spec = build_run(compose_config([f"cache.budget_gb={text}"]))
+        assert spec.budget_bytes // size_bytes == experts  # as a run reads it
+
+
+def test_several_gpus_search_a_gpu_share_of_the_model(tmp_path):
+    """Red if the search on two GPUs runs up to the whole model on each (its budget is
+    per GPU: half the experts of every layer live on one) or its table does not say
+    that the answer is per GPU."""
+    path = tmp_path / "t"
+    generate(TINY, SyntheticConfig(num_requests=1, embedding_dim=0, seed=4), path)
+    over = [o for o in tiny_overrides(path, tmp_path / "out") if not o.startswith("cache.")]
+    p = subprocess.run(
+        [sys.executable, "-m", "fmoesim.cli.min_budget", "--target-tpot-ms", "0.000001",
+         *over, "hardware.num_gpus=2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "bisection over 1..4 experts per GPU" in p.stdout  # 2 layers x 4 experts / 2 GPUs
+    assert "| min experts per GPU | cache.budget_gb |" in p.stdout
+    assert "not met" in p.stdout and "(every expert of each GPU)" in p.stdout

@@ -33,6 +33,7 @@ from fmoesim.config.build import (
     build_run,
     config_to_dict,
     one_line,
+    policy_args,
     preset_names,
     synthetic_trace_path,
     valid_presets,
@@ -348,7 +349,8 @@ def _preflight_sweep(overrides: list[str]) -> int:
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             try:
-                first = sweep_points(own, {})[0]
+                plain = sweep_points(own, {})
+                first = plain[0]
             except Exception as exc:  # noqa: BLE001 - Hydra's parse errors, one line
                 globbed = next((o for o in own if "glob(" in o), None)
                 if globbed is not None:  # Hydra expands glob() against its config loader
@@ -357,7 +359,12 @@ def _preflight_sweep(overrides: list[str]) -> int:
                         "policy=lru,lfu, so that every point is checked before the first run)"
                     ) from None
                 raise FmoesimError(one_line(exc)) from None
-            sweeper = _compose(first, hydra_config=True).hydra.sweeper
+            try:
+                sweeper = _compose(first, hydra_config=True).hydra.sweeper
+            except FmoesimError as exc:  # the first point's composition: name the point
+                varied = [i for i in range(len(first)) if len({p[i] for p in plain}) > 1]
+                shown = " ".join(first[i] for i in varied)
+                raise FmoesimError(f"{exc} (sweep run 1: {shown})" if shown else str(exc)) from None
             if not str(sweeper.get("_target_", "")).endswith(".BasicSweeper"):
                 return 0  # points picked as the sweep goes (optuna...): each job checks
             params = sweeper.get("params") or {}
@@ -536,6 +543,7 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
             "trace": str(trace_path),
             "trace_source": trace.manifest.source.get("kind", ""),
             "experiment": cfg.get("experiment_name") or "",
+            "policy_args": policy_args(cfg.policy, spec.policy.name),
             "config_hash": cfg_hash,
             "config_json": cfg_json,
             **versions,
@@ -548,7 +556,8 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
     # saved before anything is printed: a closed stdout does not cost the run its results
     stored = save_results(final, store, spec, row, resolved, result)
     if verbose:
-        print(format_summary(row, spec.hardware.gpu_memory_gb))
+        experts = spec.model.num_layers * spec.model.num_experts
+        print(format_summary(row, spec.hardware.gpu_memory_gb, experts))
         if final is not None:
             print(f"results    {final}")
         if stored is not None:
@@ -716,12 +725,19 @@ def format_line(row: dict[str, Any]) -> str:
     return f"{line}, TTFT {ttft}, TPOT {tpot}"
 
 
-def format_summary(row: dict[str, Any], gpu_memory_gb: float | None = None) -> str:
+def format_summary(
+    row: dict[str, Any], gpu_memory_gb: float | None = None, experts: int | None = None
+) -> str:
     """The summary table printed after a run; a hit-rate-only run's times read
     ``n/a (hit-rate-only)``.  With ``gpu_memory_gb`` (the hardware's, per GPU), a note
     follows when the weights' peak is above it: the expert budget is not checked
-    against the GPU's memory."""
+    against the GPU's memory.  With ``experts`` (the model's routed experts), a budget
+    that holds all of a GPU's experts says so instead of a count beyond them."""
     timed = _timed(row)
+    gpus = int(row.get("num_gpus", 1))
+    held = f"{row['budget_experts']} experts"
+    if experts is not None and row["budget_experts"] >= -(-experts // gpus):
+        held = f"holds all {-(-experts // gpus)} experts" + (" of a GPU" if gpus > 1 else "")
     w = 20  # width of the value column
 
     def t(key: str, unit: str) -> str:
@@ -731,9 +747,11 @@ def format_summary(row: dict[str, Any], gpu_memory_gb: float | None = None) -> s
         return f"{row[key] / 1e9:>{w - 3}.2f} GB"
 
     lines = [
-        f"policy     {row['policy']}   model {row['model']}   hardware {row['hardware']}   "
-        f"budget {row['budget_gb']:.2f} GB ({row['budget_experts']} experts)"
-        + (f" per GPU x {row['num_gpus']} GPUs" if row.get("num_gpus", 1) > 1 else ""),
+        f"policy     {row['policy']}"
+        + (f" ({row['policy_args']})" if row.get("policy_args") else "")
+        + f"   model {row['model']}   hardware {row['hardware']}   "
+        f"budget {row['budget_gb']:.2f} GB ({held})"
+        + (f" per GPU x {gpus} GPUs" if gpus > 1 else ""),
         f"trace      {row['trace']} ({row['trace_source']}; {row['requests']} requests, "
         f"{row['iterations']} iterations)",
         "",

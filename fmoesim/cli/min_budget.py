@@ -98,6 +98,22 @@ def _check_overrides(overrides: list[str]) -> None:
             raise FmoesimError(f"{text}: {PROG} searches the budget (rule: leave it out)")
 
 
+def budget_gb_for(experts: int, size_bytes: int) -> str:
+    """The shortest ``cache.budget_gb`` (at least two decimals) that holds exactly
+    ``experts`` experts of ``size_bytes`` when typed back: the run takes
+    ``int(budget_gb * 1e9) // size_bytes`` experts, so a value rounded to the nearest
+    hundredth can hold one expert fewer; this one is rounded up, at as many decimals as
+    keep it below one more expert."""
+    need = experts * size_bytes  # bytes
+    for d in range(2, 10):
+        q = 10**d
+        units = -(-need * q // 10**9)  # the budget in 1/q GB, rounded up
+        text = f"{units // q}.{units % q:0{d}d}"
+        if int(float(text) * 1e9) // size_bytes == experts:
+            return text
+    return repr(need / 1e9)
+
+
 def _run(targets_ms: list[float], overrides: list[str]) -> None:
     from hydra.utils import instantiate
 
@@ -144,17 +160,25 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
             print(f"  {n:>5} experts ({n * size / 1e9:7.2f} GB): TPOT {1e3 * runs[n]:9.2f} ms")
         return runs[n]
 
-    lo, hi = m.top_k, m.num_layers * m.num_experts
-    print(f"{spec.policy.name} on {m.name} / {spec.hardware.name}: bisection over {lo}..{hi}")
+    gpus = spec.hardware.num_gpus
+    # the budget is per GPU; expert e of every layer lives on GPU (e mod N), so the most
+    # one GPU can need is ceil(E / N) experts a layer
+    lo, hi = m.top_k, m.num_layers * -(-m.num_experts // gpus)
+    per = " per GPU" if gpus > 1 else ""
+    print(
+        f"{spec.policy.name} on {m.name} / {spec.hardware.name}: bisection over {lo}..{hi} "
+        f"experts{per}"
+    )
     answers = [min_budget(tpot, lo, hi, t / 1e3) for t in sorted(set(targets_ms))]
-    print("\n| target TPOT ms | min experts | min GB | TPOT there ms |")
+    print(f"\n| target TPOT ms | min experts{per} | cache.budget_gb | TPOT there ms |")
     print("|---|---|---|---|")
     for a in answers:
         if a.experts is None:
-            print(f"| {1e3 * a.target_s:g} | not met | - | {1e3 * a.tpot_s:.2f} (whole model) |")
+            whole = "every expert" + (" of each GPU" if gpus > 1 else "")
+            print(f"| {1e3 * a.target_s:g} | not met | - | {1e3 * a.tpot_s:.2f} ({whole}) |")
         else:
-            gb = a.experts * size / 1e9
-            print(f"| {1e3 * a.target_s:g} | {a.experts} | {gb:.2f} | {1e3 * a.tpot_s:.2f} |")
+            gb = budget_gb_for(a.experts, size)
+            print(f"| {1e3 * a.target_s:g} | {a.experts} | {gb} | {1e3 * a.tpot_s:.2f} |")
 
 
 if __name__ == "__main__":

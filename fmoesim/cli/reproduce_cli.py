@@ -131,8 +131,8 @@ def _run(args: argparse.Namespace) -> None:
             )
     if not args.run:  # after the store's own checks, whose errors come first
         _check_overview(docs, Path(args.out), others)
-    for name, claims in catalogs.items():
-        scores = scoreboard(claims, results)
+    boards = {name: scoreboard(claims, results) for name, claims in catalogs.items()}
+    for name, scores in boards.items():  # written once every paper is scored
         paths = write_scoreboard(name, scores, Path(args.out))
         print(f"{name}: {summary_line(scores)} -> {paths[0]} (+ .md)")
         if docs is not None:

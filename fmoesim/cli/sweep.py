@@ -91,7 +91,7 @@ class SweepProgress(Callback):
         _say(
             f"sweep done: {self.total} runs; "
             + (where if store else "store disabled")
-            + f"; Hydra logs {config.hydra.sweep.dir}"
+            + f"; Hydra's record {config.hydra.sweep.dir}"
         )
 
 

@@ -86,6 +86,66 @@ class RunSpec:
     preload: bool = False
 
 
+def target_class(path: str) -> str | None:
+    """Why ``path`` (a ``_target_``, ``package.module.Class``) names no class that
+    imports, in one line, or None when it does.  Hydra's own lookup logs three lines
+    and suggests a flag that changes nothing; this one names the part that is missing
+    (the module, or the class in it) or the error importing the module raised."""
+    import importlib
+
+    parts = path.split(".")
+    if len(parts) < 2 or not all(p.isidentifier() for p in parts):
+        return "not a dotted path to a class (rule: _target_ is package.module.Class)"
+    obj: Any = None
+    found = 0  # how many leading parts import as modules
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                break  # no such module: the rest are attributes of the last one
+            return f"importing module '{name}' failed: {one_line(exc)}"
+        except Exception as exc:  # noqa: BLE001 - the module's own import error, one line
+            return f"importing module '{name}' failed: {one_line(exc)}"
+        found = i
+    if found == 0:
+        return f"no module '{parts[0]}' can be imported (rule: _target_ is package.module.Class)"
+    for j in range(found, len(parts)):
+        if not hasattr(obj, parts[j]):
+            return f"'{'.'.join(parts[:j])}' has no '{parts[j]}'"
+        obj = getattr(obj, parts[j])
+    if not isinstance(obj, type):
+        return f"'{path}' is a {type(obj).__name__}, not a class (rule: _target_ is a class)"
+    return None
+
+
+def policy_args(node: DictConfig, name: str) -> str:
+    """What a run's policy config ``node`` changes from the preset named like its policy
+    (``conf/policy/<name>.yaml``, ``name`` being the policy's name in results), as
+    ``key=value`` overrides joined by spaces: ``""`` for the preset itself,
+    ``prefetch_distance=3`` for a knob set on the command line or by an experiment, and
+    every key for a policy without such a preset.  Results name a run by its policy's
+    name alone, so two variants of one policy (a knob swept, a second YAML of the same
+    class) differ here."""
+    import json
+
+    def plain(d: Any) -> dict[str, Any]:
+        c: Any = OmegaConf.to_container(d, resolve=True)
+        return {str(k): v for k, v in c.items() if str(k) != "defaults"}
+
+    run = plain(node)
+    preset = CONF_DIR / "policy" / f"{name}.yaml"
+    base = plain(OmegaConf.load(preset)) if is_plain_name(name) and preset.is_file() else {}
+
+    def shown(v: Any) -> str:
+        return v if isinstance(v, str) else json.dumps(v)
+
+    return " ".join(
+        f"{k}={shown(v)}" for k, v in sorted(run.items()) if k not in base or base[k] != v
+    )
+
+
 def unknown_argument(node: DictConfig) -> str | None:
     """Why ``node``'s ``_target_`` class refuses its keys (Python's own words), or None.
 
@@ -188,6 +248,9 @@ def build_run(cfg: DictConfig) -> RunSpec:
             )
     if "_target_" not in cfg.policy:
         raise ConfigError("policy", OmegaConf.to_container(cfg.policy), "needs a _target_ class")
+    missing = target_class(str(cfg.policy.get("_target_")))
+    if missing is not None:
+        raise ConfigError("policy._target_", cfg.policy.get("_target_"), missing)
     unknown = unknown_argument(cfg.policy)
     if unknown is not None:
         raise ConfigError("policy", cfg.policy.get("_target_"), unknown)

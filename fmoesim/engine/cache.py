@@ -13,6 +13,7 @@ from typing import Any
 
 from mypy_extensions import mypyc_attr
 
+from fmoesim.errors import PolicyError
 from policies.base import Outcome, Policy
 
 
@@ -178,10 +179,11 @@ class ExpertCache:
             raise self._bad_victim(victim)
         return victim
 
-    def _bad_victim(self, victim: int) -> RuntimeError:
-        return RuntimeError(
-            f"policy {self.policy.name!r} chose victim {victim} on GPU {self.gpu}, "
-            "which is pinned, in flight, absent or in another budget group"
+    def _bad_victim(self, victim: int) -> PolicyError:
+        return PolicyError(
+            f"policy {self.policy.name!r}: victim: chose {victim!r} on GPU {self.gpu}, not "
+            "one of the candidates (rule: a victim is one of the candidates it is given; "
+            "the others are pinned, in flight, absent or in another budget group)"
         )
 
     def set_group_budget(self, group: int, budget_bytes: int) -> bool:

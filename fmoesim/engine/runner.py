@@ -21,8 +21,10 @@ as it needs) and otherwise waits for one to land; a real server must do the same
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from numbers import Integral
 from typing import Any, Final
 
 import numpy as np
@@ -31,6 +33,7 @@ from fmoesim.engine.backend import ON_DEMAND, Backend, TransferRecord
 from fmoesim.engine.cache import ExpertCache
 from fmoesim.engine.metrics import Metrics
 from fmoesim.engine.serving import ServingConfig, static_batches
+from fmoesim.errors import PolicyError
 from fmoesim.specs.model import ModelSpec
 from fmoesim.trace.reader import Trace
 from policies.base import (
@@ -41,14 +44,90 @@ from policies.base import (
     GateView,
     Outcome,
     Policy,
+    Prefetch,
     PrefetchBatch,
     RequestInfo,
 )
 
 # perf: Final, so the compiled build reads them as constants, not from the module's dict
+_INF: Final = math.inf
 _HIT: Final = Outcome.HIT
 _LATE: Final = Outcome.LATE
 _MISS: Final = Outcome.MISS
+
+
+_PREFETCH_RULE: Final = "rule: Actions.prefetch is a sequence of Prefetch, or a PrefetchBatch"
+
+
+def _key_problem(key: Any, max_key: int) -> str | None:
+    """Why ``key`` is no expert key of a model with ``max_key`` keys, or None."""
+    if isinstance(key, bool) or not isinstance(key, Integral):
+        return f"key {key!r} is {type(key).__name__} (rule: a key is an integer in [0, {max_key}))"
+    if not 0 <= int(key) < max_key:
+        return f"key {key} (rule: a key is an integer in [0, {max_key}))"
+    return None
+
+
+def _priority_problem(priority: Any) -> str | None:
+    """Why ``priority`` is no prefetch priority (a finite number), or None."""
+    rule = "rule: a priority is a finite number, lower going first"
+    if isinstance(priority, bool) or not isinstance(priority, (int, float, np.number)):
+        return f"priority {priority!r} is {type(priority).__name__} ({rule})"
+    if not math.isfinite(priority):
+        return f"priority {priority!r} ({rule})"
+    return None
+
+
+def actions_problem(actions: Any, max_key: int) -> str | None:
+    """The first rule ``actions`` breaks, as the engine carries actions out, or None:
+    an :class:`Actions`; ``prefetch`` a :class:`PrefetchBatch` or a sequence of
+    :class:`Prefetch`; every key an integer in ``[0, max_key)``; every priority a
+    finite number; ``cancel``, ``evict`` and ``abort`` sequences of keys; ``budgets``
+    a dict or None; ``delay_s`` a finite number >= 0.  The Runner asks it only when
+    carrying the actions out failed or met a bad value, to name the rule."""
+    if not isinstance(actions, Actions):
+        return (
+            f"returned {type(actions).__name__}, not Actions (rule: return Actions, "
+            "or NO_ACTIONS for nothing to do)"
+        )
+    pre = actions.prefetch
+    if isinstance(pre, PrefetchBatch):
+        pairs = list(zip(pre.keys, pre.priorities, strict=False))
+        what = "PrefetchBatch"
+    else:
+        try:
+            items = list(pre)
+        except TypeError:
+            return f"Actions.prefetch is {type(pre).__name__} ({_PREFETCH_RULE})"
+        for i, p in enumerate(items):
+            if not isinstance(p, Prefetch):
+                return f"Actions.prefetch[{i}] is {type(p).__name__} ({_PREFETCH_RULE})"
+        pairs = [(p.key, p.priority) for p in items]
+        what = "Actions.prefetch"
+    for i, (key, priority) in enumerate(pairs):
+        why = _key_problem(key, max_key) or _priority_problem(priority)
+        if why is not None:
+            return f"{what}[{i}]: {why}"
+    for field in ("cancel", "evict", "abort"):
+        keys = getattr(actions, field)
+        try:
+            listed: list[Any] = list(keys)
+        except TypeError:
+            return f"Actions.{field} is {type(keys).__name__} (rule: a sequence of keys)"
+        for i, key in enumerate(listed):
+            why = _key_problem(key, max_key)
+            if why is not None:
+                return f"Actions.{field}[{i}]: {why}"
+    if actions.budgets is not None and not isinstance(actions.budgets, dict):
+        return f"Actions.budgets is {type(actions.budgets).__name__} (rule: a dict, or None)"
+    delay = actions.delay_s
+    if (
+        isinstance(delay, bool)
+        or not isinstance(delay, (int, float, np.number))
+        or not 0.0 <= delay < math.inf
+    ):
+        return f"Actions.delay_s = {delay!r} (rule: a finite number of seconds >= 0)"
+    return None
 
 
 def closed_form_applies(policy: Policy, model: ModelSpec, caches: Sequence[ExpertCache]) -> bool:
@@ -289,6 +368,7 @@ class Runner:
         t0 = be.now() if prefill else 0.0  # the prefill throughput's clock
         start_actions = policy.on_iteration_start(batch)
         if start_actions is not None and start_actions is not NO_ACTIONS:
+            start_actions = self.checked(start_actions, "on_iteration_start")
             be.sync()  # land what finished during the previous iteration's tail
             self.apply(start_actions)
         for d in range(self.model.dense_layers):
@@ -396,6 +476,8 @@ class Runner:
                 step = self.step
                 self.step = step + 1
                 actions = NO_ACTIONS if gate is None else policy.on_gate(layer, gate(layer))
+                if actions.__class__ is not Actions:
+                    actions = self.checked(actions, "on_gate")
                 o0, o1 = offsets[layer], offsets[layer + 1]
                 self._layer(layer, experts[o0:o1], expert_tokens[o0:o1], tok, step, actions)
         be.lm_head(len(reqs))
@@ -413,12 +495,38 @@ class Runner:
     def apply(self, actions: Actions, aborted: bool = False) -> None:
         """Carry out a policy's group budgets and evictions, its cancellations and aborts
         (unless ``aborted``: a layer step stops them before its on-demand loads), then its
-        prefetches, in order (held back by ``actions.delay_s``)."""
+        prefetches, in order (held back by ``actions.delay_s``).  Actions that break the
+        engine's contract (:func:`actions_problem`) are a :class:`PolicyError` naming the
+        hook (``on_gate`` with ``aborted``, else ``on_iteration_start``) and the rule."""
+        try:
+            self._apply(actions, aborted)
+        except (AttributeError, TypeError, ValueError, IndexError):
+            self._refuse(actions, "on_gate" if aborted else "on_iteration_start")
+            raise  # nothing the policy returned explains it: the engine's own error
+
+    def _refuse(self, actions: Any, hook: str) -> None:
+        """Raise :class:`PolicyError` with the rule ``actions`` breaks, if it breaks one."""
+        why = actions_problem(actions, self.max_key)
+        if why is not None:
+            raise PolicyError(f"policy {self.policy.name!r}: {hook}: {why}") from None
+
+    def checked(self, actions: Any, hook: str) -> Actions:
+        """``actions``, returned by ``hook``, if it is an :class:`Actions` (a
+        :class:`PolicyError` otherwise)."""
+        if not isinstance(actions, Actions):
+            self._refuse(actions, hook)
+        return actions
+
+    def _apply(self, actions: Actions, aborted: bool) -> None:
+        """:meth:`apply`'s work."""
         be, caches, N, E = self.backend, self.caches, self.N, self.E
         delay = actions.delay_s
         if actions.budgets:
             if not self.segments:
-                raise ValueError(f"policy {self.policy.name!r} set budgets without groups")
+                raise PolicyError(
+                    f"policy {self.policy.name!r}: set budgets without groups (rule: "
+                    "Actions.budgets needs Policy.cache_groups)"
+                )
             for cache in caches:
                 for group, b in actions.budgets.items():
                     cache.set_group_budget(group, b)
@@ -433,36 +541,41 @@ class Runner:
         prefetch = actions.prefetch
         if not prefetch:
             return
+        if not -_INF < delay < _INF:  # NaN too
+            self._refuse(actions, "on_gate" if aborted else "on_iteration_start")
         if type(prefetch) is PrefetchBatch and N == 1:
             # perf: a re-ranking policy's batch on one GPU: two lists, no Prefetch objects
             keys = prefetch.keys
             bad = [k for k in (min(keys), max(keys)) if not 0 <= k < self.max_key]
             if bad:
-                self._bad_key(bad[0])
+                self._refuse(actions, "on_gate" if aborted else "on_iteration_start")
             get = caches[0].entries.get
             for key, priority in zip(keys, prefetch.priorities, strict=True):
                 ent = get(key)
+                if ent is not None and ent.resident:
+                    continue
+                if not -_INF < priority < _INF:  # NaN too: it would unsort the link's queue
+                    self._refuse(actions, "on_gate" if aborted else "on_iteration_start")
                 if ent is None:
                     self._prefetch(0, key, priority, "prefetch", delay)
-                elif not ent.resident:  # a queued prefetch takes the latest priority
+                else:  # a queued prefetch takes the latest priority
                     be.reprioritize(0, key, priority)
             return
         for p in prefetch:
             key = p.key
             if not 0 <= key < self.max_key:
-                self._bad_key(key)
+                self._refuse(actions, "on_gate" if aborted else "on_iteration_start")
             g = (key % E) % N
             ent = caches[g].entries.get(key)
+            if ent is not None and ent.resident:
+                continue
+            priority = p.priority
+            if not -_INF < priority < _INF:  # NaN too: it would unsort the link's queue
+                self._refuse(actions, "on_gate" if aborted else "on_iteration_start")
             if ent is None:
-                self._prefetch(g, key, p.priority, p.reason, delay)
-            elif not ent.resident:  # a queued prefetch takes the latest priority
-                be.reprioritize(g, key, p.priority)
-
-    def _bad_key(self, key: int) -> None:
-        """Refuse a prefetch of a key outside the model."""
-        raise ValueError(
-            f"policy {self.policy.name!r} prefetched key {key}, outside [0, {self.max_key})"
-        )
+                self._prefetch(g, key, priority, p.reason, delay)
+            else:  # a queued prefetch takes the latest priority
+                be.reprioritize(g, key, priority)
 
     def _prefetch(self, g: int, key: int, priority: float, reason: str, delay: float) -> None:
         """Load ``key``, absent from GPU ``g``'s cache, as a prefetch (or count it dropped
@@ -657,7 +770,11 @@ class Runner:
         m, N, be = self.metrics, self.N, self.backend
         deferred: list[tuple[int, int, int, float]] = []
         if actions.abort:  # the router's result stops wrong prefetches before misses load
-            self._cancel(actions.abort, started=True)
+            try:
+                self._cancel(actions.abort, started=True)
+            except (AttributeError, TypeError, ValueError, IndexError):
+                self._refuse(actions, "on_gate")
+                raise  # nothing the policy returned explains it: the engine's own error
         for x in missing:  # on-demand loads jump the link's queue
             if self._load(x[0], x[1], ON_DEMAND, "on_demand", pin=True):
                 pending.append(x)
@@ -758,6 +875,8 @@ class Runner:
             actions = NO_ACTIONS
             if gate is not None:
                 actions = policy.on_gate(layer, gate(layer))
+                if actions.__class__ is not Actions:
+                    actions = self.checked(actions, "on_gate")
                 if actions is not NO_ACTIONS:
                     idle = False
             if not idle:  # the general path, on the backend's clock

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from fmoesim.atomic import atomic_file
-from fmoesim.errors import FmoesimError
+from fmoesim.errors import AmbiguousRunsError, FmoesimError
 from fmoesim.plots.style import (
     held_in_count,
     legend_outside,
@@ -122,12 +122,16 @@ def _points(df: Any, experiment: str) -> Any:
     seen: dict[tuple[str, ...], int] = {}
     for p in point:
         seen[p] = seen.get(p, 0) + 1
-        if seen[p] > 1:
-            raise FmoesimError(
-                f"experiment {experiment}: {seen[p]} runs for the point policy={p[0]}"
-                + "".join(f" {k}={v}" for k, v in zip(keys, p[1:], strict=True))
-                + " (runs with other overrides share this store; use another store.dir)"
-            )
+    doubled = [p for p, n in seen.items() if n > 1]
+    if doubled:
+        p = doubled[0]
+        shown = f"policy={p[0]}" + "".join(f" {k}={v}" for k, v in zip(keys, p[1:], strict=True))
+        more = f" and {len(doubled) - 1} more points" if len(doubled) > 1 else ""
+        raise AmbiguousRunsError(
+            f"experiment {experiment}: {seen[p]} runs for the point {shown}{more} (rule: one "
+            f"run per point of the preset; a sweep of experiment={experiment} with other "
+            "overrides wrote into this store: give such runs a store.dir of their own)"
+        )
     return df
 
 

@@ -87,7 +87,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fmoesim.errors import FmoesimError
+from fmoesim.errors import AmbiguousRunsError, FmoesimError
 from fmoesim.reproduce.claims import BOUNDS, Claim, Filter, Pair, sides_of
 
 YES, NO, NA = "yes", "no", "n.a."
@@ -555,6 +555,8 @@ def score_claim(claim: Claim, results: Any) -> Score:
             what=f"claim {claim.id}",
         )
         value, holds, detail = effect(claim, df)
+    except AmbiguousRunsError:
+        raise  # a store that holds two runs for a point scores nothing: the command stops
     except FmoesimError as exc:
         return Score(claim, None, NA, None, str(exc))
     ratio = magnitude_ratio(value, claim.paper_value) if claim.kind in _RATIO_KINDS else None
@@ -567,6 +569,8 @@ def score_claim(claim: Claim, results: Any) -> Score:
             resident, per_value = resident_effect(claim, df, floor_df)
             if per_value:
                 detail = "; ".join(filter(None, [detail, f"every expert resident: {per_value}"]))
+        except AmbiguousRunsError:
+            raise
         except FmoesimError as exc:  # the claim's own number stands without its floor
             detail = "; ".join(filter(None, [detail, f"no floor: {exc}"]))
     return Score(claim, value, YES if holds else NO, ratio, detail, resident)
@@ -641,7 +645,12 @@ def ensure_runs(claims: Sequence[Claim], store: Path, jobs: int) -> None:
           f"{jobs} processes", flush=True)  # fmt: skip
     t0 = time.perf_counter()
     rows = run_jobs(jobs_list, None, jobs, store=store)
-    print(f"all runs: {len(rows)} points in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+    held = sum(bool(r.get("done_already")) for r in rows)
+    print(
+        f"all runs: {len(rows)} points ({len(rows) - held} run, {held} in the store already) in "
+        f"{(time.perf_counter() - t0) / 60:.1f} min",
+        flush=True,
+    )
 
 
 def scoreboard(claims: Sequence[Claim], results: Any) -> list[Score]:

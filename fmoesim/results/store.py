@@ -136,6 +136,39 @@ def _timing_of(config_json: Any) -> bool:
     return bool(engine.get("timing", True))
 
 
+def _policy_args_of(config_json: Any, policy: Any) -> str:
+    """A stored run's ``policy_args`` (:func:`fmoesim.config.build.policy_args`) from its
+    ``config_json``, for rows written before the column existed (``""`` when the json
+    has no policy)."""
+    from omegaconf import OmegaConf
+
+    from fmoesim.config.build import policy_args
+
+    try:
+        node = json.loads(config_json).get("policy")
+    except (TypeError, ValueError, AttributeError):
+        return ""
+    if not isinstance(node, dict):
+        return ""
+    return policy_args(OmegaConf.create(node), str(policy))
+
+
+def _with_policy_args(df: Any) -> Any:
+    """``df`` (store rows) with a ``policy_args`` string in every row: rows written
+    without one take it from their ``config_json``."""
+    if "config_json" not in df.columns or "policy" not in df.columns:
+        return df
+    if "policy_args" not in df.columns:
+        df["policy_args"] = None
+    todo = df["policy_args"].isna()
+    if todo.any():
+        df.loc[todo, "policy_args"] = [
+            _policy_args_of(c, p)
+            for c, p in zip(df.loc[todo, "config_json"], df.loc[todo, "policy"], strict=True)
+        ]
+    return df
+
+
 def _with_timing(df: Any) -> Any:
     """``df`` (store rows) with a boolean ``timing`` column (rows without one take it from
     their ``config_json``) and the time columns of untimed rows as missing values."""
@@ -174,7 +207,10 @@ def load_results(
     Parquet file (empty, cut short, another format), or that lacks one of ``columns``,
     is a :class:`~fmoesim.errors.FmoesimError` naming the file.
 
-    The boolean column ``timing`` says whether a run simulated time (rows written
+    ``policy_args`` says what a run changed from its policy's preset (``""`` for the
+    preset itself; :func:`fmoesim.config.build.policy_args`): two variants of one
+    policy share ``policy`` and differ there.  The boolean column ``timing`` says
+    whether a run simulated time (rows written
     without it take it from their ``config_json``'s ``engine.timing``).  The time
     columns of a hit-rate-only run (:data:`fmoesim.engine.metrics.TIME_COLUMNS`, the
     per-request latency and per-layer stall lists) are missing values, also in rows
@@ -185,7 +221,8 @@ def load_results(
     files = sorted(p for p in Path(root).glob("*.parquet") if not p.name.startswith("."))
     if not files:
         return pd.DataFrame()
-    df = _with_timing(pd.concat([_read_row(p, columns) for p in files], ignore_index=True))
+    df = pd.concat([_read_row(p, columns) for p in files], ignore_index=True)
+    df = _with_policy_args(_with_timing(df))
     keys = [k for k in ("experiment", "policy", "budget_gb", "seed") if k in df.columns]
     return df.sort_values(keys, kind="stable", na_position="first").reset_index(drop=True)
 
