@@ -210,3 +210,13 @@ def test_a_budget_beyond_the_model_says_it_holds_every_expert(tmp_path):
     assert "budget 1.00 GB (holds all 8 experts)" in p.stdout
     p = fmoesim(*tiny_overrides(trace, tmp_path / "out"), "output.write=false")
     assert "(2 experts)" in p.stdout  # within the model: the count
+
+
+def test_a_sweep_flag_after_overrides_still_sweeps(tmp_path):
+    """Red if ``-m`` after an override is Hydra's usage block and 'unrecognized
+    arguments' for overrides that are valid (its parser takes flags first)."""
+    trace = write_sequence_trace(tmp_path / "seq", ROUTES)
+    over = [o for o in tiny_overrides(trace, tmp_path / "out") if not o.startswith("cache.")]
+    p = fmoesim("policy=lru", "-m", "cache.budget_gb=0.012,0.018", *over, "output.write=false")
+    assert p.returncode == 0, p.stderr
+    assert "[sweep 2/2]" in p.stdout and "sweep done: 2 runs" in p.stdout

@@ -449,6 +449,8 @@ def _main(argv: list[str]) -> None:
             "source checkout: pip install -e .)"
         )
     multirun = any(a in ("-m", "--multirun") for a in argv)
+    if multirun:  # Hydra's parser takes flags before the overrides only: -m goes first
+        argv = ["-m", *(a for a in argv if a not in ("-m", "--multirun"))]
     special = any(a.split("=")[0] in _HYDRA_FLAGS for a in argv)
     if not special:
         overrides = [a for a in argv if not a.startswith("-")]
