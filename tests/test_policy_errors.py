@@ -39,22 +39,24 @@ class Bad(LRU):
         self.mode = mode
 
     def on_gate(self, layer, gate):  # noqa: ANN001 - the protocol's arguments
-        m = self.mode
-        made = {
-            "none": None,
-            "list": [NEVER],
-            "int": Actions(prefetch=[NEVER]),
-            "float-key": Actions(prefetch=[Prefetch(float(NEVER))]),
-            "range": Actions(prefetch=[Prefetch(10**6)]),
-            "negative": Actions(prefetch=[Prefetch(-1)]),
-            "nan": Actions(prefetch=[Prefetch(NEVER, math.nan)]),
-            "inf": Actions(prefetch=[Prefetch(NEVER, -math.inf)]),
-            "batch-nan": Actions(prefetch=PrefetchBatch([NEVER - 1, NEVER], [1.0, math.nan])),
-            "batch-range": Actions(prefetch=PrefetchBatch([NEVER, 99], [1.0, 2.0])),
-            "delay": Actions(prefetch=[Prefetch(NEVER)], delay_s=math.nan),
-            "abort": Actions(abort=[1.5]),
+        made = {  # made when asked: a compiled Prefetch refuses a float key when built
+            "none": lambda: None,
+            "list": lambda: [NEVER],
+            "int": lambda: Actions(prefetch=[NEVER]),
+            "float-key": lambda: Actions(prefetch=[Prefetch(float(NEVER))]),
+            "range": lambda: Actions(prefetch=[Prefetch(10**6)]),
+            "negative": lambda: Actions(prefetch=[Prefetch(-1)]),
+            "nan": lambda: Actions(prefetch=[Prefetch(NEVER, math.nan)]),
+            "inf": lambda: Actions(prefetch=[Prefetch(NEVER, -math.inf)]),
+            "generator-nan": lambda: Actions(prefetch=(p for p in [Prefetch(NEVER, math.nan)])),
+            "batch-nan": lambda: Actions(
+                prefetch=PrefetchBatch([NEVER - 1, NEVER], [1.0, math.nan])
+            ),
+            "batch-range": lambda: Actions(prefetch=PrefetchBatch([NEVER, 99], [1.0, 2.0])),
+            "delay": lambda: Actions(prefetch=[Prefetch(NEVER)], delay_s=math.nan),
+            "abort": lambda: Actions(abort=[1.5]),
         }
-        return made.get(m, NO_ACTIONS)
+        return made[self.mode]() if self.mode in made else NO_ACTIONS
 
     def victim(self, candidates, incoming):  # noqa: ANN001
         return 10**6 if self.mode == "victim" else super().victim(candidates, incoming)
@@ -71,15 +73,16 @@ def seq_trace(tmp_path):
         ("none", "on_gate: returned NoneType, not Actions (rule: return Actions"),
         ("list", "on_gate: returned list, not Actions"),
         ("int", "on_gate: Actions.prefetch[0] is int (rule: Actions.prefetch is a sequence"),
-        ("float-key", "on_gate: Actions.prefetch[0]: key 6.0 is float (rule: a key is an integer"),
-        ("range", "Actions.prefetch[0]: key 1000000 (rule: a key is an integer in [0, 8))"),
-        ("negative", "Actions.prefetch[0]: key -1 (rule: a key is an integer in [0, 8))"),
-        ("nan", "Actions.prefetch[0]: priority nan (rule: a priority is a finite number"),
-        ("inf", "Actions.prefetch[0]: priority -inf (rule: a priority is a finite number"),
-        ("batch-nan", "on_gate: PrefetchBatch[1]: priority nan (rule: a priority is a finite"),
-        ("batch-range", "on_gate: PrefetchBatch[1]: key 99 (rule: a key is an integer in [0, 8))"),
-        ("delay", "on_gate: Actions.delay_s = nan (rule: a finite number of seconds >= 0)"),
-        ("abort", "on_gate: Actions.abort[0]: key 1.5 is float (rule: a key is an integer"),
+        ("float-key", "on_gate: Actions.prefetch[0]: key 6.0 is float (rule: a key is an integer)"),
+        ("range", "on_gate: Actions.prefetch: key 1000000 (rule: a key is an integer in [0, 8))"),
+        ("negative", "on_gate: Actions.prefetch: key -1 (rule: a key is an integer in [0, 8))"),
+        ("nan", "Actions.prefetch: key 6: priority nan (rule: a priority is a finite number"),
+        ("inf", "Actions.prefetch: key 6: priority -inf (rule: a priority is a finite number"),
+        ("generator-nan", "Actions.prefetch: key 6: priority nan (rule: a priority is a"),
+        ("batch-nan", "on_gate: PrefetchBatch: key 6: priority nan (rule: a priority is a finite"),
+        ("batch-range", "on_gate: PrefetchBatch: key 99 (rule: a key is an integer in [0, 8))"),
+        ("delay", "on_gate: Actions.delay_s = nan (rule: a finite number of seconds)"),
+        ("abort", "on_gate: Actions.abort[0]: key 1.5 is float (rule: a key is an integer)"),
         ("victim", "victim: chose 1000000 on GPU 0, not one of the candidates (rule:"),
     ],
 )
@@ -94,16 +97,37 @@ def test_a_broken_contract_is_one_policy_error(seq_trace, mode, said):
     assert isinstance(info.value, FmoesimError)  # the CLI's one line and exit status 2
 
 
+def test_a_hook_s_own_error_is_not_blamed_on_its_actions(seq_trace):
+    """Red if a policy's own bug inside a hook the engine calls while carrying out its
+    actions (``on_insert`` here) is reported as a broken rule of those actions (a cancel
+    of a key outside the model, which the engine ignores), hiding the real traceback."""
+
+    class OwnBug(LRU):
+        name = "own-bug"
+
+        def on_gate(self, layer, gate):  # noqa: ANN001
+            return Actions(prefetch=[Prefetch(NEVER)], cancel=[-1], delay_s=-1e-4)
+
+        def on_insert(self, key):  # noqa: ANN001
+            if key == NEVER:
+                raise AttributeError("its own bug")
+            super().on_insert(key)
+
+    with pytest.raises(AttributeError, match="its own bug"):
+        simulate(seq_trace, TINY, TINY_HW, OwnBug(), 2 * TINY.expert_size_bytes)
+
+
 def test_a_valid_policy_is_not_refused(seq_trace):
-    """Red if the checks refuse what the protocol allows: numpy integer keys and numpy
-    float priorities, NO_ACTIONS, a prefetch of a resident key."""
-    import numpy as np
+    """Red if the checks refuse what the protocol allows: NO_ACTIONS (at layer 1), a
+    prefetch of a resident key (expert 3 of layer 0), an integer priority."""
 
     class Fine(LRU):
         name = "fine"
 
         def on_gate(self, layer, gate):  # noqa: ANN001
-            return Actions(prefetch=[Prefetch(np.int64(NEVER), np.float32(0.5)), Prefetch(3)])
+            if layer:
+                return NO_ACTIONS
+            return Actions(prefetch=[Prefetch(NEVER, 0.5), Prefetch(3, 1)])
 
     r = simulate(seq_trace, TINY, TINY_HW, Fine(), 3 * TINY.expert_size_bytes)
     assert r.summary["accesses"] == 12
@@ -135,7 +159,7 @@ def test_the_cli_says_it_in_one_line(tmp_path):
     ("target", "said"),
     [
         ("policies.lfu.LFx", "'policies.lfu' has no 'LFx'"),
-        ("policies.lfu", "'policies.lfu' is a module, not a class (rule: _target_ is a class)"),
+        ("policies.lfu", "'policies.lfu' is a module, not a class (rule: _target_ is a class,"),
         ("nosuchpkg.X", "no module 'nosuchpkg' can be imported"),
         ("policies.nosuch.X", "'policies' has no 'nosuch'"),
         ("lfu", "not a dotted path to a class"),

@@ -9,7 +9,8 @@ Examples::
     fmoesim-min-budget --target-tpot-ms 150 policy=fmoe hardware=a6000-pcie4
 
 The overrides are ``fmoesim``'s.  The budget is searched in whole experts between one
-layer's top-k and the whole model, assuming TPOT does not rise when the budget grows
+layer's top-k and the whole model (on several GPUs: per GPU, up to one GPU's share of
+the model), assuming TPOT does not rise when the budget grows
 (true of every policy here up to small anomalies; the printed table shows the runs so a
 user can check).  Exit status 2 and one line on stderr for bad input (a target that is
 not a finite number > 0; ``engine.timing=false``, as the search needs timed runs).
@@ -105,7 +106,7 @@ def budget_gb_for(experts: int, size_bytes: int) -> str:
     hundredth can hold one expert fewer; this one is rounded up, at as many decimals as
     keep it below one more expert."""
     need = experts * size_bytes  # bytes
-    for d in range(2, 10):
+    for d in range(2, 13):
         q = 10**d
         units = -(-need * q // 10**9)  # the budget in 1/q GB, rounded up
         text = f"{units // q}.{units % q:0{d}d}"
@@ -163,7 +164,8 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
     gpus = spec.hardware.num_gpus
     # the budget is per GPU; expert e of every layer lives on GPU (e mod N), so the most
     # one GPU can need is ceil(E / N) experts a layer
-    lo, hi = m.top_k, m.num_layers * -(-m.num_experts // gpus)
+    lo = m.top_k
+    hi = max(lo, m.num_layers * -(-m.num_experts // gpus))
     per = " per GPU" if gpus > 1 else ""
     print(
         f"{spec.policy.name} on {m.name} / {spec.hardware.name}: bisection over {lo}..{hi} "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -87,8 +88,8 @@ class RunSpec:
 
 
 def target_class(path: str) -> str | None:
-    """Why ``path`` (a ``_target_``, ``package.module.Class``) names no class that
-    imports, in one line, or None when it does.  Hydra's own lookup logs three lines
+    """Why ``path`` (a ``_target_``, ``package.module.Class``) names no class (or
+    function) that imports, in one line, or None when it does.  Hydra's own lookup logs three lines
     and suggests a flag that changes nothing; this one names the part that is missing
     (the module, or the class in it) or the error importing the module raised."""
     import importlib
@@ -115,14 +116,18 @@ def target_class(path: str) -> str | None:
         if not hasattr(obj, parts[j]):
             return f"'{'.'.join(parts[:j])}' has no '{parts[j]}'"
         obj = getattr(obj, parts[j])
-    if not isinstance(obj, type):
-        return f"'{path}' is a {type(obj).__name__}, not a class (rule: _target_ is a class)"
+    if not callable(obj):
+        return (
+            f"'{path}' is a {type(obj).__name__}, not a class (rule: _target_ is a class, "
+            "or a function that makes the object)"
+        )
     return None
 
 
 def policy_args(node: DictConfig, name: str) -> str:
     """What a run's policy config ``node`` changes from the preset named like its policy
-    (``conf/policy/<name>.yaml``, ``name`` being the policy's name in results), as
+    (``conf/policy/<name>.yaml`` as it is now, ``name`` being the policy's name in
+    results), as
     ``key=value`` overrides joined by spaces: ``""`` for the preset itself,
     ``prefetch_distance=3`` for a knob set on the command line or by an experiment, and
     every key for a policy without such a preset.  Results name a run by its policy's
@@ -130,20 +135,26 @@ def policy_args(node: DictConfig, name: str) -> str:
     class) differ here."""
     import json
 
-    def plain(d: Any) -> dict[str, Any]:
-        c: Any = OmegaConf.to_container(d, resolve=True)
-        return {str(k): v for k, v in c.items() if str(k) != "defaults"}
-
-    run = plain(node)
-    preset = CONF_DIR / "policy" / f"{name}.yaml"
-    base = plain(OmegaConf.load(preset)) if is_plain_name(name) and preset.is_file() else {}
+    c: Any = OmegaConf.to_container(node, resolve=True)
+    run = {str(k): v for k, v in c.items() if str(k) != "defaults"}
+    base = _policy_preset(name)
 
     def shown(v: Any) -> str:
-        return v if isinstance(v, str) else json.dumps(v)
+        return v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
 
     return " ".join(
         f"{k}={shown(v)}" for k, v in sorted(run.items()) if k not in base or base[k] != v
     )
+
+
+@cache
+def _policy_preset(name: str) -> dict[str, Any]:
+    """The keys of ``conf/policy/<name>.yaml`` as it is now (empty when there is none)."""
+    preset = CONF_DIR / "policy" / f"{name}.yaml"
+    if not (is_plain_name(name) and preset.is_file()):
+        return {}
+    c: Any = OmegaConf.to_container(OmegaConf.load(preset), resolve=True)
+    return {str(k): v for k, v in c.items() if str(k) != "defaults"}
 
 
 def unknown_argument(node: DictConfig) -> str | None:

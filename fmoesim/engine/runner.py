@@ -57,18 +57,19 @@ _MISS: Final = Outcome.MISS
 
 
 _PREFETCH_RULE: Final = "rule: Actions.prefetch is a sequence of Prefetch, or a PrefetchBatch"
+_KEY_RULE: Final = "rule: a key is an integer"
 
 
-def _key_problem(key: Any, max_key: int) -> str | None:
+def key_problem(key: Any, max_key: int) -> str | None:
     """Why ``key`` is no expert key of a model with ``max_key`` keys, or None."""
-    if isinstance(key, bool) or not isinstance(key, Integral):
+    if not isinstance(key, Integral):
         return f"key {key!r} is {type(key).__name__} (rule: a key is an integer in [0, {max_key}))"
     if not 0 <= int(key) < max_key:
         return f"key {key} (rule: a key is an integer in [0, {max_key}))"
     return None
 
 
-def _priority_problem(priority: Any) -> str | None:
+def priority_problem(priority: Any) -> str | None:
     """Why ``priority`` is no prefetch priority (a finite number), or None."""
     rule = "rule: a priority is a finite number, lower going first"
     if isinstance(priority, bool) or not isinstance(priority, (int, float, np.number)):
@@ -78,13 +79,15 @@ def _priority_problem(priority: Any) -> str | None:
     return None
 
 
-def actions_problem(actions: Any, max_key: int) -> str | None:
-    """The first rule ``actions`` breaks, as the engine carries actions out, or None:
-    an :class:`Actions`; ``prefetch`` a :class:`PrefetchBatch` or a sequence of
-    :class:`Prefetch`; every key an integer in ``[0, max_key)``; every priority a
-    finite number; ``cancel``, ``evict`` and ``abort`` sequences of keys; ``budgets``
-    a dict or None; ``delay_s`` a finite number >= 0.  The Runner asks it only when
-    carrying the actions out failed or met a bad value, to name the rule."""
+def actions_problem(actions: Any) -> str | None:
+    """The first rule of the actions' shape that ``actions`` breaks, or None: an
+    :class:`Actions`; ``prefetch`` a :class:`PrefetchBatch` or a sequence of
+    :class:`Prefetch` with integer keys and numeric priorities; ``cancel``, ``evict``
+    and ``abort`` sequences of integers; ``budgets`` a dict or None; ``delay_s`` a
+    number.  The Runner asks it when carrying actions out raised an error, to tell a
+    policy's malformed actions from an error of its own; values of the right kind but
+    out of range (a key beyond the model, a NaN priority) are checked where they are
+    used, with their own message."""
     if not isinstance(actions, Actions):
         return (
             f"returned {type(actions).__name__}, not Actions (rule: return Actions, "
@@ -105,9 +108,10 @@ def actions_problem(actions: Any, max_key: int) -> str | None:
         pairs = [(p.key, p.priority) for p in items]
         what = "Actions.prefetch"
     for i, (key, priority) in enumerate(pairs):
-        why = _key_problem(key, max_key) or _priority_problem(priority)
-        if why is not None:
-            return f"{what}[{i}]: {why}"
+        if not isinstance(key, Integral):
+            return f"{what}[{i}]: key {key!r} is {type(key).__name__} ({_KEY_RULE})"
+        if isinstance(priority, bool) or not isinstance(priority, (int, float, np.number)):
+            return f"{what}[{i}]: {priority_problem(priority)}"
     for field in ("cancel", "evict", "abort"):
         keys = getattr(actions, field)
         try:
@@ -115,18 +119,13 @@ def actions_problem(actions: Any, max_key: int) -> str | None:
         except TypeError:
             return f"Actions.{field} is {type(keys).__name__} (rule: a sequence of keys)"
         for i, key in enumerate(listed):
-            why = _key_problem(key, max_key)
-            if why is not None:
-                return f"Actions.{field}[{i}]: {why}"
+            if not isinstance(key, Integral):
+                return f"Actions.{field}[{i}]: key {key!r} is {type(key).__name__} ({_KEY_RULE})"
     if actions.budgets is not None and not isinstance(actions.budgets, dict):
         return f"Actions.budgets is {type(actions.budgets).__name__} (rule: a dict, or None)"
     delay = actions.delay_s
-    if (
-        isinstance(delay, bool)
-        or not isinstance(delay, (int, float, np.number))
-        or not 0.0 <= delay < math.inf
-    ):
-        return f"Actions.delay_s = {delay!r} (rule: a finite number of seconds >= 0)"
+    if isinstance(delay, bool) or not isinstance(delay, (int, float, np.number)):
+        return f"Actions.delay_s is {type(delay).__name__} (rule: a number of seconds)"
     return None
 
 
@@ -495,27 +494,34 @@ class Runner:
     def apply(self, actions: Actions, aborted: bool = False) -> None:
         """Carry out a policy's group budgets and evictions, its cancellations and aborts
         (unless ``aborted``: a layer step stops them before its on-demand loads), then its
-        prefetches, in order (held back by ``actions.delay_s``).  Actions that break the
-        engine's contract (:func:`actions_problem`) are a :class:`PolicyError` naming the
-        hook (``on_gate`` with ``aborted``, else ``on_iteration_start``) and the rule."""
+        prefetches, in order (held back by ``actions.delay_s``).  Actions the engine
+        cannot carry out are a :class:`PolicyError` naming the hook (``on_gate`` with
+        ``aborted``, else ``on_iteration_start``) and the rule: a key outside the model,
+        a priority or delay that is not finite (checked where they are used), or
+        actions of the wrong shape (:func:`actions_problem`, asked when carrying them
+        out raised an error)."""
         try:
             self._apply(actions, aborted)
-        except (AttributeError, TypeError, ValueError, IndexError):
-            self._refuse(actions, "on_gate" if aborted else "on_iteration_start")
-            raise  # nothing the policy returned explains it: the engine's own error
+        except (AttributeError, TypeError, ValueError, IndexError) as exc:
+            self._malformed(actions, "on_gate" if aborted else "on_iteration_start", exc)
+            raise  # well-formed actions: the error is a hook's own, or the engine's
 
-    def _refuse(self, actions: Any, hook: str) -> None:
-        """Raise :class:`PolicyError` with the rule ``actions`` breaks, if it breaks one."""
-        why = actions_problem(actions, self.max_key)
+    def _bad(self, hook: str, why: str) -> None:
+        """Raise :class:`PolicyError`: ``hook``'s result breaks the rule ``why`` names."""
+        raise PolicyError(f"policy {self.policy.name!r}: {hook}: {why}")
+
+    def _malformed(self, actions: Any, hook: str, exc: BaseException | None) -> None:
+        """Raise :class:`PolicyError` (from ``exc``) if ``actions`` has the wrong shape."""
+        why = actions_problem(actions)
         if why is not None:
-            raise PolicyError(f"policy {self.policy.name!r}: {hook}: {why}") from None
+            raise PolicyError(f"policy {self.policy.name!r}: {hook}: {why}") from exc
 
     def checked(self, actions: Any, hook: str) -> Actions:
         """``actions``, returned by ``hook``, if it is an :class:`Actions` (a
         :class:`PolicyError` otherwise)."""
         if not isinstance(actions, Actions):
-            self._refuse(actions, hook)
-        return actions
+            self._malformed(actions, hook, None)
+        return actions  # type: ignore[no-any-return]
 
     def _apply(self, actions: Actions, aborted: bool) -> None:
         """:meth:`apply`'s work."""
@@ -523,9 +529,9 @@ class Runner:
         delay = actions.delay_s
         if actions.budgets:
             if not self.segments:
-                raise PolicyError(
-                    f"policy {self.policy.name!r}: set budgets without groups (rule: "
-                    "Actions.budgets needs Policy.cache_groups)"
+                self._bad(
+                    "on_gate" if aborted else "on_iteration_start",
+                    "Actions.budgets without groups (rule: budgets need Policy.cache_groups)",
                 )
             for cache in caches:
                 for group, b in actions.budgets.items():
@@ -542,20 +548,26 @@ class Runner:
         if not prefetch:
             return
         if not -_INF < delay < _INF:  # NaN too
-            self._refuse(actions, "on_gate" if aborted else "on_iteration_start")
+            self._bad(
+                "on_gate" if aborted else "on_iteration_start",
+                f"Actions.delay_s = {delay!r} (rule: a finite number of seconds)",
+            )
         if type(prefetch) is PrefetchBatch and N == 1:
             # perf: a re-ranking policy's batch on one GPU: two lists, no Prefetch objects
             keys = prefetch.keys
             bad = [k for k in (min(keys), max(keys)) if not 0 <= k < self.max_key]
             if bad:
-                self._refuse(actions, "on_gate" if aborted else "on_iteration_start")
+                why = key_problem(bad[0], self.max_key)
+                self._bad("on_gate" if aborted else "on_iteration_start", f"PrefetchBatch: {why}")
             get = caches[0].entries.get
             for key, priority in zip(keys, prefetch.priorities, strict=True):
                 ent = get(key)
                 if ent is not None and ent.resident:
                     continue
                 if not -_INF < priority < _INF:  # NaN too: it would unsort the link's queue
-                    self._refuse(actions, "on_gate" if aborted else "on_iteration_start")
+                    why = priority_problem(priority)
+                    hook = "on_gate" if aborted else "on_iteration_start"
+                    self._bad(hook, f"PrefetchBatch: key {key}: {why}")
                 if ent is None:
                     self._prefetch(0, key, priority, "prefetch", delay)
                 else:  # a queued prefetch takes the latest priority
@@ -564,14 +576,19 @@ class Runner:
         for p in prefetch:
             key = p.key
             if not 0 <= key < self.max_key:
-                self._refuse(actions, "on_gate" if aborted else "on_iteration_start")
+                why = key_problem(key, self.max_key)
+                self._bad(
+                    "on_gate" if aborted else "on_iteration_start", f"Actions.prefetch: {why}"
+                )
             g = (key % E) % N
             ent = caches[g].entries.get(key)
             if ent is not None and ent.resident:
                 continue
             priority = p.priority
             if not -_INF < priority < _INF:  # NaN too: it would unsort the link's queue
-                self._refuse(actions, "on_gate" if aborted else "on_iteration_start")
+                why = priority_problem(priority)
+                hook = "on_gate" if aborted else "on_iteration_start"
+                self._bad(hook, f"Actions.prefetch: key {key}: {why}")
             if ent is None:
                 self._prefetch(g, key, priority, p.reason, delay)
             else:  # a queued prefetch takes the latest priority
@@ -772,9 +789,9 @@ class Runner:
         if actions.abort:  # the router's result stops wrong prefetches before misses load
             try:
                 self._cancel(actions.abort, started=True)
-            except (AttributeError, TypeError, ValueError, IndexError):
-                self._refuse(actions, "on_gate")
-                raise  # nothing the policy returned explains it: the engine's own error
+            except (AttributeError, TypeError, ValueError, IndexError) as exc:
+                self._malformed(actions, "on_gate", exc)
+                raise  # well-formed actions: the error is a hook's own, or the engine's
         for x in missing:  # on-demand loads jump the link's queue
             if self._load(x[0], x[1], ON_DEMAND, "on_demand", pin=True):
                 pending.append(x)

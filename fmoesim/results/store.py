@@ -166,6 +166,7 @@ def _with_policy_args(df: Any) -> Any:
             _policy_args_of(c, p)
             for c, p in zip(df.loc[todo, "config_json"], df.loc[todo, "policy"], strict=True)
         ]
+    df["policy_args"] = df["policy_args"].astype(str)  # one dtype, old rows or new
     return df
 
 
