@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
+from fmoesim._compiled import is_compiled
 from fmoesim.config.build import policy_args, target_class
 from fmoesim.engine.simulate import simulate
 from fmoesim.errors import FmoesimError, PolicyError
@@ -73,7 +74,13 @@ def seq_trace(tmp_path):
         ("none", "on_gate: returned NoneType, not Actions (rule: return Actions"),
         ("list", "on_gate: returned list, not Actions"),
         ("int", "on_gate: Actions.prefetch[0] is int (rule: Actions.prefetch is a sequence"),
-        ("float-key", "on_gate: Actions.prefetch[0]: key 6.0 is float (rule: a key is an integer)"),
+        pytest.param(
+            "float-key",
+            "on_gate: Actions.prefetch[0]: key 6.0 is float (rule: a key is an integer)",
+            marks=pytest.mark.skipif(
+                is_compiled(), reason="a compiled Prefetch refuses a float key as it is built"
+            ),
+        ),
         ("range", "on_gate: Actions.prefetch: key 1000000 (rule: a key is an integer in [0, 8))"),
         ("negative", "on_gate: Actions.prefetch: key -1 (rule: a key is an integer in [0, 8))"),
         ("nan", "Actions.prefetch: key 6: priority nan (rule: a priority is a finite number"),

@@ -89,9 +89,10 @@ class RunSpec:
 
 def target_class(path: str) -> str | None:
     """Why ``path`` (a ``_target_``, ``package.module.Class``) names no class (or
-    function) that imports, in one line, or None when it does.  Hydra's own lookup logs three lines
-    and suggests a flag that changes nothing; this one names the part that is missing
-    (the module, or the class in it) or the error importing the module raised."""
+    function) that imports, in one line, or None when it does.  Hydra's own lookup
+    logs three lines and suggests a flag that changes nothing; this one names the part
+    that is missing (the module, or the class in it) or the error importing the module
+    raised."""
     import importlib
 
     parts = path.split(".")
@@ -124,18 +125,17 @@ def target_class(path: str) -> str | None:
     return None
 
 
-def policy_args(node: DictConfig, name: str) -> str:
-    """What a run's policy config ``node`` changes from the preset named like its policy
-    (``conf/policy/<name>.yaml`` as it is now, ``name`` being the policy's name in
-    results), as
-    ``key=value`` overrides joined by spaces: ``""`` for the preset itself,
-    ``prefetch_distance=3`` for a knob set on the command line or by an experiment, and
-    every key for a policy without such a preset.  Results name a run by its policy's
-    name alone, so two variants of one policy (a knob swept, a second YAML of the same
-    class) differ here."""
+def policy_args(node: DictConfig | dict[str, Any], name: str) -> str:
+    """What a run's policy config ``node`` (or its resolved dict) changes from the preset
+    named like its policy (``conf/policy/<name>.yaml`` as it is now, ``name`` being the
+    policy's name in results), as ``key=value`` overrides joined by spaces: ``""`` for
+    the preset itself, ``prefetch_distance=3`` for a knob set on the command line or by
+    an experiment, and every key for a policy without such a preset.  Results name a run
+    by its policy's name alone, so two variants of one policy (a knob swept, a second
+    YAML of the same class) differ here."""
     import json
 
-    c: Any = OmegaConf.to_container(node, resolve=True)
+    c: Any = node if isinstance(node, dict) else OmegaConf.to_container(node, resolve=True)
     run = {str(k): v for k, v in c.items() if str(k) != "defaults"}
     base = _policy_preset(name)
 

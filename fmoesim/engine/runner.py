@@ -93,13 +93,15 @@ def actions_problem(actions: Any) -> str | None:
             f"returned {type(actions).__name__}, not Actions (rule: return Actions, "
             "or NO_ACTIONS for nothing to do)"
         )
-    pre = actions.prefetch
+    # Any throughout: the compiled build would check each item against the annotations
+    pre: Any = actions.prefetch
+    pairs: list[tuple[Any, Any]]
     if isinstance(pre, PrefetchBatch):
         pairs = list(zip(pre.keys, pre.priorities, strict=False))
         what = "PrefetchBatch"
     else:
         try:
-            items = list(pre)
+            items: list[Any] = list(pre)
         except TypeError:
             return f"Actions.prefetch is {type(pre).__name__} ({_PREFETCH_RULE})"
         for i, p in enumerate(items):
@@ -113,7 +115,7 @@ def actions_problem(actions: Any) -> str | None:
         if isinstance(priority, bool) or not isinstance(priority, (int, float, np.number)):
             return f"{what}[{i}]: {priority_problem(priority)}"
     for field in ("cancel", "evict", "abort"):
-        keys = getattr(actions, field)
+        keys: Any = getattr(actions, field)
         try:
             listed: list[Any] = list(keys)
         except TypeError:
@@ -121,9 +123,10 @@ def actions_problem(actions: Any) -> str | None:
         for i, key in enumerate(listed):
             if not isinstance(key, Integral):
                 return f"Actions.{field}[{i}]: key {key!r} is {type(key).__name__} ({_KEY_RULE})"
-    if actions.budgets is not None and not isinstance(actions.budgets, dict):
-        return f"Actions.budgets is {type(actions.budgets).__name__} (rule: a dict, or None)"
-    delay = actions.delay_s
+    budgets: Any = actions.budgets
+    if budgets is not None and not isinstance(budgets, dict):
+        return f"Actions.budgets is {type(budgets).__name__} (rule: a dict, or None)"
+    delay: Any = actions.delay_s
     if isinstance(delay, bool) or not isinstance(delay, (int, float, np.number)):
         return f"Actions.delay_s is {type(delay).__name__} (rule: a number of seconds)"
     return None
@@ -365,7 +368,11 @@ class Runner:
             self.iteration, tuple(self._rid[r] for r in reqs), tuple(js), tokens, prefill, emb
         )
         t0 = be.now() if prefill else 0.0  # the prefill throughput's clock
-        start_actions = policy.on_iteration_start(batch)
+        try:
+            start_actions = policy.on_iteration_start(batch)
+        except TypeError as exc:
+            self._returned(exc, "on_iteration_start")
+            raise
         if start_actions is not None and start_actions is not NO_ACTIONS:
             start_actions = self.checked(start_actions, "on_iteration_start")
             be.sync()  # land what finished during the previous iteration's tail
@@ -474,7 +481,11 @@ class Runner:
                 be.pre_gate(layer, tok, kv, pr)  # attention + router, then sync
                 step = self.step
                 self.step = step + 1
-                actions = NO_ACTIONS if gate is None else policy.on_gate(layer, gate(layer))
+                try:
+                    actions = NO_ACTIONS if gate is None else policy.on_gate(layer, gate(layer))
+                except TypeError as exc:
+                    self._returned(exc, "on_gate")
+                    raise
                 if actions.__class__ is not Actions:
                     actions = self.checked(actions, "on_gate")
                 o0, o1 = offsets[layer], offsets[layer + 1]
@@ -515,6 +526,18 @@ class Runner:
         why = actions_problem(actions)
         if why is not None:
             raise PolicyError(f"policy {self.policy.name!r}: {hook}: {why}") from exc
+
+    def _returned(self, exc: TypeError, hook: str) -> None:
+        """Raise :class:`PolicyError` (from ``exc``) if ``exc`` is the compiled build's
+        check of what ``hook`` returned (``policies.base.Actions object expected; got
+        None``): the interpreted build's :meth:`checked` in the compiled one's words."""
+        said = str(exc)
+        if said.startswith("policies.base.Actions object expected; got "):
+            got = said.rsplit("got ", 1)[1].replace("None", "NoneType", 1)
+            raise PolicyError(
+                f"policy {self.policy.name!r}: {hook}: returned {got}, not Actions (rule: "
+                "return Actions, or NO_ACTIONS for nothing to do)"
+            ) from exc
 
     def checked(self, actions: Any, hook: str) -> Actions:
         """``actions``, returned by ``hook``, if it is an :class:`Actions` (a
@@ -891,7 +914,11 @@ class Runner:
             o0, o1 = offsets[layer], offsets[layer + 1]
             actions = NO_ACTIONS
             if gate is not None:
-                actions = policy.on_gate(layer, gate(layer))
+                try:
+                    actions = policy.on_gate(layer, gate(layer))
+                except TypeError as exc:
+                    self._returned(exc, "on_gate")
+                    raise
                 if actions.__class__ is not Actions:
                     actions = self.checked(actions, "on_gate")
                 if actions is not NO_ACTIONS:

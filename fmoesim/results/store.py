@@ -140,8 +140,6 @@ def _policy_args_of(config_json: Any, policy: Any) -> str:
     """A stored run's ``policy_args`` (:func:`fmoesim.config.build.policy_args`) from its
     ``config_json``, for rows written before the column existed (``""`` when the json
     has no policy)."""
-    from omegaconf import OmegaConf
-
     from fmoesim.config.build import policy_args
 
     try:
@@ -150,7 +148,7 @@ def _policy_args_of(config_json: Any, policy: Any) -> str:
         return ""
     if not isinstance(node, dict):
         return ""
-    return policy_args(OmegaConf.create(node), str(policy))
+    return policy_args(node, str(policy))
 
 
 def _with_policy_args(df: Any) -> Any:
