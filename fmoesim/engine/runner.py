@@ -79,6 +79,14 @@ def priority_problem(priority: Any) -> str | None:
     return None
 
 
+def _listed(seq: Any) -> list[Any] | None:
+    """``seq``'s items as a list, or None when it cannot be iterated."""
+    try:
+        return list(seq)
+    except TypeError:
+        return None
+
+
 def actions_problem(actions: Any) -> str | None:
     """The first rule of the actions' shape that ``actions`` breaks, or None: an
     :class:`Actions`; ``prefetch`` a :class:`PrefetchBatch` or a sequence of
@@ -100,9 +108,8 @@ def actions_problem(actions: Any) -> str | None:
         pairs = list(zip(pre.keys, pre.priorities, strict=False))
         what = "PrefetchBatch"
     else:
-        try:
-            items: list[Any] = list(pre)
-        except TypeError:
+        items = _listed(pre)
+        if items is None:
             return f"Actions.prefetch is {type(pre).__name__} ({_PREFETCH_RULE})"
         for i, p in enumerate(items):
             if not isinstance(p, Prefetch):
@@ -116,9 +123,8 @@ def actions_problem(actions: Any) -> str | None:
             return f"{what}[{i}]: {priority_problem(priority)}"
     for field in ("cancel", "evict", "abort"):
         keys: Any = getattr(actions, field)
-        try:
-            listed: list[Any] = list(keys)
-        except TypeError:
+        listed = _listed(keys)
+        if listed is None:
             return f"Actions.{field} is {type(keys).__name__} (rule: a sequence of keys)"
         for i, key in enumerate(listed):
             if not isinstance(key, Integral):
