@@ -210,6 +210,12 @@ def test_a_budget_beyond_the_model_says_it_holds_every_expert(tmp_path):
     assert "budget 1.00 GB (holds all 8 experts)" in p.stdout
     p = fmoesim(*tiny_overrides(trace, tmp_path / "out"), "output.write=false")
     assert "(2 experts)" in p.stdout  # within the model: the count
+    # 3 GPUs: expert e of a layer on GPU e mod 3, so GPU 0 holds 2 of each layer's 4
+    size_gb = TINY.expert_size_bytes / 1e9
+    for n, said in ((3, "(3 experts) per GPU x 3 GPUs"), (4, "(holds all 4 experts of a GPU)")):
+        p = fmoesim(*tiny_overrides(trace, tmp_path / "out"), "output.write=false",
+                    "hardware.num_gpus=3", f"cache.budget_gb={n * size_gb}")  # fmt: skip
+        assert p.returncode == 0 and said in p.stdout, p.stdout + p.stderr
 
 
 def test_a_sweep_flag_after_overrides_still_sweeps(tmp_path):

@@ -113,3 +113,24 @@ def test_several_gpus_search_a_gpu_share_of_the_model(tmp_path):
     assert "bisection over 1..4 experts per GPU" in p.stdout  # 2 layers x 4 experts / 2 GPUs
     assert "| min experts per GPU | cache.budget_gb |" in p.stdout
     assert "not met" in p.stdout and "(every expert of each GPU)" in p.stdout
+
+
+def test_a_top_k_above_a_gpu_share_is_searched_not_crashed(tmp_path):
+    """Red if top_k exceeds a GPU's share of the model (3 > 2 layers x ceil(4 / 4)) and
+    the search range comes out empty: a raw ValueError traceback with exit status 1."""
+    from dataclasses import replace
+
+    m = replace(TINY, top_k=3)
+    generate(m, SyntheticConfig(num_requests=1, embedding_dim=0, seed=4), tmp_path / "t")
+    over = [
+        "model.top_k=3" if o.startswith("model.top_k") else o
+        for o in tiny_overrides(tmp_path / "t", tmp_path / "out")
+        if not o.startswith("cache.")
+    ]
+    p = subprocess.run(
+        [sys.executable, "-m", "fmoesim.cli.min_budget", "--target-tpot-ms", "1000", *over,
+         "hardware.num_gpus=4"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "bisection over 3..3 experts per GPU" in p.stdout and "| 1000 | 3 | 0.02 |" in p.stdout
