@@ -558,8 +558,7 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
     # saved before anything is printed: a closed stdout does not cost the run its results
     stored = save_results(final, store, spec, row, resolved, result)
     if verbose:
-        m, gpus = spec.model, spec.hardware.num_gpus
-        per_gpu = m.num_layers * -(-m.num_experts // gpus)  # expert e on GPU e mod N
+        per_gpu = spec.model.experts_per_gpu(spec.hardware.num_gpus)
         print(format_summary(row, spec.hardware.gpu_memory_gb, per_gpu))
         if final is not None:
             print(f"results    {final}")
@@ -734,9 +733,9 @@ def format_summary(
     """The summary table printed after a run; a hit-rate-only run's times read
     ``n/a (hit-rate-only)``.  With ``gpu_memory_gb`` (the hardware's, per GPU), a note
     follows when the weights' peak is above it: the expert budget is not checked
-    against the GPU's memory.  With ``experts`` (the most routed experts one GPU holds:
-    ``num_layers x ceil(num_experts / num_gpus)``), a budget that holds all of them says
-    so instead of a count beyond them."""
+    against the GPU's memory.  With ``experts`` (the most routed experts one GPU holds,
+    :meth:`~fmoesim.specs.ModelSpec.experts_per_gpu`), a budget that holds all of them
+    says so instead of a count beyond them."""
     timed = _timed(row)
     gpus = int(row.get("num_gpus", 1))
     held = f"{row['budget_experts']} experts"

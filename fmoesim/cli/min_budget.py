@@ -101,16 +101,18 @@ def _check_overrides(overrides: list[str]) -> None:
 
 def budget_gb_for(experts: int, size_bytes: int) -> str:
     """The shortest ``cache.budget_gb`` (at least two decimals) that holds exactly
-    ``experts`` experts of ``size_bytes`` when typed back: the run takes
-    ``int(budget_gb * 1e9) // size_bytes`` experts, so a value rounded to the nearest
-    hundredth can hold one expert fewer; this one is rounded up, at as many decimals as
-    keep it below one more expert."""
+    ``experts`` experts of ``size_bytes`` when typed back: a run takes
+    ``budget_bytes_of(budget_gb) // size_bytes`` experts, so a value rounded to the
+    nearest hundredth can hold one expert fewer; this one is rounded up, at as many
+    decimals as keep it below one more expert."""
+    from fmoesim.config.build import budget_bytes_of
+
     need = experts * size_bytes  # bytes
     for d in range(2, 13):
         q = 10**d
         units = -(-need * q // 10**9)  # the budget in 1/q GB, rounded up
         text = f"{units // q}.{units % q:0{d}d}"
-        if int(float(text) * 1e9) // size_bytes == experts:
+        if budget_bytes_of(float(text)) // size_bytes == experts:
             return text
     return repr(need / 1e9)
 
@@ -162,10 +164,8 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
         return runs[n]
 
     gpus = spec.hardware.num_gpus
-    # the budget is per GPU; expert e of every layer lives on GPU (e mod N), so the most
-    # one GPU can need is ceil(E / N) experts a layer
     lo = m.top_k
-    hi = max(lo, m.num_layers * -(-m.num_experts // gpus))
+    hi = max(lo, m.experts_per_gpu(gpus))  # the budget is per GPU
     per = " per GPU" if gpus > 1 else ""
     print(
         f"{spec.policy.name} on {m.name} / {spec.hardware.name}: bisection over {lo}..{hi} "

@@ -87,6 +87,12 @@ class RunSpec:
     preload: bool = False
 
 
+def budget_bytes_of(budget_gb: float) -> int:
+    """The expert budget in bytes that ``cache.budget_gb`` gives a run (1 GB = 1e9 bytes,
+    rounded down to a byte)."""
+    return int(budget_gb * GB)
+
+
 def target_class(path: str) -> str | None:
     """Why ``path`` (a ``_target_``, ``package.module.Class``) names no class (or
     function) that imports, in one line, or None when it does.  Hydra's own lookup
@@ -135,8 +141,9 @@ def policy_args(node: DictConfig | dict[str, Any], name: str) -> str:
     YAML of the same class) differ here."""
     import json
 
-    c: Any = node if isinstance(node, dict) else OmegaConf.to_container(node, resolve=True)
-    run = {str(k): v for k, v in c.items() if str(k) != "defaults"}
+    run = _policy_keys(
+        node if isinstance(node, dict) else OmegaConf.to_container(node, resolve=True)
+    )
     base = _policy_preset(name)
 
     def shown(v: Any) -> str:
@@ -153,8 +160,12 @@ def _policy_preset(name: str) -> dict[str, Any]:
     preset = CONF_DIR / "policy" / f"{name}.yaml"
     if not (is_plain_name(name) and preset.is_file()):
         return {}
-    c: Any = OmegaConf.to_container(OmegaConf.load(preset), resolve=True)
-    return {str(k): v for k, v in c.items() if str(k) != "defaults"}
+    return _policy_keys(OmegaConf.to_container(OmegaConf.load(preset), resolve=True))
+
+
+def _policy_keys(container: Any) -> dict[str, Any]:
+    """A policy config's keys and values (its ``defaults`` list left out)."""
+    return {str(k): v for k, v in container.items() if str(k) != "defaults"}
 
 
 def unknown_argument(node: DictConfig) -> str | None:
@@ -232,7 +243,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
         budget_gb = cfg.cache.budget_gb
         if not math.isfinite(budget_gb):
             raise ConfigError("cache.budget_gb", budget_gb, "must be a finite number")
-        budget_bytes = int(budget_gb * GB)
+        budget_bytes = budget_bytes_of(budget_gb)
         check_budget(model, budget_bytes)
     serving: ServingConfig = OmegaConf.to_object(cfg.serving)  # type: ignore[assignment]
     serving.validate()

@@ -487,13 +487,7 @@ class Runner:
                 be.pre_gate(layer, tok, kv, pr)  # attention + router, then sync
                 step = self.step
                 self.step = step + 1
-                try:
-                    actions = NO_ACTIONS if gate is None else policy.on_gate(layer, gate(layer))
-                except TypeError as exc:
-                    self._returned(exc, "on_gate")
-                    raise
-                if actions.__class__ is not Actions:
-                    actions = self.checked(actions, "on_gate")
+                actions = NO_ACTIONS if gate is None else self._on_gate(layer, gate(layer))
                 o0, o1 = offsets[layer], offsets[layer + 1]
                 self._layer(layer, experts[o0:o1], expert_tokens[o0:o1], tok, step, actions)
         be.lm_head(len(reqs))
@@ -523,8 +517,10 @@ class Runner:
             self._malformed(actions, "on_gate" if aborted else "on_iteration_start", exc)
             raise  # well-formed actions: the error is a hook's own, or the engine's
 
-    def _bad(self, hook: str, why: str) -> None:
-        """Raise :class:`PolicyError`: ``hook``'s result breaks the rule ``why`` names."""
+    def _bad(self, aborted: bool, why: str) -> None:
+        """Raise :class:`PolicyError`: the actions :meth:`apply` carries out (``on_gate``'s
+        with ``aborted``, else ``on_iteration_start``'s) break the rule ``why`` names."""
+        hook = "on_gate" if aborted else "on_iteration_start"
         raise PolicyError(f"policy {self.policy.name!r}: {hook}: {why}")
 
     def _malformed(self, actions: Any, hook: str, exc: BaseException | None) -> None:
@@ -545,6 +541,16 @@ class Runner:
                 "return Actions, or NO_ACTIONS for nothing to do)"
             ) from exc
 
+    def _on_gate(self, layer: int, view: GateView) -> Actions:
+        """The policy's actions at ``layer``'s gate, an :class:`Actions` (a
+        :class:`PolicyError` when it returns anything else)."""
+        try:
+            actions = self.policy.on_gate(layer, view)
+        except TypeError as exc:
+            self._returned(exc, "on_gate")
+            raise
+        return actions if actions.__class__ is Actions else self.checked(actions, "on_gate")
+
     def checked(self, actions: Any, hook: str) -> Actions:
         """``actions``, returned by ``hook``, if it is an :class:`Actions` (a
         :class:`PolicyError` otherwise)."""
@@ -559,7 +565,7 @@ class Runner:
         if actions.budgets:
             if not self.segments:
                 self._bad(
-                    "on_gate" if aborted else "on_iteration_start",
+                    aborted,
                     "Actions.budgets without groups (rule: budgets need Policy.cache_groups)",
                 )
             for cache in caches:
@@ -577,17 +583,14 @@ class Runner:
         if not prefetch:
             return
         if not -_INF < delay < _INF:  # NaN too
-            self._bad(
-                "on_gate" if aborted else "on_iteration_start",
-                f"Actions.delay_s = {delay!r} (rule: a finite number of seconds)",
-            )
+            self._bad(aborted, f"Actions.delay_s = {delay!r} (rule: a finite number of seconds)")
         if type(prefetch) is PrefetchBatch and N == 1:
             # perf: a re-ranking policy's batch on one GPU: two lists, no Prefetch objects
             keys = prefetch.keys
             bad = [k for k in (min(keys), max(keys)) if not 0 <= k < self.max_key]
             if bad:
                 why = key_problem(bad[0], self.max_key)
-                self._bad("on_gate" if aborted else "on_iteration_start", f"PrefetchBatch: {why}")
+                self._bad(aborted, f"PrefetchBatch: {why}")
             get = caches[0].entries.get
             for key, priority in zip(keys, prefetch.priorities, strict=True):
                 ent = get(key)
@@ -595,8 +598,7 @@ class Runner:
                     continue
                 if not -_INF < priority < _INF:  # NaN too: it would unsort the link's queue
                     why = priority_problem(priority)
-                    hook = "on_gate" if aborted else "on_iteration_start"
-                    self._bad(hook, f"PrefetchBatch: key {key}: {why}")
+                    self._bad(aborted, f"PrefetchBatch: key {key}: {why}")
                 if ent is None:
                     self._prefetch(0, key, priority, "prefetch", delay)
                 else:  # a queued prefetch takes the latest priority
@@ -606,9 +608,7 @@ class Runner:
             key = p.key
             if not 0 <= key < self.max_key:
                 why = key_problem(key, self.max_key)
-                self._bad(
-                    "on_gate" if aborted else "on_iteration_start", f"Actions.prefetch: {why}"
-                )
+                self._bad(aborted, f"Actions.prefetch: {why}")
             g = (key % E) % N
             ent = caches[g].entries.get(key)
             if ent is not None and ent.resident:
@@ -616,8 +616,7 @@ class Runner:
             priority = p.priority
             if not -_INF < priority < _INF:  # NaN too: it would unsort the link's queue
                 why = priority_problem(priority)
-                hook = "on_gate" if aborted else "on_iteration_start"
-                self._bad(hook, f"Actions.prefetch: key {key}: {why}")
+                self._bad(aborted, f"Actions.prefetch: key {key}: {why}")
             if ent is None:
                 self._prefetch(g, key, priority, p.reason, delay)
             else:  # a queued prefetch takes the latest priority
@@ -920,13 +919,7 @@ class Runner:
             o0, o1 = offsets[layer], offsets[layer + 1]
             actions = NO_ACTIONS
             if gate is not None:
-                try:
-                    actions = policy.on_gate(layer, gate(layer))
-                except TypeError as exc:
-                    self._returned(exc, "on_gate")
-                    raise
-                if actions.__class__ is not Actions:
-                    actions = self.checked(actions, "on_gate")
+                actions = self._on_gate(layer, gate(layer))
                 if actions is not NO_ACTIONS:
                     idle = False
             if not idle:  # the general path, on the backend's clock

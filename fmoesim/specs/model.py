@@ -144,6 +144,11 @@ class ModelSpec:
         that can run a token."""
         return self.top_k * max(self.layer_expert_bytes)
 
+    def experts_per_gpu(self, num_gpus: int) -> int:
+        """The most routed experts one of ``num_gpus`` GPUs holds: expert ``e`` of every
+        layer lives on GPU ``e mod num_gpus``, so GPU 0 holds ``ceil(E / N)`` a layer."""
+        return self.num_layers * -(-self.num_experts // num_gpus)
+
     @property
     def total_expert_bytes(self) -> int:
         """Bytes of all routed experts of the model."""
