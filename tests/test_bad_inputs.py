@@ -286,6 +286,25 @@ def test_a_hydra_group_option_on_the_search_path_runs(tmp_path):
     assert p.returncode == 0, p.stderr
 
 
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_policy_preset_on_the_search_path_runs(tmp_path, sweep):
+    """Red if a policy YAML kept outside ``conf/``, in a folder given as
+    ``hydra.searchpath``, is refused as an unknown policy: the preflight (of one run, or
+    of every point of a sweep, which left the ``hydra.*`` overrides out) only looked in
+    ``conf/policy/``."""
+    own = tmp_path / "myconf" / "policy"
+    own.mkdir(parents=True)
+    (own / "my-lfu.yaml").write_text("_target_: policies.lfu.LFU\n")
+    chosen = ["-m", "policy=my-lfu,lru"] if sweep else ["policy=my-lfu"]
+    p = fmoesim(*tiny(tmp_path, f"hydra.searchpath=[file://{tmp_path / 'myconf'}]", *chosen))
+    assert p.returncode == 0, p.stderr
+    assert set(load_results(tmp_path / "store")["policy"]) == ({"lfu", "lru"} if sweep else {"lfu"})
+    assert_refused(  # a name in neither place is still one line
+        fmoesim(*tiny(tmp_path, f"hydra.searchpath=[file://{tmp_path / 'myconf'}]", "policy=no")),
+        "policy=no: unknown policy; valid: adapmoe",
+    )
+
+
 def test_a_launcher_of_an_extra_names_the_extra(tmp_path):
     """Red if choosing the SLURM launcher without its plugin gives Hydra's "Could not
     find" over several lines, or a line that does not say which extra installs it."""

@@ -60,7 +60,11 @@ class Bad(LRU):
         return made[self.mode]() if self.mode in made else NO_ACTIONS
 
     def victim(self, candidates, incoming):  # noqa: ANN001
-        return 10**6 if self.mode == "victim" else super().victim(candidates, incoming)
+        if self.mode == "victim":
+            return 10**6
+        if self.mode == "victim-list":
+            return [next(iter(candidates))]
+        return super().victim(candidates, incoming)
 
 
 @pytest.fixture
@@ -91,6 +95,7 @@ def seq_trace(tmp_path):
         ("delay", "on_gate: Actions.delay_s = nan (rule: a finite number of seconds)"),
         ("abort", "on_gate: Actions.abort[0]: key 1.5 is float (rule: a key is an integer)"),
         ("victim", "victim: chose 1000000 on GPU 0, not one of the candidates (rule:"),
+        ("victim-list", "on GPU 0, not one of the candidates (rule: a victim is one of"),
     ],
 )
 def test_a_broken_contract_is_one_policy_error(seq_trace, mode, said):

@@ -150,8 +150,12 @@ def check_added_keys(overrides: list[str]) -> None:
     run the defaults.  Keys of ``hydra``, config groups (``+experiment=...``) and keys
     under ``policy`` (its constructor's keyword arguments) are left to Hydra and to the
     policy.  Refuse too a group's typed schema chosen as its preset
-    (``hardware=hardware_schema``: every value its default, nothing named)."""
-    for o in parse_overrides(overrides):
+    (``hardware=hardware_schema``: every value its default, nothing named).  A preset
+    missing from ``conf/`` is refused here unless ``hydra.searchpath`` adds folders
+    (then Hydra's composition looks in those too)."""
+    parsed = parse_overrides(overrides)
+    searched = any(o.key_or_group == "hydra.searchpath" for o in parsed)
+    for o in parsed:
         group = o.key_or_group
         if (
             not (o.is_add() or o.is_force_add() or o.is_delete())
@@ -162,7 +166,7 @@ def check_added_keys(overrides: list[str]) -> None:
             raise FmoesimError(
                 f"{group}={o.value()}: unknown {group}; valid: {valid_presets(group)}"
             )
-        if not o.is_delete() and (CONF_DIR / group).is_dir():
+        if not o.is_delete() and not searched and (CONF_DIR / group).is_dir():
             value = o.value()
             names = [value] if isinstance(value, str) else getattr(value, "list", None) or []
             for name in names:  # Hydra skips an unknown preset of an optional group (experiment)
@@ -342,7 +346,12 @@ def _preflight_sweep(overrides: list[str]) -> int:
 
     apply = getattr(config_loader_impl.ConfigLoaderImpl, "_apply_overrides_to_config", None)
 
-    own = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    def composing(o: str) -> bool:  # decides which presets there are to compose
+        return o.lstrip("+~").startswith("hydra.searchpath=") or _is_group(
+            o.split("=")[0].lstrip("+~")
+        )
+
+    own = [o for o in overrides if not o.lstrip("+~").startswith("hydra") or composing(o)]
     parser = OverridesParser.create()
     register_configs()
     GlobalHydra.instance().clear()
@@ -377,7 +386,7 @@ def _preflight_sweep(overrides: list[str]) -> int:
                 shown = " ".join(point[i] for i in swept)
                 where = f" (sweep run {k + 1}/{len(points)}: {shown})"
                 try:
-                    groups = [o for o in point if _is_group(o.split("=")[0].lstrip("+~"))]
+                    groups = [o for o in point if composing(o)]
                     values = [o for o in point if o not in groups]
                     check_added_keys(values)
                     if apply is None:

@@ -159,8 +159,16 @@ class ExpertCache:
         while self.used_bytes + size_bytes > self.budget_bytes:
             if not evictable:
                 return False
-            victim = self.policy.victim(evictable, key)  # perf: _victim inlined
-            if victim not in evictable:
+            try:  # perf: _victim inlined
+                victim = self.policy.victim(evictable, key)
+            except TypeError as exc:
+                self._returned(exc)
+                raise
+            try:
+                ok = victim in evictable
+            except TypeError:  # unhashable
+                ok = False
+            if not ok:
                 raise self._bad_victim(victim)
             self.evict(victim)
         if self.group_of is not None:
@@ -174,17 +182,34 @@ class ExpertCache:
         return True
 
     def _victim(self, candidates: Evictable, incoming: int) -> int:
-        victim = self.policy.victim(candidates, incoming)
-        if victim not in candidates:
+        """The policy's victim among ``candidates`` (a :class:`PolicyError` if it
+        chooses anything else)."""
+        try:
+            victim = self.policy.victim(candidates, incoming)
+        except TypeError as exc:
+            self._returned(exc)
+            raise
+        try:
+            ok = victim in candidates
+        except TypeError:  # unhashable
+            ok = False
+        if not ok:
             raise self._bad_victim(victim)
         return victim
 
-    def _bad_victim(self, victim: int) -> PolicyError:
+    def _bad_victim(self, victim: object) -> PolicyError:
         return PolicyError(
             f"policy {self.policy.name!r}: victim: chose {victim!r} on GPU {self.gpu}, not "
             "one of the candidates (rule: a victim is one of the candidates it is given; "
             "the others are pinned, in flight, absent or in another budget group)"
         )
+
+    def _returned(self, exc: TypeError) -> None:
+        """Raise :class:`PolicyError` (from ``exc``) if ``exc`` is the compiled build's
+        check of the type ``victim`` returned (``int object expected; got list``)."""
+        said = str(exc)
+        if said.startswith("int object expected; got "):
+            raise self._bad_victim(said.rsplit("got ", 1)[1]) from exc
 
     def set_group_budget(self, group: int, budget_bytes: int) -> bool:
         """Set ``group``'s budget, evicting its entries (policy's choice) to fit; False
