@@ -680,9 +680,11 @@ def test_a_measured_profile_of_the_wrong_kind_is_refused(measured, rule):
       "fmoesim-regress: error: argument --tolerance-points: invalid float value: 'abc'"),
      ("fmoesim.cli.trace_cli", ["import", "nosuch", "a", "b"],
       "fmoesim-trace import: error: argument format: invalid choice: 'nosuch'"),
+     ("fmoesim.cli.trace_cli", ["import", "table", "log.csv", "out"],  # no default model
+      "fmoesim-trace import: error: the following arguments are required: --model"),
      ("fmoesim.specs.from_config", ["from-config", "c.json", "--dtype", "float7"],
       "fmoesim-model from-config: error: argument --dtype: invalid choice: 'float7'")],
-    ids=["min-budget", "regress", "trace-subcommand", "model"],
+    ids=["min-budget", "regress", "trace-subcommand", "trace-model", "model"],
 )  # fmt: skip
 def test_a_bad_argument_is_one_line(capsys, module, argv, line):
     """Red if argparse prints its usage text before the error (two to five lines)."""

@@ -163,3 +163,29 @@ def test_qwen3_preset_matches_the_real_heat_skew(tmp_path):
     skew = OmegaConf.load(Path(CONF_DIR) / "workload" / "routing-qwen3-30b-a3b.yaml")
     tr = synthetic_like(model, {"skew": float(skew.synthetic.skew)}, tmp_path / "t", 32, 128, 0)
     assert abs(frequency_skew(tr)[0] - real["heat_gini"]) < 0.02
+
+
+@pytest.mark.parametrize(
+    ("real", "said"),
+    [("nosuch", "--real nosuch: no such file or directory"),
+     ("examples/route-table.csv", "examples/route-table.csv line 1: each line is a JSON object")],
+)  # fmt: skip
+def test_a_bad_source_is_one_line_before_the_fit(tmp_path, real, said):
+    """Red if ``--real`` naming no file, or a CSV (the vLLM route-log format is JSON
+    lines), ends in a Python traceback (exit status 1) instead of one line and exit
+    status 2, or if anything is written."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "cal" / "report.md"
+    p = subprocess.run(
+        [sys.executable, "-m", "fmoesim.workload.calibrate", "--real", real, "--out", str(out)],
+        capture_output=True, text=True, cwd=root, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"python -m fmoesim.workload.calibrate: error: {said}"
+    ), lines
+    assert not out.exists() and not out.with_suffix(".png").exists()

@@ -126,6 +126,8 @@ def test_real_mixtral_routes_import_through_the_cli(tmp_path):
             "vllm-routes",
             str(REAL),
             str(out),
+            "--model",
+            "mixtral-8x7b",
         ],
         capture_output=True,
         text=True,

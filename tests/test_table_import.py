@@ -121,6 +121,59 @@ def test_long_rows_phase_restarted_positions_and_a_missing_layer(tmp_path: Path)
     assert res.summary["accesses"] == 3 + 3 + 2 + 2 + 2
 
 
+@pytest.mark.parametrize("shape", ["wide", "long"])
+def test_a_repeated_row_is_refused_not_read_as_a_new_step(tmp_path: Path, shape: str) -> None:
+    """Red if a row logged twice (row 2, repeated as row 3) is read by the restart rule
+    as the start of a new step: the wide table's token was cut in two at layer 1 (the
+    prompt grew by a token, the import counted a restart and a (token, layer) gap); the
+    long table's repeat, at layer 0, left a token of layer 0 alone.  The same rows
+    without the repeat still restart at layer 0 (the next decode step, position 0)."""
+    if shape == "wide":
+        head, rows = "position,layer,experts", ['0,0,"[0, 1]"', '0,1,"[2, 3]"']
+        step = ['0,0,"[1, 2]"', '0,1,"[0, 3]"']
+        said = "(request 0, position 0, layer 1: also row 2)"
+    else:
+        head, rows = "position,layer,expert", ["0,0,0", "0,0,1", "0,1,2", "0,1,3"]
+        step = ["0,0,1", "0,0,2", "0,1,0", "0,1,3"]
+        said = "(request 0, position 0, layer 0: also row 2)"
+    src = tmp_path / "r.csv"
+    src.write_text("\n".join([head, *rows[:2], rows[1], *rows[2:], *step]) + "\n")
+    rule = "a (position, layer) read again starts the next step, at the step's lowest layer (0)"
+    with pytest.raises(FmoesimError) as info:
+        import_table(src, tmp_path / "t", M)
+    assert str(info.value).startswith(f"{src} row 3: {rule}"), info.value
+    assert str(info.value).endswith(f"a repeated row? {said}")
+    assert not (tmp_path / "t").exists()
+    src.write_text("\n".join([head, *rows, *step]) + "\n")  # without the repeat: two steps
+    _, rep = import_table(src, tmp_path / "t", M)
+    assert (rep.tokens, rep.steps_restarted, rep.missing_pairs) == (2, 1, 0)
+
+
+def test_a_json_array_reads_as_its_json_lines(tmp_path: Path) -> None:
+    """Red if a ``.json`` file holding one array of records (what ``json.dump`` of a
+    list writes) is refused as "each line is a JSON object", or imports another trace
+    than the same records as JSON lines; red too if a record that is not an object is
+    not named by its number."""
+    recs = [{"request": r, "position": 0, "layer": layer, "experts": [layer, 2 + r]}
+            for r in (0, 1) for layer in (0, 1)]  # fmt: skip
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "r.json").write_text("\n  " + json.dumps(recs, indent=2))
+    one = read_trace(import_table(tmp_path / "r.jsonl", tmp_path / "lines", M)[0])
+    two = read_trace(import_table(tmp_path / "r.json", tmp_path / "array", M)[0])
+    np.testing.assert_array_equal(one.counts, two.counts)
+    assert two.prompt_tokens.tolist() == [1, 1]
+    (tmp_path / "bad.json").write_text(json.dumps([recs[0], 7]))
+    with pytest.raises(FmoesimError) as info:
+        import_table(tmp_path / "bad.json", tmp_path / "bad", M)
+    assert str(info.value) == (
+        f"{tmp_path / 'bad.json'} record 2: a .json table is an array of JSON objects (or JSON "
+        "lines) (got a number)"
+    )
+    (tmp_path / "late.json").write_text(json.dumps([recs[0], {**recs[1], "layer": 9}]))
+    with pytest.raises(FmoesimError, match=r"late\.json record 2: layer in \[0, 2\)"):
+        import_table(tmp_path / "late.json", tmp_path / "late", M)
+
+
 def test_map_and_top_k_override(tmp_path: Path) -> None:
     """Red if --map does not name a column the usual names miss, or a run made with
     fewer experts per token cannot be imported with top_k."""

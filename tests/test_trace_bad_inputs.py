@@ -28,6 +28,7 @@ from tests.tiny import small_model
 
 M = small_model(2, 4, 2)  # 2 layers x 4 experts, top-2
 MIXTRAL_L, MIXTRAL_E = 32, 8  # the shape of --model mixtral-8x7b (top-2)
+MIX = ("--model", "mixtral-8x7b")
 
 
 def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -156,7 +157,7 @@ def test_route_lines_through_the_command_line(tmp_path: Path, capsys) -> None:
          "line 33: weights are finite numbers >= 0 (got nan)"),
     ):  # fmt: skip
         src = jsonl(tmp_path / "r.jsonl", [*rows, bad])
-        line = refused(capsys, "import", "vllm-routes", str(src), str(tmp_path / "o"))
+        line = refused(capsys, "import", "vllm-routes", str(src), str(tmp_path / "o"), *MIX)
         assert f"{src} {want}" in line
         assert_nothing_written(tmp_path / "o")
 
@@ -311,7 +312,7 @@ def test_zero_prompt_tokens_refused_for_routed_experts(tmp_path: Path, capsys) -
     np.save(tmp_path / "r.npy", _ok(T=20, L=MIXTRAL_L))
     line = refused(
         capsys, "import", "vllm-routed-experts", str(tmp_path / "r.npy"), str(tmp_path / "o"),
-        "--prompt-tokens", "0",
+        "--prompt-tokens", "0", *MIX,
     )  # fmt: skip
     assert line.endswith("--prompt-tokens must be >= 1, got 0")
     assert_nothing_written(tmp_path / "o")
@@ -328,7 +329,9 @@ def test_an_import_refuses_the_options_it_does_not_use(tmp_path: Path, capsys) -
          "does not use it (rule: it takes --prompt-tokens alone of --map, --prompt-tokens and "
          "--top-k)"),
     ):  # fmt: skip
-        got = refused(capsys, "import", fmt, str(tmp_path / "r.npy"), str(tmp_path / "o"), *extra)
+        got = refused(
+            capsys, "import", fmt, str(tmp_path / "r.npy"), str(tmp_path / "o"), *extra, *MIX
+        )
         assert got == f"fmoesim-trace: error: {line}"
         assert_nothing_written(tmp_path / "o")
 
@@ -337,7 +340,7 @@ def test_more_experts_than_top_k_refused_on_the_command_line(tmp_path: Path, cap
     """Red if the import exits 0 and writes a top-3 trace that a run then refuses."""
     np.save(tmp_path / "r.npy", _ok(T=20, L=MIXTRAL_L, K=3))
     line = refused(
-        capsys, "import", "vllm-routed-experts", str(tmp_path / "r.npy"), str(tmp_path / "o")
+        capsys, "import", "vllm-routed-experts", str(tmp_path / "r.npy"), str(tmp_path / "o"), *MIX
     )
     assert "at most the model's top_k = 2" in line and "got 3" in line
     assert_nothing_written(tmp_path / "o")
@@ -361,7 +364,7 @@ def test_eamc_counts_above_the_tokens_refused_before_writing(tmp_path: Path, cap
     eamc[1, :, 0], eamc[1, :, 1] = 6, 4  # 10 = 5 tokens x top-2, expert 0 with 6 of them
     np.save(tmp_path / "e.npy", eamc)
     for _ in range(2):  # a rerun gives the same answer
-        line = refused(capsys, "import", "eamc", str(tmp_path / "e.npy"), str(tmp_path / "o"))
+        line = refused(capsys, "import", "eamc", str(tmp_path / "e.npy"), str(tmp_path / "o"), *MIX)
         assert f"{tmp_path / 'e.npy'} row 1: no expert gets more tokens than the matrix" in line
         assert "(layer 0, expert 0: 6 of 5 tokens)" in line
         assert_nothing_written(tmp_path / "o")
@@ -397,7 +400,7 @@ def test_force_replaces_only_a_trace_directory(tmp_path: Path, capsys, kind: str
     else:
         out.mkdir()
         (out / "thesis.txt").write_text("precious")
-    line = refused(capsys, "import", "vllm-routes", str(src), str(out), "--force")
+    line = refused(capsys, "import", "vllm-routes", str(src), str(out), "--force", *MIX)
     what = "a file" if kind == "file" else "a directory without trace.json"
     assert f"{out}: already exists and is {what} (rule: " in line
     kept = out if kind == "file" else out / "thesis.txt"

@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("path")
     syn = sub.add_parser("synth", help="generate a synthetic trace (fmoesim/workload/synthetic.py)")
     syn.add_argument("out", help="destination trace directory")
-    syn.add_argument("--model", default="mixtral-8x7b", help="model preset (conf/model/)")
+    syn.add_argument(
+        "--model", default="mixtral-8x7b", help="model preset (conf/model/; mixtral-8x7b)"
+    )
     syn.add_argument("--requests", type=int, default=None, help="number of requests")
     syn.add_argument("--seed", type=int, default=None)
     syn.add_argument(
@@ -93,7 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
         "of them; eamc: an EAMC .npy",
     )
     imp.add_argument("out", help="destination trace directory")
-    imp.add_argument("--model", default="mixtral-8x7b", help="model preset (conf/model/)")
+    imp.add_argument(
+        "--model",
+        required=True,
+        help="the logged model's preset (conf/model/): a log does not say which model it is",
+    )
     imp.add_argument(
         "--prompt-tokens",
         type=int,

@@ -24,7 +24,9 @@ are one token, in order:
   **The restart rule:** a row whose (position, layer) pair, or (position, layer, rank)
   in the long shape, was already seen in the current step starts a new step, because the
   logger's position counter restarted (a log of per-step batches whose decode position is
-  0 every step); tokens are ordered by step, then position;
+  0 every step); a new step starts at the lowest layer of the step before, once that step
+  has gone past it, so a row logged twice inside a token is refused, not read as a step;
+  tokens are ordered by step, then position;
 - the prompt is the first ``prompt_tokens`` tokens when that is given, else the tokens
   whose ``phase`` is prefill (:data:`PREFILL`; the others' is decode, :data:`DECODE`)
   when there is a phase column, else the first token (every token an iteration of its
@@ -140,7 +142,8 @@ class ImportReport:
 
 class TableError(FmoesimError):
     """A route table breaks a rule: file, row (1-based, as a reader counts data rows; a
-    JSON-lines file's line number, with ``unit="line"``) and rule."""
+    JSON-lines file's line number, with ``unit="line"``; a JSON array's record number,
+    with ``unit="record"``) and rule."""
 
     def __init__(
         self, path: Path, row: int | None, rule: str, detail: str = "", unit: str = "row"
@@ -155,9 +158,16 @@ class _Origin:
     row, 1-based, or a JSON-lines file's line)."""
 
     files: list[Path]
-    units: list[str]  # per file: "row" or "line"
+    units: list[str]  # per file: "row", "line" or "record"
     file: np.ndarray  # (rows,) index into files
     number: np.ndarray  # (rows,) row or line number in that file
+
+    def where(self, i: int, near: int) -> str:
+        """Row ``i`` as row ``near``'s error names it: its number, and its file when
+        that is another."""
+        f = int(self.file[i])
+        other = f" of {self.files[f]}" if f != int(self.file[near]) else ""
+        return f"{self.units[f]} {int(self.number[i])}{other}"
 
     def error(self, i: int, rule: str, detail: str = "") -> TableError:
         """The error of row ``i`` (0-based over the whole table)."""
@@ -202,6 +212,35 @@ def _read_jsonl(path: Path) -> tuple[Any, np.ndarray]:
     return pd.DataFrame.from_records(records), np.array(lines, dtype=np.int64)
 
 
+def _starts_array(path: Path) -> bool:
+    """Whether the file's first character that is not white space is ``[``."""
+    with path.open("rb") as f:
+        while chunk := f.read(4096):
+            text = chunk.lstrip()
+            if text:
+                return text[:1] == b"["
+    return False
+
+
+def _read_json_array(path: Path) -> tuple[Any, np.ndarray]:
+    """A ``.json`` file of one array of objects as a DataFrame (one row per object) and
+    each row's record number (1-based)."""
+    import pandas as pd
+
+    try:
+        data = json.loads(path.read_bytes())
+    except json.JSONDecodeError as exc:
+        detail = f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+        raise TableError(path, None, "a .json table is JSON", detail) from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8 text, nested too deep
+        raise TableError(path, None, "a .json table is JSON", str(exc).splitlines()[0]) from None
+    rule = "a .json table is an array of JSON objects (or JSON lines)"
+    for n, rec in enumerate(data, start=1):
+        if not isinstance(rec, dict):
+            raise TableError(path, n, rule, f"got {_json_kind(rec)}", "record")
+    return pd.DataFrame.from_records(data), np.arange(1, len(data) + 1, dtype=np.int64)
+
+
 def _read_file(path: Path) -> tuple[Any, str, np.ndarray]:
     """One table file: the DataFrame, how its rows are counted (``row`` or ``line``) and
     each row's number.  A file without data rows is refused."""
@@ -211,6 +250,11 @@ def _read_file(path: Path) -> tuple[Any, str, np.ndarray]:
     if kind is None:
         raise TableError(path, None, f"a route table ends in one of {sorted(SUFFIXES)}")
     empty = TableError(path, None, "a route table has at least one row", "the file has none")
+    if kind == "jsonl" and path.suffix.lower() == ".json" and _starts_array(path):
+        df, records = _read_json_array(path)
+        if not len(df):
+            raise empty
+        return df, "record", records
     if kind == "jsonl":
         df, lines = _read_jsonl(path)
         if not len(df):
@@ -418,8 +462,10 @@ def read_table(
         "(--top-k for a run made with fewer)"
     )
     out: dict[str, _Request] = {}
-    seen: dict[str, set[tuple[int, ...]]] = {}
+    seen: dict[str, dict[tuple[int, ...], int]] = {}  # the current step's keys -> row
     step: dict[str, int] = {}
+    low: dict[str, int] = {}  # the lowest layer of the current step so far
+    top: dict[str, int] = {}  # the highest layer of the current step so far
     request_col = get.get("request")
     for i in range(n):
         if request_col is not None and _missing(request_col[i]):
@@ -428,10 +474,16 @@ def read_table(
         r = out.get(name)
         if r is None:
             r = out[name] = _Request(name, {}, set(), origin)
-            seen[name], step[name] = set(), 0
+            seen[name], step[name] = {}, 0
         layer = _int(origin, i, "layer", get["layer"][i])
         if not 0 <= layer < L:
             raise origin.error(i, f"layer in [0, {L})", f"got {layer}")
+        if name not in low:
+            low[name] = top[name] = layer
+        elif layer < low[name]:
+            low[name] = layer
+        elif layer > top[name]:
+            top[name] = layer
         if size_col is not None:
             b = _int(origin, i, "expert_bytes", size_col[i])
             if b <= 0:
@@ -483,10 +535,21 @@ def read_table(
                 f"got {phase[i]!r}",
             )  # fmt: skip
         if key in seen[name]:  # the restart rule
+            # a repeated row, not a new step: inside a token, or before the step left
+            # its lowest layer (a model of one layer has only that one)
+            if layer > low[name] or (top[name] == low[name] and L > 1):
+                raise origin.error(
+                    i, "a (position, layer) read again starts the next step, at the "
+                    f"step's lowest layer ({low[name]}) once the step has passed it: a "
+                    "repeated row?",
+                    f"request {r.name}, position {p}, layer {layer}: also "
+                    f"{origin.where(seen[name][key], i)}",
+                )  # fmt: skip
             step[name] += 1
-            seen[name] = set()
+            seen[name] = {}
+            low[name] = top[name] = layer
             rep.steps_restarted += 1
-        seen[name].add(key)
+        seen[name].setdefault(key, i)
         tok = (step[name], p)
         lay = r.tokens.setdefault(tok, {}).setdefault(layer, [])
         r.rows.setdefault((tok, layer), i)

@@ -31,10 +31,14 @@ from typing import Any
 import numpy as np
 
 from fmoesim.atomic import atomic_file
-from fmoesim.errors import ArgumentParser
+from fmoesim.config.schema import PROJECT_ROOT
+from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
 from fmoesim.specs import HardwareSpec, ModelSpec
 from fmoesim.trace.reader import Trace
 
+PROG = "python -m fmoesim.workload.calibrate"
+#: where the real data of the committed calibration lie (never copied into the project)
+SHARED = PROJECT_ROOT.parent / "shared"
 #: The knobs searched, and their grid (a small one keeps the fit under a few minutes).
 GRID: dict[str, Sequence[float]] = {
     "skew": (0.0, 0.3),
@@ -425,19 +429,39 @@ def qwen15_stats(path: Path) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     """Fit, then write the report and its plot."""
     from fmoesim.config.build import load_preset
-    from fmoesim.config.schema import PROJECT_ROOT
     from fmoesim.trace import read_trace
     from fmoesim.trace.importers import import_vllm_routes
 
-    data = PROJECT_ROOT.parent / "shared" / "data" / "routing"
-    ap = ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--real", default=str(data / "mixtral-8x7b-vllm-top2"))
+    data = SHARED / "data" / "routing"
+    ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--qwen3", default=str(data / "qwen3-coactivation/coactivation_qwen3-30b-a3b.json")
+        "--real",
+        default=str(data / "mixtral-8x7b-vllm-top2"),
+        help="Mixtral-8x7B route logs in the vLLM route-log format (a .jsonl file or a "
+        "directory of them; docs/traces.md) whose routing the knobs are fitted to "
+        "(default: %(default)s)",
     )
-    ap.add_argument("--transitions", default=str(data / "transition-matrices"))
-    ap.add_argument("--out", default=str(PROJECT_ROOT / "traces" / "calibration.md"))
+    ap.add_argument(
+        "--qwen3",
+        default=str(data / "qwen3-coactivation/coactivation_qwen3-30b-a3b.json"),
+        help="Qwen3-30B-A3B co-activation aggregates (JSON); its section is skipped "
+        "when the file is absent",
+    )
+    ap.add_argument(
+        "--transitions",
+        default=str(data / "transition-matrices"),
+        help="a folder of *_markov_transition_matrix.pt files (needs torch); their "
+        "sections are skipped when absent",
+    )
+    ap.add_argument(
+        "--out",
+        default=str(PROJECT_ROOT / "traces" / "calibration.md"),
+        help="the report to write (Markdown; its plot beside it, .png)",
+    )
     args = ap.parse_args(argv)
+    if not Path(args.real).exists():
+        raise FmoesimError(f"--real {args.real}: no such file or directory")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     model = load_preset("model", "mixtral-8x7b", ModelSpec)
     hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
     with tempfile.TemporaryDirectory() as tmp:
@@ -517,29 +541,32 @@ def _depth_section(d: dict[str, Any]) -> list[str]:
     ]
 
 
-def _transitions(folder: Path) -> dict[str, tuple[float, int]] | None:
-    """Stickiness of every ``*_markov_transition_matrix.pt`` (None without torch or files)."""
+def _transitions(folder: Path) -> dict[str, tuple[float, int]] | str:
+    """Stickiness of every ``*_markov_transition_matrix.pt`` in ``folder`` (why not,
+    without torch or files)."""
     try:
         import torch  # noqa: F401
     except ImportError:
-        return None
+        return "torch, which reads the `.pt` transition matrices, is not installed"
     files = sorted(folder.glob("*_markov_transition_matrix.pt")) if folder.is_dir() else []
-    return {f.name.split("_")[0]: transition_stickiness(f) for f in files} or None
+    if not files:
+        return f"no `*_markov_transition_matrix.pt` in `{folder}`"
+    return {f.name.split("_")[0]: transition_stickiness(f) for f in files}
 
 
-def _qwen15(path: Path) -> dict[str, Any] | None:
+def _qwen15(path: Path) -> dict[str, Any] | str:
     """Qwen1.5-MoE-A2.7B's real top-1 statistics (:func:`qwen15_stats`), the knobs that
     :func:`fit_top1` fits to them, and the synthetic statistics at those knobs, on the
     fit's trace (32 requests of 128 one-token iterations) and on one of about the real
-    token count (80 requests); None without torch or the file."""
+    token count (80 requests); why not, without torch or the file."""
     from fmoesim.config.build import load_preset
 
     try:
         import torch  # noqa: F401
     except ImportError:
-        return None
+        return "torch, which reads the `.pt` transition matrix, is not installed"
     if not path.is_file():
-        return None
+        return f"no `{path}`"
     q: dict[str, Any] = dict(qwen15_stats(path))
     model = load_preset("model", "qwen1.5-moe-a2.7b", ModelSpec)
     q["knobs"] = fit_top1(model, q["top1_gini"], q["top1_stickiness"])
@@ -579,14 +606,12 @@ def _plot(target: dict[str, list[float]], best: Candidate, path: Path) -> None:
         plt.close(fig)
 
 
-def _qwen15_section(q: dict[str, Any] | None) -> list[str]:
-    """The Qwen1.5-MoE-A2.7B section of the report (a note when ``q`` is None)."""
+def _qwen15_section(q: dict[str, Any] | str | None) -> list[str]:
+    """The Qwen1.5-MoE-A2.7B section of the report (a note of why not when ``q`` is
+    not the statistics)."""
     head = ["## Qwen1.5-MoE-A2.7B (top-1 transition matrix)", ""]
-    if q is None:
-        return [
-            *head,
-            "Needs torch and `transition-matrices/qwen_markov_transition_matrix.pt`; skipped.",
-        ]
+    if not isinstance(q, dict):
+        return [*head, f"Skipped: {q or 'no data given'}."]
     return [
         *head,
         f"24 layers x 60 experts, top-4; {q['tokens_per_layer']:.0f} token-to-token "
@@ -626,9 +651,9 @@ def _report(
     ranked: list[Candidate],
     plot: str,
     qwen3: dict[str, float] | None,
-    trans: dict[str, tuple[float, int]] | None,
+    trans: dict[str, tuple[float, int]] | str,
     sticky: float,
-    qwen15: dict[str, Any] | None = None,
+    qwen15: dict[str, Any] | str | None = None,
     depth: dict[str, Any] | None = None,
 ) -> str:
     best = ranked[0]
@@ -636,8 +661,10 @@ def _report(
     lines = [
         "# Calibration of the synthetic workload model",
         "",
-        "Generated by `python -m fmoesim.workload.calibrate` from the real routing data in",
-        f"`{Path(src).name}/` (outside the project; never copied). Figures only.",
+        f"Generated by `{PROG}` from the real routing data in",
+        f"`{Path(src).name}/` (outside the project; never copied). Figures only."
+        if Path(src).resolve().is_relative_to(SHARED)
+        else f"`{src}`. Figures only.",
         "",
         "## Mixtral-8x7B (vLLM top-2 route logs)",
         "",
@@ -684,7 +711,7 @@ def _report(
     lines += [f"| `{c.knobs}` | {c.max_error_points:.1f} | {c.reuse:.3f} |" for c in ranked]
     lines += ["", "## Qwen3-30B-A3B (co-activation aggregates)", ""]
     if qwen3 is None:
-        lines.append("Not found; skipped.")
+        lines.append("Skipped: no co-activation aggregates given (`--qwen3`).")
     else:
         lines += [
             "| statistic | real | fitted synthetic |",
@@ -703,8 +730,8 @@ def _report(
             "within a layer only through topics, so its pairs are nearly independent.",
         ]
     lines += ["", "## Token-to-token stickiness (transition matrices)", ""]
-    if trans is None:
-        lines.append("Needs torch and `transition-matrices/*.pt`; skipped.")
+    if isinstance(trans, str):
+        lines.append(f"Skipped: {trans}.")
     else:
         lines += [
             "Share of consecutive tokens whose top-1 expert is the same (wikitext prefill),",
@@ -727,4 +754,4 @@ def _report(
 
 
 if __name__ == "__main__":
-    main()
+    run_or_exit(PROG, main)
