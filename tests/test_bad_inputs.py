@@ -721,9 +721,10 @@ def test_a_glob_sweep_is_refused_in_words_and_version_is_fmoesims(tmp_path):
 def test_a_trace_of_another_shape_names_the_fix():
     """Red if a trace whose model is no preset (an imported log with its own top-k) is
     refused with "pick the matching model= preset", a preset that does not exist, instead
-    of the overrides that fit it (every key that differs); if a trace of a preset's model
-    does not name that preset; or if a preset's name is offered for a trace of another
-    shape that only shares the name (made with model.num_layers=...)."""
+    of the overrides that fit it (every key that differs, and the model's name, else its
+    results are stored under the name of the preset whose shape was changed); if a trace
+    of a preset's model does not name that preset; or if a preset's name is offered for a
+    trace of another shape that only shares the name (made with model.num_layers=...)."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -740,7 +741,7 @@ def test_a_trace_of_another_shape_names_the_fix():
     qwen = dataclasses.replace(TINY, name="qwen-edge", top_k=6, num_layers=5)
     assert refusal(qwen, TINY).endswith(
         "has num_layers = 5 (model 'qwen-edge'); pick a model= preset of its shape, or set "
-        "model.num_layers=5 model.top_k=6"
+        "model.name=qwen-edge model.num_layers=5 model.top_k=6"  # the trace's model's name
     )
     olmoe = load_preset("model", "olmoe-1b-7b", ModelSpec)
     assert refusal(olmoe, TINY).endswith("; model=olmoe-1b-7b matches it")

@@ -162,9 +162,14 @@ def test_cli_refuses_a_resume_with_other_arguments_before_loading(
 
 def test_cli_hub_and_model_load_errors_are_one_line(tmp_path, capfd, id_prompts, offline):
     """Red when ``from_pretrained`` errors reach the user as a traceback (an unreachable
-    hub id: a 51-line OSError; a model directory with a broken config) or leave
-    ``<out>.parts`` behind."""
+    hub id: a 51-line OSError; a model directory with a broken config), leave
+    ``<out>.parts`` behind, or, with text prompts, blame the tokenizer ("give input_ids
+    instead", which would fail next on the model)."""
     (err,) = cli(capfd, "fmoesim-test/no-such-model", id_prompts, tmp_path / "o1")
+    assert "fmoesim-test/no-such-model: cannot load the model (OSError:" in err
+    text = tmp_path / "text.jsonl"  # text prompts: the model is blamed, not its tokenizer
+    text.write_text('{"prompt": "What is 12 times 7?"}\n')
+    (err,) = cli(capfd, "fmoesim-test/no-such-model", text, tmp_path / "o3")
     assert "fmoesim-test/no-such-model: cannot load the model (OSError:" in err
     bad = tmp_path / "bad"
     bad.mkdir()

@@ -85,6 +85,16 @@ DOCS_RUN = {
         "fmoesim workload.path=out/arrays engine.timing=false",
         'mkdir -p out && printf \'{"prompt": "What is 12 times 7?"}\\n{"prompt": "Name three'
         " prime numbers.\"}\\n' > out/prompts.jsonl",
+        'python -c "import torch, transformers as T; torch.manual_seed(0);'
+        " T.MixtralForCausalLM(T.MixtralConfig(vocab_size=128, hidden_size=64,"
+        " intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,"
+        " num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2))"
+        ".save_pretrained('out/tiny-mixtral')\"",
+        'printf \'{"input_ids": [1, 5, 9, 2]}\\n{"input_ids": [3, 7]}\\n\''
+        " > out/tiny-prompts.jsonl",
+        "fmoesim-collect out/tiny-mixtral out/tiny-prompts.jsonl out/tiny-trace --max-new-tokens 8",
+        "fmoesim workload.path=out/tiny-trace model.name=tiny-mixtral model.num_layers=4"
+        " cache.budget_gb=2.8 engine.timing=false",
     ],
     "experiments.md": [
         "fmoesim -v -m policy=lru,belady engine.timing=false serving.max_requests=8",
@@ -113,7 +123,7 @@ NOT_RUN = [
     (r"\bpip install ", "installs packages; the test environment (make test) has them"),
     (r"^\. \.venv/bin/activate$", "the test puts the environment's bin first on PATH itself"),
     (
-        r"^fmoesim-collect ",
+        r"^fmoesim-collect Qwen/",
         "needs a Hugging Face model's weights (tens of GB) and the collect extra",
     ),
     (r"^fmoesim-trace import eamc eamc\.npy ", "needs an EAMC array saved by MoE-Infinity"),

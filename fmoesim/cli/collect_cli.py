@@ -212,8 +212,9 @@ def _load_model(name: str, dtype: Any) -> Any:
 
 def _token_ids(prompts: list[tuple[int, Any]], model: str, path: str) -> list[list[int]]:
     """Token ids of each prompt: id lists as they are, text through the model's tokenizer
-    and its chat template when it has one."""
-    from transformers import AutoTokenizer
+    and its chat template when it has one.  A model whose config does not load is
+    reported as the model's failure (input_ids would not help), before its tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
 
     ids: list[list[int]] = []
     tok = None
@@ -223,6 +224,10 @@ def _token_ids(prompts: list[tuple[int, Any]], model: str, path: str) -> list[li
             continue
         where = place(path, n)
         if tok is None:
+            try:
+                AutoConfig.from_pretrained(model)
+            except Exception as exc:  # hub, file and config errors come in many types
+                raise FmoesimError(f"{model}: cannot load the model ({_first_line(exc)})") from None
             try:
                 tok = AutoTokenizer.from_pretrained(model)
             except Exception as exc:  # missing files, hub errors, unknown tokenizer classes

@@ -764,8 +764,8 @@ def format_summary(
         + f"   model {row['model']}   hardware {row['hardware']}   "
         f"budget {row['budget_gb']:.2f} GB ({held})"
         + (f" per GPU x {gpus} GPUs" if gpus > 1 else ""),
-        f"trace      {row['trace']} ({row['trace_source']}; {row['requests']} requests, "
-        f"{row['iterations']} iterations)",
+        f"trace      {row['trace']} ({row['trace_source']}; {row['requests']} requests), "
+        f"run in {row['iterations']} iterations",
         "",
         f"{'metric':<22}{'value':>{w}}",
         "-" * (22 + w),

@@ -91,7 +91,7 @@ def check_shapes(trace: Trace, model: ModelSpec) -> None:
 def check_manifest_shape(manifest: TraceManifest, path: Any, model: ModelSpec) -> None:
     """Refuse a trace (its manifest, read from ``path``) whose shape differs from the
     model's."""
-    from fmoesim.config.build import load_preset, preset_names
+    from fmoesim.config.build import is_plain_name, load_preset, preset_names
 
     tm = manifest.model
     keys = ("num_layers", "num_experts", "top_k", "encoder_layers")
@@ -99,8 +99,13 @@ def check_manifest_shape(manifest: TraceManifest, path: Any, model: ModelSpec) -
     if not wrong:
         return
     key, value = wrong[0], getattr(tm, wrong[0], 0)
+    # its name too (the last part of a path or hub id), where no preset has it: a run's
+    # results then name the trace's model, not the preset whose shape was changed
+    name = str(tm.name).replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+    named = [] if tm.name in preset_names("model") or not is_plain_name(name) else [name]
     fix = "pick a model= preset of its shape, or set " + " ".join(
-        f"model.{k}={getattr(tm, k, 0)}" for k in wrong
+        [*(f"model.name={n}" for n in named if n != model.name)]
+        + [f"model.{k}={getattr(tm, k, 0)}" for k in wrong]
     )
     if tm.name != model.name and tm.name in preset_names("model"):
         named = load_preset("model", tm.name, ModelSpec)
