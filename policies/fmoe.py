@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection, Sequence
 import numpy as np
 from mypy_extensions import mypyc_attr
 
+from fmoesim.errors import ConfigError
 from policies.base import (
     NO_ACTIONS,
     Actions,
@@ -484,8 +485,10 @@ class FMoE(Policy):
         m = ctx.model
         L, J = m.num_layers, m.num_experts
         if self.prefetch_distance > L:
-            raise ValueError(
-                f"prefetch_distance {self.prefetch_distance} exceeds the model's {L} MoE layers"
+            raise ConfigError(
+                "policy.prefetch_distance",
+                self.prefetch_distance,
+                f"must be at most the model's {L} MoE layers",
             )
         self._L, self._J, self._K, self._d = L, J, m.top_k, self.prefetch_distance
         self.store: ExpertMapStore | None = None  # built at the first map (needs D)

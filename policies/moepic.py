@@ -13,6 +13,7 @@ from collections.abc import Collection
 import numpy as np
 from mypy_extensions import mypyc_attr
 
+from fmoesim.errors import ConfigError
 from policies.base import (
     NO_ACTIONS,
     Actions,
@@ -186,9 +187,11 @@ class MoEpic(Policy):
         nbuf = self.buffer_experts or K
         self._buffer = nbuf * S
         if self._buffer >= ctx.budget_bytes and self.split > 0:
-            raise ValueError(
-                f"budget of {ctx.budget_bytes / S:.1f} experts leaves nothing beside the "
-                f"buffer of {nbuf} experts"
+            raise ConfigError(
+                "cache.budget_gb",
+                round(ctx.budget_bytes / 1e9, 3),
+                f"{ctx.budget_bytes / S:.1f} experts leave nothing beside MoEpic's buffer of "
+                f"{nbuf} experts (policy.buffer_experts)",
             )
         self._V_e = max(ctx.budget_bytes - self._buffer, 0) / S  # in whole experts
         self._theta = np.full(L, self.split)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mypy_extensions import mypyc_attr
 
+from fmoesim.errors import ConfigError
 from policies._prefetching import (
     GuardedLRU,
     PrefetchTable,
@@ -83,7 +84,9 @@ class ProMoE(GuardedLRU):
         m = ctx.model
         self._L, self._E, self._K = m.num_layers, m.num_experts, m.top_k
         if self.stride > self._L:
-            raise ValueError(f"stride {self.stride} exceeds the model's {self._L} MoE layers")
+            raise ConfigError(
+                "policy.stride", self.stride, f"must be at most the model's {self._L} MoE layers"
+            )
         self._last: list[list[int]] = [[] for _ in range(self._L)]  # experts, most tokens first
         # keys prefetched for each target layer, not yet seen by that layer's gate
         self._issued: list[list[int]] = [[] for _ in range(self._L)]

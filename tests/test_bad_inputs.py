@@ -759,3 +759,24 @@ def test_spans_names_every_value_in_runs():
     assert spans([9, 1, 2, 3, 7, 10, 3]) == "1-3, 7, 9-10"
     assert spans(range(1, 32)) == "1-31"
     assert spans([4]) == "4" and spans([]) == ""
+
+
+@pytest.mark.parametrize(
+    ("policy", "said"),
+    [(["policy=fmoe", "policy.prefetch_distance=3"],
+      "config key 'policy.prefetch_distance' = 3: must be at most the model's 2 MoE layers"),
+     (["policy=promoe", "policy.stride=3"],
+      "config key 'policy.stride' = 3: must be at most the model's 2 MoE layers"),
+     (["policy=moepic", "policy.buffer_experts=2"],
+      "config key 'cache.budget_gb' = 0.012: 2.0 experts leave nothing beside MoEpic's "
+      "buffer of 2 experts (policy.buffer_experts)")],
+    ids=["fmoe", "promoe", "moepic"],
+)  # fmt: skip
+def test_a_policy_knob_the_model_cannot_take_is_one_line(tmp_path, policy, said):
+    """Red if a policy that finds its knob out of range only when it meets the model (a
+    prefetch distance or stride beyond the model's layers, a buffer that fills MoEpic's
+    budget) ends the run with Hydra's traceback and exit status 1 (``fmoesim-validate``
+    replayed the other policies first), not one line naming the key."""
+    p = fmoesim(*tiny(tmp_path, *policy))
+    assert_refused(p, said)
+    assert_nothing_written(tmp_path)
