@@ -657,13 +657,19 @@ def test_a_preset_that_is_not_yaml_is_one_config_error(tmp_path, monkeypatch):
      ({"m": {"expert_a_s": -1.0}}, "= -1.0: must be >= 0 (a time in seconds)"),
      ({"m": {"host_decision_s": {"lru": float("nan")}}}, "host_decision_s.lru' = nan: must be"),
      ({"m": {"host_decision_s": {"lru": -1e-6}}}, "host_decision_s.lru' = -1e-06: must be >= 0"),
-     ({"link": {"h2d_65536_s": True}}, "h2d_65536_s' = True: must be a finite number")],
+     ({"link": {"h2d_65536_s": True}}, "h2d_65536_s' = True: must be a finite number"),
+     ({"m": {"expert_as": 1e-4}}, "'hardware.measured.m.expert_as' = 0.0001: not a coefficient "
+      "the simulator reads (a typo?"),
+     ({"link": {"h2d_64k_s": 1e-5}}, "'hardware.measured.link.h2d_64k_s' = 1e-05: a link "
+      "table's keys are h2d_<bytes>_s"),
+     ({"m": {"host_decision_s": 1e-5}}, "host_decision_s' = 1e-05: must be a mapping: policy")],
 )  # fmt: skip
 def test_a_measured_profile_of_the_wrong_kind_is_refused(measured, rule):
     """Red if ``measured`` coefficients that are text, negative times (a policy's time
     in ``host_decision_s`` too), NaN or a number where a model's table belongs reach the
-    compute model (a ValueError or
-    AttributeError traceback in fmoesim-validate-grid score)."""
+    compute model (a ValueError or AttributeError traceback in fmoesim-validate-grid
+    score); or if a misspelt coefficient (``expert_as``) is accepted, the run silently
+    taking the roofline's value for the one it meant."""
     from fmoesim.errors import ConfigError
     from fmoesim.specs import HardwareSpec
 
@@ -780,3 +786,38 @@ def test_a_policy_knob_the_model_cannot_take_is_one_line(tmp_path, policy, said)
     p = fmoesim(*tiny(tmp_path, *policy))
     assert_refused(p, said)
     assert_nothing_written(tmp_path)
+
+
+def test_every_coefficient_the_engine_reads_is_a_known_measured_key():
+    """Red if a coefficient that the compute model, the host model or host-fit's scaling
+    reads is missing from ``MEASURED_MODEL_KEYS``: a profile holding it would be refused
+    as a typo."""
+    import dataclasses
+
+    from fmoesim.engine.compute import ComputeModel
+    from fmoesim.engine.host import HOST_COST_KEYS, HOST_LINK_DEPTH_KEY
+    from fmoesim.specs.hardware import MEASURED_MODEL_KEYS
+    from replay.campaign import HOST_LAUNCH_KEY, HOST_PROBE_EXPONENT_KEY, HOST_PROBE_KEY
+
+    read = {f.name for f in dataclasses.fields(ComputeModel)} | set(HOST_COST_KEYS)
+    read |= {HOST_LINK_DEPTH_KEY, HOST_LAUNCH_KEY, HOST_PROBE_KEY, HOST_PROBE_EXPONENT_KEY}
+    assert read | {"host_decision_s"} == set(MEASURED_MODEL_KEYS)
+
+
+def test_a_profile_measured_on_other_models_says_so():
+    """Red if a run on a measured profile that holds no coefficients of the run's model
+    (``hardware=measured/h100-2``, OLMoE's only, with ``model=qwen3-30b-a3b``) prints no
+    note: its compute is then the roofline's, and the run reads as a measured one."""
+    from types import SimpleNamespace
+
+    from fmoesim.cli.main import unmeasured_note
+    from fmoesim.specs import HardwareSpec
+
+    hw = HardwareSpec(name="h", measured={"olmoe-1b-7b": {"expert_a_s": 1e-4}, "link": {}})
+    assert unmeasured_note(SimpleNamespace(hardware=hw, model=TINY)) == (
+        "hardware h holds measured coefficients of olmoe-1b-7b, none of tiny: its compute is "
+        "the roofline's estimate"
+    )
+    olmoe = SimpleNamespace(hardware=hw, model=SimpleNamespace(name="olmoe-1b-7b"))
+    assert unmeasured_note(olmoe) is None
+    assert unmeasured_note(SimpleNamespace(hardware=HardwareSpec(), model=TINY)) is None

@@ -45,6 +45,7 @@ def test_cpu_report(tmp_path):
     out = validate(["lru", "lfu"], overrides(str(trace.path)), "cpu", tmp_path / "report")
     md = (out / "report.md").read_text()
     assert "CPU path" in md and "meaningless" in md
+    assert "a prefetching policy's hits depend on when its transfers land" in md
     assert "| lru |" in md and "| lfu |" in md
     df = pd.read_csv(out / "validation.csv")
     assert list(df["policy"]) == ["lru", "lfu"]
@@ -84,6 +85,16 @@ def test_bad_input_is_one_line(tmp_path):
     assert "policy=nosuch: unknown policy; valid:" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+    # a bad second preset, or an --out that cannot be made, before the first replay: the
+    # replay of lru (its line on stdout) came first, and its device time was lost
+    p = run("--device", "cpu", "--out", str(tmp_path / "o"), "--policies", "lru,nosuch")
+    assert p.returncode == 2 and "policy=nosuch: unknown policy" in p.stderr
+    assert "lru:" not in p.stdout, p.stdout
+    p = run("--device", "cpu", "--out", str(tmp_path / "full" / "x" / "v"), "--policies", "lru")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"fmoesim-validate: error: --out {tmp_path / 'full' / 'x' / 'v'}: cannot be made: "
+        f"{tmp_path / 'full' / 'x'} is a file"
+    ]
     # the simulator's what-if link order has no replay: refused before the first run
     p = run("--device", "cpu", "--out", str(tmp_path / "f"), "--policies", "lru",
             "engine.link_order=fifo")  # fmt: skip

@@ -568,7 +568,7 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
     stored = save_results(final, store, spec, row, resolved, result)
     if verbose:
         per_gpu = spec.model.experts_per_gpu(spec.hardware.num_gpus)
-        print(format_summary(row, spec.hardware.gpu_memory_gb, per_gpu))
+        print(format_summary(row, spec.hardware.gpu_memory_gb, per_gpu, unmeasured_note(spec)))
         if final is not None:
             print(f"results    {final}")
         if stored is not None:
@@ -736,15 +736,32 @@ def format_line(row: dict[str, Any]) -> str:
     return f"{line}, TTFT {ttft}, TPOT {tpot}"
 
 
+def unmeasured_note(spec: RunSpec) -> str | None:
+    """A note when the run's hardware holds measured coefficients of other models only
+    (its compute is then the roofline's), else None."""
+    measured = [str(n) for n in spec.hardware.measured or {} if n != "link"]
+    if not measured or spec.model.name in measured:
+        return None
+    return (
+        f"hardware {spec.hardware.name} holds measured coefficients of "
+        f"{', '.join(measured)}, none of {spec.model.name}: its compute is the roofline's "
+        "estimate"
+    )
+
+
 def format_summary(
-    row: dict[str, Any], gpu_memory_gb: float | None = None, experts: int | None = None
+    row: dict[str, Any],
+    gpu_memory_gb: float | None = None,
+    experts: int | None = None,
+    unmeasured: str | None = None,
 ) -> str:
     """The summary table printed after a run; a hit-rate-only run's times read
     ``n/a (hit-rate-only)``.  With ``gpu_memory_gb`` (the hardware's, per GPU), a note
     follows when the weights' peak is above it: the expert budget is not checked
     against the GPU's memory.  With ``experts`` (the most routed experts one GPU holds,
     :meth:`~fmoesim.specs.ModelSpec.experts_per_gpu`), a budget that holds all of them
-    says so instead of a count beyond them."""
+    says so instead of a count beyond them.  ``unmeasured`` is a note that the hardware's
+    measured coefficients are of other models than the run's."""
     timed = _timed(row)
     gpus = int(row.get("num_gpus", 1))
     held = f"{row['budget_experts']} experts"
@@ -795,6 +812,10 @@ def format_summary(
             f"note       VRAM (weights) exceeds the GPU's {gpu_memory_gb:g} GB: "
             "cache.budget_gb counts routed experts only",
         ]
+    if unmeasured is not None:
+        if not lines[-1].startswith("note"):
+            lines.append("")
+        lines.append(f"note       {unmeasured}")
     return "\n".join(lines)
 
 

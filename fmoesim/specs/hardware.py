@@ -3,11 +3,40 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from fmoesim.errors import ConfigError
+
+#: the coefficients a model's table of ``measured`` may hold: the compute model's
+#: (``fmoesim.engine.compute.ComputeModel``'s fields), the host's costs
+#: (``fmoesim.engine.host``) and the references ``fmoesim-validate-grid host-fit``
+#: scales them by; any other key is a typo that would run on the roofline's value
+MEASURED_MODEL_KEYS = frozenset(
+    {
+        *(
+            f"{op}_{c}_s"
+            for op in ("expert", "shared", "attn", "router", "residual", "dense", "lm_head")
+            for c in ("a", "b")
+        ),  # fmt: skip
+        "attn_kv_s",
+        "attn_pair_s",
+        "expert_launch_s",
+        "host_layer_s",
+        "host_access_s",
+        "host_transfer_s",
+        "host_submit_s",
+        "host_link_depth",
+        "host_decision_s",  # a mapping: policy name -> seconds
+        "host_probe_s",
+        "host_probe_exponent",
+        "host_launch_s",
+    }
+)
+#: ``measured["link"]``: one host-to-device copy's time by its size (``h2d_<bytes>_s``)
+MEASURED_LINK_KEY = re.compile(r"h2d_[1-9][0-9]*_s")
 
 
 @dataclass
@@ -72,6 +101,28 @@ class HardwareSpec:
                     f"{prefix}.measured.{name}", table, "must be a mapping of coefficients"
                 )
             _check_measured(table, f"{prefix}.measured.{name}")
+            for k in table:
+                known = (
+                    MEASURED_LINK_KEY.fullmatch(str(k))
+                    if name == "link"
+                    else k in MEASURED_MODEL_KEYS
+                )
+                if not known:
+                    what = (
+                        "a link table's keys are h2d_<bytes>_s"
+                        if name == "link"
+                        else (
+                            "not a coefficient the simulator reads (a typo? "
+                            "fmoesim.specs.hardware.MEASURED_MODEL_KEYS lists them)"
+                        )
+                    )
+                    raise ConfigError(f"{prefix}.measured.{name}.{k}", table[k], what)
+            if name != "link" and not isinstance(table.get("host_decision_s", {}), Mapping):
+                raise ConfigError(
+                    f"{prefix}.measured.{name}.host_decision_s",
+                    table["host_decision_s"],
+                    "must be a mapping: policy name -> seconds",
+                )
         return self
 
 
