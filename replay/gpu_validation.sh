@@ -13,13 +13,19 @@
 #     --budgets 3.2 --no-crossover --host-timers --repeats 5
 # With --event-logs, the runs' event logs (OUT_DIR/events/) are added to OUT_DIR/events.tar
 # at the end (compare them with `fmoesim-validate-grid events`).
+# A device the replay cannot use stops it at once (exit status 2). A failed step does not
+# stop the steps after it (each writes what it can), but the script then exits 1, naming
+# the steps that failed.
 set -uo pipefail
 out=${1:?usage: gpu_validation.sh OUT_DIR [SECONDS] [replay flags]}
 budget_s=${2:-540}
 shift $(( $# >= 2 ? 2 : 1 ))
 device=${FMOESIM_DEVICE:-cuda}
-mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+python3 -c "import sys; from fmoesim.errors import run_or_exit; from replay.backend import \
+check_device; run_or_exit('gpu_validation.sh', check_device, sys.argv[1])" "$device" || exit 2
+mkdir -p "$out"
+failed=()
 start=$SECONDS
 if [ -z "${SKIP_PROFILE:-}" ]; then
   { nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv || true
@@ -27,20 +33,25 @@ if [ -z "${SKIP_PROFILE:-}" ]; then
     nproc; free -g; } > "$out/machine.txt" 2>&1
   python3 -m replay.profile --device "$device" --base "${PROFILE_BASE:-h100-pcie5}" \
     --model "${PROFILE_MODELS:-mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b}" \
-    --out "$out/profile.yaml" --diagnostics "$out/diagnostics.csv" 2>&1 | tee -a "$out/run.log"
+    --out "$out/profile.yaml" --diagnostics "$out/diagnostics.csv" 2>&1 | tee -a "$out/run.log" \
+    || failed+=(profile)
 fi
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors tests \
-    > "$out/pytest-gpu.log" 2>&1
+    > "$out/pytest-gpu.log" 2>&1 || failed+=(pytest)
   tail -n 3 "$out/pytest-gpu.log" | tee -a "$out/run.log"
 fi
 left=$(( budget_s - (SECONDS - start) ))
 echo "profile and tests took $((SECONDS - start)) s; replays get $left s" | tee -a "$out/run.log"
 python3 -m replay.campaign replay --device "$device" --out "$out" --deadline-s "$left" "$@" 2>&1 \
-  | tee -a "$out/run.log"
+  | tee -a "$out/run.log" || failed+=(replays)
 if [ -d "$out/events" ]; then  # --event-logs: one file back, not one per run
   # appended: a second call that resumes the replays adds its runs' logs
   tar -rf "$out/events.tar" -C "$out" events && rm -rf "$out/events"
   echo "event logs: $out/events.tar ($(du -h "$out/events.tar" | cut -f1))" | tee -a "$out/run.log"
 fi
 echo "total $((SECONDS - start)) s" | tee -a "$out/run.log"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "failed: ${failed[*]} (run.log and pytest-gpu.log say why)" | tee -a "$out/run.log" >&2
+  exit 1
+fi

@@ -488,3 +488,28 @@ def test_a_replay_csv_with_a_bom_reads_and_one_given_twice_is_refused(tmp_path):
     assert [r["policy"] for r in C.read_replays([f])] == ["lru", "fmoe"]
     with pytest.raises(FmoesimError, match=r"replay\.csv: given twice \(rule: each replay"):
         C.read_replays([f, tmp_path])
+
+
+def test_the_gpu_script_stops_without_the_device_and_fails_when_a_step_fails(tmp_path):
+    """Red if ``replay/gpu_validation.sh`` runs every step on a machine without the
+    device (three failures, and an output folder of logs) or exits 0 after a step failed
+    (here the profile and the replays refuse an unknown model), as it did: a GPU sitting
+    then reads as a success."""
+    import os
+    import subprocess
+
+    pytest.importorskip("torch", reason="the replay needs torch")
+    root = Path(C.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    script = str(root / "replay" / "gpu_validation.sh")
+    p = subprocess.run(["bash", script, str(tmp_path / "a"), "20"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    if p.returncode != 2:  # a machine with CUDA: the first check passes
+        pytest.skip("CUDA is available here")
+    assert "--device cuda: CUDA is not available here" in p.stderr
+    assert not (tmp_path / "a").exists()
+    env.update(FMOESIM_DEVICE="cpu", PROFILE_MODELS="nosuch", SKIP_TESTS="1")
+    p = subprocess.run(["bash", script, str(tmp_path / "b"), "20", "--models", "nosuch"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "failed: profile replays (run.log and pytest-gpu.log say why)" in p.stderr
