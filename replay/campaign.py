@@ -451,6 +451,32 @@ def first_request_ttft(metrics: Any) -> dict[str, float]:
             "ttft_rest_mean_s": float(rest.mean()) if len(rest) else math.nan}  # fmt: skip
 
 
+def policy_code(node: Any) -> str:
+    """A fingerprint of the policy a run's config ``node`` (its ``policy`` node) makes:
+    the first 12 hex digits of the SHA-256 of its resolved config (JSON, keys sorted) and
+    of the source of every module of the ``policies`` package among its class's bases.
+    Two runs of one preset name with another knob or other code differ in it."""
+    import hashlib
+    import json
+    import sys
+
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    h = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode())
+    seen: set[str] = set()
+    for cls in get_class(str(conf["_target_"])).__mro__:
+        name = cls.__module__
+        if name.split(".")[0] != "policies" or name in seen:
+            continue
+        seen.add(name)
+        # the source, also of a compiled module (whose __file__ is the extension)
+        source = Path(sys.modules[name].__file__ or "").parent / f"{name.rsplit('.', 1)[-1]}.py"
+        h.update(name.encode() + source.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def replay_one(
     run: Run,
     device: str,
@@ -574,6 +600,7 @@ def replay_one(
         row[f"replay_host_{name}_calls"] = int(calls)
         if own:
             row[f"replay_host_{name}_self_s"] = own[0]
+    row["policy_code"] = policy_code(cfg.policy)
     row["overrides"] = " ".join(run.overrides)
     return row
 
@@ -775,7 +802,7 @@ def read_replay_csv(f: Path) -> Any:
         raise FmoesimError(f"{f} row {len(body)}: no line break at its end (rule: every "
                            "row ends with one; a row cut short by an interrupted "
                            "replay?)")  # fmt: skip
-    df = pd.read_csv(io.StringIO(text))
+    df = pd.read_csv(io.StringIO(text), dtype={"policy_code": str})  # hex, never a number
     col = {c: j for j, c in enumerate(header)}
 
     def refuse(name: str, bad: Any, rule: str) -> None:
@@ -1710,11 +1737,42 @@ def score(
     scored = {hw: score_rows(replayed, hw) for hw in profiles}
     last = profiles[-1]
     meta = {"hardware profile": ", ".join(profiles), **meta}
+    meta["policies replayed"] = changed_policies(replayed)
     text = report_markdown(scored[last], meta, scored if len(profiles) > 1 else None)
     frames = [pd.DataFrame(rows).assign(hardware=hw) for hw, rows in scored.items()]
     _write_report(out, text, pd.concat(frames, ignore_index=True), scored[last],
                   f"simulator ({last}) vs replay on {meta['device']}")  # fmt: skip
     return out
+
+
+def changed_policies(rows: Sequence[dict[str, Any]]) -> str:
+    """Whether the replayed policies are the ones scored: each row's ``policy_code``
+    (:func:`policy_code`, recorded by the replay) against today's for its overrides.  A
+    policy whose code or preset changed since its replay is scored as today's policy
+    against the replayed one, and its errors say so little of the simulator."""
+    from fmoesim.cli.main import compose_config
+
+    if not rows or any(not isinstance(r.get("policy_code"), str) for r in rows):
+        return (
+            "not recorded by these replays (files made before it was): a policy changed "
+            "since its replay is not detected"
+        )
+    now: dict[str, str] = {}
+    changed: list[str] = []
+    for r in rows:
+        overrides = [o for o in str(r["overrides"]).split() if not o.startswith("hardware=")]
+        key = " ".join(overrides)
+        if key not in now:
+            with _naming_run(r):
+                now[key] = policy_code(compose_config([*overrides, "progress=false"]).policy)
+        if now[key] != str(r["policy_code"]) and r["policy"] not in changed:
+            changed.append(str(r["policy"]))
+    if not changed:
+        return "the policies scored, code and presets alike"
+    return (
+        f"**{', '.join(changed)} changed since their replay** (code or preset): their rows "
+        "compare today's policy with the replayed one"
+    )
 
 
 def _refuse_foreign_out(out: Path) -> None:

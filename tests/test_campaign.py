@@ -396,6 +396,20 @@ def test_a_cpu_replay_is_scored_against_the_simulator_end_to_end(tmp_path):
     text = (out / "report.md").read_text()
     assert "## Targets per policy" in text and "## Where the replay's time goes" in text
     assert (out / "validation.png").is_file() and (out / "validation.pdf").is_file()
+    assert "- policies replayed: the policies scored, code and presets alike" in text
+    # a policy changed since its replay (another fingerprint recorded) is named in the
+    # report: re-scoring old replays compared today's policy with the replayed one, unsaid
+    f = tmp_path / "rep" / "replay.csv"
+    code = next(csv.DictReader(f.open()))["policy_code"]
+    assert len(code) == 12 and code == C.policy_code({"_target_": "policies.lru.LRU"}), (
+        "the lru preset's resolved config is its _target_ alone"
+    )
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "replay.csv").write_text(f.read_text().replace(code, "0123456789ab"))
+    out = C.score([tmp_path / "old"], "h100-pcie5", tmp_path / "r2", {"device": "cpu"})
+    assert (
+        "- policies replayed: **lru changed since their replay**" in (out / "report.md").read_text()
+    )
     # host timers: LRU submits each of its transfers once, and every submission pumps
     # the link scheduler, which issues each one-chunk transfer once and lands it once
     with pytest.raises(FmoesimError, match="has no host-timer columns"):
