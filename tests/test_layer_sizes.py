@@ -200,3 +200,35 @@ def test_real_engine_stall_is_compared_token_by_token() -> None:
     assert s["sim_compute_ms_median"] == pytest.approx(s["logged_compute_ms_median"])
     assert s["stall_corr"] >= 0.97
     assert 0.60 <= s["stall_ratio"] <= 0.70
+
+
+def test_engine_log_options_that_would_do_nothing_are_refused(capsys) -> None:
+    """Red if ``--lanes`` without ``--calibrate`` is taken and ignored (the timing printed
+    the 4 readers' stall ratio whatever it said), ``--pcie-gbps`` without a timing
+    comparison is ignored, or a negative budget is reported as a config key the user
+    never gave."""
+    from fmoesim.validation.engine_log import main
+
+    for argv, said in (
+        (["--lanes", "3"], "--lanes 3: only with --calibrate"),
+        (["--pcie-gbps", "1"], "--pcie-gbps 1: only with --metrics, without --calibrate"),
+        (["--metrics", "m", "--pcie-gbps", "-1"], "--pcie-gbps -1: must be a number > 0"),
+        (["--budget-mib", "-5"], "--budget-mib -5: must be a number > 0"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(["log.csv", *argv])
+        assert info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"error: {said}" in err[0], err
+
+
+@pytest.mark.skipif(not EDGE.is_dir(), reason="../shared/data (BigMoeOnEdge route log) is absent")
+def test_one_reader_s_link_rate_brackets_the_engine(capsys) -> None:
+    """docs/validation.md's bracketing: with the link at one reader's rate (``--pcie-gbps
+    0.789``) the simulator stalls 4.32 times the engine.  Red if ``--pcie-gbps`` does not
+    reach the timing's link (the preset's 0.65 again)."""
+    from fmoesim.validation.engine_log import main
+
+    main([str(EDGE / "qwen.route.csv"), "--metrics", str(EDGE / "qwen.metrics"),
+          "--pcie-gbps", "0.789"])  # fmt: skip
+    assert "| stall, simulator / engine | | 4.32 |" in capsys.readouterr().out

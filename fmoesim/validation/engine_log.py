@@ -30,6 +30,7 @@ as derived from ``--metrics``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -496,30 +497,64 @@ def main(argv: list[str] | None = None) -> None:
     a ``hardware`` preset derived from ``--metrics``)."""
     ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("log", help="route log with phase, step, layer, expert and residency")
-    ap.add_argument("--model", default="qwen3-30b-a3b")
-    ap.add_argument("--top-k", type=int, default=6)
-    ap.add_argument("--budget-mib", type=float, default=4000.0)
-    ap.add_argument("--policy", default="lru")
+    ap.add_argument("--model", default="qwen3-30b-a3b", help="model preset (%(default)s)")
+    ap.add_argument("--top-k", type=int, default=6, help="experts per token logged (%(default)s)")
+    ap.add_argument(
+        "--budget-mib", type=float, default=4000.0, help="the expert cache (%(default)g MiB)"
+    )
+    ap.add_argument("--policy", default="lru", help="policy preset (%(default)s)")
     ap.add_argument("--metrics", help="the engine's per-token metrics (compares the timing)")
-    ap.add_argument("--hardware", default="oneplus-15r-flash", help="preset for the timing")
-    ap.add_argument("--lanes", type=int, default=4, help="the engine's reader threads")
+    ap.add_argument(
+        "--hardware", default="oneplus-15r-flash", help="preset for the timing (%(default)s)"
+    )
+    ap.add_argument(
+        "--pcie-gbps",
+        type=float,
+        default=None,
+        help="the timing's link rate in GB/s instead of the preset's (what-if: one reader "
+        "of the phone's four is 0.789)",
+    )
+    ap.add_argument(
+        "--lanes", type=int, default=None, help="--calibrate: the engine's reader threads (4)"
+    )
     ap.add_argument(
         "--calibrate", action="store_true", help="print the preset derived from --metrics"
     )
     args = ap.parse_args(argv)
 
     def run() -> None:
+        if args.lanes is not None and not args.calibrate:
+            raise FmoesimError(
+                f"--lanes {args.lanes}: only with --calibrate (rule: the timing reads its "
+                "link from --hardware; --pcie-gbps changes its rate)"
+            )
+        if args.pcie_gbps is not None and (args.metrics is None or args.calibrate):
+            raise FmoesimError(
+                f"--pcie-gbps {args.pcie_gbps:g}: only with --metrics, without --calibrate "
+                "(rule: it changes the timing comparison's link)"
+            )
+        if args.pcie_gbps is not None and not 0 < args.pcie_gbps < math.inf:
+            raise FmoesimError(f"--pcie-gbps {args.pcie_gbps:g}: must be a number > 0")
+        if not args.budget_mib > 0:
+            raise FmoesimError(f"--budget-mib {args.budget_mib:g}: must be a number > 0")
         if args.calibrate:
             if args.metrics is None:
                 raise FmoesimError("--calibrate: needs --metrics (rule: the numbers come from it)")
-            cal = calibrate_storage(args.log, args.metrics, args.model, args.top_k, args.lanes)
+            lanes = 4 if args.lanes is None else args.lanes
+            cal = calibrate_storage(args.log, args.metrics, args.model, args.top_k, lanes)
             print(format_calibration(cal, args.model))
             return
         budget = int(args.budget_mib * 2**20)
         timing = None
         if args.metrics is not None:  # first, so a bad file prints nothing but its error
+            hw: str | HardwareSpec = args.hardware
+            if args.pcie_gbps is not None:
+                from fmoesim.config.build import load_preset
+
+                hw = load_preset("hardware", args.hardware, HardwareSpec)
+                hw = dataclasses.replace(hw, pcie_gbps=args.pcie_gbps)
             timing = compare_timing(
-                args.log, args.metrics, args.hardware, args.model, args.top_k, budget, args.policy
+                args.log, args.metrics, hw, args.model, args.top_k, budget, args.policy
             )
         res = compare(args.log, args.model, args.top_k, budget, args.policy)
         print(format_report(res))
