@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from fmoesim.atomic import atomic_file
-from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, ConfigError, FmoesimError, run_or_exit
 from fmoesim.specs import HardwareSpec, ModelSpec
 
 PROG = "fmoesim-profile"
@@ -416,14 +416,16 @@ def write_profile(spec: HardwareSpec, path: str | os.PathLike[str]) -> Path:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="mixtral-8x7b",
-                    help="model presets whose shapes to time, comma-separated")  # fmt: skip
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--model", default="mixtral-8x7b", help="model presets whose shapes "
+                    "to time, comma-separated (%(default)s)")  # fmt: skip
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (%(default)s)")
+    ap.add_argument("--repeats", type=int, default=10, help="timings per point (%(default)s)")
     ap.add_argument("--passes", type=int, default=3, help="whole measurements, one after "
                     "the other; each number is the median over them")  # fmt: skip
     ap.add_argument("--out", required=True, help="destination YAML (conf/hardware/measured/)")
-    ap.add_argument("--name", default=None)
+    ap.add_argument("--name", default=None, help="the profile's name in results (default: "
+                    "--out's file name without .yaml, the name hardware=measured/<name> "
+                    "selects)")  # fmt: skip
     ap.add_argument("--diagnostics", default=None, help="also write the host and "
                     "contention costs (diagnostics()) of each model to this CSV")  # fmt: skip
     ap.add_argument("--base", default=None, help="hardware preset whose unmeasured "
@@ -440,12 +442,16 @@ def _run(args: argparse.Namespace) -> None:
     names = [n for n in args.model.split(",") if n]
     if not names:
         raise FmoesimError("--model: give at least one model preset")
-    models = [load_preset("model", n, ModelSpec) for n in names]
+    try:
+        models = [load_preset("model", n, ModelSpec) for n in names]
+    except ConfigError as exc:  # the flag the user gave, not a config key
+        raise FmoesimError(f"--model {exc.value}: {exc.rule}") from None
     base = load_preset("hardware", args.base, HardwareSpec) if args.base else None
     for flag, dest in (("--out", args.out), ("--diagnostics", args.diagnostics)):
         if dest is not None:
             _check_file_destination(flag, Path(dest))
-    spec = profile(models, args.device, repeats=args.repeats, name=args.name, base=base,
+    name = args.name or Path(args.out).stem
+    spec = profile(models, args.device, repeats=args.repeats, name=name, base=base,
                    passes=args.passes, log=print)  # fmt: skip
     rows = []
     if args.diagnostics:  # measured before anything is written: both files or neither

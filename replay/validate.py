@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated presets")
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: cuda)")
     ap.add_argument("--out", default=None, help="report directory (default: "
-                    "results/validation/<device>-<date>)")  # fmt: skip
+                    "results/validation/<gpu>-<date> on a GPU, to commit; "
+                    "out/validation-cpu-<date> on the CPU)")  # fmt: skip
     ap.add_argument("--checkpoint", default=None, help="local safetensors checkpoint")
     ap.add_argument("--depth", type=int, default=2, help="chunks kept on the copy stream")
     ap.add_argument("overrides", nargs="*", help="fmoesim config overrides")
@@ -277,11 +278,11 @@ def _run(args: argparse.Namespace) -> None:
 
     torch = check_device(args.device, PROG)  # before the trace is made (seconds)
     out = args.out
-    if out is None:
-        slug = "cpu"
+    if out is None:  # a CPU run is a smoke test: not beside the GPUs' reports
+        out = f"out/validation-cpu-{dt.date.today().isoformat()}"
         if args.device.startswith("cuda"):
             slug = torch.cuda.get_device_name(args.device).lower().replace(" ", "-")
-        out = f"results/validation/{slug}-{dt.date.today().isoformat()}"
+            out = f"results/validation/{slug}-{dt.date.today().isoformat()}"
     path = validate(policies, args.overrides, args.device, Path(out), args.checkpoint, args.depth)
     print(f"report     {path / 'report.md'}")
 

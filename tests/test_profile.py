@@ -148,3 +148,25 @@ def test_the_command_refuses_a_bad_device_or_destination_before_measuring(tmp_pa
         assert exc.value.code == 2
         assert capsys.readouterr().err.strip().splitlines() == [f"fmoesim-profile: error: {line}"]
         assert not out.exists()
+
+
+def test_a_profile_is_named_after_its_file_and_a_bad_model_names_the_flag(
+    tmp_path, capsys, monkeypatch
+):
+    """Red if every profile of one GPU gets the same default name (``measured-cpu``), so
+    that runs on two different profiles share one hardware name in the results store,
+    or if ``--model nosuch`` is reported as a config key the user never gave."""
+    pytest.importorskip("torch", reason="the profiler needs torch")
+    import yaml
+
+    import replay.profile as P
+    from fmoesim.specs import HardwareSpec
+
+    monkeypatch.setattr(P, "profile", lambda models, device, name, **kw: HardwareSpec(name=name))
+    P.main(["--device", "cpu", "--model", "olmoe-1b-7b", "--out", str(tmp_path / "my-gpu.yaml")])
+    assert yaml.safe_load((tmp_path / "my-gpu.yaml").read_text())["name"] == "my-gpu"
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        P.main(["--device", "cpu", "--model", "nosuch", "--out", str(tmp_path / "x.yaml")])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("fmoesim-profile: error: --model nosuch: unknown model preset; valid:")
