@@ -112,7 +112,10 @@ def report_markdown(rows: list[dict[str, Any]], meta: dict[str, str]) -> str:
         f"{TARGET_HIT_POINTS:g}): "
         + ("met" if ok_h else "NOT met")
         + (" (of a prefetching policy: meaningless on the CPU)" if meta["device"] == "cpu" else ""),
-        *_order_lines(rows),
+        *(
+            line + (" (meaningless on the CPU)" if meta["device"] == "cpu" else "")
+            for line in _order_lines(rows)
+        ),
         "",
         "Relative error = (simulator - replay) / replay.  TTFT: time to the first token; "
         "TPOT: time per output token after it; stall: the summed per-layer wait for "

@@ -58,6 +58,7 @@ def test_cpu_report(tmp_path):
         fast = df.policy[df[f"replay_{key}"].idxmin()]
         want = f"- which policy is faster, by {lab}: the simulator orders {alike} of the 1 pairs"
         assert want in md and f"the fastest is {fast} in the replay" in md
+        assert "simulated (meaningless on the CPU)" in md
     assert (df["replay_tpot_mean_s"] > 0).all() and (df["sim_tpot_mean_s"] > 0).all()
     assert "measured coefficients: no" in md  # tiny-hw has no measured entry
     assert (out / "validation.png").stat().st_size > 1000
