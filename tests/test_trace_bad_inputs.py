@@ -83,6 +83,11 @@ BAD_TABLES = [
      " line 3: each line is a JSON object (Expecting ':' delimiter at column 25)"),
     ("r.jsonl", [*GOOD, '{"layer": 0, "phase": "pre'],
      " line 3: each line is a JSON object (Unterminated string starting at column 23)"),
+    # a JSON line without a key, an empty cell: said so, not "an integer (got nan)"
+    ("r.jsonl", [GOOD[0], '{"token_idx": 1, "experts": [0, 1]}'],
+     " line 2: layer is given on every row (it is missing or empty)"),
+    ("r.csv", 'layer,position,experts\n0,0,"[0, 1]"\n1,,"[2, 3]"\n',
+     " row 2: position is given on every row (it is missing or empty)"),
     # a blank line still counts in the file's line numbers
     ("r.jsonl", [GOOD[0], "", route(5, 0, [0, 1])], " line 3: layer in [0, 2) (got 5)"),
     # rank out of range, an unknown phase, bad size comments

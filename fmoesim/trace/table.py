@@ -576,6 +576,8 @@ def read_table(
 
 def _int(origin: _Origin, i: int, what: str, v: Any) -> int:
     """An integer cell of row ``i`` (an integral float from a CSV with gaps counts)."""
+    if _missing(v):  # an empty cell, or a JSON line without the key
+        raise origin.error(i, f"{what} is given on every row", "it is missing or empty")
     if isinstance(v, (bool, np.bool_)):
         raise origin.error(i, f"{what} is an integer", f"got {v!r}")
     if isinstance(v, (int, np.integer)):
