@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-tokens",
         type=int,
         default=None,
-        help="tokens of each request's prefill where the input does not say (default 1)",
+        help="tokens of each request's prefill (default: what a phase column says, else 1)",
     )
     imp.add_argument(
         "--map",
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--top-k",
         type=int,
         default=None,
-        help="table: experts per token, for a run made with fewer",
+        help="table, vllm-routes: experts per token, for a run made with fewer",
     )
     imp.add_argument("--force", action="store_true", help="replace an existing directory")
     return p
