@@ -821,3 +821,28 @@ def test_a_profile_measured_on_other_models_says_so():
     olmoe = SimpleNamespace(hardware=hw, model=SimpleNamespace(name="olmoe-1b-7b"))
     assert unmeasured_note(olmoe) is None
     assert unmeasured_note(SimpleNamespace(hardware=HardwareSpec(), model=TINY)) is None
+
+
+def test_a_policy_that_reads_what_a_top_k_trace_lacks_says_so():
+    """Red if fMoE (gate probabilities, embeddings) or MoEpic (speculative predictions)
+    runs on a top-k log without a note: it then silently runs a weaker variant of
+    itself (routed-token shares, no semantic search, no speculation)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from fmoesim.cli.main import missing_inputs_note
+    from policies.lru import LRU
+    from policies.moepic import MoEpic
+
+    top_k = SimpleNamespace(path="t", probs=None, spec_probs=None, embedding=np.zeros((3, 0)))
+    full = SimpleNamespace(path="t", probs=np.zeros(1), spec_probs=np.zeros(1),
+                           embedding=np.zeros((3, 8)))  # fmt: skip
+    fmoe = SimpleNamespace(name="fmoe", uses_probs=True, uses_spec=False)
+    assert missing_inputs_note(fmoe, top_k) == (
+        "policy fmoe reads gate probabilities and embeddings, which trace t lacks (a top-k "
+        "log): it runs without them (docs/policies.md says how)"
+    )
+    assert "reads speculative gate predictions, which" in missing_inputs_note(MoEpic(), top_k)
+    assert missing_inputs_note(fmoe, full) is None
+    assert missing_inputs_note(LRU(), top_k) is None

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import typing
+from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -568,7 +569,8 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
     stored = save_results(final, store, spec, row, resolved, result)
     if verbose:
         per_gpu = spec.model.experts_per_gpu(spec.hardware.num_gpus)
-        print(format_summary(row, spec.hardware.gpu_memory_gb, per_gpu, unmeasured_note(spec)))
+        notes = [unmeasured_note(spec), missing_inputs_note(spec.policy, trace)]
+        print(format_summary(row, spec.hardware.gpu_memory_gb, per_gpu, notes))
         if final is not None:
             print(f"results    {final}")
         if stored is not None:
@@ -736,6 +738,25 @@ def format_line(row: dict[str, Any]) -> str:
     return f"{line}, TTFT {ttft}, TPOT {tpot}"
 
 
+def missing_inputs_note(policy: Any, trace: Any) -> str | None:
+    """A note when ``policy`` reads what ``trace`` lacks (a top-k import has no gate
+    probabilities, speculative predictions or embeddings), else None."""
+    lacks = []
+    if getattr(policy, "uses_probs", False) and trace.probs is None:
+        lacks.append("gate probabilities")
+    if getattr(policy, "uses_spec", False) and trace.spec_probs is None:
+        lacks.append("speculative gate predictions")
+    if getattr(policy, "uses_probs", False) and trace.embedding.shape[1] == 0:
+        lacks.append("embeddings")
+    if not lacks:
+        return None
+    what = ", ".join(lacks[:-1]) + (" and " if len(lacks) > 1 else "") + lacks[-1]
+    return (
+        f"policy {policy.name} reads {what}, which trace {trace.path} lacks (a top-k log): "
+        "it runs without them (docs/policies.md says how)"
+    )
+
+
 def unmeasured_note(spec: RunSpec) -> str | None:
     """A note when the run's hardware holds measured coefficients of other models only
     (its compute is then the roofline's), else None."""
@@ -753,15 +774,16 @@ def format_summary(
     row: dict[str, Any],
     gpu_memory_gb: float | None = None,
     experts: int | None = None,
-    unmeasured: str | None = None,
+    notes: Sequence[str | None] = (),
 ) -> str:
     """The summary table printed after a run; a hit-rate-only run's times read
     ``n/a (hit-rate-only)``.  With ``gpu_memory_gb`` (the hardware's, per GPU), a note
     follows when the weights' peak is above it: the expert budget is not checked
     against the GPU's memory.  With ``experts`` (the most routed experts one GPU holds,
     :meth:`~fmoesim.specs.ModelSpec.experts_per_gpu`), a budget that holds all of them
-    says so instead of a count beyond them.  ``unmeasured`` is a note that the hardware's
-    measured coefficients are of other models than the run's."""
+    says so instead of a count beyond them.  ``notes`` (None for none) follow it:
+    measured coefficients of other models only (:func:`unmeasured_note`), inputs the
+    policy reads and the trace lacks (:func:`missing_inputs_note`)."""
     timed = _timed(row)
     gpus = int(row.get("num_gpus", 1))
     held = f"{row['budget_experts']} experts"
@@ -812,10 +834,11 @@ def format_summary(
             f"note       VRAM (weights) exceeds the GPU's {gpu_memory_gb:g} GB: "
             "cache.budget_gb counts routed experts only",
         ]
-    if unmeasured is not None:
-        if not lines[-1].startswith("note"):
-            lines.append("")
-        lines.append(f"note       {unmeasured}")
+    for note in notes:
+        if note is not None:
+            if not lines[-1].startswith("note"):
+                lines.append("")
+            lines.append(f"note       {note}")
     return "\n".join(lines)
 
 
