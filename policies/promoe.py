@@ -76,6 +76,7 @@ class ProMoE(GuardedLRU):
         self.stride = int(stride)
         self.prefetch_experts = None if prefetch_experts is None else int(prefetch_experts)
         self.use_spec_next = bool(use_spec_next)
+        self.uses_spec = self.use_spec_next  # type: ignore[misc]  # read only then
         self.cancel_stale = bool(cancel_stale)
 
     def reset(self, ctx: PolicyContext) -> None:
