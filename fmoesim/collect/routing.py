@@ -153,7 +153,10 @@ def num_experts_of(config: Any) -> int:
         v = getattr(config, key, None)
         if isinstance(v, int) and v > 0:
             return v
-    raise FmoesimError(f"{type(config).__name__}: no expert count in the config")
+    raise FmoesimError(
+        f"{type(config).__name__}: no expert count in the config (num_local_experts, "
+        "num_experts or n_routed_experts): not a mixture-of-experts model?"
+    )
 
 
 def top_k_of(config: Any) -> int:
