@@ -264,3 +264,6 @@ def test_real_engine_log_imports_through_the_cli(tmp_path: Path) -> None:
     tr = read_trace(tmp_path / "t")
     assert tr.prompt_tokens.tolist() == [28] and tr.output_tokens.tolist() == [129]
     assert int(tr.counts.sum()) == 44766  # every routed row
+    from fmoesim.trace.stats import format_report  # inspect says so too, not the import alone
+
+    assert "; layer gaps: 27 (token, layer) pairs route nothing" in format_report(tr)

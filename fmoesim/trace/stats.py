@@ -141,7 +141,13 @@ def format_report(trace: Trace) -> str:
         f"requests   {trace.num_requests}  (prompt tokens mean {trace.prompt_tokens.mean():.1f}, "
         f"output tokens mean {trace.output_tokens.mean():.1f})",
         f"iterations {trace.num_iterations}  ({int(trace.num_tokens.sum())} tokens; "
-        f"{trace.num_iterations * m.num_layers} routing rows)",
+        f"{trace.num_iterations * m.num_layers} routing rows)"
+        + (
+            f"; layer gaps: {man.source.get('missing_token_layers', 'some')} (token, layer) "
+            "pairs route nothing"
+            if man.layer_gaps
+            else ""
+        ),
         f"columns    probs: {'yes' if trace.probs is not None else 'no (top-k only)'}, "
         f"spec_probs: {'yes' if trace.spec_probs is not None else 'no'}, "
         f"embedding dim: {man.embedding_dim}",
