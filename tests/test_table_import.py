@@ -126,27 +126,38 @@ def test_a_repeated_row_is_refused_not_read_as_a_new_step(tmp_path: Path, shape:
     """Red if a row logged twice (row 2, repeated as row 3) is read by the restart rule
     as the start of a new step: the wide table's token was cut in two at layer 1 (the
     prompt grew by a token, the import counted a restart and a (token, layer) gap); the
-    long table's repeat, at layer 0, left a token of layer 0 alone.  The same rows
-    without the repeat still restart at layer 0 (the next decode step, position 0)."""
+    long table's repeat, at layer 0, left a token of layer 0 alone.  Red too if a step
+    that goes back to an earlier layer stops being a new step: the next decode step at
+    position 0, and one that lacks layer 0 (kept, its layer 0 a gap)."""
     if shape == "wide":
         head, rows = "position,layer,experts", ['0,0,"[0, 1]"', '0,1,"[2, 3]"']
         step = ['0,0,"[1, 2]"', '0,1,"[0, 3]"']
         said = "(request 0, position 0, layer 1: also row 2)"
+        rule = "a (position, layer) read again starts the next step only below the layer "
+        rule += "of the request's row before (1): a repeated row?"
     else:
         head, rows = "position,layer,expert", ["0,0,0", "0,0,1", "0,1,2", "0,1,3"]
         step = ["0,0,1", "0,0,2", "0,1,0", "0,1,3"]
         said = "(request 0, position 0, layer 0: also row 2)"
+        rule = "a (position, layer, expert) read again starts the next step only below the "
+        rule += "layer of the request's row before (0): a repeated row?"
     src = tmp_path / "r.csv"
     src.write_text("\n".join([head, *rows[:2], rows[1], *rows[2:], *step]) + "\n")
-    rule = "a (position, layer) read again starts the next step, at the step's lowest layer (0)"
     with pytest.raises(FmoesimError) as info:
         import_table(src, tmp_path / "t", M)
-    assert str(info.value).startswith(f"{src} row 3: {rule}"), info.value
-    assert str(info.value).endswith(f"a repeated row? {said}")
+    assert str(info.value) == f"{src} row 3: {rule} {said}"
     assert not (tmp_path / "t").exists()
     src.write_text("\n".join([head, *rows, *step]) + "\n")  # without the repeat: two steps
     _, rep = import_table(src, tmp_path / "t", M)
     assert (rep.tokens, rep.steps_restarted, rep.missing_pairs) == (2, 1, 0)
+    # three layers, the second step logged at layers 1 and 2 only: back to layer 1
+    # after layer 2, a new step, its layer 0 a gap
+    src.write_text(
+        'position,layer,experts\n0,0,"[0, 1]"\n0,1,"[2, 3]"\n0,2,"[0, 3]"\n'
+        '0,1,"[1, 2]"\n0,2,"[0, 1]"\n'
+    )
+    _, rep = import_table(src, tmp_path / "t3", small_model(3, 4, 2))
+    assert (rep.tokens, rep.steps_restarted, rep.missing_pairs) == (2, 1, 1)
 
 
 def test_a_json_array_reads_as_its_json_lines(tmp_path: Path) -> None:

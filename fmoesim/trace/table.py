@@ -24,9 +24,9 @@ are one token, in order:
   **The restart rule:** a row whose (position, layer) pair, or (position, layer, rank)
   in the long shape, was already seen in the current step starts a new step, because the
   logger's position counter restarted (a log of per-step batches whose decode position is
-  0 every step); a new step starts at the lowest layer of the step before, once that step
-  has gone past it, so a row logged twice inside a token is refused, not read as a step;
-  tokens are ordered by step, then position;
+  0 every step); a new step goes back to an earlier layer than the row before it, so a
+  repeat at the same layer or a later one (a row logged twice) is refused, not read as a
+  step; tokens are ordered by step, then position;
 - the prompt is the first ``prompt_tokens`` tokens when that is given, else the tokens
   whose ``phase`` is prefill (:data:`PREFILL`; the others' is decode, :data:`DECODE`)
   when there is a phase column, else the first token (every token an iteration of its
@@ -461,11 +461,15 @@ def read_table(
         f"every token has {K} distinct experts at a layer it is logged at "
         "(--top-k for a run made with fewer)"
     )
+    key_name = (
+        "(position, layer)" if wide
+        else "(position, layer, rank)" if ranks is not None
+        else "(position, layer, expert)"
+    )  # fmt: skip
     out: dict[str, _Request] = {}
     seen: dict[str, dict[tuple[int, ...], int]] = {}  # the current step's keys -> row
     step: dict[str, int] = {}
-    low: dict[str, int] = {}  # the lowest layer of the current step so far
-    top: dict[str, int] = {}  # the highest layer of the current step so far
+    last: dict[str, int] = {}  # the layer of the request's row before
     request_col = get.get("request")
     for i in range(n):
         if request_col is not None and _missing(request_col[i]):
@@ -478,12 +482,6 @@ def read_table(
         layer = _int(origin, i, "layer", get["layer"][i])
         if not 0 <= layer < L:
             raise origin.error(i, f"layer in [0, {L})", f"got {layer}")
-        if name not in low:
-            low[name] = top[name] = layer
-        elif layer < low[name]:
-            low[name] = layer
-        elif layer > top[name]:
-            top[name] = layer
         if size_col is not None:
             b = _int(origin, i, "expert_bytes", size_col[i])
             if b <= 0:
@@ -535,21 +533,21 @@ def read_table(
                 f"got {phase[i]!r}",
             )  # fmt: skip
         if key in seen[name]:  # the restart rule
-            # a repeated row, not a new step: inside a token, or before the step left
-            # its lowest layer (a model of one layer has only that one)
-            if layer > low[name] or (top[name] == low[name] and L > 1):
+            # a new step goes back to an earlier layer than the row before (a model of
+            # one layer has only that one); a repeat at the same layer or later is a row
+            # logged twice
+            if layer >= last[name] and L > 1:
                 raise origin.error(
-                    i, "a (position, layer) read again starts the next step, at the "
-                    f"step's lowest layer ({low[name]}) once the step has passed it: a "
-                    "repeated row?",
+                    i, f"a {key_name} read again starts the next step only below the "
+                    f"layer of the request's row before ({last[name]}): a repeated row?",
                     f"request {r.name}, position {p}, layer {layer}: also "
                     f"{origin.where(seen[name][key], i)}",
                 )  # fmt: skip
             step[name] += 1
             seen[name] = {}
-            low[name] = top[name] = layer
             rep.steps_restarted += 1
         seen[name].setdefault(key, i)
+        last[name] = layer
         tok = (step[name], p)
         lay = r.tokens.setdefault(tok, {}).setdefault(layer, [])
         r.rows.setdefault((tok, layer), i)
