@@ -291,7 +291,8 @@ def test_a_policy_preset_on_the_search_path_runs(tmp_path, sweep):
     """Red if a policy YAML kept outside ``conf/``, in a folder given as
     ``hydra.searchpath``, is refused as an unknown policy: the preflight (of one run, or
     of every point of a sweep, which left the ``hydra.*`` overrides out) only looked in
-    ``conf/policy/``."""
+    ``conf/policy/``; or if a search path turns the check off, so that a mistyped
+    experiment runs the defaults."""
     own = tmp_path / "myconf" / "policy"
     own.mkdir(parents=True)
     (own / "my-lfu.yaml").write_text("_target_: policies.lfu.LFU\n")
@@ -303,6 +304,11 @@ def test_a_policy_preset_on_the_search_path_runs(tmp_path, sweep):
         fmoesim(*tiny(tmp_path, f"hydra.searchpath=[file://{tmp_path / 'myconf'}]", "policy=no")),
         "policy=no: unknown policy; valid: adapmoe",
     )
+    # an optional group (experiment): Hydra would skip the unknown name and run the defaults
+    from fmoesim.cli.main import check_added_keys
+
+    with pytest.raises(FmoesimError, match="experiment=nosuch: unknown experiment"):
+        check_added_keys([f"hydra.searchpath=[file://{tmp_path / 'myconf'}]", "experiment=nosuch"])
 
 
 def test_a_launcher_of_an_extra_names_the_extra(tmp_path):

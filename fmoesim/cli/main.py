@@ -152,10 +152,18 @@ def check_added_keys(overrides: list[str]) -> None:
     under ``policy`` (its constructor's keyword arguments) are left to Hydra and to the
     policy.  Refuse too a group's typed schema chosen as its preset
     (``hardware=hardware_schema``: every value its default, nothing named).  A preset
-    missing from ``conf/`` is refused here unless ``hydra.searchpath`` adds folders
-    (then Hydra's composition looks in those too)."""
+    is looked for in ``conf/`` and in the ``file://`` folders of a ``hydra.searchpath``
+    (one it cannot look in, a ``pkg://`` one, leaves presets to Hydra)."""
     parsed = parse_overrides(overrides)
-    searched = any(o.key_or_group == "hydra.searchpath" for o in parsed)
+    folders = [CONF_DIR]
+    for o in parsed:
+        if o.key_or_group == "hydra.searchpath" and not o.is_delete():
+            value = o.value()
+            paths = [value] if isinstance(value, str) else list(value or [])
+            if any(not str(p).startswith("file://") for p in paths):
+                folders = []  # cannot tell: Hydra's composition decides
+                break
+            folders += [Path(str(p)[len("file://") :]).expanduser() for p in paths]
     for o in parsed:
         group = o.key_or_group
         if (
@@ -167,11 +175,13 @@ def check_added_keys(overrides: list[str]) -> None:
             raise FmoesimError(
                 f"{group}={o.value()}: unknown {group}; valid: {valid_presets(group)}"
             )
-        if not o.is_delete() and not searched and (CONF_DIR / group).is_dir():
+        if not o.is_delete() and folders and (CONF_DIR / group).is_dir():
             value = o.value()
             names = [value] if isinstance(value, str) else getattr(value, "list", None) or []
             for name in names:  # Hydra skips an unknown preset of an optional group (experiment)
-                if isinstance(name, str) and not (CONF_DIR / group / f"{name}.yaml").is_file():
+                if isinstance(name, str) and not any(
+                    (d / group / f"{name}.yaml").is_file() for d in folders
+                ):
                     folder, _, leaf = f"{group}/{name}".rpartition("/")
                     raise FmoesimError(_unknown_preset(folder, leaf))
         if not (o.is_add() or o.is_force_add()):
