@@ -4,7 +4,8 @@
 # is up (each finished run is appended to replay.csv at once; every step's output goes to
 # run.log).  SKIP_PROFILE=1 and SKIP_TESTS=1 skip the first two steps (a second call that
 # resumes the replays); PROFILE_BASE names the hardware preset whose unmeasured terms the
-# profile keeps (default h100-pcie5).  Run from the repository root on a machine with a
+# profile keeps (default h100-pcie5), PROFILE_NAME the profile (default: OUT's folder name,
+# the name to copy OUT/profile.yaml to as conf/hardware/measured/<name>.yaml).  Run from the repository root on a machine with a
 # CUDA GPU and torch:
 #   bash replay/gpu_validation.sh OUT_DIR [SECONDS] [--models a,b] [more replay flags]
 # e.g. every policy in timed rounds at one budget, the host's drift spread over all of them
@@ -33,7 +34,8 @@ if [ -z "${SKIP_PROFILE:-}" ]; then
     nproc; free -g; } > "$out/machine.txt" 2>&1
   python3 -m replay.profile --device "$device" --base "${PROFILE_BASE:-h100-pcie5}" \
     --model "${PROFILE_MODELS:-mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b}" \
-    --out "$out/profile.yaml" --diagnostics "$out/diagnostics.csv" 2>&1 | tee -a "$out/run.log" \
+    --out "$out/profile.yaml" --name "${PROFILE_NAME:-$(basename "$out")}" \
+    --diagnostics "$out/diagnostics.csv" 2>&1 | tee -a "$out/run.log" \
     || failed+=(profile)
 fi
 if [ -z "${SKIP_TESTS:-}" ]; then
