@@ -454,8 +454,10 @@ def first_request_ttft(metrics: Any) -> dict[str, float]:
 def policy_code(node: Any) -> str:
     """A fingerprint of the policy a run's config ``node`` (its ``policy`` node) makes:
     the first 12 hex digits of the SHA-256 of its resolved config (JSON, keys sorted) and
-    of the source of every module of the ``policies`` package among its class's bases.
-    Two runs of one preset name with another knob or other code differ in it."""
+    of the source of every module of the ``policies`` package its class's module reaches
+    through its bases and what it imports from that package (MoEpic's
+    ``policies.moepic_config``, the protocol in ``policies.base``).  Two runs of one
+    preset name with another knob or other code differ in it."""
     import hashlib
     import json
     import sys
@@ -465,16 +467,30 @@ def policy_code(node: Any) -> str:
 
     conf = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
     h = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode())
-    seen: set[str] = set()
-    for cls in get_class(str(conf["_target_"])).__mro__:
-        name = cls.__module__
-        if name.split(".")[0] != "policies" or name in seen:
-            continue
-        seen.add(name)
+    for name in policy_modules(get_class(str(conf["_target_"]))):
+        file = Path(sys.modules[name].__file__ or "")
         # the source, also of a compiled module (whose __file__ is the extension)
-        source = Path(sys.modules[name].__file__ or "").parent / f"{name.rsplit('.', 1)[-1]}.py"
+        source = file if file.suffix == ".py" else file.parent / f"{name.rsplit('.', 1)[-1]}.py"
         h.update(name.encode() + source.read_bytes())
     return h.hexdigest()[:12]
+
+
+def policy_modules(cls: type) -> list[str]:
+    """The modules of the ``policies`` package that policy class ``cls`` runs: its own and
+    its bases', and those they import names or modules from, transitively (sorted)."""
+    import inspect
+    import sys
+
+    todo = [c.__module__ for c in cls.__mro__]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name.split(".")[0] != "policies" or name in seen or name not in sys.modules:
+            continue
+        seen.add(name)
+        for v in vars(sys.modules[name]).values():  # what it imports: modules, names
+            todo.append(v.__name__ if inspect.ismodule(v) else getattr(v, "__module__", ""))
+    return sorted(seen)
 
 
 def replay_one(
@@ -690,7 +706,7 @@ def run_replays(
                 f"{path}: {have} host-timer columns, this replay {want} (pick another --out)"
             )
         timed_need = ("replay_host_link_pump_self_s", "replay_link_multi_gap_s")
-        need = ("repeat", "replay_probe_s", *(timed_need if timed else ()))
+        need = ("repeat", "replay_probe_s", "policy_code", *(timed_need if timed else ()))
         missing = next((c for c in need if c not in header), None)
         if missing is not None:
             raise FmoesimError(

@@ -1177,3 +1177,29 @@ def test_fit_host_at_the_reference_speed_undoes_each_runs_probe():
     del rows[1]["replay_probe_s"]
     with pytest.raises(FmoesimError, match="the m fmoe run records no host probe"):
         C.fit_host(rows, "m", host_speed=True)
+
+
+def test_a_policy_s_fingerprint_covers_the_modules_it_imports_from():
+    """Red if a policy's fingerprint reads only its class's bases: MoEpic's cache
+    configurator (``policies.moepic_config``, imported, not a base) or fMoE's protocol
+    types could change without ``score`` noticing.  Red too if the fingerprint ignores a
+    knob (``fmoe`` with another prefetch distance is another policy)."""
+    from policies.fmoe import FMoE
+    from policies.moepic import MoEpic
+
+    assert C.policy_modules(MoEpic) == [
+        "policies.base",
+        "policies.moepic",
+        "policies.moepic_config",
+    ]
+    assert "policies.base" in C.policy_modules(FMoE)
+    a = C.policy_code({"_target_": "policies.fmoe.FMoE", "prefetch_distance": 3})
+    b = C.policy_code({"_target_": "policies.fmoe.FMoE", "prefetch_distance": 2})
+    assert (
+        a != b
+        and len(a) == 12
+        and a
+        == C.policy_code(
+            {"prefetch_distance": 3, "_target_": "policies.fmoe.FMoE"}  # keys in another order
+        )
+    )
