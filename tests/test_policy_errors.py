@@ -95,7 +95,7 @@ def seq_trace(tmp_path):
         ("delay", "on_gate: Actions.delay_s = nan (rule: a finite number of seconds)"),
         ("abort", "on_gate: Actions.abort[0]: key 1.5 is float (rule: a key is an integer)"),
         ("victim", "victim: chose 1000000 on GPU 0, not one of the candidates (rule:"),
-        ("victim-list", "on GPU 0, not one of the candidates (rule: a victim is one of"),
+        ("victim-list", "(rule: a victim is one of the candidates it is given"),
     ],
 )
 def test_a_broken_contract_is_one_policy_error(seq_trace, mode, said):

@@ -209,7 +209,11 @@ class ExpertCache:
         check of the type ``victim`` returned (``int object expected; got list``)."""
         said = str(exc)
         if said.startswith("int object expected; got "):
-            raise self._bad_victim(said.rsplit("got ", 1)[1]) from exc
+            raise PolicyError(
+                f"policy {self.policy.name!r}: victim: returned a {said.rsplit('got ', 1)[1]}, "
+                "not an int (rule: a victim is one of the candidates it is given, a Python "
+                "int)"
+            ) from exc
 
     def set_group_budget(self, group: int, budget_bytes: int) -> bool:
         """Set ``group``'s budget, evicting its entries (policy's choice) to fit; False
