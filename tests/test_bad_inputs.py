@@ -820,13 +820,17 @@ def test_a_profile_measured_on_other_models_says_so():
     from fmoesim.specs import HardwareSpec
 
     hw = HardwareSpec(name="h", measured={"olmoe-1b-7b": {"expert_a_s": 1e-4}, "link": {}})
-    assert unmeasured_note(SimpleNamespace(hardware=hw, model=TINY)) == (
+    timed = SimpleNamespace(timing=True)
+    assert unmeasured_note(SimpleNamespace(hardware=hw, model=TINY, engine=timed)) == (
         "hardware h holds measured coefficients of olmoe-1b-7b, none of tiny: its compute is "
         "the roofline's estimate"
     )
-    olmoe = SimpleNamespace(hardware=hw, model=SimpleNamespace(name="olmoe-1b-7b"))
+    olmoe = SimpleNamespace(hardware=hw, model=SimpleNamespace(name="olmoe-1b-7b"), engine=timed)
     assert unmeasured_note(olmoe) is None
-    assert unmeasured_note(SimpleNamespace(hardware=HardwareSpec(), model=TINY)) is None
+    plain = SimpleNamespace(hardware=HardwareSpec(), model=TINY, engine=timed)
+    assert unmeasured_note(plain) is None
+    untimed = SimpleNamespace(hardware=hw, model=TINY, engine=SimpleNamespace(timing=False))
+    assert unmeasured_note(untimed) is None  # a hit-rate-only run computes nothing
 
 
 def test_a_policy_that_reads_what_a_top_k_trace_lacks_says_so():
@@ -844,10 +848,10 @@ def test_a_policy_that_reads_what_a_top_k_trace_lacks_says_so():
     top_k = SimpleNamespace(path="t", probs=None, spec_probs=None, embedding=np.zeros((3, 0)))
     full = SimpleNamespace(path="t", probs=np.zeros(1), spec_probs=np.zeros(1),
                            embedding=np.zeros((3, 8)))  # fmt: skip
-    fmoe = SimpleNamespace(name="fmoe", uses_probs=True, uses_spec=False)
+    fmoe = SimpleNamespace(name="fmoe", uses_probs=True, uses_spec=False, semantic=True)
     assert missing_inputs_note(fmoe, top_k) == (
-        "policy fmoe reads gate probabilities and embeddings, which trace t lacks (a top-k "
-        "log): it runs without them (docs/policies.md says how)"
+        "policy fmoe reads gate probabilities and embeddings, which trace t lacks: it runs "
+        "without them (docs/policies.md says how)"
     )
     assert "reads speculative gate predictions, which" in missing_inputs_note(MoEpic(), top_k)
     assert missing_inputs_note(fmoe, full) is None

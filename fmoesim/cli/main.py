@@ -750,29 +750,30 @@ def format_line(row: dict[str, Any]) -> str:
 
 def missing_inputs_note(policy: Any, trace: Any) -> str | None:
     """A note when ``policy`` reads what ``trace`` lacks (a top-k import has no gate
-    probabilities, speculative predictions or embeddings), else None."""
+    probabilities, speculative predictions or embeddings; fMoE's semantic search reads
+    embeddings), else None."""
     lacks = []
     if getattr(policy, "uses_probs", False) and trace.probs is None:
         lacks.append("gate probabilities")
     if getattr(policy, "uses_spec", False) and trace.spec_probs is None:
         lacks.append("speculative gate predictions")
-    if getattr(policy, "uses_probs", False) and trace.embedding.shape[1] == 0:
+    if getattr(policy, "semantic", False) and trace.embedding.shape[1] == 0:  # fMoE's search
         lacks.append("embeddings")
     if not lacks:
         return None
     what = ", ".join(lacks[:-1]) + (" and " if len(lacks) > 1 else "") + lacks[-1]
     return (
-        f"policy {policy.name} reads {what}, which trace {trace.path} lacks (a top-k log): "
-        "it runs without them (docs/policies.md says how)"
+        f"policy {policy.name} reads {what}, which trace {trace.path} lacks: it runs "
+        "without them (docs/policies.md says how)"
     )
 
 
 def unmeasured_note(spec: RunSpec) -> str | None:
-    """A note when the run's hardware holds measured coefficients of other models only
-    (its compute is then the roofline's), else None."""
+    """A note when a timed run's hardware holds measured coefficients of other models
+    only (its compute is then the roofline's), else None."""
     measured = [str(n) for n in spec.hardware.measured or {} if n != "link"]
-    if not measured or spec.model.name in measured:
-        return None
+    if not spec.engine.timing or not measured or spec.model.name in measured:
+        return None  # a hit-rate-only run computes nothing
     return (
         f"hardware {spec.hardware.name} holds measured coefficients of "
         f"{', '.join(measured)}, none of {spec.model.name}: its compute is the roofline's "

@@ -441,17 +441,19 @@ def main(argv: list[str] | None = None) -> None:
         "directory of them; docs/traces.md) whose routing the knobs are fitted to "
         "(default: %(default)s)",
     )
+    qwen3_default = data / "qwen3-coactivation/coactivation_qwen3-30b-a3b.json"
+    trans_default = data / "transition-matrices"
     ap.add_argument(
         "--qwen3",
-        default=str(data / "qwen3-coactivation/coactivation_qwen3-30b-a3b.json"),
-        help="Qwen3-30B-A3B co-activation aggregates (JSON); its section is skipped "
-        "when the file is absent",
+        default=None,
+        help="Qwen3-30B-A3B co-activation aggregates (JSON; default: "
+        f"{qwen3_default}, its section skipped where that is absent)",
     )
     ap.add_argument(
         "--transitions",
-        default=str(data / "transition-matrices"),
-        help="a folder of *_markov_transition_matrix.pt files (needs torch); their "
-        "sections are skipped when absent",
+        default=None,
+        help="a folder of *_markov_transition_matrix.pt files (needs torch; default: "
+        f"{trans_default}, their sections skipped where that is absent)",
     )
     ap.add_argument(
         "--out",
@@ -459,14 +461,24 @@ def main(argv: list[str] | None = None) -> None:
         help="the report to write (Markdown; its plot beside it, .png)",
     )
     args = ap.parse_args(argv)
-    if not Path(args.real).exists():
-        raise FmoesimError(f"--real {args.real}: no such file or directory")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    for flag, given in (("--real", args.real), ("--qwen3", args.qwen3),
+                        ("--transitions", args.transitions)):  # fmt: skip
+        if given is not None and not Path(given).exists():
+            raise FmoesimError(f"{flag} {given}: no such file or directory")
+    qwen3_path = Path(args.qwen3) if args.qwen3 is not None else qwen3_default
+    trans_dir = Path(args.transitions) if args.transitions is not None else trans_default
+    q15_path = trans_dir / QWEN15_MATRIX
     model = load_preset("model", "mixtral-8x7b", ModelSpec)
     hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
     with tempfile.TemporaryDirectory() as tmp:
         path, dropped = import_vllm_routes(args.real, Path(tmp) / "real", model)
         real = read_trace(path)
+        # the other data read (seconds) before the fits (minutes): a file of the wrong
+        # kind stops the run now
+        q = _read("--qwen3", qwen3_path, qwen3_stats) if qwen3_path.is_file() else None
+        trans = _read("--transitions", trans_dir, _transitions)
+        if q15_path.is_file() and not isinstance(trans, str):  # torch is there
+            _read("--transitions", q15_path, qwen15_stats)
         target = hit_curves(real, model, hw)
         stats = (reuse_probability(real), frequency_skew(real), layer_dependence(real))
         ranked = fit(real, model, hw)
@@ -476,8 +488,6 @@ def main(argv: list[str] | None = None) -> None:
         sticky = top1_stickiness(fitted)
     out = Path(args.out)
     plot = out.with_suffix(".png")
-    _plot(target, best, plot)
-    q = qwen3_stats(Path(args.qwen3)) if Path(args.qwen3).is_file() else None
     if q is not None:
         qwen3 = load_preset("model", "qwen3-30b-a3b", ModelSpec)
         skew, _ = fit_heat_skew(qwen3, q["heat_gini"])
@@ -486,12 +496,13 @@ def main(argv: list[str] | None = None) -> None:
             tr = synthetic_like(qwen3, {"skew": q["fitted_skew"]}, Path(tmp) / "t", 32, 128, 0)
             q["fitted_gini"], q["fitted_max_over_mean"] = frequency_skew(tr)
             q["fitted_pair_lift"] = pair_lift(tr)
-    trans = _transitions(Path(args.transitions))
-    q15 = _qwen15(Path(args.transitions) / "qwen_markov_transition_matrix.pt")
+    q15 = _qwen15(q15_path)
     text = _report(
         args.real, real, dropped, target, stats, ranked, plot.name, q, trans, sticky, q15,
         depth,
     )  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _plot(target, best, plot)
     with atomic_file(out) as tmp_path:
         tmp_path.write_text(text)
     print(f"best knobs {best.knobs}: worst point {best.max_error_points:.1f} points; wrote {out}")
@@ -539,6 +550,24 @@ def _depth_section(d: dict[str, Any]) -> list[str]:
         f"{d['with'][0]:.3f} against {d['real'][0]:.3f}: `cross_layer`, the link to the next "
         "layer alone, keeps its default (not fitted).",
     ]
+
+
+#: the Qwen1.5-MoE-A2.7B transition matrix's file in the ``--transitions`` folder
+QWEN15_MATRIX = "qwen_markov_transition_matrix.pt"
+
+
+def _read(flag: str, path: Path, read: Callable[[Path], Any]) -> Any:
+    """``read(path)``; a file of the wrong kind (a key, a shape or a format it lacks)
+    becomes one :class:`FmoesimError` line naming ``flag``."""
+    try:
+        return read(path)
+    except FmoesimError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - JSON, torch and numpy errors, one line
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        raise FmoesimError(
+            f"{flag} {path}: not the data it names ({type(exc).__name__}: {detail})"
+        ) from None
 
 
 def _transitions(folder: Path) -> dict[str, tuple[float, int]] | str:
