@@ -1,6 +1,7 @@
 """Route tables from any logger, and routed-expert arrays, as fmoesim traces.
 
-:func:`import_table` reads a CSV, TSV, JSON-lines or Parquet table of router decisions in
+:func:`import_table` reads a CSV, TSV, JSON-lines (``.jsonl``, ``.json``), Parquet or
+JSON-array (a ``.json`` file of one array of records) table of router decisions in
 either of two shapes:
 
 - *wide*: one row per (token, layer) with a list of experts (and optionally a list of
@@ -46,7 +47,8 @@ they are not.
 expert ids (and optional weights), the shape vLLM's routed-experts output and most
 loggers reduce to; :func:`import_routed_experts` reads such arrays from ``.npy``, ``.npz``
 or JSON files.  Bad input is refused with one line naming the file, the row (1-based data
-rows; a JSON-lines file's line; an array's request, token and layer) and the broken rule;
+rows; a JSON-lines file's line; a JSON array's record; an array's request, token and
+layer) and the broken rule;
 the trace is written into a temporary directory, read back as a reader would, and renamed
 into place.
 """
@@ -242,8 +244,8 @@ def _read_json_array(path: Path) -> tuple[Any, np.ndarray]:
 
 
 def _read_file(path: Path) -> tuple[Any, str, np.ndarray]:
-    """One table file: the DataFrame, how its rows are counted (``row`` or ``line``) and
-    each row's number.  A file without data rows is refused."""
+    """One table file: the DataFrame, how its rows are counted (``row``, ``line`` or
+    ``record``) and each row's number.  A file without data rows is refused."""
     import pandas as pd
 
     kind = SUFFIXES.get(path.suffix.lower())
