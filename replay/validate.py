@@ -199,11 +199,13 @@ def validate(
     # every policy's config and simulation first (seconds): a bad preset or a knob the
     # model cannot take is refused before the replays (minutes of the device) begin
     runs = []
+    traces: dict[Path, Any] = {}  # one read of each trace (the policies share it)
     for name in policies:
         cfg = compose_config([*overrides, f"policy={name}"])
         spec = build_run(cfg)
         check_link_order(spec.engine.link_order, timing=True, replay=True)
-        trace = read_trace(_trace_path(spec))
+        path = _trace_path(spec)
+        trace = traces[path] = traces.get(path) or read_trace(path)
         runs.append((name, cfg, spec, trace, simulate_spec(spec, trace, **common).summary))
     rows: list[dict[str, Any]] = []
     for name, cfg, spec, trace, sim in runs:
