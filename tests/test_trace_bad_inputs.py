@@ -83,6 +83,11 @@ BAD_TABLES = [
      " line 3: each line is a JSON object (Expecting ':' delimiter at column 25)"),
     ("r.jsonl", [*GOOD, '{"layer": 0, "phase": "pre'],
      " line 3: each line is a JSON object (Unterminated string starting at column 23)"),
+    # a llama.cpp-style header of another model's shape (it imported under --model)
+    ("r.csv", '# model=x n_layer=2 n_expert=8 n_expert_used=2\nlayer,experts\n0,"[0, 1]"\n',
+     " line 1: the header's n_expert is the model's experts, 4 (the log of another model?"),
+    ("r.csv", '# n_expert_used=1\nlayer,experts\n0,"[0, 1]"\n',
+     " line 1: the header's n_expert_used is the model's top_k, 2 (the log of another"),
     # a JSON line without a key, an empty cell: said so, not "an integer (got nan)"
     ("r.jsonl", [GOOD[0], '{"token_idx": 1, "experts": [0, 1]}'],
      " line 2: layer is given on every row (it is missing or empty)"),

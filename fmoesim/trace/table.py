@@ -308,17 +308,34 @@ def _read(path: Path) -> tuple[Any, _Origin]:
 _SIZE_LAYER, _SIZE_BYTES = re.compile(r"\blayer=(\S*)"), re.compile(r"\bexpert_bytes=(\S*)")
 
 
-def _header_sizes(path: Path, num_layers: int, out: dict[int, int]) -> None:
+#: a llama.cpp-style header's shape keys, each with what it is of the model
+_HEADER_SHAPE = {"n_layer": "layers", "n_expert": "experts", "n_expert_used": "top_k"}
+_HEADER_KEY = re.compile(r"\b(n_layer|n_expert|n_expert_used)=(\S*)")
+
+
+def _header_sizes(
+    path: Path, num_layers: int, out: dict[int, int], shape: dict[str, int] | None = None
+) -> None:
     """Add layer -> expert bytes from ``# ... layer=N ... expert_bytes=B`` comment lines
     of a CSV/TSV file to ``out``, refusing a comment whose size is not a positive
     integer, whose layer is not in ``[0, num_layers)``, or that gives a layer a second
-    size."""
+    size; and refusing a header whose ``n_layer``, ``n_expert`` or ``n_expert_used``
+    (llama.cpp's names) is not ``shape``'s ``layers``, ``experts`` or ``top_k``: the log
+    of another model than ``--model``."""
     if SUFFIXES.get(path.suffix.lower()) not in ("csv", "tsv"):
         return
     with path.open(errors="replace") as f:
         for n, line in enumerate(f, start=1):
             if not line.startswith("#"):
                 continue
+            for key, got in _HEADER_KEY.findall(line) if shape else ():
+                want = shape[_HEADER_SHAPE[key]]  # type: ignore[index]
+                if got != str(want):
+                    raise TableError(
+                        path, n, f"the header's {key} is the model's {_HEADER_SHAPE[key]}, "
+                        f"{want} (the log of another model? --model, --top-k)",
+                        f"got {got!r}", "line",
+                    )  # fmt: skip
             bm = _SIZE_BYTES.search(line)
             if bm is None:
                 continue
@@ -457,7 +474,7 @@ def read_table(
     size_col = get.get("size")
     layer_size: dict[int, int] = {}
     for f in origin.files:
-        _header_sizes(f, L, layer_size)
+        _header_sizes(f, L, layer_size, {"layers": L, "experts": E, "top_k": K})
     wide = _as_list(get["experts"][0]) is not None
     topk_rule = (
         f"every token has {K} distinct experts at a layer it is logged at "
