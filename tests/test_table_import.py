@@ -278,3 +278,14 @@ def test_real_engine_log_imports_through_the_cli(tmp_path: Path) -> None:
     from fmoesim.trace.stats import format_report  # inspect says so too, not the import alone
 
     assert "; layer gaps: 27 (token, layer) pairs route nothing" in format_report(tr)
+
+
+def test_a_table_without_positions_reads_each_return_to_layer_0_as_a_token(tmp_path: Path) -> None:
+    """Red if a table without a position column is not read token by token (each return
+    to an earlier layer a new token), or its report calls those "position restarts", a
+    column it does not have."""
+    src = tmp_path / "r.csv"
+    src.write_text('layer,experts\n0,"[0, 1]"\n1,"[2, 3]"\n0,"[1, 2]"\n1,"[0, 3]"\n')
+    _, rep = import_table(src, tmp_path / "t", M)
+    assert (rep.tokens, rep.steps_restarted) == (2, 1)
+    assert "1 returns to an earlier layer read as new tokens (no position column)" in rep.lines()

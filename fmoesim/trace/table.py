@@ -123,7 +123,12 @@ class ImportReport:
             sizes = sorted(set(self.layer_bytes))
             out.append(f"expert sizes per layer: {', '.join(map(str, sizes))} bytes")
         if self.steps_restarted:
-            out.append(f"{self.steps_restarted} position restarts read as new steps")
+            out.append(
+                f"{self.steps_restarted} position restarts read as new steps"
+                if "position" in self.columns
+                else f"{self.steps_restarted} returns to an earlier layer read as new tokens "
+                "(no position column)"
+            )
             if "request" not in self.columns:
                 out.append(
                     "no request column: every row is one request (--map request=COL names "
