@@ -465,7 +465,7 @@ def policy_code(node: Any) -> str:
     from hydra.utils import get_class
     from omegaconf import OmegaConf
 
-    conf = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    conf: Any = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
     h = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode())
     for name in policy_modules(get_class(str(conf["_target_"]))):
         file = Path(sys.modules[name].__file__ or "")

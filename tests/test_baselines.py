@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from fmoesim.config.schema import CONF_DIR
 from fmoesim.engine.cache import Evictable
 from fmoesim.engine.simulate import RunResult, simulate
+from fmoesim.errors import ConfigError
 from fmoesim.specs import ModelSpec
 from fmoesim.trace import read_trace
 from fmoesim.trace.reader import Trace
@@ -629,7 +630,7 @@ def test_promoe_stride_one_uses_history_only_without_speculation():
     p.on_gate(0, gate(0, [0, 0, 1, 0], [0.1, 0.1, 0.1, 0.7]))
     assert pf(p.on_gate(0, gate(0, [0, 0, 1, 0], [0.1, 0.1, 0.1, 0.7]))) == [(7, 1.0)]
     assert pf(p.on_gate(3, gate(3, [1, 0, 0, 0]))) == [(2, 1.0)]  # layer 0 of next iteration
-    with pytest.raises(ValueError, match="stride"):
+    with pytest.raises(ConfigError, match="'policy.stride' = 5: must be at most the model's"):
         ProMoE(stride=5).reset(context(m, 16))
     assert ProMoE().stride == 3  # fMoE §6.1's prefetch distance
     # fMoE §6.2: Mixtral-Offloading alone prefetches at distance 1, so by default the

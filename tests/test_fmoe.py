@@ -16,6 +16,7 @@ import pytest
 
 from fmoesim.engine.serving import ServingConfig, split_requests
 from fmoesim.engine.simulate import held_in_requests, simulate
+from fmoesim.errors import ConfigError
 from fmoesim.trace.reader import Trace
 from fmoesim.workload.synthetic import SyntheticConfig, generate
 from policies.base import NO_ACTIONS, BatchInfo, GateView, Outcome, RequestInfo, RequestTrace
@@ -493,7 +494,7 @@ def test_bad_knobs_are_refused():
         FMoE(match_latency_s=-1.0)
     with pytest.raises(ValueError, match="prefill_k"):
         FMoE(prefill_k="all")
-    with pytest.raises(ValueError, match="prefetch_distance 9 exceeds"):
+    with pytest.raises(ConfigError, match="'policy.prefetch_distance' = 9: must be at most"):
         FMoE(prefetch_distance=9).reset(context(MODEL, 8))
 
 

@@ -102,9 +102,9 @@ def check_manifest_shape(manifest: TraceManifest, path: Any, model: ModelSpec) -
     # its name too (the last part of a path or hub id), where no preset has it: a run's
     # results then name the trace's model, not the preset whose shape was changed
     name = str(tm.name).replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
-    named = [] if tm.name in preset_names("model") or not is_plain_name(name) else [name]
+    renamed = [] if tm.name in preset_names("model") or not is_plain_name(name) else [name]
     fix = "pick a model= preset of its shape, or set " + " ".join(
-        [*(f"model.name={n}" for n in named if n != model.name)]
+        [*(f"model.name={n}" for n in renamed if n != model.name)]
         + [f"model.{k}={getattr(tm, k, 0)}" for k in wrong]
     )
     if tm.name != model.name and tm.name in preset_names("model"):
