@@ -467,10 +467,14 @@ def policy_code(node: Any) -> str:
 
     conf: Any = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
     h = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode())
+    # the sources, found by name in the package's folder: a compiled module's __file__
+    # is its extension, or the library of its group of modules, or None
+    folder = Path(sys.modules["policies"].__path__[0])
     for name in policy_modules(get_class(str(conf["_target_"]))):
-        file = Path(sys.modules[name].__file__ or "")
-        # the source, also of a compiled module (whose __file__ is the extension)
-        source = file if file.suffix == ".py" else file.parent / f"{name.rsplit('.', 1)[-1]}.py"
+        parts = name.split(".")[1:]
+        source = folder.joinpath(*parts).with_suffix(".py") if parts else folder / "__init__.py"
+        if not source.is_file():  # a subpackage
+            source = folder.joinpath(*parts, "__init__.py")
         h.update(name.encode() + source.read_bytes())
     return h.hexdigest()[:12]
 

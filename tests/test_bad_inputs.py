@@ -856,3 +856,19 @@ def test_a_policy_that_reads_what_a_top_k_trace_lacks_says_so():
     assert "reads speculative gate predictions, which" in missing_inputs_note(MoEpic(), top_k)
     assert missing_inputs_note(fmoe, full) is None
     assert missing_inputs_note(LRU(), top_k) is None
+
+
+def test_a_policy_s_argument_types_are_read_from_its_source_too():
+    """Red if the argument types read from a policy's source (what the check of a
+    knob's type uses in the compiled build, whose ``__init__`` keeps no annotations)
+    differ from the interpreted class's: there ``policy.prefetch_distance=abc`` failed
+    as "int object expected; got str" naming no key."""
+    import typing
+
+    from fmoesim.config.build import _source_hints
+    from policies.fmoe import FMoE
+    from policies.moepic import MoEpic
+
+    for cls in (FMoE, MoEpic):
+        hints = {k: v for k, v in typing.get_type_hints(cls.__init__).items() if k != "return"}
+        assert _source_hints(cls) == hints and "label" in _source_hints(FMoE)

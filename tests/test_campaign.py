@@ -324,8 +324,14 @@ def test_repeats_run_in_rounds_and_resume_by_count(tmp_path):
     with pytest.raises(FmoesimError, match="old/replay.csv: no column repeat"):
         C.run_replays(runs, "cpu", old, log=logs.append)
     assert (old / "replay.csv").read_text().count("\n") == 1
+    # one made before the policies' fingerprints (it would fail at the first append,
+    # after a whole replay), likewise
+    plain = "model,budget_gb,mode,policy,compute_repeat,repeat,replay_probe_s\n"
+    (old / "replay.csv").write_text(plain)
+    with pytest.raises(FmoesimError, match="old/replay.csv: no column policy_code"):
+        C.run_replays(runs, "cpu", old, log=logs.append)
     # a timed one of the kind before the multi-token steps' link columns, likewise
-    timed = "model,budget_gb,mode,policy,compute_repeat,repeat,replay_probe_s,"
+    timed = "model,budget_gb,mode,policy,compute_repeat,repeat,replay_probe_s,policy_code,"
     (old / "replay.csv").write_text(timed + "replay_host_link_pump_self_s\n")
     with pytest.raises(FmoesimError, match="no column replay_link_multi_gap_s"):
         C.run_replays(runs, "cpu", old, log=logs.append, host_timers=True)

@@ -202,8 +202,8 @@ def argument_type_error(node: DictConfig, prefix: str = "policy") -> ConfigError
 
     try:
         cls: Any = get_class(str(node.get("_target_")))
-        hints = typing.get_type_hints(cls.__init__)
-    except Exception:  # noqa: BLE001 - no class, a compiled one: instantiate reports it
+        hints = typing.get_type_hints(cls.__init__) or _source_hints(cls)
+    except Exception:  # noqa: BLE001 - no class, no source: instantiate reports it
         return None
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
     for key in (str(k) for k in node if not str(k).startswith("_")):
@@ -225,6 +225,36 @@ def argument_type_error(node: DictConfig, prefix: str = "policy") -> ConfigError
             rule = " or ".join("null" if k is type(None) else names[k] for k in kinds)
             return ConfigError(f"{prefix}.{key}", value, f"must be {rule}")
     return None
+
+
+def _source_hints(cls: type) -> dict[str, Any]:
+    """The annotations of ``cls.__init__``'s arguments read from its module's source
+    (a compiled class's ``__init__`` keeps none), evaluated in the module's namespace;
+    empty where the source or the method is not found."""
+    import ast
+    import inspect
+    import sys
+
+    module = sys.modules[cls.__module__]
+    owner = next((c for c in cls.__mro__ if "__init__" in vars(c)), cls)
+    if owner is not cls:
+        return _source_hints(owner) if owner is not object else {}
+    parts = cls.__module__.split(".")
+    folder = Path(inspect.getfile(sys.modules[parts[0]])).parent
+    source = folder.joinpath(*parts[1:]).with_suffix(".py")
+    if not source.is_file():
+        return {}
+    for c in ast.walk(ast.parse(source.read_text())):
+        if isinstance(c, ast.ClassDef) and c.name == cls.__name__:
+            for f in c.body:
+                if isinstance(f, ast.FunctionDef) and f.name == "__init__":
+                    args = [*f.args.args, *f.args.kwonlyargs]
+                    return {
+                        a.arg: eval(ast.unparse(a.annotation), vars(module))  # noqa: S307
+                        for a in args
+                        if a.annotation is not None
+                    }
+    return {}
 
 
 def build_run(cfg: DictConfig) -> RunSpec:
