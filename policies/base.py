@@ -528,7 +528,8 @@ class Actions:
     start moving before ``delay_s`` seconds from now (the latency of an asynchronous
     matcher that decided them, fMoE §4.3); one that is needed earlier loads on demand at
     once.  A policy states the delay as a configured number; it never reads a clock.
-    The hit-rate-only backend has no clock and ignores it.
+    The hit-rate-only backend applies it on the modelled compute clock of
+    ``engine.landing=link`` and ignores it with ``landing=next_step``.
 
     For policies with budget groups (:meth:`Policy.cache_groups`): ``budgets`` sets
     new group budgets in bytes (shrinking evicts within the group, the policy's

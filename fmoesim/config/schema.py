@@ -66,14 +66,15 @@ class WorkloadConfig:
 
 @dataclass
 class EngineConfig:
-    """The simulator backend: ``timing=False`` is the hit-rate-only mode (no time is
-    reported, much faster); ``preempt`` lets on-demand loads pause a prefetch at a chunk
-    boundary.  ``landing`` says when a prefetch becomes resident in hit-rate-only mode:
-    ``link`` once its bytes have crossed the link during the modelled compute since it
-    was issued (:class:`fmoesim.engine.sim.LinkStepBackend`), ``next_step`` at the next
-    layer step whatever its size (an infinitely fast link: an upper bound for
-    prefetching, :class:`fmoesim.engine.sim.InstantBackend`).  ``link_order`` is the timed
-    link's queue: ``priority`` (on-demand loads first, then prefetches by the policy's
+    """The simulator backend: ``timing=False`` is the hit-rate-only mode (no time is reported;
+    faster for the demand-only policies, which take a closed form there); ``preempt``
+    lets on-demand loads pause a prefetch at a chunk boundary.  ``landing`` says when a
+    prefetch becomes resident in hit-rate-only mode: ``link`` once its bytes have
+    crossed the link during the modelled compute since it was issued
+    (:class:`fmoesim.engine.sim.LinkStepBackend`), ``next_step`` at the next layer step
+    whatever its size (an infinitely fast link: an upper bound for prefetching,
+    :class:`fmoesim.engine.sim.InstantBackend`).  ``link_order`` is the timed link's
+    queue: ``priority`` (on-demand loads first, then prefetches by the policy's
     priority; a needed prefetch is escalated) or ``fifo`` (one first-come-first-served
     queue for every transfer, no escalation, no pausing: a what-if for an engine that
     queues every copy in order, :class:`fmoesim.engine.sim.SimLink`)."""
