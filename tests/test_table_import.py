@@ -289,3 +289,18 @@ def test_a_table_without_positions_reads_each_return_to_layer_0_as_a_token(tmp_p
     _, rep = import_table(src, tmp_path / "t", M)
     assert (rep.tokens, rep.steps_restarted) == (2, 1)
     assert "1 returns to an earlier layer read as new tokens (no position column)" in rep.lines()
+
+
+def test_a_header_may_count_the_dense_blocks_in_its_layers(tmp_path: Path) -> None:
+    """Red if a llama.cpp-style header whose ``n_layer`` counts every block (a model with
+    a dense first block, as DeepSeek's) is refused as the log of another model: the
+    model counts its MoE layers only."""
+    import dataclasses
+
+    src = tmp_path / "r.csv"
+    src.write_text(
+        '# n_layer=3 n_expert=4 n_expert_used=2\nlayer,experts\n0,"[0, 1]"\n1,"[2, 3]"\n'
+    )
+    import_table(src, tmp_path / "t", dataclasses.replace(M, dense_layers=1))
+    with pytest.raises(FmoesimError, match="the header's n_layer is the model's layers, 2 "):
+        import_table(src, tmp_path / "t2", M)

@@ -319,14 +319,15 @@ _HEADER_KEY = re.compile(r"\b(n_layer|n_expert|n_expert_used)=(\S*)")
 
 
 def _header_sizes(
-    path: Path, num_layers: int, out: dict[int, int], shape: dict[str, int] | None = None
+    path: Path, num_layers: int, out: dict[int, int], shape: dict[str, set[int]] | None = None
 ) -> None:
     """Add layer -> expert bytes from ``# ... layer=N ... expert_bytes=B`` comment lines
     of a CSV/TSV file to ``out``, refusing a comment whose size is not a positive
     integer, whose layer is not in ``[0, num_layers)``, or that gives a layer a second
     size; and refusing a header whose ``n_layer``, ``n_expert`` or ``n_expert_used``
-    (llama.cpp's names) is not ``shape``'s ``layers``, ``experts`` or ``top_k``: the log
-    of another model than ``--model``."""
+    (llama.cpp's names) is not one of ``shape``'s ``layers``, ``experts`` or ``top_k``
+    (the layers with or without the dense blocks): the log of another model than
+    ``--model``."""
     if SUFFIXES.get(path.suffix.lower()) not in ("csv", "tsv"):
         return
     with path.open(errors="replace") as f:
@@ -335,10 +336,11 @@ def _header_sizes(
                 continue
             for key, got in _HEADER_KEY.findall(line) if shape else ():
                 want = shape[_HEADER_SHAPE[key]]  # type: ignore[index]
-                if got != str(want):
+                if got not in {str(w) for w in want}:
+                    shown = " or ".join(str(w) for w in sorted(want))
                     raise TableError(
                         path, n, f"the header's {key} is the model's {_HEADER_SHAPE[key]}, "
-                        f"{want} (the log of another model? --model, --top-k)",
+                        f"{shown} (the log of another model? --model, --top-k)",
                         f"got {got!r}", "line",
                     )  # fmt: skip
             bm = _SIZE_BYTES.search(line)
@@ -479,7 +481,8 @@ def read_table(
     size_col = get.get("size")
     layer_size: dict[int, int] = {}
     for f in origin.files:
-        _header_sizes(f, L, layer_size, {"layers": L, "experts": E, "top_k": K})
+        shape = {"layers": {L, L + model.dense_layers}, "experts": {E}, "top_k": {K}}
+        _header_sizes(f, L, layer_size, shape)
     wide = _as_list(get["experts"][0]) is not None
     topk_rule = (
         f"every token has {K} distinct experts at a layer it is logged at "
