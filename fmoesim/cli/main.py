@@ -358,9 +358,8 @@ def _preflight_sweep(overrides: list[str]) -> int:
     apply = getattr(config_loader_impl.ConfigLoaderImpl, "_apply_overrides_to_config", None)
 
     def composing(o: str) -> bool:  # decides which presets there are to compose
-        return o.lstrip("+~").startswith("hydra.searchpath=") or _is_group(
-            o.split("=")[0].lstrip("+~")
-        )
+        key = o.split("=")[0].lstrip("+~")
+        return key == "hydra.searchpath" or (_is_group(key) and not key.startswith("hydra"))
 
     own = [o for o in overrides if not o.lstrip("+~").startswith("hydra") or composing(o)]
     parser = OverridesParser.create()
