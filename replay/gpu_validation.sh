@@ -5,8 +5,8 @@
 # run.log).  SKIP_PROFILE=1 and SKIP_TESTS=1 skip the first two steps (a second call that
 # resumes the replays); PROFILE_BASE names the hardware preset whose unmeasured terms the
 # profile keeps (default h100-pcie5), PROFILE_NAME the profile (default: OUT's folder name,
-# the name to copy OUT/profile.yaml to as conf/hardware/measured/<name>.yaml).  Run from the repository root on a machine with a
-# CUDA GPU and torch:
+# the name to copy OUT/profile.yaml to as conf/hardware/measured/<name>.yaml).  Run from
+# the repository root on a machine with a CUDA GPU and torch:
 #   bash replay/gpu_validation.sh OUT_DIR [SECONDS] [--models a,b] [more replay flags]
 # e.g. every policy in timed rounds at one budget, the host's drift spread over all of them
 # (docs/validation-runs.md, "How to replay for a 5% target"):
