@@ -497,10 +497,13 @@ def test_the_gpu_script_stops_without_the_device_and_fails_when_a_step_fails(tmp
     then reads as a success."""
     import os
     import subprocess
+    import sys
 
     pytest.importorskip("torch", reason="the replay needs torch")
     root = Path(C.__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    # the script runs python3: this interpreter's, as on a machine set up for the replay
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "PYTHONPATH": str(root), "PATH": path}
     script = str(root / "replay" / "gpu_validation.sh")
     p = subprocess.run(["bash", script, str(tmp_path / "a"), "20"], cwd=root, env=env,
                        capture_output=True, text=True, timeout=300)  # fmt: skip
