@@ -460,22 +460,16 @@ def policy_code(node: Any) -> str:
     preset name with another knob or other code differ in it."""
     import hashlib
     import json
-    import sys
 
     from hydra.utils import get_class
     from omegaconf import OmegaConf
 
+    from fmoesim.config.build import module_source
+
     conf: Any = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
     h = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode())
-    # the sources, found by name in the package's folder: a compiled module's __file__
-    # is its extension, or the library of its group of modules, or None
-    folder = Path(sys.modules["policies"].__path__[0])
     for name in policy_modules(get_class(str(conf["_target_"]))):
-        parts = name.split(".")[1:]
-        source = folder.joinpath(*parts).with_suffix(".py") if parts else folder / "__init__.py"
-        if not source.is_file():  # a subpackage
-            source = folder.joinpath(*parts, "__init__.py")
-        h.update(name.encode() + source.read_bytes())
+        h.update(name.encode() + module_source(name).read_bytes())
     return h.hexdigest()[:12]
 
 

@@ -227,21 +227,33 @@ def argument_type_error(node: DictConfig, prefix: str = "policy") -> ConfigError
     return None
 
 
+def module_source(name: str) -> Path:
+    """The source file of module ``name``, found by its name in its top-level package's
+    folder: a compiled module's ``__file__`` is its extension, the library of its group
+    of modules, or None."""
+    import sys
+
+    parts = name.split(".")
+    top = sys.modules[parts[0]]
+    if not hasattr(top, "__path__"):  # a module of its own, not a package
+        return Path(top.__file__ or "").with_suffix(".py")
+    folder = Path(top.__path__[0])
+    source = folder.joinpath(*parts[1:]).with_suffix(".py") if parts[1:] else folder
+    return source if source.is_file() else folder.joinpath(*parts[1:], "__init__.py")
+
+
 def _source_hints(cls: type) -> dict[str, Any]:
     """The annotations of ``cls.__init__``'s arguments read from its module's source
     (a compiled class's ``__init__`` keeps none), evaluated in the module's namespace;
     empty where the source or the method is not found."""
     import ast
-    import inspect
     import sys
 
     module = sys.modules[cls.__module__]
     owner = next((c for c in cls.__mro__ if "__init__" in vars(c)), cls)
     if owner is not cls:
         return _source_hints(owner) if owner is not object else {}
-    parts = cls.__module__.split(".")
-    folder = Path(inspect.getfile(sys.modules[parts[0]])).parent
-    source = folder.joinpath(*parts[1:]).with_suffix(".py")
+    source = module_source(cls.__module__)
     if not source.is_file():
         return {}
     for c in ast.walk(ast.parse(source.read_text())):
