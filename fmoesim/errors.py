@@ -26,6 +26,12 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1, for a message: ``1 request``,
+    ``3 requests``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def spans(values: Iterable[int]) -> str:
     """Sorted integers as runs, for a message: ``[1, 2, 3, 7, 9, 10]`` -> ``1-3, 7, 9-10``."""
     vals = sorted(set(values))

@@ -773,6 +773,15 @@ def test_spans_names_every_value_in_runs():
     assert spans([4]) == "4" and spans([]) == ""
 
 
+def test_counted_is_singular_for_one():
+    """Red if a message counts one thing in the plural ("1 requests") or many in the
+    singular."""
+    from fmoesim.errors import counted
+
+    assert counted(1, "request") == "1 request"
+    assert counted(0, "row") == "0 rows" and counted(18668, "row") == "18668 rows"
+
+
 @pytest.mark.parametrize(
     ("policy", "said"),
     [(["policy=fmoe", "policy.prefetch_distance=3"],

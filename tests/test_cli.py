@@ -150,13 +150,15 @@ def test_inspect_bundled_trace_prints_statistics():
 
 
 def test_synth_cli_writes_valid_trace_and_rejects_unknown_knob(tmp_path):
+    """Red if synth writes a trace that does not validate, its count of one request reads
+    "1 requests", or a bad knob or model leaves a folder or passes."""
     p = run(
         "fmoesim.cli.trace_cli",
         "synth",
         "--model",
         "olmoe-1b-7b",
         "--requests",
-        "2",
+        "1",
         "--set",
         "output_tokens_median=4",
         "--set",
@@ -165,6 +167,9 @@ def test_synth_cli_writes_valid_trace_and_rejects_unknown_knob(tmp_path):
     )
     assert p.returncode == 0, p.stderr
     assert "16 x 64, top-8" in p.stdout
+    assert ": 1 request, " in p.stdout  # red if a count of one reads "1 requests"
+    p = run("fmoesim.cli.trace_cli", "validate", str(tmp_path / "o"))
+    assert p.returncode == 0 and "valid (1 request, " in p.stdout, p.stderr
     p = run("fmoesim.cli.trace_cli", "synth", "--set", "skeww=2", str(tmp_path / "x"))
     assert p.returncode == 2 and "unknown knob" in p.stderr
     assert not (tmp_path / "x").exists()

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, counted, run_or_exit
 
 PROG = "fmoesim-collect"
 TEXT_FIELDS = ("prompt", "text", "question", "content")
@@ -181,7 +181,7 @@ def _run(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         tokens=args.tokens,
     )
-    print(f"wrote {out}: {len(ids)} requests")
+    print(f"wrote {out}: {counted(len(ids), 'request')}")
 
 
 def _config_vocab_size(name: str) -> int | None:

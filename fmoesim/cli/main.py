@@ -42,6 +42,7 @@ from fmoesim.config.build import (
 from fmoesim.config.schema import CONF_DIR, RunConfig, register_configs, resolve_path
 from fmoesim.errors import (
     FmoesimError,
+    counted,
     exit_interrupted,
     exit_stdout_closed,
     is_omegaconf_error,
@@ -813,8 +814,9 @@ def format_summary(
         + f"   model {row['model']}   hardware {row['hardware']}   "
         f"budget {row['budget_gb']:.2f} GB ({held})"
         + (f" per GPU x {gpus} GPUs" if gpus > 1 else ""),
-        f"trace      {row['trace']} ({row['trace_source']}; {row['requests']} requests), "
-        f"run in {row['iterations']} iterations",
+        f"trace      {row['trace']} ({row['trace_source']}; "
+        f"{counted(row['requests'], 'request')}), "
+        f"run in {counted(row['iterations'], 'iteration')}",
         "",
         f"{'metric':<22}{'value':>{w}}",
         "-" * (22 + w),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from fmoesim.errors import ArgumentParser, ConfigError, FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, ConfigError, FmoesimError, counted, run_or_exit
 
 PROG = "fmoesim-trace"
 
@@ -149,7 +149,8 @@ def _run(args: argparse.Namespace) -> None:
     elif args.cmd == "validate":
         t = validate_trace(args.path)
         print(
-            f"{args.path}: valid ({t.num_requests} requests, {t.num_iterations} iterations, "
+            f"{args.path}: valid ({counted(t.num_requests, 'request')}, "
+            f"{counted(t.num_iterations, 'iteration')}, "
             f"{t.num_layers} layers x {t.num_experts} experts)"
         )
     elif args.cmd == "import":
@@ -194,7 +195,8 @@ def _run(args: argparse.Namespace) -> None:
 
         man = TraceManifest.load(path / MANIFEST)  # the importer read the trace back
         print(
-            f"wrote {path}: {man.num_requests} requests, {man.num_iterations} iterations "
+            f"wrote {path}: {counted(man.num_requests, 'request')}, "
+            f"{counted(man.num_iterations, 'iteration')} "
             f"({model.name}, top-k only: no probabilities){note}"
         )
     elif args.cmd == "synth":
@@ -216,7 +218,8 @@ def _run(args: argparse.Namespace) -> None:
         path = generate(model, cfg, args.out, overwrite=args.force, progress=True)
         t = read_trace(path)
         print(
-            f"wrote {path}: {t.num_requests} requests, {t.num_iterations} iterations "
+            f"wrote {path}: {counted(t.num_requests, 'request')}, "
+            f"{counted(t.num_iterations, 'iteration')} "
             f"({model.name}: {model.num_layers} x {model.num_experts}, top-{model.top_k})"
         )
 

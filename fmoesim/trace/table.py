@@ -67,7 +67,7 @@ from zipfile import BadZipFile
 
 import numpy as np
 
-from fmoesim.errors import FmoesimError, spans
+from fmoesim.errors import FmoesimError, counted, spans
 from fmoesim.specs.model import ModelSpec
 from fmoesim.trace.schema import TraceManifest, TraceModel, check_prompt_tokens, is_json_int
 from fmoesim.trace.writer import TraceWriter, check_destination
@@ -117,7 +117,8 @@ class ImportReport:
         cols = ", ".join(f"{k}={v}" for k, v in self.columns.items())
         out = [
             f"columns: {cols}",
-            f"{self.rows} rows -> {self.requests} requests, {self.tokens} tokens",
+            f"{counted(self.rows, 'row')} -> {counted(self.requests, 'request')}, "
+            f"{counted(self.tokens, 'token')}",
         ]
         if self.layer_bytes is not None:
             sizes = sorted(set(self.layer_bytes))
