@@ -132,7 +132,7 @@ def format_report(trace: Trace) -> str:
     lines = [
         f"trace      {trace.path}",
         f"source     {src}"
-        + (" (synthetic: not real routing data)" if src == "synthetic" else "")
+        + (" (not real routing data)" if src == "synthetic" else "")
         + (f", seed {man.source.get('seed')}" if "seed" in man.source else ""),
         f"model      {m.name}: {m.num_layers} MoE layers x {m.num_experts} experts, top-{m.top_k}"
         + (f", {m.num_shared_experts} shared" if m.num_shared_experts else "")

@@ -623,7 +623,7 @@ def _plot(target: dict[str, list[float]], best: Candidate, path: Path) -> None:
         )
     ax.set_xlabel("cached experts per layer (C)")
     ax.set_ylabel("hit rate (%)")
-    ax.set_title("Mixtral-8x7B: real routing vs calibrated synthetic (synthetic is synthetic)")
+    ax.set_title("Mixtral-8x7B: LRU and LFU hit rates, real routing vs the calibrated workload")
     ax.title.set_fontsize(9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
