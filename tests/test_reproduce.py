@@ -30,6 +30,7 @@ from fmoesim.reproduce.report import (
     markers,
     overview,
     read_csv,
+    to_csv,
     to_markdown,
     update_overview,
     write_scoreboard,
@@ -686,15 +687,18 @@ def test_missing_runs_leave_the_row_in() -> None:
 
 
 def test_csv_and_markdown(tmp_path: Path) -> None:
-    """Red when the CSV loses a claim or a column, or the Markdown row misstates the
-    paper's number, fmoesim's, the direction, the ratio or the preset."""
-    scores = scoreboard([claim(paper_value=-47.0), claim(id="v", experiment=None,
-                         reason="no preset yet (why)")], FIG9)  # fmt: skip
+    """Red when the CSV loses a claim or a column, rounds the paper's number (-43.74
+    read as -43.7), or the Markdown row misstates the paper's number, fmoesim's, the
+    direction, the ratio or the preset."""
+    scores = [score_claim(c, FIG9) for c in (claim(paper_value=-47.0), claim(
+              id="v", experiment=None, reason="no preset yet (why)"))]  # fmt: skip
     paths = write_scoreboard("fmoe", scores, tmp_path)
     assert [p.name for p in paths] == ["fmoe.csv", "fmoe.md", "README.md"]
     rows = read_csv(tmp_path / "fmoe.csv")
     assert list(rows[0]) == list(COLUMNS) and len(rows) == 2
-    assert (rows[0]["paper_value"], rows[0]["fmoesim_value"]) == ("-47.0", "-8.00")
+    assert (rows[0]["paper_value"], rows[0]["fmoesim_value"]) == ("-47", "-8.00")
+    exact = read_csv_text(to_csv([score_claim(claim(paper_value=-43.74), FIG9)]))
+    assert exact[0]["paper_value"] == "-43.74"
     assert (rows[0]["holds"], rows[0]["ratio"], rows[0]["preset"]) == ("yes", "0.17", "fmoe-fig9")
     assert (rows[1]["fmoesim_value"], rows[1]["holds"]) == ("", "n.a.")
     md = to_markdown(scores).splitlines()
@@ -704,6 +708,14 @@ def test_csv_and_markdown(tmp_path: Path) -> None:
         "2 claims: the direction holds for 1, not for 0; 1 not computed"
         in (tmp_path / "README.md").read_text()
     )
+
+
+def read_csv_text(text: str) -> list[dict[str, str]]:
+    """A scoreboard CSV's rows from its text."""
+    import csv
+    import io
+
+    return list(csv.DictReader(io.StringIO(text)))
 
 
 def test_docs_table_between_markers() -> None:
@@ -847,6 +859,108 @@ def test_one_papers_docs_keep_the_others_in_the_overview(tmp_path: Path) -> None
         "the --out that holds the others' scoreboards)"
     )
     assert page.read_text() == text and not (tmp_path / "out").exists()
+
+
+def rows_of_points(experiment: str, pts: list[dict[str, Any]], metric: str) -> pd.DataFrame:
+    """Made-up store rows of ``experiment``, one per sweep point, with this code's
+    version and ``metric`` (2.0 for DeepSpeed-Inference, 1.0 for the others)."""
+    from fmoesim.results.store import code_version
+
+    rows = [{**p, metric: 2.0 if p["policy"] == "deepspeed" else 1.0} for p in pts]
+    conf_rows = []
+    for r in rows:
+        conf: dict = {}
+        for key, val in r.items():
+            if key not in ("policy", metric):
+                node = conf
+                *parents, leaf = key.split(".")
+                for part in parents:
+                    node = node.setdefault(part, {})
+                node[leaf] = val
+        conf_rows.append({"experiment": experiment, "timing": True, "policy": r["policy"],
+                          "config_json": json.dumps(conf), "code_version": code_version(),
+                          metric: r[metric]})  # fmt: skip
+    return pd.DataFrame(conf_rows)
+
+
+def test_a_claim_is_scored_only_on_every_point_it_reads() -> None:
+    """ "DeepSpeed-Inference has the highest TPOT of the five systems" against a store
+    that lacks one rival's run: n.a., naming the missing run.  Red if the claim is
+    scored against the rivals that are there (a partial store gave +35.7% against two
+    of four rivals where the whole store gives +12.5%)."""
+    c = next(c for c in load_catalog("fmoe") if c.id == "fig9-deepspeed-worst-tpot")
+    pts = points(c)
+    assert c.a["policy"] == pts[0]["policy"] == "deepspeed"
+    whole = rows_of_points("fmoe-fig9", pts, "tpot_mean_s")
+    s = scoreboard([c], whole)[0]
+    assert s.missing == 0 and s.fmoesim_value == pytest.approx(100.0)  # 2.0 against 1.0
+    gone = next(i for i, p in enumerate(pts) if p["policy"] == "promoe")
+    part = whole.drop(index=gone)
+    s = scoreboard([c], part)[0]
+    assert (s.fmoesim_value, s.holds, s.missing) == (None, NA, 1)
+    shown = " ".join(f"{k}={v}" for k, v in pts[gone].items())
+    assert s.detail == f"not in the store: the run at {shown}"
+    # scored by hand on the rows there are, as the tests above do: the number stands
+    assert score_claim(c, part).fmoesim_value == pytest.approx(100.0)
+
+
+def test_a_partial_store_is_said_and_kept_out_of_the_docs(tmp_path: Path) -> None:
+    """A store holding all but one run of fMoE's Fig. 9: the command says on stderr how
+    many claims lack runs and how to run them, and with ``--docs`` refuses before
+    anything is written.  Red if a partial store silently rewrites the docs' tables."""
+    c = next(c for c in load_catalog("fmoe") if c.id == "fig9-deepspeed-worst-tpot")
+    pts = points(c)
+    (tmp_path / "store").mkdir()
+    for i, (_, row) in enumerate(rows_of_points("fmoe-fig9", pts[1:], "tpot_mean_s").iterrows()):
+        pd.DataFrame([row]).to_parquet(tmp_path / "store" / f"{i}.parquet")
+    page = tmp_path / "page.md"
+    text = "".join(f"{a}\nold\n{b}\n" for a, b in (markers(p) for p in (*PAPERS, "overview")))
+    page.write_text(text)
+    (tmp_path / "out").mkdir()  # the other papers' scoreboards, which the overview reads
+    for other in ("moe-infinity", "moepic"):
+        (tmp_path / "out" / f"{other}.csv").write_text(
+            (SCOREBOARD_DIR / f"{other}.csv").read_text()
+        )
+    p = _reproduce_into(tmp_path, "fmoe", page)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith(
+        f"fmoesim-reproduce: error: --store {tmp_path / 'store'}: lacks runs that "
+    ), p.stderr
+    assert "(first: claim " in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert "the run at policy=deepspeed model=mixtral-8x7b)" in p.stderr  # the one left out
+    assert page.read_text() == text and not (tmp_path / "out" / "fmoe.csv").exists()
+    p = subprocess.run(
+        [sys.executable, "-m", "fmoesim.cli.reproduce_cli", "fmoe",
+         "--out", str(tmp_path / "out"), "--store", str(tmp_path / "store")],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "claims n.a. for runs the store lacks" in p.stderr
+    assert f"run: fmoesim-reproduce fmoe --run --store {tmp_path / 'store'}" in p.stderr
+    rows = {r["id"]: r for r in read_csv(tmp_path / "out" / "fmoe.csv")}
+    row = rows["fig9-deepspeed-worst-tpot"]
+    assert (row["holds"], row["fmoesim_value"]) == (NA, "")
+    assert row["detail"].startswith("not in the store: the run at policy=deepspeed")
+
+
+@pytest.mark.parametrize("flag", ["--out", "--store"])
+def test_an_unwritable_out_or_store_is_refused_before_any_run(flag: str, tmp_path: Path) -> None:
+    """``--out`` (or ``--store`` with ``--run``) under a file: one line naming the flag,
+    before the runs start.  Red if the runs go ahead and the write fails at the end, or
+    the message names a config key the user never typed (store.dir)."""
+    (tmp_path / "file").write_text("x")
+    paths = {"--out": str(tmp_path / "out"), "--store": str(tmp_path / "store")}
+    paths[flag] = str(tmp_path / "file" / "sub")
+    p = subprocess.run(
+        [sys.executable, "-m", "fmoesim.cli.reproduce_cli", "fmoe", "--run",
+         "--out", paths["--out"], "--store", paths["--store"]],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 2 and p.stdout == "", (p.stdout, p.stderr)
+    assert p.stderr.strip() == (
+        f"fmoesim-reproduce: error: {flag} {paths[flag]}: cannot be made: "
+        f"{tmp_path / 'file'} is a file (rule: {flag} can be written)"
+    )
 
 
 # -- regression on the scoreboard ------------------------------------------------------

@@ -18,9 +18,12 @@ one queue on ``--jobs`` processes (runs already in the store are skipped).  ``--
 PAGE`` writes each paper's table into PAGE between ``<!-- scoreboard:<paper> -->`` and
 ``<!-- /scoreboard:<paper> -->``.  Exit status 2 and one line on stderr for bad input,
 before anything is written: a ``--store`` that is no folder (without ``--run``, which
-makes it), a store file that is not a run's row, or a store holding no run of a paper's
-presets, or none from the running code's version (a mistyped ``--store``, or a store of
-older runs, would otherwise blank the scoreboards).
+makes it), an ``--out`` (or, with ``--run``, a ``--store``) that cannot be written, a
+store file that is not a run's row, or a store holding no run of a paper's presets, or
+none from the running code's version (a mistyped ``--store``, or a store of older runs,
+would otherwise blank the scoreboards).  A claim whose points the store lacks in part
+has no number (n.a., saying which run is missing; a line on stderr counts them), and
+``--docs`` is then refused: the docs' scoreboard is scored on every point.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, counted, run_or_exit
 
 PROG = "fmoesim-reproduce"
 
@@ -105,6 +108,9 @@ def _run(args: argparse.Namespace) -> None:
             except FmoesimError as e:
                 raise FmoesimError(f"--docs {docs}: {e}") from None
     check_store_dir(args.store, f"{PROG} {args.paper} --run makes it and runs the claims", args.run)
+    _writable("--out", Path(args.out))  # before any run: the scoreboards go there
+    if args.run:
+        _writable("--store", Path(args.store))
     store = Path(args.store).resolve()
     others = [p for p in PAPERS if p not in catalogs]  # the overview reads them from --out
     if args.run:  # one queue over every paper's runs
@@ -132,6 +138,23 @@ def _run(args: argparse.Namespace) -> None:
     if not args.run:  # after the store's own checks, whose errors come first
         _check_overview(docs, Path(args.out), others)
     boards = {name: scoreboard(claims, results) for name, claims in catalogs.items()}
+    for name, scores in boards.items():  # a partial store: said, and kept out of the docs
+        short = [s for s in scores if s.missing]
+        if not short:
+            continue
+        run = f"{PROG} {name} --run --store {args.store}"
+        first = f"first: claim {short[0].claim.id}, {short[0].detail}"
+        if docs is not None:
+            raise FmoesimError(
+                f"--store {args.store}: lacks runs that {counted(len(short), 'claim')} of "
+                f"{name} read ({first}) (rule: the docs' scoreboard is scored on every "
+                f"point; run: {run})"
+            )
+        print(
+            f"{PROG}: {name}: {counted(len(short), 'claim')} n.a. for runs the store lacks "
+            f"({first}); run: {run}",
+            file=sys.stderr,
+        )
     for name, scores in boards.items():  # written once every paper is scored
         paths = write_scoreboard(name, scores, Path(args.out))
         print(f"{name}: {summary_line(scores)} -> {paths[0]} (+ .md)")
@@ -140,6 +163,19 @@ def _run(args: argparse.Namespace) -> None:
     if docs is not None:
         update_overview(docs, Path(args.out), list(PAPERS))
         print(f"the overview of every paper's scoreboard written into {docs}")
+
+
+def _writable(flag: str, folder: Path) -> None:
+    """``folder`` (the value of ``flag``) is a folder that can take files, or can be made
+    as one: one line naming the flag otherwise."""
+    from fmoesim.atomic import writable_ancestor
+
+    probe, problem = writable_ancestor(folder)
+    if problem == "is a file" and probe == folder:
+        raise FmoesimError(f"{flag} {folder}: not a folder (rule: {flag} names a folder)")
+    if problem is not None:
+        where = "" if probe == folder else f"cannot be made: {probe} "
+        raise FmoesimError(f"{flag} {folder}: {where}{problem} (rule: {flag} can be written)")
 
 
 def _check_overview(docs: Path | None, out: Path, others: list[str]) -> None:

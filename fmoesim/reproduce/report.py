@@ -41,7 +41,7 @@ def csv_rows(scores: Sequence[Score]) -> list[dict[str, str]]:
                 "claim": c.claim,
                 "quote": c.quote,
                 "setting": c.setting,
-                "paper_value": _num(c.paper_value, 1),
+                "paper_value": "" if c.paper_value is None else f"{c.paper_value:g}",
                 "paper_unit": c.unit if c.paper_value is not None else "",
                 "fmoesim_value": _num(s.fmoesim_value, 2),
                 "fmoesim_unit": s.unit if s.fmoesim_value is not None else "",

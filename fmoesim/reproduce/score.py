@@ -107,6 +107,9 @@ class Score:
     #: with the claim's ``floor``: the change A would show against B with every expert
     #: resident (:func:`resident_effect`), percent; None without a floor or its runs
     resident: float | None = None
+    #: how many of the points the claim reads the store lacks (:func:`missing_points`;
+    #: all of them where it holds no run of the preset); the claim then has no number
+    missing: int = 0
 
     @property
     def unit(self) -> str:
@@ -536,11 +539,59 @@ def resident_effect(claim: Claim, df: Any, floor_df: Any) -> tuple[float, str]:
     return sum(values) / len(values), "" if claim.per is None else detail
 
 
-def score_claim(claim: Claim, results: Any) -> Score:
+def _norm(value: Any) -> str:
+    """A swept value as text, numbers as numbers (``32000`` and ``"32000.0"`` are one)."""
+    try:
+        return repr(float(value))
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def missing_points(claim: Claim, df: Any) -> list[dict[str, Any]]:
+    """The points ``claim`` reads (:func:`fmoesim.reproduce.smallscale.points`) that no
+    row of its experiment's rows ``df`` matches.  A claim whose side reads several
+    points (a list of policies, a mean over a swept key) is scored only on all of them:
+    on part of them its number would be another claim's.  A ``min_budget`` claim reads
+    a chain of budgets that stops at the first that meets its target, so it is not
+    checked here (its sides read what was run)."""
+    from fmoesim.reproduce.smallscale import points
+
+    if claim.kind == "min_budget":
+        return []
+    want = points(claim)
+    keys = sorted({k for p in want for k in p})
+    have = {tuple(_norm(row_value(r, k)) for k in keys) for _, r in df.iterrows()}
+    out = []
+    for p in want:
+        if len(p) == len(keys):
+            if tuple(_norm(p[k]) for k in keys) not in have:
+                out.append(p)
+        elif select(df, p).empty:  # pragma: no cover - every point has the swept keys
+            out.append(p)
+    return out
+
+
+def _points_read(claim: Claim) -> int:
+    """How many points of its preset ``claim`` reads (at least one)."""
+    from fmoesim.reproduce.smallscale import points
+
+    return max(1, len(points(claim)))
+
+
+def absent_text(absent: Sequence[dict[str, Any]]) -> str:
+    """What a claim's missing points are, for its detail: how many, and the first."""
+    first = " ".join(f"{k}={_num(v)}" for k, v in absent[0].items())
+    more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
+    return f"not in the store: the run at {first}{more}"
+
+
+def score_claim(claim: Claim, results: Any, every_point: bool = False) -> Score:
     """fmoesim's :class:`Score` for ``claim`` from the store's DataFrame ``results``:
     the rows of its experiment from the running code version
     (:func:`fmoesim.plots.figures.experiment_rows`).  A claim without a preset, or whose
-    rows are missing, has no number and says why in ``detail``."""
+    rows are missing, has no number and says why in ``detail``; with ``every_point``,
+    so does a claim of which the store lacks any point of its preset that it reads
+    (:func:`missing_points`)."""
     from fmoesim.plots.figures import experiment_rows
 
     if claim.kind == "model":
@@ -554,6 +605,14 @@ def score_claim(claim: Claim, results: Any) -> Score:
             timed=any(is_latency(m) for m in claim.metrics),
             what=f"claim {claim.id}",
         )
+    except AmbiguousRunsError:
+        raise  # a store that holds two runs for a point scores nothing: the command stops
+    except FmoesimError as exc:  # none of the preset's runs (of this code, timed)
+        return Score(claim, None, NA, None, str(exc), missing=_points_read(claim) * every_point)
+    try:
+        absent = missing_points(claim, df) if every_point else []
+        if absent:
+            return Score(claim, None, NA, None, absent_text(absent), missing=len(absent))
         value, holds, detail = effect(claim, df)
     except AmbiguousRunsError:
         raise  # a store that holds two runs for a point scores nothing: the command stops
@@ -655,5 +714,6 @@ def ensure_runs(claims: Sequence[Claim], store: Path, jobs: int) -> None:
 
 def scoreboard(claims: Sequence[Claim], results: Any) -> list[Score]:
     """Every claim's :class:`Score`, in catalog order: none is left out, whatever its
-    outcome."""
-    return [score_claim(c, results) for c in claims]
+    outcome.  A claim is scored only on every point of its preset that it reads: one
+    the store lacks leaves it without a number (:attr:`Score.missing`)."""
+    return [score_claim(c, results, every_point=True) for c in claims]
