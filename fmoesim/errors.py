@@ -46,6 +46,19 @@ def spans(values: Iterable[int]) -> str:
     return ", ".join(out)
 
 
+def names_of(flag: str, text: str, empty_ok: bool = False) -> list[str]:
+    """A comma-separated option's items (``--policies lru,lfu``), each stripped.  An
+    empty item (``lru,,lfu``, ``lru,``, ``,``) is refused naming ``flag``: a stray comma
+    must not widen or empty a selection.  ``empty_ok``: an empty ``text`` is no items
+    (an option whose default means "all")."""
+    if not text.strip() and empty_ok:
+        return []
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise FmoesimError(f"{flag} {text!r}: an empty item (rule: comma-separated names)")
+    return items
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose usage errors keep the commands' contract: one line
     (``<prog>: error: <what> (see --help)``) and exit status 2, not the usage text

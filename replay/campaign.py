@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, names_of, run_or_exit
 from replay.events import EventLog, EventRecorder, log_name, save_log
 
 PROG = "fmoesim-validate-grid"
@@ -2346,7 +2346,7 @@ def _costs_text(engine: dict[str, float]) -> str:
 
 def _fit_modes(arg: str) -> list[str]:
     """``--fit-modes``, checked against the grid's modes."""
-    modes = [m for m in arg.split(",") if m]
+    modes = names_of("--fit-modes", arg, empty_ok=True)
     for m in modes:
         if m not in MODES:
             raise FmoesimError(f"--fit-modes {m}: unknown (valid: {', '.join(MODES)})")
@@ -2375,20 +2375,20 @@ def _check_replay_args(policies: Sequence[str], args: argparse.Namespace) -> Non
 
 def _run(args: argparse.Namespace) -> None:
     if args.cmd == "replay":
-        models = [m for m in args.models.split(",") if m]
+        models = names_of("--models", args.models)
         grid = [g for g in GRID if g.model in models]
         unknown = set(models) - {g.model for g in GRID}
         if unknown:
             known = ", ".join(g.model for g in GRID)
             raise FmoesimError(f"--models {sorted(unknown)[0]}: not in the grid ({known})")
-        modes = [m for m in args.modes.split(",") if m]
+        modes = names_of("--modes", args.modes)
         for m in modes:
             if m not in MODES:
                 raise FmoesimError(f"--modes {m}: unknown (valid: {', '.join(MODES)})")
         budgets = None
         if args.budgets is not None:
             try:
-                budgets = [float(b) for b in args.budgets.split(",") if b]
+                budgets = [float(b) for b in names_of("--budgets", args.budgets)]
             except ValueError:
                 msg = f"--budgets {args.budgets}: not comma-separated numbers"
                 raise FmoesimError(msg) from None
@@ -2397,7 +2397,7 @@ def _run(args: argparse.Namespace) -> None:
                 if b not in known_b:
                     known = ", ".join(f"{k:g}" for k in known_b)
                     raise FmoesimError(f"--budgets {b:g}: not in the grid's budgets ({known})")
-        policies = [p for p in args.policies.split(",") if p]
+        policies = names_of("--policies", args.policies)
         _check_replay_args(policies, args)
         runs = grid_runs(grid, policies, modes, not args.no_crossover, hardware=args.hardware,
                          budgets_gb=budgets)  # fmt: skip
@@ -2485,9 +2485,12 @@ def _run(args: argparse.Namespace) -> None:
         print(f"report     {path / 'report.md'}")
         return
     if args.cmd == "events":
+        if "," in args.hardware:
+            rule = "rule: events simulates on one; score compares several"
+            raise FmoesimError(f"--hardware {args.hardware}: one hardware profile ({rule})")
         if args.window_steps < 0:
             raise FmoesimError(f"--window-steps {args.window_steps}: must be 0 (none) or more")
-        pols = None if args.policies is None else [p for p in args.policies.split(",") if p]
+        pols = None if args.policies is None else names_of("--policies", args.policies)
         fit = None
         if args.fit_model is not None:
             fit = {"fit_model": args.fit_model, "host_speed": args.host_speed,
@@ -2499,7 +2502,7 @@ def _run(args: argparse.Namespace) -> None:
                              Path(args.out), meta, args.window_steps, pols, fit)  # fmt: skip
         print(f"report     {path / 'events.md'}")
         return
-    hardware = [h for h in args.hardware.split(",") if h]
+    hardware = names_of("--hardware", args.hardware)
     path = score([Path(p) for p in args.replays], hardware, Path(args.out), meta)
     print(f"report     {path / 'report.md'}")
 

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from fmoesim.atomic import atomic_file
-from fmoesim.errors import ArgumentParser, ConfigError, FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, ConfigError, FmoesimError, names_of, run_or_exit
 from fmoesim.specs import HardwareSpec, ModelSpec
 
 PROG = "fmoesim-profile"
@@ -439,7 +439,7 @@ def _run(args: argparse.Namespace) -> None:
 
     if args.repeats < 1:
         raise FmoesimError(f"--repeats {args.repeats}: must be >= 1")
-    names = [n for n in args.model.split(",") if n]
+    names = names_of("--model", args.model, empty_ok=True)
     if not names:
         raise FmoesimError("--model: give at least one model preset")
     try:

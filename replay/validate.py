@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, names_of, run_or_exit
 
 PROG = "fmoesim-validate"
 DEFAULT_POLICIES = "lru,lfu,moe-infinity,fmoe,moepic"
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
 def _run(args: argparse.Namespace) -> None:
     if args.depth < 1:
         raise FmoesimError(f"--depth {args.depth}: must be >= 1")
-    policies = [p for p in args.policies.split(",") if p]
+    policies = names_of("--policies", args.policies, empty_ok=True)
     if not policies:
         raise FmoesimError("--policies: give at least one policy preset")
     from replay.backend import check_device

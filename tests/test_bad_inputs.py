@@ -879,3 +879,43 @@ def test_a_policy_s_argument_types_are_read_from_its_source_too():
     fmoe, moepic = _source_hints(FMoE), _source_hints(MoEpic)
     assert (fmoe["prefetch_distance"], fmoe["semantic"], fmoe["label"]) == (int, bool, str | None)
     assert (moepic["split_ratio"], moepic["buffer_experts"]) == (float, int | None)
+
+
+def test_names_of_refuses_an_empty_item():
+    """Red if a stray comma is dropped (``--policies ,`` read as "every policy",
+    ``--hardware ,`` as no profile at all) instead of refused naming the option."""
+    from fmoesim.errors import names_of
+
+    assert names_of("--p", "lru, lfu") == ["lru", "lfu"]
+    assert names_of("--p", "", empty_ok=True) == []
+    for text in (",", "lru,", "lru,,lfu", ""):
+        with pytest.raises(FmoesimError, match=r"^--p '.*': an empty item"):
+            names_of("--p", text)
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "said"),
+    [
+        ("replay.campaign", ["score", "{rp}", "--hardware", ",", "--out", "{tmp}/x"],
+         "--hardware ',': an empty item (rule: comma-separated names)"),
+        ("replay.campaign", ["events", "{rp}", "--hardware", "rtx3090,a100", "--out", "{tmp}/y"],
+         "--hardware rtx3090,a100: one hardware profile"),
+        ("fmoesim.results.regress", ["--policies", ",", "--golden", "{tmp}/g.csv"],
+         "--policies ',': an empty item"),
+    ],
+)  # fmt: skip
+def test_a_stray_comma_in_a_list_option_is_refused(
+    module: str, argv: list[str], said: str, tmp_path: Path
+) -> None:
+    """One line naming the option, exit 2, nothing written.  Red if ``validate-grid
+    score --hardware ,`` ends in a traceback (an IndexError on no profiles), if events
+    blames a replayed row for a comma-separated --hardware, or if ``fmoesim-regress
+    --policies ,`` recomputes every policy."""
+    rp = tmp_path / "rp.csv"
+    src = ROOT / "results" / "validation" / "h100-measured" / "replay-qwen3-30b-a3b-2.csv"
+    rp.write_text("".join(src.read_text().splitlines(keepends=True)[:2]))
+    args = [a.format(rp=rp, tmp=tmp_path) for a in argv]
+    p = run(module, *args)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert len(p.stderr.strip().splitlines()) == 1 and said in p.stderr, p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["rp.csv"]

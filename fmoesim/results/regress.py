@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fmoesim.config.schema import PROJECT_ROOT as ROOT
-from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, names_of, run_or_exit
 
 PROG = "fmoesim-regress"
 GOLDEN = ROOT / "results" / "golden" / "hit_rates.csv"
@@ -223,7 +223,7 @@ def _run(args: argparse.Namespace) -> int:
     golden = Path(args.golden)
     if not args.golden or golden.is_dir():  # --update would write into the folder's name
         raise FmoesimError(f"--golden {args.golden!r}: a directory or no name (rule: a CSV file)")
-    policies = [p for p in args.policies.split(",") if p] or None
+    policies = names_of("--policies", args.policies, empty_ok=True) or None
     check_tolerance(args.tolerance_points)
     # the golden file is checked before the runs: bad input fails at once
     old = read_golden(golden) if not args.update or (policies and golden.exists()) else None
