@@ -919,3 +919,42 @@ def test_a_stray_comma_in_a_list_option_is_refused(
     assert p.returncode == 2, (p.stdout, p.stderr)
     assert len(p.stderr.strip().splitlines()) == 1 and said in p.stderr, p.stderr
     assert sorted(x.name for x in tmp_path.iterdir()) == ["rp.csv"]
+
+
+@pytest.mark.parametrize(
+    ("group", "preset", "drop", "said"),
+    [("hardware", "rtx3090-pcie4", "pcie_gbps", "sets no pcie_gbps (rule: a hardware preset"),
+     ("model", "mixtral-8x7b", "expert_intermediate_size",
+      "sets no expert_intermediate_size (rule: a model preset sets its shape")],
+)  # fmt: skip
+def test_a_preset_that_leaves_out_a_field_is_refused(
+    group: str, preset: str, drop: str, said: str, tmp_path: Path
+) -> None:
+    """A model or hardware preset without one of its numbers, chosen from a searchpath
+    folder: one line naming the file and the field, exit 2, nothing written.  Red if the
+    run goes ahead on the schema's default (32 GB/s, Mixtral's 14336) under the preset's
+    name."""
+    conf = tmp_path / "conf" / group
+    conf.mkdir(parents=True)
+    text = (ROOT / "conf" / group / f"{preset}.yaml").read_text()
+    kept = [line for line in text.splitlines() if not line.startswith(f"{drop}:")]
+    assert len(kept) == len(text.splitlines()) - 1
+    (conf / "mine.yaml").write_text("\n".join(kept) + "\n")
+    p = fmoesim(f"hydra.searchpath=[file://{tmp_path / 'conf'}]", f"{group}=mine",
+                "serving.max_requests=1", f"output.dir={tmp_path}/runs",
+                f"store.dir={tmp_path}/store", cwd=tmp_path)  # fmt: skip
+    assert_refused(p, f"{conf / 'mine.yaml'}: {said}")
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["conf"]
+
+
+def test_every_model_and_hardware_preset_sets_its_own_fields() -> None:
+    """Red if a committed preset leans on a schema default for a model's shape or a
+    machine's number (or if the check refuses a complete preset)."""
+    from fmoesim.config.build import PRESET_FIELDS, check_preset_fields
+    from fmoesim.config.schema import CONF_DIR
+
+    for group in PRESET_FIELDS:
+        files = sorted((CONF_DIR / group).rglob("*.yaml"))
+        assert len(files) >= 10, group
+        for path in files:
+            check_preset_fields(group, path)

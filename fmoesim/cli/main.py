@@ -32,6 +32,7 @@ from fmoesim.atomic import atomic_dir, clean_stale_temps, writable_ancestor
 from fmoesim.config.build import (
     RunSpec,
     build_run,
+    check_preset_fields,
     config_to_dict,
     one_line,
     policy_args,
@@ -180,11 +181,14 @@ def check_added_keys(overrides: list[str]) -> None:
             value = o.value()
             names = [value] if isinstance(value, str) else getattr(value, "list", None) or []
             for name in names:  # Hydra skips an unknown preset of an optional group (experiment)
-                if isinstance(name, str) and not any(
-                    (d / group / f"{name}.yaml").is_file() for d in folders
-                ):
+                if not isinstance(name, str):
+                    continue
+                found = [d / group / f"{name}.yaml" for d in folders]
+                found = [f for f in found if f.is_file()]
+                if not found:
                     folder, _, leaf = f"{group}/{name}".rpartition("/")
                     raise FmoesimError(_unknown_preset(folder, leaf))
+                check_preset_fields(group, found[0], tuple(folders))  # the first on the path
         if not (o.is_add() or o.is_force_add()):
             continue
         key = o.key_or_group

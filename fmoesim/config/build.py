@@ -48,6 +48,55 @@ def valid_presets(group: str) -> str:
     return names
 
 
+#: the fields a preset of the group sets itself (a model's shape, a machine's numbers):
+#: the schema's defaults are one model's and one GPU's, so a preset that leaves one out
+#: would run on them without a word
+PRESET_FIELDS = {
+    "model": ("name", "num_layers", "num_experts", "top_k", "hidden_size",
+              "expert_intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim",
+              "vocab_size", "dtype"),
+    "hardware": ("name", "gpu", "num_gpus", "gpu_memory_gb", "pcie_gbps",
+                 "transfer_overhead_s", "chunk_bytes", "peak_tflops", "hbm_gbps",
+                 "compute_efficiency", "memory_efficiency", "kernel_overhead_s", "source"),
+}  # fmt: skip
+
+
+def check_preset_fields(group: str, path: Path, folders: tuple[Path, ...] = (CONF_DIR,)) -> None:
+    """A ``model`` or ``hardware`` preset file ``path`` sets every field of
+    :data:`PRESET_FIELDS` itself or through the presets of its group that its
+    ``defaults`` list (looked for in ``folders``); one line naming the file and the first
+    field left out otherwise.  Other groups, and a file that does not load as a mapping
+    (Hydra reports it), pass."""
+    need = PRESET_FIELDS.get(group)
+    if need is None:
+        return
+    keys: set[str] = set()
+    todo, seen = [path], set()
+    while todo:
+        p = todo.pop()
+        if p in seen or not p.is_file():
+            continue
+        seen.add(p)
+        try:
+            raw = OmegaConf.to_container(OmegaConf.load(p))
+        except Exception:  # noqa: BLE001 - not YAML: left to the loader, which says so
+            return
+        if not isinstance(raw, dict):
+            return
+        keys |= {str(k) for k in raw}
+        for entry in raw.get("defaults") or []:
+            if isinstance(entry, str) and entry not in (f"{group}_schema", "_self_"):
+                todo += [d / group / f"{entry.lstrip('/')}.yaml" for d in folders]
+    missing = [k for k in need if k not in keys]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        what = f"its shape ({', '.join(need)})" if group == "model" else "each field but measured"
+        raise FmoesimError(
+            f"{path}: sets no {missing[0]}{more} (rule: a {group} preset sets {what} itself; "
+            f"the schema's defaults are no {group}'s)"
+        )
+
+
 def load_preset(group: str, name: str, schema: type[T]) -> T:
     """Load ``conf/<group>/<name>.yaml`` into ``schema``; unknown names list the valid ones."""
     path = CONF_DIR / group / f"{name}.yaml"
@@ -59,6 +108,7 @@ def load_preset(group: str, name: str, schema: type[T]) -> T:
         raise ConfigError(f"{group}/{name}.yaml", "", f"is not YAML: {one_line(exc)}") from None
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"{group}/{name}.yaml", "", "must be a YAML mapping")
+    check_preset_fields(group, path)
     if "defaults" in raw:
         del raw["defaults"]
     try:
