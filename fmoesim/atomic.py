@@ -8,6 +8,7 @@ temporary; :func:`clean_stale_temps` removes those whose creating process is gon
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -90,15 +91,30 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
     as matplotlib and pandas do, still work)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_prefix(path.stem), suffix=path.suffix)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_prefix(path.stem), suffix=path.suffix)
+    except OSError as exc:
+        raise _about(exc, path) from None
     os.close(fd)
     as_created(tmp, 0o666)
     try:
         yield Path(tmp)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise _about(exc, path) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _about(exc: OSError, path: Path) -> OSError:
+    """``exc``, raised on a temporary beside ``path`` or on its rename to ``path``, as
+    an error about ``path`` itself (the user named it, not the temporary)."""
+    reason = exc.strerror or type(exc).__name__
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        reason += f" (rule: {path.parent} takes new files)"
+    return OSError(exc.errno, reason, os.fspath(path))  # the errno's subclass, as raised
 
 
 @contextmanager
@@ -108,13 +124,19 @@ def atomic_dir(path: str | os.PathLike[str], replace: bool = False) -> Iterator[
     existing one is removed first), on failure it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=_prefix(path.name), dir=path.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=_prefix(path.name), dir=path.parent))
+    except OSError as exc:
+        raise _about(exc, path) from None
     as_created(tmp, 0o777)
     try:
         yield tmp
         if replace and path.exists():
             shutil.rmtree(path)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise _about(exc, path) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

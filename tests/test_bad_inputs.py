@@ -958,3 +958,47 @@ def test_every_model_and_hardware_preset_sets_its_own_fields() -> None:
         assert len(files) >= 10, group
         for path in files:
             check_preset_fields(group, path)
+
+
+def test_a_write_that_fails_names_the_file_asked_for(tmp_path: Path, monkeypatch) -> None:
+    """A folder that takes no new file: the error names the file the user asked for and
+    the rule, not the temporary beside it (``.g.tmp-host-pid-xyz.csv``).  Red if the
+    temporary's name reaches the user."""
+    import errno
+    import tempfile
+
+    from fmoesim.atomic import atomic_dir, atomic_file
+    from fmoesim.errors import os_error_line
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / ".g.tmp-x"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    for writer, name in ((atomic_file, "g.csv"), (atomic_dir, "run")):
+        with pytest.raises(PermissionError) as got, writer(tmp_path / name):
+            pass  # pragma: no cover - the temporary is never made
+        assert os_error_line(got.value) == (
+            f"{tmp_path / name}: Permission denied (rule: {tmp_path} takes new files)"
+        )
+
+
+def test_from_config_onto_a_folder_leaves_nothing(tmp_path: Path) -> None:
+    """``fmoesim-model from-config ... --out FOLDER --force``: one line naming the
+    folder, exit 2, no temporary left beside it.  Red if the preset is written to a
+    temporary first and left there when the rename fails."""
+    cfg = tmp_path / "tiny" / "config.json"
+    cfg.parent.mkdir()
+    cfg.write_text(json.dumps({
+        "model_type": "mixtral", "num_hidden_layers": 2, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+    }))  # fmt: skip
+    (tmp_path / "out").mkdir()
+    p = run("fmoesim.specs.from_config", "from-config", str(cfg), "--out", str(tmp_path / "out"),
+            "--force")  # fmt: skip
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert p.stderr.strip().endswith(f"{tmp_path / 'out'}: a folder (rule: --out names the "
+                                     "preset's file)")  # fmt: skip
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["out", "tiny"]
+    assert not any((tmp_path / "out").iterdir())

@@ -29,6 +29,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fmoesim.atomic import atomic_file
 from fmoesim.errors import ArgumentParser, ConfigError, FmoesimError, run_or_exit
 from fmoesim.specs.model import DTYPE_BYTES, ModelSpec
 from fmoesim.trace.schema import is_json_int
@@ -236,10 +237,10 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out)
         if out.exists() and not args.force:
             raise FmoesimError(f"{out}: exists (--force to replace it)")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(text)
-        tmp.replace(out)
+        if out.is_dir():
+            raise FmoesimError(f"{out}: a folder (rule: --out names the preset's file)")
+        with atomic_file(out) as tmp:
+            tmp.write_text(text)
         print(f"wrote {out}: {spec.num_layers} MoE layers x {spec.num_experts} experts, "
               f"top-{spec.top_k}")  # fmt: skip
 
