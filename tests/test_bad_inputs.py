@@ -1002,3 +1002,18 @@ def test_from_config_onto_a_folder_leaves_nothing(tmp_path: Path) -> None:
                                      "preset's file)")  # fmt: skip
     assert sorted(x.name for x in tmp_path.iterdir()) == ["out", "tiny"]
     assert not any((tmp_path / "out").iterdir())
+
+
+def test_collect_checks_where_it_writes_before_the_model_loads(tmp_path: Path) -> None:
+    """A destination under a plain file: one line naming it, before the prompts are read
+    or the model is looked for (the model here does not exist).  Red if the check waits
+    until the collection writes its first request (after the model has loaded)."""
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "t"
+    p = run("fmoesim.cli.collect_cli", str(tmp_path / "no-model"), str(tmp_path / "none.jsonl"),
+            str(out))  # fmt: skip
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert p.stderr.strip() == (
+        f"fmoesim-collect: error: {out}: cannot be made: {tmp_path / 'file'} is a file "
+        "(rule: the trace's folder can be written)"
+    )

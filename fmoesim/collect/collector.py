@@ -239,13 +239,22 @@ def check_arguments(max_new_tokens: int, batch_size: int, embedding_dim: int | N
 
 def check_destination(out: str | os.PathLike[str], overwrite: bool) -> None:
     """Refuse an existing destination unless ``overwrite``, and even then one that is not
-    a trace directory or an empty one (:func:`fmoesim.trace.writer.check_destination`):
-    checked before the collection, not only when its trace is written."""
+    a trace directory or an empty one (:func:`fmoesim.trace.writer.check_destination`),
+    and one whose folder cannot take it: checked before the collection, not only when its
+    trace is written."""
+    from fmoesim.atomic import writable_ancestor
     from fmoesim.trace.writer import check_destination as check_trace_destination
 
     if Path(out).exists() and not overwrite:
         raise FmoesimError(f"{out}: already exists (pass --force to replace it)")
     check_trace_destination(out, overwrite)
+    # the trace and its finished requests (<out>.parts) are made beside it, before the
+    # model loads (minutes for a large one)
+    probe, problem = writable_ancestor(Path(out).parent)
+    if problem is not None:
+        raise FmoesimError(
+            f"{out}: cannot be made: {probe} {problem} (rule: the trace's folder can be written)"
+        )
 
 
 def parts_dir(out: str | os.PathLike[str]) -> Path:
