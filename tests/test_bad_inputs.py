@@ -790,14 +790,17 @@ def test_counted_is_singular_for_one():
       "config key 'policy.stride' = 3: must be at most the model's 2 MoE layers"),
      (["policy=moepic", "policy.buffer_experts=2"],
       "config key 'cache.budget_gb' = 0.012: 2.0 experts leave nothing beside MoEpic's "
-      "buffer of 2 experts (policy.buffer_experts)")],
-    ids=["fmoe", "promoe", "moepic"],
+      "buffer of 2 experts (policy.buffer_experts)"),
+     (["policy=fmoe", "policy.prefetch_distance=-1"],
+      "config key 'policy.prefetch_distance' = -1: prefetch_distance must be >= 1, got -1")],
+    ids=["fmoe", "promoe", "moepic", "constructor"],
 )  # fmt: skip
 def test_a_policy_knob_the_model_cannot_take_is_one_line(tmp_path, policy, said):
     """Red if a policy that finds its knob out of range only when it meets the model (a
     prefetch distance or stride beyond the model's layers, a buffer that fills MoEpic's
     budget) ends the run with Hydra's traceback and exit status 1 (``fmoesim-validate``
-    replayed the other policies first), not one line naming the key."""
+    replayed the other policies first), not one line naming the key; or if a
+    constructor's own check of a knob is blamed on the whole ``policy`` group."""
     p = fmoesim(*tiny(tmp_path, *policy))
     assert_refused(p, said)
     assert_nothing_written(tmp_path)

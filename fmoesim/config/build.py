@@ -376,6 +376,11 @@ def build_run(cfg: DictConfig) -> RunSpec:
     except Exception as exc:  # noqa: BLE001 - hydra wraps import/TypeError; report one line
         if isinstance(exc.__cause__, FmoesimError):  # the policy's own check of a value
             raise exc.__cause__ from None
+        why = one_line(exc.__cause__) if exc.__cause__ is not None else ""
+        knob = why.split(" ", 1)[0]
+        if knob.isidentifier() and knob != "_target_" and knob in cfg.policy:
+            # a constructor's check that names its knob ("prefetch_distance must be >= 1")
+            raise ConfigError(f"policy.{knob}", cfg.policy[knob], why) from None
         raise ConfigError("policy", cfg.policy.get("_target_"), one_line(exc)) from None
     if not isinstance(policy, Policy):
         raise ConfigError("policy._target_", cfg.policy._target_, "is not a policies.base.Policy")
