@@ -1020,3 +1020,35 @@ def test_collect_checks_where_it_writes_before_the_model_loads(tmp_path: Path) -
         f"fmoesim-collect: error: {out}: cannot be made: {tmp_path / 'file'} is a file "
         "(rule: the trace's folder can be written)"
     )
+
+
+class UntypedKnobs:
+    """A policy-like class whose knobs have defaults and no annotations."""
+
+    def __init__(self, protect_layers=2, prefetch_next=False, threshold=0.5, label="x", other=None):
+        self.args = (protect_layers, prefetch_next, threshold, label, other)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [("prefetch_next", "no", "must be true or false"),
+     ("protect_layers", "abc", "must be a number"),
+     ("threshold", True, "must be a number"),
+     ("label", 3, "must be a string")],
+)  # fmt: skip
+def test_a_knob_without_annotation_is_checked_by_its_default(key, value, said) -> None:
+    """Red if a knob a policy left unannotated takes any value: ``prefetch_next=no`` ran
+    with prefetching on (the string "no" is true), ``protect_layers=abc`` failed deep in
+    the policy with a traceback."""
+    from omegaconf import OmegaConf
+
+    from fmoesim.config.build import argument_type_error
+
+    node = OmegaConf.create({"_target_": f"{__name__}.UntypedKnobs", key: value})
+    err = argument_type_error(node)
+    assert err is not None and str(err) == f"config key 'policy.{key}' = {value!r}: {said}"
+    fine = {"prefetch_next": True, "protect_layers": 3, "threshold": 1, "label": "y", "other": 5}
+    assert (
+        argument_type_error(OmegaConf.create({"_target_": f"{__name__}.UntypedKnobs", **fine}))
+        is None
+    )

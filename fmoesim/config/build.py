@@ -242,10 +242,12 @@ def unknown_argument(node: DictConfig) -> str | None:
 def argument_type_error(node: DictConfig, prefix: str = "policy") -> ConfigError | None:
     """The first of ``node``'s keys whose value is not of the type its ``_target_``
     class's ``__init__`` annotates (``int``, ``float``, ``bool``, ``str``, or one of them
-    or None), as a :class:`ConfigError` naming ``<prefix>.<key>``; None when all are, or
-    the annotations cannot be read (instantiating reports what remains).  Without it a
+    or None; an argument without an annotation, the type of its default: true or false
+    for a bool, a number for an int or a float, a string for a str), as a
+    :class:`ConfigError` naming ``<prefix>.<key>``; None when all are, or the annotations
+    cannot be read (instantiating reports what remains).  Without it a
     ``prefetch_distance=abc`` fails in ``int()`` naming no key, and ``semantic=maybe``
-    is taken as true."""
+    (or ``no``) is taken as true."""
     import typing
 
     from hydra.utils import get_class
@@ -256,6 +258,7 @@ def argument_type_error(node: DictConfig, prefix: str = "policy") -> ConfigError
     except Exception:  # noqa: BLE001 - no class, no source: instantiate reports it
         return None
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    hints = {**_default_hints(cls), **hints}
     for key in (str(k) for k in node if not str(k).startswith("_")):
         if key not in hints:
             continue
@@ -275,6 +278,28 @@ def argument_type_error(node: DictConfig, prefix: str = "policy") -> ConfigError
             rule = " or ".join("null" if k is type(None) else names[k] for k in kinds)
             return ConfigError(f"{prefix}.{key}", value, f"must be {rule}")
     return None
+
+
+def _default_hints(cls: type) -> dict[str, Any]:
+    """The types :func:`argument_type_error` reads off the defaults of ``cls.__init__``'s
+    arguments that have no annotation: ``bool``, ``float`` for an int or a float (a
+    knob written ``3`` may be meant to take ``0.5``), ``str``; none for other defaults."""
+    import inspect
+
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()  # type: ignore[misc]
+    except (TypeError, ValueError):
+        return {}
+    out: dict[str, Any] = {}
+    for p in params:
+        if p.annotation is not inspect.Parameter.empty or p.default is inspect.Parameter.empty:
+            continue
+        kind = type(p.default)
+        if kind in (bool, str):
+            out[p.name] = kind
+        elif kind in (int, float):
+            out[p.name] = float
+    return out
 
 
 def module_source(name: str) -> Path:
