@@ -1052,3 +1052,23 @@ def test_a_knob_without_annotation_is_checked_by_its_default(key, value, said) -
         argument_type_error(OmegaConf.create({"_target_": f"{__name__}.UntypedKnobs", **fine}))
         is None
     )
+
+
+def test_a_preset_from_a_searchpath_folder_is_its_own_policy(tmp_path: Path) -> None:
+    """A policy preset kept outside the repository (``hydra.searchpath``), run as it is:
+    its store row's ``policy_args`` is empty, as for a preset of ``conf/policy/``.  Red
+    if only ``conf/policy/`` is read, so that the run is labelled with every key of its
+    preset as if it changed them (a sweep's filter on ``policy_args == ""`` drops it)."""
+    (tmp_path / "ext" / "policy").mkdir(parents=True)
+    (tmp_path / "ext" / "policy" / "my-lru.yaml").write_text(
+        "_target_: policies.fmoe.FMoE\nlabel: my-lru\ncache: lru\nprefetch_distance: 1\n"
+    )
+    p = fmoesim(*tiny(tmp_path, f"hydra.searchpath=[file://{tmp_path / 'ext'}]",
+                      "policy=my-lru", "output.write=false"))  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    rows = load_results(tmp_path / "store")
+    assert list(rows.policy) == ["my-lru"] and list(rows.policy_args) == [""]
+    p = fmoesim(*tiny(tmp_path, f"hydra.searchpath=[file://{tmp_path / 'ext'}]",
+                      "policy=my-lru", "policy.cache=lfu", "output.write=false"))  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert sorted(load_results(tmp_path / "store").policy_args) == ["", "cache=lfu"]

@@ -194,7 +194,7 @@ def policy_args(node: DictConfig | dict[str, Any], name: str) -> str:
     run = _policy_keys(
         node if isinstance(node, dict) else OmegaConf.to_container(node, resolve=True)
     )
-    base = _policy_preset(name)
+    base = _policy_preset(name, _searchpath_folders())
 
     def shown(v: Any) -> str:
         return v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
@@ -204,13 +204,32 @@ def policy_args(node: DictConfig | dict[str, Any], name: str) -> str:
     )
 
 
+def _searchpath_folders() -> tuple[Path, ...]:
+    """The ``file://`` folders of the running Hydra job's ``hydra.searchpath`` (none
+    outside a job, as in the compose API or when reading a store)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        paths = list(HydraConfig.get().searchpath)
+    except Exception:  # noqa: BLE001 - no Hydra job: conf/ alone
+        return ()
+    return tuple(
+        Path(str(p)[len("file://") :]).expanduser() for p in paths if str(p).startswith("file://")
+    )
+
+
 @cache
-def _policy_preset(name: str) -> dict[str, Any]:
-    """The keys of ``conf/policy/<name>.yaml`` as it is now (empty when there is none)."""
-    preset = CONF_DIR / "policy" / f"{name}.yaml"
-    if not (is_plain_name(name) and preset.is_file()):
+def _policy_preset(name: str, folders: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The keys of the policy preset ``<name>.yaml`` as it is now, from ``conf/policy/``
+    or else the first of ``folders``' ``policy/`` that has it (Hydra's search order);
+    empty when there is none."""
+    if not is_plain_name(name):
         return {}
-    return _policy_keys(OmegaConf.to_container(OmegaConf.load(preset), resolve=True))
+    for folder in (CONF_DIR, *folders):
+        preset = folder / "policy" / f"{name}.yaml"
+        if preset.is_file():
+            return _policy_keys(OmegaConf.to_container(OmegaConf.load(preset), resolve=True))
+    return {}
 
 
 def _policy_keys(container: Any) -> dict[str, Any]:
