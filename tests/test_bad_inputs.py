@@ -358,6 +358,7 @@ def test_output_name_of_another_config_is_refused_not_deleted(tmp_path):
     # the same config again replaces its own directory
     p = fmoesim(*tiny(tmp_path, "engine.timing=false", "output.name=r", "output.verbose=false"))
     assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("lru at 0.012 GB: hit rate ")  # one line that names the run
     assert summary.read_bytes() != before
     # a directory that holds no run is not ours either
     (tmp_path / "runs" / "mine").mkdir()

@@ -40,12 +40,49 @@ def images(nb: object) -> int:
     )
 
 
+def text_of(nb: object) -> str:
+    return "".join(
+        o.get("text", "")
+        for c in nb.cells  # type: ignore[attr-defined]
+        if c.cell_type == "code"
+        for o in c.outputs
+    )
+
+
 def test_policy_comparison_runs_on_an_empty_store(tmp_path):
-    nb = execute("policy_comparison.ipynb", {"FMOESIM_NOTEBOOK_STORE": str(tmp_path / "store")})
-    assert len(list((tmp_path / "store").glob("*.parquet"))) == 6  # its own small sweep
+    """Red if the notebook fails on an empty store, or writes its sample sweep into the
+    store it reads (where it would mix with the user's runs)."""
+    env = {"FMOESIM_NOTEBOOK_STORE": str(tmp_path / "store"),
+           "FMOESIM_NOTEBOOK_SAMPLE_STORE": str(tmp_path / "sample")}  # fmt: skip
+    nb = execute("policy_comparison.ipynb", env)
+    assert len(list((tmp_path / "sample").glob("*.parquet"))) == 6  # its own small sweep
+    assert not (tmp_path / "store").exists()
     assert images(nb) == 1  # the trade-off plot
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    text = text_of(nb)
     assert "mean TPOT (ms)" in text and "moe-infinity" in text
+
+
+def test_policy_comparison_shows_the_users_runs(tmp_path):
+    """A store holding the user's own runs (two policies, one budget): the notebook
+    compares those, and runs no sample sweep.  Red if the sample sweep's setting (more
+    runs) is shown instead of the user's, as when the sample was kept in the same store."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    for policy in ("lru", "lfu"):
+        p = subprocess.run(
+            [sys.executable, "-m", "fmoesim.cli.main", f"policy={policy}", "cache.budget_gb=12",
+             "serving.max_requests=1", "output.write=false", "progress=false",
+             f"store.dir={store}"],
+            capture_output=True, text=True, cwd=ROOT,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr
+    env = {"FMOESIM_NOTEBOOK_STORE": str(store),
+           "FMOESIM_NOTEBOOK_SAMPLE_STORE": str(tmp_path / "sample")}  # fmt: skip
+    text = text_of(execute("policy_comparison.ipynb", env))
+    assert "2 runs of ['lfu', 'lru']" in text
+    assert not (tmp_path / "sample").exists()
 
 
 def test_trace_analysis_runs_on_the_bundled_trace():

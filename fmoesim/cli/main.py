@@ -590,7 +590,8 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
         if stored is not None:
             print(f"stored     {stored}")
     elif not multirun:
-        print(format_line(row) + (f"; results {final}" if final is not None else ""))
+        which = f"{row['policy']} at {row['budget_gb']:g} GB: "  # a line among a script's
+        print(which + format_line(row) + (f"; results {final}" if final is not None else ""))
     return row
 
 
