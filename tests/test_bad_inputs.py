@@ -1073,3 +1073,18 @@ def test_a_preset_from_a_searchpath_folder_is_its_own_policy(tmp_path: Path) -> 
                       "policy=my-lru", "policy.cache=lfu", "output.write=false"))  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert sorted(load_results(tmp_path / "store").policy_args) == ["", "cache=lfu"]
+
+
+def test_a_slurm_sweep_off_a_slurm_machine_is_one_line(monkeypatch) -> None:
+    """Red if a SLURM sweep where no ``sbatch`` exists goes on to submitit, which stops
+    with a traceback ("Could not detect srun"), instead of one line with the way out."""
+    import shutil
+
+    from fmoesim.cli.main import check_launcher_host
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(FmoesimError, match=r"^hydra/launcher=submitit_slurm: no sbatch on PATH"):
+        check_launcher_host(["policy=lru,lfu", "hydra/launcher=submitit_slurm"])
+    check_launcher_host(["policy=lru,lfu", "hydra/launcher=submitit_local"])
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/sbatch")
+    check_launcher_host(["policy=lru,lfu", "hydra/launcher=submitit_slurm"])

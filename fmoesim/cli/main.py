@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import shutil
 import sys
 import time
 import typing
@@ -246,6 +247,18 @@ def check_hydra_groups(overrides: list[str]) -> None:
                     raise FmoesimError(f"{group}={name}: unknown {group}{hint}; valid: {listed}")
     finally:
         GlobalHydra.instance().clear()
+
+
+def check_launcher_host(overrides: list[str]) -> None:
+    """A sweep on ``hydra/launcher=submitit_slurm`` is started where SLURM jobs can be
+    submitted (``sbatch`` on PATH): elsewhere submitit stops at its first job with a
+    traceback."""
+    if "hydra/launcher=submitit_slurm" in overrides and shutil.which("sbatch") is None:
+        raise FmoesimError(
+            "hydra/launcher=submitit_slurm: no sbatch on PATH (rule: a SLURM sweep starts "
+            "on a machine that submits SLURM jobs; hydra/launcher=submitit_local runs the "
+            "same jobs here)"
+        )
 
 
 def _compose(overrides: list[str], hydra_config: bool = False) -> Any:
@@ -482,6 +495,11 @@ def _main(argv: list[str]) -> None:
             check_hydra_groups(overrides)
         except FmoesimError as exc:
             _fail(str(exc))
+        if multirun:
+            try:
+                check_launcher_host(overrides)
+            except FmoesimError as exc:
+                _fail(str(exc))
         if multirun and any(a.startswith("hydra/sweeper=") for a in overrides):
             pass  # another sweeper (optuna...) picks its points as it goes: jobs check
         elif multirun:
