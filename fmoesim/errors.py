@@ -26,10 +26,10 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def counted(n: int, noun: str) -> str:
+def counted(n: int, noun: str, plural: str | None = None) -> str:
     """``n`` and ``noun``, plural unless ``n`` is 1, for a message: ``1 request``,
-    ``3 requests``."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+    ``3 requests``; ``plural`` where it is not ``noun`` + s (``2 processes``)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
 
 
 def spans(values: Iterable[int]) -> str:

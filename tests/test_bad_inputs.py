@@ -781,6 +781,8 @@ def test_counted_is_singular_for_one():
 
     assert counted(1, "request") == "1 request"
     assert counted(0, "row") == "0 rows" and counted(18668, "row") == "18668 rows"
+    assert counted(2, "process", "processes") == "2 processes"
+    assert counted(1, "process", "processes") == "1 process"
 
 
 @pytest.mark.parametrize(

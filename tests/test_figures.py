@@ -230,7 +230,7 @@ def test_run_experiments_reports_the_failing_point_and_stops(tmp_path, monkeypat
     ] * 2
     assert all(p[-1] == f"store.dir={tmp_path / 'store'}" for p in ran)
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "runs: 8 points of 2 experiments on 1 processes"
+    assert out[0] == "runs: 8 points of 2 experiments on 1 process"
     assert out[1].startswith("[run 1/8] experiment=moe-infinity-tab5 policy=")
     assert out[1].endswith(": hit rate 1.00%, TPOT 2.0 ms (in the store)")
     assert len(out) == 1 + 5

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, counted, run_or_exit
 
 PROG = "fmoesim-plot"
 AZURE_CSV = "traces/.cache/azure-synthetic.csv"
@@ -118,7 +118,8 @@ def run_experiments(experiments: list[str], store: Path, jobs: int, root: Path) 
         points += pts
     into = f"store.dir={store}"  # each run's store row goes there
     n = len(points)
-    print(f"runs: {n} points of {len(experiments)} experiments on {jobs} processes", flush=True)
+    exps, procs = counted(len(experiments), "experiment"), counted(jobs, "process", "processes")
+    print(f"runs: {counted(n, 'point')} of {exps} on {procs}", flush=True)
     done = [0]
 
     def report(k: int, out: tuple[str, bool]) -> None:

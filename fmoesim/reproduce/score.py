@@ -87,7 +87,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fmoesim.errors import AmbiguousRunsError, FmoesimError
+from fmoesim.errors import AmbiguousRunsError, FmoesimError, counted
 from fmoesim.reproduce.claims import BOUNDS, Claim, Filter, Pair, sides_of
 
 YES, NO, NA = "yes", "no", "n.a."
@@ -700,8 +700,9 @@ def ensure_runs(claims: Sequence[Claim], store: Path, jobs: int) -> None:
 
     jobs_list = plan(claims)
     n = sum(len(pts) for _, pts, _ in jobs_list)
-    print(f"runs: at most {n} points of {len(experiments_of(claims))} experiments on "
-          f"{jobs} processes", flush=True)  # fmt: skip
+    exps = counted(len(experiments_of(claims)), "experiment")
+    procs = counted(jobs, "process", "processes")
+    print(f"runs: at most {counted(n, 'point')} of {exps} on {procs}", flush=True)
     t0 = time.perf_counter()
     rows = run_jobs(jobs_list, None, jobs, store=store)
     held = sum(bool(r.get("done_already")) for r in rows)
