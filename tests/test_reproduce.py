@@ -1264,3 +1264,25 @@ def test_link_order_is_the_measured_reason_for_dependency_prefetching() -> None:
     assert stall_s["priority", "lru"] == stall_s["fifo", "lru"]  # demand loads alone: one order
     assert stall_s["priority", "dependency"] < 0.9 * stall_s["priority", "lru"]
     assert stall_s["fifo", "dependency"] > 3.0 * stall_s["fifo", "lru"]
+
+
+def test_claims_scores_a_few_and_writes_nothing(tmp_path: Path) -> None:
+    """``--claims ID`` on a store holding that claim's runs: its row printed, no
+    scoreboard written; an unknown id refused in one line.  Red if a subset rewrites
+    the scoreboards (every other claim n.a.) or an id typo scores nothing silently."""
+    c = next(c for c in load_catalog("fmoe") if c.id == "fig9-deepspeed-worst-tpot")
+    (tmp_path / "store").mkdir()
+    for i, (_, row) in enumerate(rows_of_points("fmoe-fig9", points(c), "tpot_mean_s").iterrows()):
+        pd.DataFrame([row]).to_parquet(tmp_path / "store" / f"{i}.parquet")
+    base = [sys.executable, "-m", "fmoesim.cli.reproduce_cli", "fmoe", "--out",
+            str(tmp_path / "out"), "--store", str(tmp_path / "store"), "--claims"]  # fmt: skip
+    p = subprocess.run([*base, c.id], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "fmoe: 1 claim: the direction holds for 1, not for 0; 0 not computed" in p.stdout
+    assert f"| {c.claim} | direction only | +100.0% | yes |" in p.stdout
+    assert not (tmp_path / "out").exists()
+    p = subprocess.run([*base, "fig9-nope"], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "fmoesim-reproduce: error: --claims fig9-nope: no such claim (rule: an id of "
+        "fmoesim-reproduce --list)"
+    )

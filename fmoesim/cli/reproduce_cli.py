@@ -6,6 +6,7 @@ Examples::
     fmoesim-reproduce fmoe                   # score from what the store holds
     fmoesim-reproduce fmoe --docs docs/reproduction.md   # also refresh the docs' table
     fmoesim-reproduce --list | grep promoe   # the claims, with the scoreboard's outcomes
+    fmoesim-reproduce fmoe --run --claims fig9-tpot-promoe   # one claim: run, score, print
 
 For each claim of the paper's catalog (``fmoesim/reproduce/claims/<paper>.yaml``) it
 computes fmoesim's number from the rows of the claim's experiment preset and writes
@@ -16,7 +17,9 @@ read (:func:`fmoesim.reproduce.smallscale.plan`: a minimum-budget side's budgets
 ascending order up to the first that meets its strictest target), all papers' points in
 one queue on ``--jobs`` processes (runs already in the store are skipped).  ``--docs
 PAGE`` writes each paper's table into PAGE between ``<!-- scoreboard:<paper> -->`` and
-``<!-- /scoreboard:<paper> -->``.  Exit status 2 and one line on stderr for bad input,
+``<!-- /scoreboard:<paper> -->``.  ``--claims ID,...`` takes those claims alone (with
+``--run``, their points alone) and prints their rows and notes instead of writing
+anything.  Exit status 2 and one line on stderr for bad input,
 before anything is written: a ``--store`` that is no folder (without ``--run``, which
 makes it), an ``--out`` (or, with ``--run``, a ``--store``) that cannot be written, a
 store file that is not a run's row, or a store holding no run of a paper's presets, or
@@ -33,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fmoesim.errors import ArgumentParser, FmoesimError, counted, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, counted, names_of, run_or_exit
 
 PROG = "fmoesim-reproduce"
 
@@ -56,6 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="results/reproduction", help="output dir (%(default)s)")
     ap.add_argument("--store", default="results/store", help="results store (%(default)s)")
     ap.add_argument("--docs", default=None, help="docs page to write the tables into")
+    ap.add_argument(
+        "--claims",
+        default=None,
+        help="comma-separated claim ids (--list shows them): run and score these alone, "
+        "printing their rows instead of writing the scoreboards",
+    )
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     run_or_exit(PROG, _run, args)
 
@@ -94,6 +103,10 @@ def _run(args: argparse.Namespace) -> None:
             print(f"{name}: its claims catalog does not exist yet; left out", flush=True)
     if not catalogs:
         raise FmoesimError("no paper has a claims catalog")
+    if args.claims is not None:
+        if args.docs or args.list:
+            raise FmoesimError("--claims: scores a few claims only (rule: no --docs or --list)")
+        catalogs = _chosen(catalogs, names_of("--claims", args.claims))
     if args.list:
         _list(catalogs, Path(args.out))
         return
@@ -108,7 +121,8 @@ def _run(args: argparse.Namespace) -> None:
             except FmoesimError as e:
                 raise FmoesimError(f"--docs {docs}: {e}") from None
     check_store_dir(args.store, f"{PROG} {args.paper} --run makes it and runs the claims", args.run)
-    _writable("--out", Path(args.out))  # before any run: the scoreboards go there
+    if args.claims is None:  # before any run: the scoreboards go there
+        _writable("--out", Path(args.out))
     if args.run:
         _writable("--store", Path(args.store))
     store = Path(args.store).resolve()
@@ -138,6 +152,16 @@ def _run(args: argparse.Namespace) -> None:
     if not args.run:  # after the store's own checks, whose errors come first
         _check_overview(docs, Path(args.out), others)
     boards = {name: scoreboard(claims, results) for name, claims in catalogs.items()}
+    if args.claims is not None:  # a few rows: shown, the scoreboards left as they are
+        from fmoesim.reproduce.report import to_markdown
+
+        for name, scores in boards.items():
+            print(f"{name}: {summary_line(scores)}")
+            print(to_markdown(scores))
+            for sc in scores:
+                if sc.claim.note:
+                    print(f"note {sc.claim.id}: {sc.claim.note}")
+        return
     for name, scores in boards.items():  # a partial store: said, and kept out of the docs
         short = [s for s in scores if s.missing]
         if not short:
@@ -163,6 +187,17 @@ def _run(args: argparse.Namespace) -> None:
     if docs is not None:
         update_overview(docs, Path(args.out), list(PAPERS))
         print(f"the overview of every paper's scoreboard written into {docs}")
+
+
+def _chosen(catalogs: dict[str, list[Any]], ids: list[str]) -> dict[str, list[Any]]:
+    """The claims of ``catalogs`` whose ids are ``ids``, per paper (papers without one
+    left out); an id of no catalog is refused."""
+    known = {c.id for claims in catalogs.values() for c in claims}
+    unknown = [i for i in ids if i not in known]
+    if unknown:
+        raise FmoesimError(f"--claims {unknown[0]}: no such claim (rule: an id of {PROG} --list)")
+    out = {name: [c for c in claims if c.id in ids] for name, claims in catalogs.items()}
+    return {name: claims for name, claims in out.items() if claims}
 
 
 def _writable(flag: str, folder: Path) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fmoesim.atomic import atomic_file
-from fmoesim.errors import FmoesimError
+from fmoesim.errors import FmoesimError, counted
 from fmoesim.reproduce.claims import Claim
 from fmoesim.reproduce.score import YES, Score
 
@@ -96,7 +96,10 @@ def summary_line(scores: Sequence[Score]) -> str:
     n = len(scores)
     yes = sum(s.holds == YES for s in scores)
     na = sum(s.fmoesim_value is None for s in scores)
-    return f"{n} claims: the direction holds for {yes}, not for {n - yes - na}; {na} not computed"
+    return (
+        f"{counted(n, 'claim')}: the direction holds for {yes}, not for {n - yes - na}; "
+        f"{na} not computed"
+    )
 
 
 def to_markdown(scores: Sequence[Score]) -> str:
