@@ -707,8 +707,7 @@ def _check_inputs(spec: RunSpec, seen: dict[str, Any]) -> None:
         path = resolve_path(w.path or "")
         key = f"trace:{path}"
         if key not in seen:
-            if not path.exists():
-                raise FmoesimError(f"workload.path '{w.path}': trace directory not found")
+            _check_trace_dir(w.path or "", path)
             seen[key] = TraceManifest.load(path / MANIFEST)
         check_manifest_shape(seen[key], path, spec.model)
     # (file, rows read): a synthetic trace reads its requests' rows, serving the whole file
@@ -723,12 +722,19 @@ def _check_inputs(spec: RunSpec, seen: dict[str, Any]) -> None:
             seen[f"csv:{csv}:{limit}"] = True
 
 
+def _check_trace_dir(given: str, path: Path) -> None:
+    """``workload.path`` (``given``, resolved to ``path``) is a folder: one line otherwise."""
+    if path.is_dir():
+        return
+    what = "a file, not a trace directory" if path.exists() else "trace directory not found"
+    raise FmoesimError(f"workload.path '{given}': {what}")
+
+
 def _trace_path(spec: RunSpec) -> Path:
     w = spec.workload
     if w.kind == "trace":
         path = resolve_path(w.path or "")
-        if not path.exists():
-            raise FmoesimError(f"workload.path '{w.path}': trace directory not found")
+        _check_trace_dir(w.path or "", path)
         return path
     from fmoesim.workload.synthetic import generate, read_azure_csv
 

@@ -188,7 +188,7 @@ def read_trace(path: str | os.PathLike[str], *, validate: bool = True) -> Trace:
         raise TraceError(
             root,
             "a trace is a directory holding trace.json and Parquet files",
-            detail="directory not found",
+            detail="a file, not a directory" if root.exists() else "directory not found",
         )
     manifest = S.TraceManifest.load(root / S.MANIFEST)
     m = manifest.model
