@@ -200,6 +200,16 @@ def test_cli_on_a_saved_model_with_token_id_prompts(tmp_path):
     tr = read_trace(tmp_path / "out")
     assert tr.num_requests == 2 and tr.embedding.shape[1] == 4
     assert tr.manifest.source["kind"] == "collector"
+    # more values than the hidden state has: the whole hidden state, and a note that says so
+    wide = [*cmd, str(tmp_path / "wide"), "--max-new-tokens", "1", "--embedding-dim", "100000"]
+    p = subprocess.run(wide, capture_output=True, text=True, cwd=ROOT)
+    hidden = model.config.hidden_size
+    assert p.returncode == 0, p.stderr
+    assert read_trace(tmp_path / "wide").embedding.shape[1] == hidden
+    assert (
+        f"--embedding-dim 100000 exceeds {tmp_path / 'model'}'s hidden size: the trace "
+        f"keeps the whole hidden state ({hidden} values)" in p.stderr
+    )  # red if silent
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input_ids": [1, 2]}\n{"text": 5}\n')
     p = subprocess.run(

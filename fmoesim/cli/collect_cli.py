@@ -168,6 +168,11 @@ def _run(args: argparse.Namespace) -> None:
                 f"vocabulary (rule: ids in [0, {vocab}))"
             )
     model = _load_model(args.model, getattr(torch, args.dtype))
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if embedding_dim is not None and isinstance(hidden, int) and embedding_dim > hidden:
+        print(f"{PROG}: note: --embedding-dim {embedding_dim} exceeds {args.model}'s hidden "
+              f"size: the trace keeps the whole hidden state ({hidden} values)",
+              file=sys.stderr)  # fmt: skip
     out = collect(
         model,
         ids,
