@@ -34,7 +34,7 @@ if [ -z "${SKIP_PROFILE:-}" ]; then
     nproc; free -g; } > "$out/machine.txt" 2>&1
   python3 -m replay.profile --device "$device" --base "${PROFILE_BASE:-h100-pcie5}" \
     --model "${PROFILE_MODELS:-mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b}" \
-    --out "$out/profile.yaml" --name "${PROFILE_NAME:-$(basename "$out")}" \
+    --out "$out/profile.yaml" --force --name "${PROFILE_NAME:-$(basename "$out")}" \
     --diagnostics "$out/diagnostics.csv" 2>&1 | tee -a "$out/run.log" \
     || failed+=(profile)
 fi

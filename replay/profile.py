@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from fmoesim.atomic import atomic_file
+from fmoesim.atomic import atomic_file, is_plain_name
 from fmoesim.errors import ArgumentParser, ConfigError, FmoesimError, names_of, run_or_exit
 from fmoesim.specs import HardwareSpec, ModelSpec
 
@@ -430,6 +430,8 @@ def main(argv: list[str] | None = None) -> None:
                     "contention costs (diagnostics()) of each model to this CSV")  # fmt: skip
     ap.add_argument("--base", default=None, help="hardware preset whose unmeasured "
                     "terms (peak FLOP/s, HBM bandwidth, chunk size) the profile keeps")  # fmt: skip
+    ap.add_argument("--force", action="store_true", help="replace an existing --out or "
+                    "--diagnostics")  # fmt: skip
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     run_or_exit(PROG, _run, args)
 
@@ -449,8 +451,13 @@ def _run(args: argparse.Namespace) -> None:
     base = load_preset("hardware", args.base, HardwareSpec) if args.base else None
     for flag, dest in (("--out", args.out), ("--diagnostics", args.diagnostics)):
         if dest is not None:
-            _check_file_destination(flag, Path(dest))
+            _check_file_destination(flag, Path(dest), args.force)
     name = args.name or Path(args.out).stem
+    if not is_plain_name(name):  # it names the preset: hardware=measured/<name>
+        raise FmoesimError(
+            f"--name {name}: not a preset's name (rule: no '/', '\\' or '..', not empty, "
+            "not starting with '.')"
+        )
     spec = profile(models, args.device, repeats=args.repeats, name=name, base=base,
                    passes=args.passes, log=print)  # fmt: skip
     rows = []
@@ -467,13 +474,16 @@ def _run(args: argparse.Namespace) -> None:
         print(f"wrote {args.diagnostics}")
 
 
-def _check_file_destination(flag: str, path: Path) -> None:
-    """``path`` can be written as a file: not a directory, and its nearest existing
-    ancestor is a writable directory (checked before minutes of measuring)."""
+def _check_file_destination(flag: str, path: Path, force: bool = False) -> None:
+    """``path`` can be written as a file: not a directory, not an existing file unless
+    ``force`` (a profile took minutes of a GPU), and its nearest existing ancestor is a
+    writable directory (checked before minutes of measuring)."""
     from fmoesim.atomic import writable_ancestor
 
     if path.is_dir():
         raise FmoesimError(f"{flag} {path}: is a directory (rule: a file to write)")
+    if path.exists() and not force:
+        raise FmoesimError(f"{flag} {path}: exists (--force replaces it)")
     probe, problem = writable_ancestor(path.parent)
     if problem is not None:
         raise FmoesimError(f"{flag} {path}: cannot be written ({probe} {problem})")

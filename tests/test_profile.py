@@ -170,3 +170,31 @@ def test_a_profile_is_named_after_its_file_and_a_bad_model_names_the_flag(
         P.main(["--device", "cpu", "--model", "nosuch", "--out", str(tmp_path / "x.yaml")])
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("fmoesim-profile: error: --model nosuch: unknown model preset; valid:")
+
+
+def test_an_existing_profile_is_kept_and_a_name_is_a_plain_one(tmp_path, capsys, monkeypatch):
+    """Red if a second profile silently replaces an existing one (minutes of a GPU's
+    measurement lost), if ``--force`` does not replace it, or if ``--name a/b`` is
+    written into a preset that ``hardware=measured/<name>`` cannot name."""
+    pytest.importorskip("torch", reason="the profiler needs torch")
+    import yaml
+
+    import replay.profile as P
+    from fmoesim.specs import HardwareSpec
+
+    monkeypatch.setattr(P, "profile", lambda models, device, name, **kw: HardwareSpec(name=name))
+    out = tmp_path / "gpu.yaml"
+    out.write_text("kept\n")
+    base = ["--device", "cpu", "--model", "olmoe-1b-7b", "--out", str(out)]
+    for extra, line in (
+        ([], f"--out {out}: exists (--force replaces it)"),
+        (["--force", "--name", "a/b"], "--name a/b: not a preset's name (rule: no '/', '\\' "
+         "or '..', not empty, not starting with '.')"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            P.main([*base, *extra])
+        assert exc.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"fmoesim-profile: error: {line}"]
+        assert out.read_text() == "kept\n"
+    P.main([*base, "--force"])
+    assert yaml.safe_load(out.read_text())["name"] == "gpu"
