@@ -547,6 +547,7 @@ def test_a_sweep_reads_every_points_inputs_before_its_first_run(tmp_path):
         ([f"workload.path={seq},{tmp_path / 'none'}"], "trace directory not found (sweep run 2/2"),
         ([f"workload.path={seq},{other}"], "has num_layers = 3"),
         ([*online, f"serving.arrivals_csv={good_csv},{bad_csv}"], "bad.csv row 2: TIMESTAMP"),
+        (["policy=lru,"], "override 'policy=lru,': mismatched input"),  # a stray comma
     ):
         assert_refused(fmoesim("-m", *base[1:], base[0], *sweep), needle)
         assert_nothing_written(tmp_path)

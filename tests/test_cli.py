@@ -92,6 +92,7 @@ BAD = [
     (["serving.batch_size=0"], "serving.batch_size"),
     (["workload.path=/no/such/trace"], "workload.path '/no/such/trace': trace directory not found"),
     (["workload.path=README.md"], "workload.path 'README.md': a file, not a trace directory"),
+    (["policy=lru,"], "override 'policy=lru,': mismatched input '<EOF>'"),
     (["model=qwen1.5-moe-a2.7b", "cache.budget_gb=4"], "config key 'model.num_layers' = 24: trace"),
     (["cache.budget_gb=abc"], "config key 'cache.budget_gb'"),
 ]

@@ -142,10 +142,20 @@ def parse_overrides(overrides: list[str]) -> list[Any]:
     one :class:`FmoesimError` line."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    parser = OverridesParser.create()
     try:
-        return list(OverridesParser.create().parse_overrides(overrides))
+        return list(parser.parse_overrides(overrides))
     except Exception as exc:  # noqa: BLE001 - Hydra's parse errors, one line
-        raise FmoesimError(one_line(exc)) from None
+        why = one_line(exc).split(" See https://")[0]  # Hydra's link to its grammar
+    for o in overrides:  # the one that does not parse, named
+        try:
+            parser.parse_overrides([o])
+        except Exception:  # noqa: BLE001 - as above
+            raise FmoesimError(
+                f"override '{o}': {why} (rule: key=value, a sweep's values comma-separated "
+                "with none empty)"
+            ) from None
+    raise FmoesimError(why)  # pragma: no cover - one of them fails on its own
 
 
 def check_added_keys(overrides: list[str]) -> None:
@@ -331,11 +341,10 @@ def sweep_points(overrides: list[str], preset_params: dict[str, Any]) -> list[li
     experiment preset's ``hydra.sweeper.params`` (a command-line value replaces a
     preset's for the same key), in Hydra's order: one override list per job."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     given = {o.split("=")[0].lstrip("+~") for o in overrides}
     extra = [f"{k}={v}" for k, v in preset_params.items() if k.lstrip("+~") not in given]
-    parsed = OverridesParser.create().parse_overrides(overrides + extra)
+    parsed = parse_overrides(overrides + extra)
     return BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
 
 
