@@ -941,6 +941,8 @@ def test_a_partial_store_is_said_and_kept_out_of_the_docs(tmp_path: Path) -> Non
     row = rows["fig9-deepspeed-worst-tpot"]
     assert (row["holds"], row["fmoesim_value"]) == (NA, "")
     assert row["detail"].startswith("not in the store: the run at policy=deepspeed")
+    other = next(r for r in rows.values() if r["preset"] == "fmoe-fig11")  # none of its runs
+    assert other["detail"] == f"claim {other['id']}: no runs of experiment fmoe-fig11 in the store"
 
 
 @pytest.mark.parametrize("flag", ["--out", "--store"])

@@ -82,6 +82,7 @@ paper number.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -608,7 +609,10 @@ def score_claim(claim: Claim, results: Any, every_point: bool = False) -> Score:
     except AmbiguousRunsError:
         raise  # a store that holds two runs for a point scores nothing: the command stops
     except FmoesimError as exc:  # none of the preset's runs (of this code, timed)
-        return Score(claim, None, NA, None, str(exc), missing=_points_read(claim) * every_point)
+        # without the figure's hint to run the preset into the default store: the
+        # command that scores says how to run what is missing into its own
+        why = re.sub(r"[\s;(]*\b(?:re)?run: fmoesim -m [^)]*\)?$", "", str(exc))
+        return Score(claim, None, NA, None, why, missing=_points_read(claim) * every_point)
     try:
         absent = missing_points(claim, df) if every_point else []
         if absent:
