@@ -61,6 +61,16 @@ def test_input_digest_follows_the_files(tmp_path):
     assert input_digest([trace]) != d2
 
 
+def test_a_swept_boolean_is_echoed_as_it_is_typed():
+    """Red if a job's line shows the sweeper's Python spelling (engine.timing=False),
+    which is not what the user typed nor what the config holds."""
+    from fmoesim.cli.sweep import _as_typed
+
+    assert _as_typed("engine.timing=False") == "engine.timing=false"
+    assert _as_typed("policy.semantic=True") == "policy.semantic=true"
+    assert _as_typed("policy=lru") == "policy=lru" and _as_typed("name=Falsey") == "name=Falsey"
+
+
 def test_sweep_size():
     assert sweep_size(["policy=lru,lfu,lcp", "cache.budget_gb=6,12", "seed=0"]) == 6
     assert sweep_size(["seed=range(0,4)"]) == 4

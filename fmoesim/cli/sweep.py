@@ -42,6 +42,13 @@ def _total(hydra_cfg: Any) -> int:
     return len(sweep_points(list(hydra_cfg.overrides.task), dict(params)))
 
 
+def _as_typed(override: str) -> str:
+    """``override`` as a command line spells it: the sweeper hands a boolean back as
+    Python's ``True`` / ``False``, the config's ``true`` / ``false``."""
+    key, eq, value = override.partition("=")
+    return f"{key}={value.lower()}" if eq and value in ("True", "False") else override
+
+
 def _say(line: str) -> None:
     """Print ``line`` now; a closed stdout ends the sweep quietly (Hydra would only warn
     about a callback's error and go on)."""
@@ -78,7 +85,7 @@ class SweepProgress(Callback):
         except Exception:  # noqa: BLE001 - a failed job has no row; its error is Hydra's
             pass
         swept = " ".join(
-            o
+            _as_typed(o)
             for o in job_return.overrides
             if not o.split("=")[0].startswith(_QUIET) and len(o) <= 60
         )
