@@ -166,13 +166,30 @@ def test_missing_runs_and_bad_names_are_one_line(tmp_path):
     p = plot("nosuch", "--store", str(tmp_path))
     assert p.returncode == 2 and p.stderr.count("\n") == 1
     assert "figure 'nosuch': unknown; valid: all, fmoe-fig4" in p.stderr
-    p = plot("fmoe-fig11", "--store", str(tmp_path), "--out", str(tmp_path / "f"))
+    p = plot("fmoe-fig11", "fmoe-fig9", "--store", str(tmp_path), "--out", str(tmp_path / "f"))
     assert p.returncode == 2
     assert p.stderr.strip() == (
-        f"fmoesim-plot: error: figure fmoe-fig11: no runs of experiment fmoe-fig11 in the "
-        f"store {tmp_path} (run: fmoesim -m experiment=fmoe-fig11, or fmoesim-plot "
-        "fmoe-fig11 --run)"
+        "fmoesim-plot: error: figure fmoe-fig11: no runs of experiment fmoe-fig11 in the "
+        f"store (--store {tmp_path}; and 1 figure more) (rule: a figure is drawn from every "
+        f"run of its preset; run: fmoesim-plot fmoe-fig11 fmoe-fig9 --run --store {tmp_path})"
     )
+    # every run but one: refused naming it (red if drawn without it, as a partial store
+    # was: a bar or a point silently missing)
+    from fmoesim.results.store import code_version
+
+    store = tmp_path / "store"
+    store.mkdir()
+    rows = fake_rows("moe-infinity-tab5")
+    for i, row in enumerate(rows[:-1]):
+        pd.DataFrame([{**row, "code_version": code_version(), "timing": True}]).to_parquet(
+            store / f"{i}.parquet"
+        )
+    p = plot("moe-infinity-tab5", "--store", str(store), "--out", str(tmp_path / "f"))
+    assert p.returncode == 2 and not (tmp_path / "f").exists(), p.stderr
+    assert p.stderr.strip().startswith(
+        "fmoesim-plot: error: figure moe-infinity-tab5: the store lacks the run at "
+        f"policy={rows[-1]['policy']} (--store {store}) (rule: a figure is drawn from every run"
+    ), p.stderr
 
 
 @pytest.mark.parametrize("exp", preset_names("experiment"))

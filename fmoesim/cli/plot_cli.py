@@ -157,7 +157,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(args: argparse.Namespace) -> None:
     from fmoesim.config.schema import PROJECT_ROOT
-    from fmoesim.plots.figures import FIGURES, render
+    from fmoesim.errors import AmbiguousRunsError
+    from fmoesim.plots.figures import (
+        FIGURES,
+        experiment_rows,
+        missing_runs,
+        render,
+        without_run_hint,
+    )
     from fmoesim.results.store import check_store_dir, load_results
 
     if args.list:
@@ -182,13 +189,28 @@ def _run(args: argparse.Namespace) -> None:
         dt = run_experiments(exps, store, args.jobs, PROJECT_ROOT)
         print(f"all sweeps: {dt / 60:.1f} min", flush=True)
     results = load_results(store, columns=("experiment",))
+    short: list[tuple[str, str]] = []  # (figure, what its store lacks)
     for n in names:  # every figure's runs, before any figure is written
-        exp = FIGURES[n].experiment
-        if not len(results) or not (results["experiment"] == exp).any():
-            raise FmoesimError(
-                f"figure {n}: no runs of experiment {exp} in the store {args.store} "
-                f"(run: fmoesim -m experiment={exp}, or {PROG} {n} --run)"
-            )
+        f = FIGURES[n]
+        try:
+            df, _ = experiment_rows(results, f.experiment, timed=f.timed, what=f"figure {n}")
+        except AmbiguousRunsError:
+            raise
+        except FmoesimError as exc:  # none of the preset's runs (of this code, timed)
+            short.append((n, without_run_hint(str(exc)).removeprefix(f"figure {n}: ")))
+            continue
+        gone = missing_runs(df, f.experiment)
+        if gone:
+            more = f" and {len(gone) - 1} more" if len(gone) > 1 else ""
+            short.append((n, f"the store lacks the run at {gone[0]}{more}"))
+    if short:
+        first, why = short[0]
+        others = f"; and {counted(len(short) - 1, 'figure')} more" if len(short) > 1 else ""
+        figs = " ".join(n for n, _ in short)
+        raise FmoesimError(
+            f"figure {first}: {why} (--store {args.store}{others}) (rule: a figure is drawn "
+            f"from every run of its preset; run: {PROG} {figs} --run --store {args.store})"
+        )
     out = Path(args.out)
     for n in names:
         paths = render(n, results, out)

@@ -135,6 +135,42 @@ def _points(df: Any, experiment: str) -> Any:
     return df
 
 
+def without_run_hint(text: str) -> str:
+    """An error of :func:`experiment_rows` without its closing hint to run the preset
+    (``(run: fmoesim -m experiment=...)``), for a command that says how to run what is
+    missing into the store it reads."""
+    import re
+
+    return re.sub(r"[\s;(]*\b(?:re)?run: fmoesim -m [^)]*\)?$", "", text)
+
+
+def _as_point_value(value: Any) -> str:
+    """A swept value as text, numbers as numbers (``12`` and ``12.0`` are one point)."""
+    try:
+        return repr(float(value))
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def missing_runs(df: Any, experiment: str) -> list[str]:
+    """The points of ``experiment``'s sweep (every combination of its
+    ``hydra.sweeper.params``) that no row of ``df`` (its rows, as
+    :func:`experiment_rows` returns them) holds, each as ``key=value ...``."""
+    import itertools
+
+    params = sweep_params(experiment)
+    keys = list(params)
+    have = {
+        tuple(_as_point_value(r["policy"] if k == "policy" else sweep_value(r, k)) for k in keys)
+        for _, r in df.iterrows()
+    }
+    out = []
+    for combo in itertools.product(*(params[k] for k in keys)):
+        if tuple(_as_point_value(v) for v in combo) not in have:
+            out.append(" ".join(f"{k}={v}" for k, v in zip(keys, combo, strict=True)))
+    return out
+
+
 def _short(path: str) -> str:
     """A trace path relative to the project root when it is inside it."""
     from fmoesim.config.schema import PROJECT_ROOT

@@ -82,7 +82,6 @@ paper number.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -593,7 +592,7 @@ def score_claim(claim: Claim, results: Any, every_point: bool = False) -> Score:
     rows are missing, has no number and says why in ``detail``; with ``every_point``,
     so does a claim of which the store lacks any point of its preset that it reads
     (:func:`missing_points`)."""
-    from fmoesim.plots.figures import experiment_rows
+    from fmoesim.plots.figures import experiment_rows, without_run_hint
 
     if claim.kind == "model":
         return _model_score(claim)
@@ -609,9 +608,9 @@ def score_claim(claim: Claim, results: Any, every_point: bool = False) -> Score:
     except AmbiguousRunsError:
         raise  # a store that holds two runs for a point scores nothing: the command stops
     except FmoesimError as exc:  # none of the preset's runs (of this code, timed)
-        # without the figure's hint to run the preset into the default store: the
-        # command that scores says how to run what is missing into its own
-        why = re.sub(r"[\s;(]*\b(?:re)?run: fmoesim -m [^)]*\)?$", "", str(exc))
+        # without the hint to run the preset into the default store: the command that
+        # scores says how to run what is missing into its own
+        why = without_run_hint(str(exc))
         return Score(claim, None, NA, None, why, missing=_points_read(claim) * every_point)
     try:
         absent = missing_points(claim, df) if every_point else []
