@@ -59,7 +59,10 @@ def test_compare_flags_a_golden_row_of_another_setting():
     for col, other in (("model", "q"), ("trace", "/elsewhere"), ("requests", 8),
                        ("accesses", 101)):  # fmt: skip
         old = pd.DataFrame({**base, col: [other]})
-        assert list(compare(old, pd.DataFrame(base)).status) == ["SETTING"], col
+        m = compare(old, pd.DataFrame(base))
+        assert list(m.status) == ["SETTING"], col
+        # red if the row does not say what it measured differently
+        assert f"| SETTING: {col} {other} -> {base[col][0]} |" in format_table(m), col
     # a row on one side only leaves the others as they are (not SETTING: 4 is not 4.0)
     extra = pd.DataFrame({**base, "policy": ["b"]})
     both = compare(pd.DataFrame(base), pd.concat([pd.DataFrame(base), extra]))
@@ -92,13 +95,22 @@ def test_cli_update_then_check_then_catch_a_move(tmp_path):
     p = run("--golden", str(golden), "--policies", "lru,lfu")
     assert p.returncode == 1
     assert "MOVED" in p.stdout and "-1.000" in p.stdout
-    assert "fmoesim-regress --update" in p.stderr
+    # red if the summary lumps the statuses, or its command updates the default golden
+    # file (every policy) instead of this one
+    assert (
+        "2 of 4 rows differ from the golden file: 2 MOVED beyond 0.1 points (largest "
+        "-1.000: lfu at 12 GB)" in p.stderr
+    ), p.stderr
+    assert f"run `fmoesim-regress --update --policies lfu --golden {golden}`" in p.stderr
     # updating one policy rewrites its rows and keeps the other policy's (a golden file
     # cut down to the named policies, or lfu's row left moved, fails here)
     extra = pd.DataFrame({"policy": ["aaa"], "budget_gb": [12.0], "hit_rate": [0.25]})
     pd.concat([extra, df]).to_csv(golden, index=False)
+    gone = pd.DataFrame({"policy": ["lfu"], "budget_gb": [99.0], "hit_rate": [0.5]})
+    pd.concat([extra, df, gone]).to_csv(golden, index=False)  # a budget no longer computed
     p = run("--golden", str(golden), "--policies", "lfu", "--update")
     assert p.returncode == 0, p.stderr
+    assert "1 row no longer computed dropped (lfu at 99 GB)" in p.stdout  # red if silent
     kept = pd.read_csv(golden)
     assert list(kept.policy) == ["aaa", "lfu", "lfu", "lru", "lru"]
     assert kept.hit_rate[0] == 0.25

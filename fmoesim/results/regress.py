@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from fmoesim.config.schema import PROJECT_ROOT as ROOT
-from fmoesim.errors import ArgumentParser, FmoesimError, names_of, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, counted, names_of, run_or_exit
 
 PROG = "fmoesim-regress"
 GOLDEN = ROOT / "results" / "golden" / "hit_rates.csv"
 #: largest accepted move of a hit rate, in percentage points.  The runs are
 #: deterministic, so on one platform nothing moves at all; the slack covers tie-breaking
-#: differences across numpy versions (one access of the 16,640 is 0.006 points).
+#: differences across numpy versions (one access of the 16,384 is 0.006 points).
 TOLERANCE_POINTS = 0.1
 BUDGETS_GB = (12.0, 48.0)  # Mixtral-8x7B: 34 and 136 of its 256 experts
 MAX_REQUESTS = 4  # the first 4 requests of traces/default (260 iterations)
@@ -113,20 +113,40 @@ def compare(old: Any, new: Any, tolerance_points: float = TOLERANCE_POINTS) -> A
         on=keys, how="outer", suffixes=("_old", "_new"),
     )  # fmt: skip
     m["delta_points"] = 100 * (m["hit_rate_new"] - m["hit_rate_old"])
-    status = []
+    status, changed = [], []
     for _, r in m.iterrows():
+        moved = [c for c in setting if r[f"{c}_old"] not in ("", r[f"{c}_new"])]  # "": none
         if r["hit_rate_old"] != r["hit_rate_old"]:  # NaN
             status.append("NEW")
         elif r["hit_rate_new"] != r["hit_rate_new"]:
             status.append("GONE")
-        elif any(r[f"{c}_old"] not in ("", r[f"{c}_new"]) for c in setting):  # "": not recorded
+        elif moved:
             status.append("SETTING")
         elif abs(r["delta_points"]) > tolerance_points:
             status.append("MOVED")
         else:
             status.append("ok")
+        shown = [f"{c} {r[f'{c}_old']} -> {r[f'{c}_new']}" for c in moved]
+        changed.append(", ".join(shown) if status[-1] == "SETTING" else "")
     m["status"] = status
+    m["changed"] = changed  # what a SETTING row measured differently
     return m.sort_values(keys).reset_index(drop=True)
+
+
+def failure_summary(m: Any, tolerance_points: float) -> str:
+    """What a comparison that fails found, for a CI reader: how many rows of each
+    status, and the largest move."""
+    counts = m.status.value_counts()
+    parts = [f"{counts[s]} {s}" for s in ("MOVED", "SETTING", "NEW", "GONE") if s in counts]
+    moved = m[m.status == "MOVED"]
+    if len(moved):
+        r = moved.loc[moved.delta_points.abs().idxmax()]
+        parts[0] += (
+            f" beyond {tolerance_points:g} points (largest {r.delta_points:+.3f}: {r.policy} "
+            f"at {r.budget_gb:g} GB)"
+        )
+    failing = int(counts.drop("ok", errors="ignore").sum())
+    return f"{failing} of {len(m)} rows differ from the golden file: " + ", ".join(parts)
 
 
 def format_table(m: Any) -> str:
@@ -139,7 +159,8 @@ def format_table(m: Any) -> str:
         old = "-" if r.hit_rate_old != r.hit_rate_old else f"{100 * r.hit_rate_old:.3f}"
         new = "-" if r.hit_rate_new != r.hit_rate_new else f"{100 * r.hit_rate_new:.3f}"
         d = "-" if r.delta_points != r.delta_points else f"{r.delta_points:+.3f}"
-        lines.append(f"| {r.policy} | {r.budget_gb:g} | {old} | {new} | {d} | {r.status} |")
+        status = f"{r.status}: {r.changed}" if r.get("changed") else r.status
+        lines.append(f"| {r.policy} | {r.budget_gb:g} | {old} | {new} | {d} | {status} |")
     return "\n".join(lines)
 
 
@@ -212,7 +233,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--golden", default=str(GOLDEN), help="golden CSV (default: %(default)s)")
     ap.add_argument("--update", action="store_true", help="write the new numbers as golden")
     ap.add_argument("--policies", default="", help="comma-separated presets (default: all)")
-    ap.add_argument("--tolerance-points", type=float, default=TOLERANCE_POINTS)
+    ap.add_argument(
+        "--tolerance-points",
+        type=float,
+        default=TOLERANCE_POINTS,
+        help="largest accepted move of a hit rate, in points (%(default)s)",
+    )
     code = run_or_exit(PROG, lambda: _run(ap.parse_args(sys.argv[1:] if argv is None else argv)))
     raise SystemExit(code)
 
@@ -230,6 +256,12 @@ def _run(args: argparse.Namespace) -> int:
     new = compute_table(policies)
     if args.update:
         rows = new
+        before = old
+        if before is None and golden.is_file():  # a whole update: what it replaces, if legible
+            try:
+                before = read_golden(golden)
+            except FmoesimError:
+                before = None
         if old is not None:
             # only the named policies' rows are replaced; the others stay as they were
             import pandas as pd
@@ -238,7 +270,16 @@ def _run(args: argparse.Namespace) -> int:
             rows = rows.sort_values(["policy", "budget_gb"], kind="stable", ignore_index=True)
         with atomic_file(golden) as tmp:
             rows.to_csv(tmp, index=False)
-        print(f"wrote {golden} ({len(new)} rows updated, {len(rows)} in all)")
+        dropped = ""
+        if before is not None:
+            keep = set(zip(rows.policy, rows.budget_gb, strict=True))
+            gone = [(p, b) for p, b in zip(before.policy, before.budget_gb, strict=True)
+                    if (p, b) not in keep]  # fmt: skip
+            if gone:
+                first = f"{gone[0][0]} at {gone[0][1]:g} GB"
+                dropped = f", {counted(len(gone), 'row')} no longer computed dropped ({first}"
+                dropped += " and more)" if len(gone) > 1 else ")"
+        print(f"wrote {golden} ({counted(len(new), 'row')} updated, {len(rows)} in all{dropped})")
         return 0
     assert old is not None
     if policies:
@@ -247,10 +288,12 @@ def _run(args: argparse.Namespace) -> int:
     print(format_table(m))
     moved = m[m.status != "ok"]
     if len(moved):
+        update = f"{PROG} --update --policies {','.join(sorted(set(moved.policy)))}"
+        if golden.resolve() != GOLDEN.resolve():
+            update += f" --golden {golden}"
         print(
-            f"\n{len(moved)} hit rate(s) moved beyond {args.tolerance_points:g} points, "
-            "changed the table or were measured in another setting (model, trace, requests, "
-            f"accesses); if intended, run `{PROG} --update` and commit {golden}",
+            f"\n{failure_summary(m, args.tolerance_points)}; if intended, run `{update}` "
+            f"and commit {golden}",
             file=sys.stderr,
         )
         return 1
