@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fmoesim.errors import ArgumentParser, run_or_exit
+from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
 
 PROG = "fmoesim-min-budget"
 
@@ -87,7 +87,6 @@ def _check_overrides(overrides: list[str]) -> None:
     """Refuse a sweep (``policy=lru,lfu``: Hydra would answer with its multirun hint,
     which this command does not take) and a budget (the search sets it)."""
     from fmoesim.cli.main import parse_overrides
-    from fmoesim.errors import FmoesimError
 
     for o, text in zip(parse_overrides(overrides), overrides, strict=True):
         if o.is_sweep_override():
@@ -128,7 +127,7 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
 
     for t in targets_ms:
         if not 0 < t < math.inf:
-            raise ConfigError("--target-tpot-ms", t, "must be a finite number > 0")
+            raise FmoesimError(f"--target-tpot-ms {t:g}: must be a finite number > 0")
     _check_overrides(overrides)
     cfg = compose_config(overrides)
     if not cfg.engine.timing:
@@ -160,7 +159,8 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
                 experts_per_layer=None,
             )
             runs[n] = r.summary["tpot_mean_s"]
-            print(f"  {n:>5} experts ({n * size / 1e9:7.2f} GB): TPOT {1e3 * runs[n]:9.2f} ms")
+            gb = budget_gb_for(n, size)  # as typed back, it holds these n experts
+            print(f"  {n:>5} experts ({gb:>7} GB): TPOT {1e3 * runs[n]:9.2f} ms")
         return runs[n]
 
     gpus = spec.hardware.num_gpus
@@ -180,7 +180,17 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
             print(f"| {1e3 * a.target_s:g} | not met | - | {1e3 * a.tpot_s:.2f} ({whole}) |")
         else:
             gb = budget_gb_for(a.experts, size)
-            print(f"| {1e3 * a.target_s:g} | {a.experts} | {gb} | {1e3 * a.tpot_s:.2f} |")
+            floor = " (the least searched)" if a.experts == lo else ""
+            print(f"| {1e3 * a.target_s:g} | {a.experts}{floor} | {gb} | {1e3 * a.tpot_s:.2f} |")
+    met = [a.experts for a in answers if a.experts is not None]
+    gpu_bytes = spec.hardware.gpu_memory_gb * 1e9
+    if met and max(met) * size + spec.model.resident_weight_bytes > gpu_bytes:
+        print(
+            f"\nnote: {budget_gb_for(max(met), size)} GB of experts and "
+            f"{spec.model.resident_weight_bytes / 1e9:.2f} GB of the model's other weights exceed "
+            f"the {spec.hardware.gpu_memory_gb:g} GB of the {spec.hardware.gpu}: a what-if, "
+            "not this GPU (cache.budget_gb is not checked against its memory)"
+        )
 
 
 if __name__ == "__main__":
