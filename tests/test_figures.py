@@ -481,3 +481,12 @@ def test_a_store_with_two_runs_for_a_point_scores_nothing(tmp_path, store_df):
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.startswith("fmoesim-reproduce: error: experiment fmoe-fig11: 2 runs for ")
     assert len(p.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_a_caption_counts_one_request_in_the_singular():
+    """Red if a one-request figure's caption reads "all 1 requests served"."""
+    from fmoesim.plots.style import _requests_note
+
+    assert _requests_note([1], 1, []) == "the 1 request served"
+    assert _requests_note([1], None, []) == "1 request served"
+    assert _requests_note([2], 32, []) == "2 of 32 requests served"

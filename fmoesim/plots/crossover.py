@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from fmoesim.atomic import atomic_file
-from fmoesim.errors import ArgumentParser, FmoesimError
+from fmoesim.errors import ArgumentParser, FmoesimError, counted
 from fmoesim.specs.hardware import HardwareSpec
 from fmoesim.specs.model import ModelSpec
 
@@ -223,6 +223,12 @@ def run_grid(
         if not (f > 0 and math.isfinite(f)):
             raise FmoesimError(f"factor {f}: must be a positive number")
     pols = [p for p in dict.fromkeys(policies) if p != BASELINE]
+    if not pols:
+        raise FmoesimError(
+            f"--policies {','.join(policies)}: no policy to set against {BASELINE} (rule: "
+            f"at least one prefetching policy; {BASELINE} runs at every point anyway)"
+        )
+    compute, bandwidth = list(dict.fromkeys(compute)), list(dict.fromkeys(bandwidth))
     cells = tuple((float(s), float(b)) for s in compute for b in bandwidth)
     meta: dict[str, dict[str, Any]] = {}
     todo: list[_Job] = []
@@ -255,7 +261,10 @@ def run_grid(
                 log(f"[{k}/{len(todo)}] {job.model} {job.policy}: "
                     f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
     if log is not None:
-        log(f"{len(todo) * len(cells)} runs in {time.perf_counter() - t0:.0f} s")
+        grid = f"{len(todo)} model-policy pairs x {counted(len(cells), 'grid point')}"
+        log(
+            f"{counted(len(todo) * len(cells), 'run')} ({grid}) in {time.perf_counter() - t0:.0f} s"
+        )
     skipped: dict[str, str] = {}
     rows: list[dict[str, Any]] = []
     base: dict[tuple[str, float, float], float] = {}
@@ -556,6 +565,13 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def _cli(args: argparse.Namespace) -> None:
+    from fmoesim.atomic import is_plain_name
+
+    if not is_plain_name(args.name):  # the stem of four files in --out
+        raise FmoesimError(
+            f"--name {args.name}: not a file name (rule: no '/', '\\' or '..', not empty, "
+            "not starting with '.')"
+        )
     table = run_grid(
         args.models, args.policies, args.compute, args.bandwidth,
         args.requests, args.hardware, jobs=args.jobs, log=lambda m: print(m, flush=True),

@@ -182,9 +182,9 @@ def _requests_note(served: list[int], total: int | None, held_in: list[int]) -> 
     lo, hi = min(served), max(served)
     n = f"{lo}" if lo == hi else f"{lo}-{hi}"
     if total is None:
-        text = f"{n} requests served"
+        text = f"{n} request{'' if n == '1' else 's'} served"
     elif lo == hi == total:
-        text = f"all {total} requests served"
+        text = "the 1 request served" if total == 1 else f"all {total} requests served"
     else:
         text = f"{n} of {total} requests served"
     held = sorted({h for h in held_in if h})
