@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
         crossover_main(argv[1:], PROG)
         return
     ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    ap.add_argument("names", nargs="*", default=["all"], help="figure names, or all")
+    ap.add_argument("names", nargs="*", default=["all"], help="figure names (--list), or all; "
+                    "crossover alone, with its own options (crossover --help)")  # fmt: skip
     ap.add_argument("--store", default="results/store", help="results store (%(default)s)")
     ap.add_argument("--out", default="results/figures", help="figure directory (%(default)s)")
     ap.add_argument("--run", action="store_true", help="run the sweeps missing from the store")
@@ -179,7 +180,9 @@ def _run(args: argparse.Namespace) -> None:
         raise FmoesimError("figure 'crossover': give it alone: fmoesim-plot crossover [options]")
     unknown = [n for n in names if n not in FIGURES]
     if unknown:
-        raise FmoesimError(f"figure {unknown[0]!r}: unknown; valid: all, {', '.join(FIGURES)}")
+        raise FmoesimError(
+            f"figure {unknown[0]!r}: unknown; valid: all, {', '.join(FIGURES)}; crossover alone"
+        )
     if args.jobs < 1:
         raise FmoesimError(f"--jobs {args.jobs}: must be >= 1")
     check_store_dir(args.store, f"{PROG} --run makes it and runs the figures' sweeps", args.run)
