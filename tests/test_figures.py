@@ -70,6 +70,7 @@ def fake_rows(experiment: str) -> list[dict]:
         e2e = rng.uniform(1, 10, 8)
         row.update(
             config_json=json.dumps(conf), hit_rate=rng.uniform(0.2, 0.9),
+            late_rate=rng.uniform(0, 0.3),
             ttft_mean_s=rng.uniform(0.5, 2), tpot_mean_s=rng.uniform(0.1, 0.4),
             stall_s=rng.uniform(1, 100), pcie_bytes=rng.uniform(1e9, 1e11),
             e2e_mean_s=float(e2e.mean()), e2e_p50_s=float(np.median(e2e)),

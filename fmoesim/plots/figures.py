@@ -394,21 +394,33 @@ def mi_tab4(df: Any, plt: Any) -> tuple[Any, str]:
 
 
 def mi_tab5(df: Any, plt: Any) -> tuple[Any, str]:
-    """Buffer hit rate per policy and budget (belady = ideal demand caching)."""
+    """Buffer hit rate per policy and budget (belady = ideal demand caching); late: the
+    share of accesses whose expert was still in flight."""
     budgets = sorted(set(df.budget_gb))
     names = _policies(df)
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     w = 0.8 / len(names)
     for i, p in enumerate(names):
         d = df[df.policy == p].set_index("budget_gb")
-        ax.bar(np.arange(len(budgets)) + i * w, [100 * d.hit_rate.get(b, np.nan) for b in budgets],
-               w, label=p, color=policy_color(p))  # fmt: skip
-    ax.set_xticks(np.arange(len(budgets)) + 0.4 - w / 2, [f"{b:g} GB" for b in budgets])
+        bars = ax.bar(np.arange(len(budgets)) + i * w,
+                      [100 * d.hit_rate.get(b, np.nan) for b in budgets],
+                      w, label=p, color=policy_color(p))  # fmt: skip
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)  # a 0% bar is a bar, not a gap
+    slots = {
+        b: int(n)
+        for b, n in zip(df.budget_gb, df.get("budget_experts", [np.nan] * len(df)), strict=True)
+        if n == n
+    }
+    ax.set_xticks(
+        np.arange(len(budgets)) + 0.4 - w / 2,
+        [f"{b:.2f} GB" + (f" ({slots[b]} slots)" if b in slots else "") for b in budgets],
+    )
     ax.set_xlabel("expert cache budget")
     ax.set_ylabel("buffer hit rate (%)")
     legend_outside(ax)
-    cols = {"hit rate %": ("hit_rate", 100, ".2f")}
-    return fig, _table(df.sort_values(["budget_gb", "policy"]), cols, ["budget_gb", "policy"])
+    cols = {"hit rate %": ("hit_rate", 100, ".2f"), "late %": ("late_rate", 100, ".2f")}
+    order = df.sort_values("budget_gb", kind="stable")  # the preset's policy order within
+    return fig, _table(order, cols, ["budget_gb", "policy"])
 
 
 def mi_fig9(df: Any, plt: Any) -> tuple[Any, str]:
