@@ -1091,3 +1091,34 @@ def test_a_slurm_sweep_off_a_slurm_machine_is_one_line(monkeypatch) -> None:
     check_launcher_host(["policy=lru,lfu", "hydra/launcher=submitit_local"])
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/sbatch")
     check_launcher_host(["policy=lru,lfu", "hydra/launcher=submitit_slurm"])
+
+
+def test_a_preset_is_checked_whoever_chooses_it_and_may_extend_another(tmp_path: Path) -> None:
+    """A model preset that extends Mixtral's (``/model/mixtral-8x7b@_here_``, or the
+    relative ``mixtral-8x7b@_here_``) and sets only its name runs; one chosen by an
+    experiment preset, not on the command line, is checked all the same.  Red if the
+    check does not follow Hydra's parent forms (a good preset refused) or looks at the
+    command line only (an experiment's incomplete preset runs on the schema's
+    defaults)."""
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "experiment").mkdir()
+    for name, parent in (("here", "/model/mixtral-8x7b"), ("here2", "mixtral-8x7b")):
+        (conf / "model" / f"{name}.yaml").write_text(
+            f"defaults:\n  - {parent}@_here_\n  - _self_\nname: {name}\n"
+        )
+    text = (ROOT / "conf" / "model" / "mixtral-8x7b.yaml").read_text()
+    (conf / "model" / "broke.yaml").write_text(
+        "\n".join(line for line in text.splitlines() if not line.startswith("hidden_size:"))
+    )
+    (conf / "experiment" / "ex.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: broke\n"
+    )
+    quick = [f"hydra.searchpath=[file://{conf}]", "serving.max_requests=1", "engine.timing=false",
+             "output.write=false", "store.enabled=false"]  # fmt: skip
+    for name in ("here", "here2"):
+        p = fmoesim(*quick, f"model={name}", cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        assert f"model {name}" in p.stdout
+    assert_refused(fmoesim(*quick, "experiment=ex", cwd=tmp_path),
+                   f"{conf / 'model' / 'broke.yaml'}: sets no hidden_size")  # fmt: skip

@@ -194,12 +194,9 @@ def check_added_keys(overrides: list[str]) -> None:
             for name in names:  # Hydra skips an unknown preset of an optional group (experiment)
                 if not isinstance(name, str):
                     continue
-                found = [d / group / f"{name}.yaml" for d in folders]
-                found = [f for f in found if f.is_file()]
-                if not found:
+                if not any((d / group / f"{name}.yaml").is_file() for d in folders):
                     folder, _, leaf = f"{group}/{name}".rpartition("/")
                     raise FmoesimError(_unknown_preset(folder, leaf))
-                check_preset_fields(group, found[0], tuple(folders))  # the first on the path
         if not (o.is_add() or o.is_force_add()):
             continue
         key = o.key_or_group
@@ -275,12 +272,36 @@ def _compose(overrides: list[str], hydra_config: bool = False) -> Any:
     """Hydra's compose of ``overrides`` (within an initialised Hydra); a composition
     error becomes one :class:`FmoesimError` line."""
     from hydra import compose
+    from omegaconf import open_dict
 
     check_added_keys(overrides)
     try:
-        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra_config)
+        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
     except Exception as exc:  # noqa: BLE001 - every composition error becomes one line
         raise FmoesimError(_friendly(exc)) from None
+    _check_chosen_presets(cfg.hydra)
+    if not hydra_config:
+        with open_dict(cfg):
+            del cfg["hydra"]  # as compose leaves it out
+    return cfg
+
+
+def _check_chosen_presets(hydra_cfg: Any) -> None:
+    """The model and hardware presets a composition chose (on the command line, by an
+    experiment preset or by default) set their own numbers
+    (:func:`fmoesim.config.build.check_preset_fields`), looked for where Hydra looked:
+    ``conf/`` and the ``file://`` folders of ``hydra.searchpath``."""
+    folders = [CONF_DIR]
+    for p in hydra_cfg.get("searchpath") or []:
+        if str(p).startswith("file://"):
+            folders.append(Path(str(p)[len("file://") :]).expanduser())
+    choices = hydra_cfg.runtime.choices
+    for group in ("model", "hardware"):
+        name = choices.get(group)
+        found = [d / group / f"{name}.yaml" for d in folders] if name else []
+        found = [f for f in found if f.is_file()]
+        if found:
+            check_preset_fields(group, found[0], tuple(folders))  # the first on the path
 
 
 def compose_config(overrides: list[str]) -> Any:

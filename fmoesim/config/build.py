@@ -63,10 +63,12 @@ PRESET_FIELDS = {
 
 def check_preset_fields(group: str, path: Path, folders: tuple[Path, ...] = (CONF_DIR,)) -> None:
     """A ``model`` or ``hardware`` preset file ``path`` sets every field of
-    :data:`PRESET_FIELDS` itself or through the presets of its group that its
-    ``defaults`` list (looked for in ``folders``); one line naming the file and the first
-    field left out otherwise.  Other groups, and a file that does not load as a mapping
-    (Hydra reports it), pass."""
+    :data:`PRESET_FIELDS` itself or through the presets its ``defaults`` list extends
+    (``parent``, ``parent@_here_``, ``/model/parent``: looked for as Hydra does, in
+    each of ``folders``);
+    one line naming the file and the first field left out otherwise.  Other groups, a
+    file that does not load as a mapping and a parent that is not found (Hydra reports
+    each) pass."""
     need = PRESET_FIELDS.get(group)
     if need is None:
         return
@@ -74,7 +76,7 @@ def check_preset_fields(group: str, path: Path, folders: tuple[Path, ...] = (CON
     todo, seen = [path], set()
     while todo:
         p = todo.pop()
-        if p in seen or not p.is_file():
+        if p in seen:
             continue
         seen.add(p)
         try:
@@ -85,8 +87,11 @@ def check_preset_fields(group: str, path: Path, folders: tuple[Path, ...] = (CON
             return
         keys |= {str(k) for k in raw}
         for entry in raw.get("defaults") or []:
-            if isinstance(entry, str) and entry not in (f"{group}_schema", "_self_"):
-                todo += [d / group / f"{entry.lstrip('/')}.yaml" for d in folders]
+            parent = _parent_preset(entry, group, p, folders)
+            if parent is False:
+                return  # a parent Hydra will not find either: its error, not ours
+            if parent is not None:
+                todo.append(parent)
     missing = [k for k in need if k not in keys]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -95,6 +100,22 @@ def check_preset_fields(group: str, path: Path, folders: tuple[Path, ...] = (CON
             f"{path}: sets no {missing[0]}{more} (rule: a {group} preset sets {what} itself; "
             f"the schema's defaults are no {group}'s)"
         )
+
+
+def _parent_preset(entry: Any, group: str, path: Path, folders: tuple[Path, ...]) -> Any:
+    """The file of a preset that ``path``'s defaults ``entry`` extends; None for an
+    entry that is not one (``_self_``, the group's schema, another group's choice);
+    False when it names a preset that is in none of ``folders``."""
+    if not isinstance(entry, str):
+        return None  # {group: option}, an override: another group's choice
+    ref = entry.split("@", 1)[0].strip()  # "parent@_here_": where it goes, not what
+    if ref in ("_self_", f"{group}_schema", f"/{group}/{group}_schema"):
+        return None
+    # absolute from the config tree's root, else relative to the group (as Hydra reads
+    # a parent of the option measured/x of group hardware: hardware/<ref>)
+    rel = Path(ref.lstrip("/")) if ref.startswith("/") else Path(group) / ref
+    found = [d / f"{rel}.yaml" for d in folders if (d / f"{rel}.yaml").is_file()]
+    return found[0] if found else False
 
 
 def load_preset(group: str, name: str, schema: type[T]) -> T:
