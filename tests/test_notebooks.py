@@ -63,13 +63,17 @@ def test_policy_comparison_runs_on_an_empty_store(tmp_path):
 
 
 def test_policy_comparison_shows_the_users_runs(tmp_path):
-    """A store holding the user's own runs (two policies, one budget): the notebook
-    compares those, and runs no sample sweep.  Red if the sample sweep's setting (more
-    runs) is shown instead of the user's, as when the sample was kept in the same store."""
+    """The notebook on an empty store (its sample sweep), then the user's own runs (two
+    policies, one budget) and the notebook again: it compares the user's runs and runs
+    no sample sweep.  Red if the sample sweep was kept in the user's store, where its
+    setting (more runs) is then shown instead of the user's."""
     import subprocess
     import sys
 
     store = tmp_path / "store"
+    env = {"FMOESIM_NOTEBOOK_STORE": str(store),
+           "FMOESIM_NOTEBOOK_SAMPLE_STORE": str(tmp_path / "sample")}  # fmt: skip
+    execute("policy_comparison.ipynb", env)  # the sample sweep
     for policy in ("lru", "lfu"):
         p = subprocess.run(
             [sys.executable, "-m", "fmoesim.cli.main", f"policy={policy}", "cache.budget_gb=12",
@@ -78,13 +82,30 @@ def test_policy_comparison_shows_the_users_runs(tmp_path):
             capture_output=True, text=True, cwd=ROOT,
         )  # fmt: skip
         assert p.returncode == 0, p.stderr
-    env = {"FMOESIM_NOTEBOOK_STORE": str(store),
-           "FMOESIM_NOTEBOOK_SAMPLE_STORE": str(tmp_path / "sample")}  # fmt: skip
     text = text_of(execute("policy_comparison.ipynb", env))
-    assert "2 runs of ['lfu', 'lru']" in text
-    assert not (tmp_path / "sample").exists()
+    assert "2 runs of ['lfu', 'lru']" in text and "the sample sweep" not in text
 
 
 def test_trace_analysis_runs_on_the_bundled_trace():
     nb = execute("trace_analysis.ipynb", {})
     assert images(nb) == 3  # entropy, reuse, co-activation
+    # top-2 of 8 experts with the lift's random baseline taken out: a layer's strongest
+    # pair lifts above 1 (red if the raw lift, below 1 by construction, is shown)
+    line = next(t for t in text_of(nb).splitlines() if t.startswith("strongest pair"))
+    assert "[" in line and min(float(x) for x in line.split("[")[1].split()[:4]) > 1
+
+
+def test_trace_analysis_on_top_1_routing_has_no_pairs(tmp_path):
+    """Red if the co-activation cell divides by the random baseline of a top-1 model
+    (zero: k - 1 = 0) instead of saying that there are no pairs."""
+    from fmoesim.config.build import load_preset
+    from fmoesim.specs import ModelSpec
+    from fmoesim.workload.synthetic import SyntheticConfig, generate
+
+    model = load_preset("model", "llama-4-scout", ModelSpec)
+    assert model.top_k == 1
+    cfg = SyntheticConfig(num_requests=2, output_tokens_median=4, prompt_tokens_median=8)
+    generate(model, cfg, tmp_path / "t")
+    nb = execute("trace_analysis.ipynb", {"FMOESIM_NOTEBOOK_TRACE": str(tmp_path / "t")})
+    assert "top-1 routing: a token picks one expert a layer" in text_of(nb)
+    assert images(nb) == 2

@@ -904,6 +904,24 @@ def test_a_claim_is_scored_only_on_every_point_it_reads() -> None:
     assert score_claim(c, part).fmoesim_value == pytest.approx(100.0)
 
 
+def test_a_claim_without_every_run_of_its_floor_counts_as_short() -> None:
+    """fMoE's TPOT against ProMoE with every run of Fig. 9 but one of the floor (every
+    expert resident): the claim keeps its number, has no floor, and counts as short of
+    a run.  Red if a partial floor goes unnoticed (--docs would rewrite the tables with
+    the resident column blank)."""
+    from fmoesim.reproduce.smallscale import floor_points
+
+    c = next(c for c in load_catalog("fmoe") if c.id == "fig9-tpot-promoe")
+    assert c.floor == "fmoe-resident"
+    rows = pd.concat([rows_of_points("fmoe-fig9", points(c), "tpot_mean_s"),
+                      rows_of_points("fmoe-resident", floor_points(c)[1:], "tpot_mean_s")],
+                     ignore_index=True)  # fmt: skip
+    s = scoreboard([c], rows)[0]
+    assert s.fmoesim_value is not None and s.resident is None and s.missing == 1
+    gone = " ".join(f"{k}={v}" for k, v in floor_points(c)[0].items())
+    assert f"no floor: fmoe-resident: not in the store: the run at {gone}" in s.detail
+
+
 def test_a_partial_store_is_said_and_kept_out_of_the_docs(tmp_path: Path) -> None:
     """A store holding all but one run of fMoE's Fig. 9: the command says on stderr how
     many claims lack runs and how to run them, and with ``--docs`` refuses before
@@ -935,7 +953,7 @@ def test_a_partial_store_is_said_and_kept_out_of_the_docs(tmp_path: Path) -> Non
         capture_output=True, text=True, cwd=tmp_path,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
-    assert "claims n.a. for runs the store lacks" in p.stderr
+    assert "claims lack runs in the store" in p.stderr
     assert f"run: fmoesim-reproduce fmoe --run --store {tmp_path / 'store'}" in p.stderr
     rows = {r["id"]: r for r in read_csv(tmp_path / "out" / "fmoe.csv")}
     row = rows["fig9-deepspeed-worst-tpot"]

@@ -141,13 +141,13 @@ def _run(args: argparse.Namespace) -> None:
         if exps and not held & set(exps):
             raise FmoesimError(
                 f"--store {args.store}: holds no run of {name}'s presets ({', '.join(exps)}) "
-                f"(rule: scores come from stored runs; run: {PROG} {name} --run)"
+                f"(rule: scores come from stored runs; run: {_run_command(name, args)})"
             )
         if exps and not held_now & set(exps):  # stale runs would score every row n.a.
             raise FmoesimError(
                 f"--store {args.store}: its runs of {name}'s presets are all from other code "
                 f"versions than this one ({code_version()}) (rule: scores come from runs of "
-                f"the running code; run: {PROG} {name} --run)"
+                f"the running code; run: {_run_command(name, args)})"
             )
     if not args.run:  # after the store's own checks, whose errors come first
         _check_overview(docs, Path(args.out), others)
@@ -166,7 +166,7 @@ def _run(args: argparse.Namespace) -> None:
         short = [s for s in scores if s.missing]
         if not short:
             continue
-        run = f"{PROG} {name} --run --store {args.store}"
+        run = _run_command(name, args)
         first = f"first: claim {short[0].claim.id}, {short[0].detail}"
         if docs is not None:
             raise FmoesimError(
@@ -175,7 +175,8 @@ def _run(args: argparse.Namespace) -> None:
                 f"point; run: {run})"
             )
         print(
-            f"{PROG}: {name}: {counted(len(short), 'claim')} n.a. for runs the store lacks "
+            f"{PROG}: {name}: {counted(len(short), 'claim')} "
+            f"{'lacks' if len(short) == 1 else 'lack'} runs in the store "
             f"({first}); run: {run}",
             file=sys.stderr,
         )
@@ -187,6 +188,13 @@ def _run(args: argparse.Namespace) -> None:
     if docs is not None:
         update_overview(docs, Path(args.out), list(PAPERS))
         print(f"the overview of every paper's scoreboard written into {docs}")
+
+
+def _run_command(paper: str, args: argparse.Namespace) -> str:
+    """The command that runs what ``paper``'s claims (those of ``--claims``) read into
+    the store given."""
+    claims = f" --claims {args.claims}" if args.claims else ""
+    return f"{PROG} {paper} --run{claims} --store {args.store}"
 
 
 def _chosen(catalogs: dict[str, list[Any]], ids: list[str]) -> dict[str, list[Any]]:

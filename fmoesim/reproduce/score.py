@@ -558,7 +558,12 @@ def missing_points(claim: Claim, df: Any) -> list[dict[str, Any]]:
 
     if claim.kind == "min_budget":
         return []
-    want = points(claim)
+    return absent_points(points(claim), df)
+
+
+def absent_points(want: Sequence[dict[str, Any]], df: Any) -> list[dict[str, Any]]:
+    """The points of ``want`` (``{policy or dotted key: value}``) that no row of ``df``
+    matches."""
     keys = sorted({k for p in want for k in p})
     have = {tuple(_norm(row_value(r, k)) for k in keys) for _, r in df.iterrows()}
     out = []
@@ -585,13 +590,14 @@ def absent_text(absent: Sequence[dict[str, Any]]) -> str:
     return f"not in the store: the run at {first}{more}"
 
 
-def score_claim(claim: Claim, results: Any, every_point: bool = False) -> Score:
+def score_claim(claim: Claim, results: Any, all_runs: bool = False) -> Score:
     """fmoesim's :class:`Score` for ``claim`` from the store's DataFrame ``results``:
     the rows of its experiment from the running code version
     (:func:`fmoesim.plots.figures.experiment_rows`).  A claim without a preset, or whose
-    rows are missing, has no number and says why in ``detail``; with ``every_point``,
-    so does a claim of which the store lacks any point of its preset that it reads
-    (:func:`missing_points`)."""
+    rows are missing, has no number and says why in ``detail``; with ``all_runs``, so
+    does a claim of which the store lacks any point of its preset that it reads
+    (:func:`missing_points`), and a claim whose ``floor`` lacks a run has none of that
+    (:attr:`Score.missing` counts both)."""
     from fmoesim.plots.figures import experiment_rows, without_run_hint
 
     if claim.kind == "model":
@@ -611,9 +617,9 @@ def score_claim(claim: Claim, results: Any, every_point: bool = False) -> Score:
         # without the hint to run the preset into the default store: the command that
         # scores says how to run what is missing into its own
         why = without_run_hint(str(exc))
-        return Score(claim, None, NA, None, why, missing=_points_read(claim) * every_point)
+        return Score(claim, None, NA, None, why, missing=_points_read(claim) * all_runs)
     try:
-        absent = missing_points(claim, df) if every_point else []
+        absent = missing_points(claim, df) if all_runs else []
         if absent:
             return Score(claim, None, NA, None, absent_text(absent), missing=len(absent))
         value, holds, detail = effect(claim, df)
@@ -622,20 +628,38 @@ def score_claim(claim: Claim, results: Any, every_point: bool = False) -> Score:
     except FmoesimError as exc:
         return Score(claim, None, NA, None, str(exc))
     ratio = magnitude_ratio(value, claim.paper_value) if claim.kind in _RATIO_KINDS else None
-    resident = None
+    resident, short = None, 0
     if claim.floor is not None:
+        from fmoesim.reproduce.smallscale import floor_points
+
+        why = ""  # why there is no floor: the claim's own number stands without it
         try:
             floor_df, _ = experiment_rows(
                 results, claim.floor, timed=True, what=f"claim {claim.id}"
             )
-            resident, per_value = resident_effect(claim, df, floor_df)
-            if per_value:
-                detail = "; ".join(filter(None, [detail, f"every expert resident: {per_value}"]))
         except AmbiguousRunsError:
             raise
-        except FmoesimError as exc:  # the claim's own number stands without its floor
-            detail = "; ".join(filter(None, [detail, f"no floor: {exc}"]))
-    return Score(claim, value, YES if holds else NO, ratio, detail, resident)
+        except FmoesimError as exc:  # none of the floor's runs (of this code)
+            why = without_run_hint(str(exc))
+            short = max(1, len(floor_points(claim))) if all_runs else 0
+        else:
+            gone = absent_points(floor_points(claim), floor_df) if all_runs else []
+            if gone:
+                why, short = f"{claim.floor}: {absent_text(gone)}", len(gone)
+        if not why:
+            try:
+                resident, per_value = resident_effect(claim, df, floor_df)
+                if per_value:
+                    detail = "; ".join(
+                        filter(None, [detail, f"every expert resident: {per_value}"])
+                    )
+            except AmbiguousRunsError:
+                raise
+            except FmoesimError as exc:
+                why = str(exc)
+        if why:
+            detail = "; ".join(filter(None, [detail, f"no floor: {why}"]))
+    return Score(claim, value, YES if holds else NO, ratio, detail, resident, missing=short)
 
 
 def model_statistic(model: str, metric: str) -> tuple[float, str]:
@@ -720,4 +744,4 @@ def scoreboard(claims: Sequence[Claim], results: Any) -> list[Score]:
     """Every claim's :class:`Score`, in catalog order: none is left out, whatever its
     outcome.  A claim is scored only on every point of its preset that it reads: one
     the store lacks leaves it without a number (:attr:`Score.missing`)."""
-    return [score_claim(c, results, every_point=True) for c in claims]
+    return [score_claim(c, results, all_runs=True) for c in claims]

@@ -355,4 +355,4 @@ def recheck(claims: Sequence[Claim], requests: int = SMALL_REQUESTS, jobs: int =
 
     rows = run_jobs(plan(claims, floors=False), requests, jobs)  # the floors hold nothing
     results = pd.DataFrame(rows) if rows else pd.DataFrame()
-    return [score_claim(c, results, every_point=True) for c in claims]
+    return [score_claim(c, results, all_runs=True) for c in claims]
