@@ -454,8 +454,9 @@ def _run(args: argparse.Namespace) -> None:
             _check_file_destination(flag, Path(dest), args.force)
     name = args.name or Path(args.out).stem
     if not is_plain_name(name):  # it names the preset: hardware=measured/<name>
+        flag = "--name" if args.name else f"--out {args.out}: its file name gives"
         raise FmoesimError(
-            f"--name {name}: not a preset's name (rule: no '/', '\\' or '..', not empty, "
+            f"{flag} {name}: not a preset's name (rule: no '/', '\\' or '..', not empty, "
             "not starting with '.')"
         )
     spec = profile(models, args.device, repeats=args.repeats, name=name, base=base,

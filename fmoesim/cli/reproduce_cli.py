@@ -82,6 +82,7 @@ def _run(args: argparse.Namespace) -> None:
     from fmoesim.reproduce.score import ensure_runs, experiments_of, scoreboard
     from fmoesim.results.store import check_store_dir, code_version, load_results
 
+    args.out, args.store = (str(Path(p).expanduser()) for p in (args.out, args.store))
     if args.list and (args.run or args.docs):
         raise FmoesimError("--list: lists the claims only (rule: no --run or --docs with it)")
     if args.paper is None:
