@@ -123,7 +123,9 @@ def test_a_store_without_the_runs_asked_for_is_named(tmp_path, page, capsys):
     store.mkdir()
     pd.DataFrame([{"experiment": "other", "policy": "lru"}]).to_parquet(store / "x.parquet")
     line = refused(capsys, "fmoesim-plot", _plot(store, tmp_path / "figs"))
-    assert f"figure fmoe-fig4: no runs of experiment fmoe-fig4 in the store {store}" in line
+    assert (
+        f"figure fmoe-fig4: no runs of experiment fmoe-fig4 in the store (--store {store}" in line
+    )
     before = page.read_text()
     line = refused(capsys, "fmoesim-reproduce", _reproduce(store, tmp_path / "repro", page))
     assert f"--store {store}: holds no run of fmoe's presets (fmoe-fig9" in line
@@ -207,8 +209,8 @@ def test_a_tolerance_that_turns_the_guard_off_is_refused(tmp_path, capsys, tol):
 @pytest.mark.parametrize(
     ("target", "extra", "fragment"),
     [
-        ("inf", (), "config key '--target-tpot-ms' = inf: must be a finite number > 0"),
-        ("nan", (), "config key '--target-tpot-ms' = nan: must be a finite number > 0"),
+        ("inf", (), "--target-tpot-ms inf: must be a finite number > 0"),
+        ("nan", (), "--target-tpot-ms nan: must be a finite number > 0"),
         ("100", ("engine.timing=false",), "config key 'engine.timing' = False: "
          "fmoesim-min-budget searches by TPOT, which needs timed runs"),
         # ignored (the same answer as without it), or refused at the first run
@@ -385,7 +387,7 @@ REPLAY = ["replay", "--models", "olmoe-1b-7b", "--modes", "batch1", "--budgets",
         (["--repeats", "0"], "--repeats 0: must be >= 1"),
         (["--device", "tpu"], "--device tpu: must be 'cpu' or 'cuda[:N]'"),
         (["--device", "cuda"], "--device cuda: CUDA is not available here"),
-        (["--models", ","], "select no run of the grid"),
+        (["--models", ","], "--models ',': an empty item (rule: comma-separated names)"),
     ],
 )
 def test_replay_checks_its_arguments_before_any_run(tmp_path, capsys, monkeypatch, extra,
