@@ -64,11 +64,10 @@ PRESET_FIELDS = {
 def check_preset_fields(group: str, path: Path, folders: tuple[Path, ...] = (CONF_DIR,)) -> None:
     """A ``model`` or ``hardware`` preset file ``path`` sets every field of
     :data:`PRESET_FIELDS` itself or through the presets its ``defaults`` list extends
-    (``parent``, ``parent@_here_``, ``/model/parent``: looked for as Hydra does, in
-    each of ``folders``);
-    one line naming the file and the first field left out otherwise.  Other groups, a
-    file that does not load as a mapping and a parent that is not found (Hydra reports
-    each) pass."""
+    (``parent``, ``parent@_here_``, ``/model/parent``: looked for as Hydra does, in each
+    of ``folders``); one line naming the file and the first field left out otherwise.
+    Other groups, a file that does not load as a mapping and a parent that is not found
+    (Hydra reports each) pass."""
     need = PRESET_FIELDS.get(group)
     if need is None:
         return
