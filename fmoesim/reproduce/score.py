@@ -108,7 +108,8 @@ class Score:
     #: resident (:func:`resident_effect`), percent; None without a floor or its runs
     resident: float | None = None
     #: how many of the points the claim reads the store lacks (:func:`missing_points`;
-    #: all of them where it holds no run of the preset); the claim then has no number
+    #: all of them where it holds no run of the preset), the claim then without a number,
+    #: or of its floor's points, the claim then without :attr:`resident`
     missing: int = 0
 
     @property
