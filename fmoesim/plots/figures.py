@@ -144,7 +144,7 @@ def without_run_hint(text: str) -> str:
     return re.sub(r"[\s;(]*\b(?:re)?run: fmoesim -m [^)]*\)?$", "", text)
 
 
-def _as_point_value(value: Any) -> str:
+def point_value(value: Any) -> str:
     """A swept value as text, numbers as numbers (``12`` and ``12.0`` are one point)."""
     try:
         return repr(float(value))
@@ -161,12 +161,12 @@ def missing_runs(df: Any, experiment: str) -> list[str]:
     params = sweep_params(experiment)
     keys = list(params)
     have = {
-        tuple(_as_point_value(r["policy"] if k == "policy" else sweep_value(r, k)) for k in keys)
+        tuple(point_value(r["policy"] if k == "policy" else sweep_value(r, k)) for k in keys)
         for _, r in df.iterrows()
     }
     out = []
     for combo in itertools.product(*(params[k] for k in keys)):
-        if tuple(_as_point_value(v) for v in combo) not in have:
+        if tuple(point_value(v) for v in combo) not in have:
             out.append(" ".join(f"{k}={v}" for k, v in zip(keys, combo, strict=True)))
     return out
 

@@ -540,14 +540,6 @@ def resident_effect(claim: Claim, df: Any, floor_df: Any) -> tuple[float, str]:
     return sum(values) / len(values), "" if claim.per is None else detail
 
 
-def _norm(value: Any) -> str:
-    """A swept value as text, numbers as numbers (``32000`` and ``"32000.0"`` are one)."""
-    try:
-        return repr(float(value))
-    except (TypeError, ValueError):
-        return str(value)
-
-
 def missing_points(claim: Claim, df: Any) -> list[dict[str, Any]]:
     """The points ``claim`` reads (:func:`fmoesim.reproduce.smallscale.points`) that no
     row of its experiment's rows ``df`` matches.  A claim whose side reads several
@@ -565,12 +557,14 @@ def missing_points(claim: Claim, df: Any) -> list[dict[str, Any]]:
 def absent_points(want: Sequence[dict[str, Any]], df: Any) -> list[dict[str, Any]]:
     """The points of ``want`` (``{policy or dotted key: value}``) that no row of ``df``
     matches."""
+    from fmoesim.plots.figures import point_value
+
     keys = sorted({k for p in want for k in p})
-    have = {tuple(_norm(row_value(r, k)) for k in keys) for _, r in df.iterrows()}
+    have = {tuple(point_value(row_value(r, k)) for k in keys) for _, r in df.iterrows()}
     out = []
     for p in want:
         if len(p) == len(keys):
-            if tuple(_norm(p[k]) for k in keys) not in have:
+            if tuple(point_value(p[k]) for k in keys) not in have:
                 out.append(p)
         elif select(df, p).empty:  # pragma: no cover - every point has the swept keys
             out.append(p)
