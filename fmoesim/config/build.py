@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
@@ -55,9 +55,8 @@ PRESET_FIELDS = {
     "model": ("name", "num_layers", "num_experts", "top_k", "hidden_size",
               "expert_intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim",
               "vocab_size", "dtype"),
-    "hardware": ("name", "gpu", "num_gpus", "gpu_memory_gb", "pcie_gbps",
-                 "transfer_overhead_s", "chunk_bytes", "peak_tflops", "hbm_gbps",
-                 "compute_efficiency", "memory_efficiency", "kernel_overhead_s", "source"),
+    # every field of a machine but its measured coefficients (a profile's own)
+    "hardware": tuple(f.name for f in fields(HardwareSpec) if f.name != "measured"),
 }  # fmt: skip
 
 
