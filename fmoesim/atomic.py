@@ -65,6 +65,21 @@ def writable_ancestor(path: str | os.PathLike[str]) -> tuple[Path, str | None]:
     return probe, None if writable else "is not writable"
 
 
+def unwritable(path: str | os.PathLike[str], *, file: bool = False) -> str | None:
+    """Why ``path`` cannot be written, in words to follow it in an error line, or None
+    when it can: a folder that can take new entries or be made (``file=False``), or a file
+    whose folder can (``file=True``).  The words are "is not a folder" or "is not
+    writable" for the folder itself, else "cannot be made: <ancestor> is a file" or
+    "... is not writable" for the nearest existing folder above it."""
+    path = Path(path).expanduser()
+    probe, problem = writable_ancestor(path.parent if file else path)
+    if problem is None:
+        return None
+    if probe == path:
+        return "is not a folder" if problem == "is a file" else problem
+    return f"cannot be made: {probe} {problem}"
+
+
 def _prefix(name: str) -> str:
     """The start of a temporary name for ``name`` made by this process."""
     return f".{name}.tmp-{HOST}-{os.getpid()}-"

@@ -479,15 +479,15 @@ def _check_file_destination(flag: str, path: Path, force: bool = False) -> None:
     """``path`` can be written as a file: not a directory, not an existing file unless
     ``force`` (a profile took minutes of a GPU), and its nearest existing ancestor is a
     writable directory (checked before minutes of measuring)."""
-    from fmoesim.atomic import writable_ancestor
+    from fmoesim.atomic import unwritable
 
     if path.is_dir():
         raise FmoesimError(f"{flag} {path}: is a directory (rule: a file to write)")
     if path.exists() and not force:
         raise FmoesimError(f"{flag} {path}: exists (--force replaces it)")
-    probe, problem = writable_ancestor(path.parent)
-    if problem is not None:
-        raise FmoesimError(f"{flag} {path}: cannot be written ({probe} {problem})")
+    why = unwritable(path, file=True)
+    if why is not None:
+        raise FmoesimError(f"{flag} {path}: {why}")
 
 
 if __name__ == "__main__":

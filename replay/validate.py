@@ -180,7 +180,7 @@ def validate(
     import pandas as pd
     from hydra.utils import instantiate
 
-    from fmoesim.atomic import atomic_dir, writable_ancestor
+    from fmoesim.atomic import atomic_dir, unwritable
     from fmoesim.cli.main import _trace_path, compose_config
     from fmoesim.config.build import build_run, simulate_spec
     from fmoesim.engine.simulate import check_link_order
@@ -189,10 +189,9 @@ def validate(
 
     if out.exists() and any(out.iterdir()):
         raise FmoesimError(f"--out {out}: exists and is not empty (pick another directory)")
-    probe, problem = writable_ancestor(out)
-    if problem is not None:
-        where = problem if probe == out else f"cannot be made: {probe} {problem}"
-        raise FmoesimError(f"--out {out}: {where}")
+    why = unwritable(out)
+    if why is not None:
+        raise FmoesimError(f"--out {out}: {why}")
     common: dict[str, Any] = dict(
         timing=True, access_log=False, progress=False, experts_per_layer=None
     )

@@ -372,10 +372,27 @@ def test_store_dir_that_is_a_file_is_refused_before_the_run(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     p = fmoesim(*tiny(tmp_path, f"store.dir={f}"))
-    assert_refused(p, f"config key 'store.dir' = '{f}': is not a directory")
+    assert_refused(p, f"config key 'store.dir' = '{f}': is not a folder")
     p = fmoesim(*tiny(tmp_path, f"output.dir={f}/runs"))
     assert_refused(p, f"config key 'output.dir' = '{f}/runs': cannot be made: {f} is a file")
     assert not (tmp_path / "runs").exists() and not (tmp_path / "store").exists()
+
+
+def test_unwritable_names_the_folder_in_the_way(tmp_path: Path) -> None:
+    """The words every writing command puts after the path it cannot write. Red if a
+    path that is itself a file reads "cannot be made: <it> is a file", if the ancestor in
+    the way is not the one named, or if a file's own name (``file=True``) is taken for
+    the folder to write into."""
+    from fmoesim.atomic import unwritable
+
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    assert unwritable(tmp_path / "new" / "deeper") is None
+    assert unwritable(plain) == "is not a folder"
+    assert unwritable(plain / "a" / "b") == f"cannot be made: {plain} is a file"
+    assert unwritable(plain, file=True) is None  # a file replaced in a writable folder
+    assert unwritable(plain / "t.yaml", file=True) == f"cannot be made: {plain} is a file"
+    assert unwritable("/proc/fmoesim-x") == "cannot be made: /proc is not writable"
 
 
 def test_run_dir_and_store_row_are_written_together(tmp_path, monkeypatch):

@@ -138,8 +138,8 @@ def test_the_command_refuses_a_bad_device_or_destination_before_measuring(tmp_pa
     for extra, line in (
         (["--device", "tpu"], "--device tpu: must be 'cpu' or 'cuda[:N]'"),
         (["--device", "cpu", "--diagnostics", str(tmp_path / "plain" / "d.csv")],
-         f"--diagnostics {tmp_path / 'plain' / 'd.csv'}: cannot be written ("
-         f"{tmp_path / 'plain'} is a file)"),
+         f"--diagnostics {tmp_path / 'plain' / 'd.csv'}: cannot be made: "
+         f"{tmp_path / 'plain'} is a file"),
         (["--device", "cpu", "--diagnostics", str(tmp_path)],
          f"--diagnostics {tmp_path}: is a directory (rule: a file to write)"),
     ):  # fmt: skip

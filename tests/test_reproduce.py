@@ -979,7 +979,7 @@ def test_an_unwritable_out_or_store_is_refused_before_any_run(flag: str, tmp_pat
     assert p.returncode == 2 and p.stdout == "", (p.stdout, p.stderr)
     assert p.stderr.strip() == (
         f"fmoesim-reproduce: error: {flag} {paths[flag]}: cannot be made: "
-        f"{tmp_path / 'file'} is a file (rule: {flag} can be written)"
+        f"{tmp_path / 'file'} is a file (rule: {flag} names a folder to write into)"
     )
 
 

@@ -29,7 +29,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from fmoesim.atomic import atomic_dir, clean_stale_temps, writable_ancestor
+from fmoesim.atomic import atomic_dir, clean_stale_temps, unwritable
 from fmoesim.config.build import (
     RunSpec,
     build_run,
@@ -323,15 +323,10 @@ def compose_config(overrides: list[str]) -> Any:
 def check_dir(key: str, directory: str | os.PathLike[str]) -> Path:
     """``directory`` (the value of config key ``key``) is a writable directory or can be
     made: its nearest existing ancestor is a writable directory.  Returns it as a path."""
-    d = Path(directory).expanduser()
-    probe, problem = writable_ancestor(d)
-    if problem == "is a file":
-        what = "is not a directory" if probe == d else f"cannot be made: {probe} is a file"
-        raise FmoesimError(f"config key '{key}' = '{directory}': {what}")
-    if problem is not None:
-        what = problem if probe == d else f"cannot be made: {probe} {problem}"
-        raise FmoesimError(f"config key '{key}' = '{directory}': {what}")
-    return d
+    why = unwritable(directory)
+    if why is not None:
+        raise FmoesimError(f"config key '{key}' = '{directory}': {why}")
+    return Path(directory).expanduser()
 
 
 def _check_destinations(cfg: Any) -> None:

@@ -212,14 +212,11 @@ def _chosen(catalogs: dict[str, list[Any]], ids: list[str]) -> dict[str, list[An
 def _writable(flag: str, folder: Path) -> None:
     """``folder`` (the value of ``flag``) is a folder that can take files, or can be made
     as one: one line naming the flag otherwise."""
-    from fmoesim.atomic import writable_ancestor
+    from fmoesim.atomic import unwritable
 
-    probe, problem = writable_ancestor(folder)
-    if problem == "is a file" and probe == folder:
-        raise FmoesimError(f"{flag} {folder}: not a folder (rule: {flag} names a folder)")
-    if problem is not None:
-        where = "" if probe == folder else f"cannot be made: {probe} "
-        raise FmoesimError(f"{flag} {folder}: {where}{problem} (rule: {flag} can be written)")
+    why = unwritable(folder)
+    if why is not None:
+        raise FmoesimError(f"{flag} {folder}: {why} (rule: {flag} names a folder to write into)")
 
 
 def _check_overview(docs: Path | None, out: Path, others: list[str]) -> None:

@@ -242,7 +242,7 @@ def check_destination(out: str | os.PathLike[str], overwrite: bool) -> None:
     a trace directory or an empty one (:func:`fmoesim.trace.writer.check_destination`),
     and one whose folder cannot take it: checked before the collection, not only when its
     trace is written."""
-    from fmoesim.atomic import writable_ancestor
+    from fmoesim.atomic import unwritable
     from fmoesim.trace.writer import check_destination as check_trace_destination
 
     if Path(out).exists() and not overwrite:
@@ -250,11 +250,9 @@ def check_destination(out: str | os.PathLike[str], overwrite: bool) -> None:
     check_trace_destination(out, overwrite)
     # the trace and its finished requests (<out>.parts) are made beside it, before the
     # model loads (minutes for a large one)
-    probe, problem = writable_ancestor(Path(out).parent)
-    if problem is not None:
-        raise FmoesimError(
-            f"{out}: cannot be made: {probe} {problem} (rule: the trace's folder can be written)"
-        )
+    why = unwritable(out, file=True)
+    if why is not None:
+        raise FmoesimError(f"{out}: {why} (rule: the trace's folder can be written)")
 
 
 def parts_dir(out: str | os.PathLike[str]) -> Path:
