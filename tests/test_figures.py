@@ -11,6 +11,7 @@ import itertools
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -491,3 +492,27 @@ def test_a_caption_counts_one_request_in_the_singular():
     assert _requests_note([1], 1, []) == "the 1 request served"
     assert _requests_note([1], None, []) == "1 request served"
     assert _requests_note([2], 32, []) == "2 of 32 requests served"
+
+
+def test_the_regenerate_line_names_the_store_and_folder_used(
+    tmp_path: Path, store_df: pd.DataFrame, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A figure drawn from another store into another folder says how to draw it again
+    there. Red if its caption's "regenerate" line reads the default store (the command
+    then runs every sweep again into results/store), or if the defaults are spelled out
+    where they were not given."""
+    import fmoesim.results.store as store_mod
+    from fmoesim.cli.plot_cli import main
+
+    monkeypatch.setattr(store_mod, "load_results", lambda store, columns=(): store_df)
+    store = tmp_path / "my store"
+    store.mkdir()
+    main(["fmoe-fig4", "--store", str(store), "--out", str(tmp_path / "figs")])
+    md = (tmp_path / "figs" / "fmoe-fig4.md").read_text()
+    want = f"- regenerate: `fmoesim-plot fmoe-fig4 --run --store '{store}' --out {tmp_path}/figs`"
+    assert want in md, md
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results" / "store").mkdir(parents=True)
+    main(["fmoe-fig4"])
+    md = (tmp_path / "results" / "figures" / "fmoe-fig4.md").read_text()
+    assert "- regenerate: `fmoesim-plot fmoe-fig4 --run`\n" in md, md

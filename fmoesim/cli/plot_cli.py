@@ -21,6 +21,7 @@ runs of a figure's experiment (checked for every figure before any is written).
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,8 @@ from pathlib import Path
 from fmoesim.errors import ArgumentParser, FmoesimError, counted, run_or_exit
 
 PROG = "fmoesim-plot"
+STORE = "results/store"  # the default --store
+OUT = "results/figures"  # the default --out
 AZURE_CSV = "traces/.cache/azure-synthetic.csv"
 
 
@@ -147,8 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", default=["all"], help="figure names (--list), or all; "
                     "crossover alone, with its own options (crossover --help)")  # fmt: skip
-    ap.add_argument("--store", default="results/store", help="results store (%(default)s)")
-    ap.add_argument("--out", default="results/figures", help="figure directory (%(default)s)")
+    ap.add_argument("--store", default=STORE, help="results store (%(default)s)")
+    ap.add_argument("--out", default=OUT, help="figure directory (%(default)s)")
     ap.add_argument("--run", action="store_true", help="run the sweeps missing from the store")
     ap.add_argument("--jobs", type=int, default=2, help="local cores for --run (%(default)s)")
     ap.add_argument("--list", action="store_true", help="list the figures and exit")
@@ -215,8 +218,13 @@ def _run(args: argparse.Namespace) -> None:
             f"from every run of its preset; run: {PROG} {figs} --run --store {args.store})"
         )
     out = Path(args.out)
+    where = "".join(
+        f" {flag} {shlex.quote(value)}"
+        for flag, value, default in (("--store", args.store, STORE), ("--out", args.out, OUT))
+        if value != default
+    )
     for n in names:
-        paths = render(n, results, out)
+        paths = render(n, results, out, f"{PROG} {n} --run{where}")
         print(f"{n:<22} {paths[0]}  (+ .pdf, .md)")
 
 

@@ -1002,16 +1002,18 @@ def draw_figure(name: str, results: Any) -> Drawing:
     return drawing
 
 
-def render(name: str, results: Any, out_dir: Path) -> list[Path]:
+def render(name: str, results: Any, out_dir: Path, command: str | None = None) -> list[Path]:
     """Draw figure ``name`` from the store's DataFrame ``results`` (:func:`draw_figure`);
-    write PNG, PDF and the caption file atomically; return their paths."""
+    write PNG, PDF and the caption file atomically; return their paths.  ``command`` is
+    the caption's "regenerate" line (``fmoesim-plot <name> --run`` when not given)."""
     drawing = draw_figure(name, results)
     f = FIGURES[name]
     paths = save_figure(drawing.fig, out_dir, name)
+    again = command or f"fmoesim-plot {name} --run"
     md = "\n".join(
         [f"# {f.title}", "", f"- setting: {drawing.setting}", f"- {drawing.trace}",
          *(f"- note: {n}" for n in drawing.notes),
-         f"- regenerate: `fmoesim-plot {name} --run`", "", inspect.cleandoc(f.draw.__doc__ or ""),
+         f"- regenerate: `{again}`", "", inspect.cleandoc(f.draw.__doc__ or ""),
          "", drawing.table, ""]
     )  # fmt: skip
     path = out_dir / f"{name}.md"
