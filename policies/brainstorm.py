@@ -36,7 +36,9 @@ class BrainStorm(GuardedLRU):
     sum of MoE-Infinity's EAMs.  Knob
     ``cache_priority``: ``"lru"`` (default, Fig. 8b's reading) or ``"count"`` (evict the
     candidate with the lowest model-level count, ties to the oldest admission; the
-    "based on model-level counts" reading of §2.3; its victim scan is O(candidates)).
+    "based on model-level counts" reading of §2.3, and §7.3's Table 5 baseline, which
+    "prioritizes caching based on model-level expert counts": ``policy=brainstorm-count``;
+    its victim scan is O(candidates)).  ``label`` names a variant in results.
     Victims skip the current layer's routed experts and this gate's predictions for
     the next layer while another candidate exists (a ranked prediction is not evicted to
     make room for a lower-ranked one or for an on-demand load of the current layer);
@@ -46,7 +48,12 @@ class BrainStorm(GuardedLRU):
 
     name = "brainstorm"
 
-    def __init__(self, prefetch_experts: int | None = None, cache_priority: str = "lru") -> None:
+    def __init__(
+        self,
+        prefetch_experts: int | None = None,
+        cache_priority: str = "lru",
+        label: str | None = None,
+    ) -> None:
         if prefetch_experts is not None and int(prefetch_experts) < 1:
             raise ValueError(f"prefetch_experts must be >= 1 or None, got {prefetch_experts}")
         if cache_priority not in CACHE_PRIORITIES:
@@ -55,6 +62,8 @@ class BrainStorm(GuardedLRU):
             )
         self.prefetch_experts = None if prefetch_experts is None else int(prefetch_experts)
         self.cache_priority = cache_priority
+        if label is not None:
+            self.name = str(label)  # type: ignore[misc]  # a variant's name in results
 
     def reset(self, ctx: PolicyContext) -> None:
         """Zero the model-level counts."""

@@ -152,7 +152,7 @@ NOT_RUN = [
     ),
     (
         r"^fmoesim-regress$",
-        "recomputes all 50 golden hit rates; tests/test_regress.py runs it, "
+        "recomputes every golden hit rate; tests/test_regress.py runs it, "
         "and the run list above runs it for two policies",
     ),
     (r"^\.venv/bin/python -m pytest ", "runs part of the test suite, possibly this test"),
