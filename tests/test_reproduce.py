@@ -770,6 +770,22 @@ def test_the_docs_page_says_what_the_scoreboards_say() -> None:
         assert page[start:].splitlines()[1] == line + ".", paper
 
 
+def test_the_committed_scoreboards_quote_their_catalogs() -> None:
+    """Every committed scoreboard row says what its catalog says: the same claims, and
+    each claim's section, words, quote, setting and note.  Red when a catalog is edited
+    (a citation corrected, a claim moved to another model) without its scoreboard, so
+    the CSV would cite one thing and the catalog another."""
+    for paper in CATALOGS:
+        rows = {r["id"]: r for r in read_csv(SCOREBOARD_DIR / f"{paper}.csv")}
+        claims = {c.id: c for c in load_catalog(paper)}
+        assert list(rows) == list(claims), paper
+        for cid, c in claims.items():
+            got = {k: rows[cid][k] for k in ("where", "claim", "quote", "setting", "note")}
+            want = {"where": c.where, "claim": c.claim, "quote": c.quote,
+                    "setting": c.setting, "note": c.note}  # fmt: skip
+            assert got == want, (paper, cid)
+
+
 # -- the command -----------------------------------------------------------------------
 
 
