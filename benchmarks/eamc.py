@@ -11,11 +11,11 @@ reference (:meth:`EAMC.similarity` over all observed layers at every gate).
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 
+from benchmarks._cli import parser, positive_int
 from policies.moe_infinity import EAMC
 
 L, E = 32, 8
@@ -49,8 +49,8 @@ def per_query_us(c: EAMC, iters: np.ndarray, k: int, repeat: int) -> tuple[float
 
 def main() -> None:
     """Print the table for the README."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=3)
+    ap = parser("python -m benchmarks.eamc", __doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=positive_int, default=3, help="timings of each (3)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     iters = rng.multinomial(2, np.full(E, 1 / E), size=(20, L))  # (20, L, E) decode tokens

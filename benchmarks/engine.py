@@ -26,11 +26,12 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from fmoesim._compiled import is_compiled
+from benchmarks._cli import build_line, check_policies, parser, positive_int
 from fmoesim.config.build import load_preset, preset_names
 from fmoesim.config.schema import CONF_DIR, PROJECT_ROOT
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import simulate
+from fmoesim.errors import names_of, run_or_exit
 from fmoesim.specs import HardwareSpec, ModelSpec
 from fmoesim.trace import read_trace
 from fmoesim.workload.synthetic import SyntheticConfig, generate
@@ -62,11 +63,7 @@ def per_policy(repeat: int, names: list[str] | None = None) -> list[str]:
     trace = read_trace(PROJECT_ROOT / "traces" / "default")
     model = load_preset("model", "mixtral-8x7b", ModelSpec)
     hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
-    valid = preset_names("policy")
-    names = names or valid
-    for name in names:
-        if name not in valid:
-            raise SystemExit(f"unknown policy {name!r}; valid: {', '.join(valid)}")
+    names = names or preset_names("policy")
     timed: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     hit_only: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for _ in range(repeat):
@@ -131,16 +128,20 @@ def scaling(repeat: int, workdir: Path) -> list[str]:
 
 def main() -> None:
     """Print the benchmark tables."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=3)
+    ap = parser("python -m benchmarks.engine", __doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=positive_int, default=3, help="runs of each (3)")
     ap.add_argument("--skip-scaling", action="store_true")
     ap.add_argument("--policies", default=None, help="comma-separated presets (default: every one)")
     args = ap.parse_args()
+    run_or_exit(ap.prog, _main, args)
+
+
+def _main(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
-    build = "compiled with mypyc (make compiled)" if is_compiled() else "pure Python"
-    print(f"Engine build: {build}.\n")
+    names = names_of("--policies", args.policies) if args.policies else None
+    check_policies(names or [], "--policies")
+    print(f"{build_line()}\n")
     print("## Per policy (Mixtral-8x7B, RTX 3090 PCIe 4, 24 GB, batch 1, bundled trace)\n")
-    names = args.policies.split(",") if args.policies else None
     print("\n".join(per_policy(args.repeat, names)))
     if not args.skip_scaling:
         print("\n## Scaling (LRU, timed, budget = 1/4 of the experts)\n")

@@ -38,11 +38,13 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks._cli import build_line, check_policies, parser, positive_int
 from benchmarks.fmoe_digests import _policy, qwen3_setting
 from fmoesim.config.build import load_preset
 from fmoesim.config.schema import PROJECT_ROOT
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import simulate
+from fmoesim.errors import run_or_exit
 from fmoesim.specs import HardwareSpec, ModelSpec
 from fmoesim.trace import read_trace
 from policies.fmoe import ExpertMapStore, FMoE
@@ -184,9 +186,9 @@ def speed(repeat: int, policy: str = "fmoe") -> None:
 
 def main() -> None:
     """Print the README's tables."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser("python -m benchmarks.fmoe", __doc__.splitlines()[0])
     ap.add_argument("--part", choices=("search", "memory", "ladder", "speed", "all"), default="all")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=positive_int, default=3, help="runs of each (3)")
     ap.add_argument("--policy", default="fmoe", help="policy preset for --part speed (fmoe)")
     ap.add_argument(
         "--calibrated",
@@ -194,6 +196,12 @@ def main() -> None:
         help="ladder on workload=routing-mixtral-8x7b instead of the bundled trace",
     )
     args = ap.parse_args()
+    run_or_exit(ap.prog, _main, args)
+
+
+def _main(args: argparse.Namespace) -> None:
+    check_policies([args.policy])
+    print(f"{build_line()}\n")
     if args.part in ("search", "all"):
         search(args.repeat)
     if args.part in ("memory", "all"):

@@ -8,8 +8,11 @@ difference); ``--policy moe-infinity`` (or any preset) digests that policy inste
 Settings: Mixtral (bundled trace, RTX 3090) timed at 6 and 24 GB, offline
 (``held_in_fraction=0.7``) and online (empty store); online serving (arrivals, continuous
 batching); every ``conf/policy/<policy>-*.yaml`` preset at 24 GB; Qwen3-30B-A3B timed (8
-synthetic requests, a quarter of the experts); a hit-rate-only run; batch size 3; caching
-off (``release_after_use``) at 13.7 GB.
+synthetic requests, a quarter of the experts); hit-rate-only runs (offline and online,
+and one without the access log, where LRU takes its numpy path); batch size 3; caching
+off (``release_after_use``) at 13.7 GB.  ``--check`` names the settings that differ and
+which digests, refuses a file written for another policy, and counts a setting of the
+file that did not run as a difference.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ import numpy as np
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from benchmarks._cli import build_line, check_policies, parser
+from fmoesim.atomic import atomic_file, unwritable
 from fmoesim.config.build import load_preset
 from fmoesim.config.schema import CONF_DIR, PROJECT_ROOT
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import simulate
+from fmoesim.errors import FmoesimError, run_or_exit
 from fmoesim.specs import HardwareSpec, ModelSpec
 from fmoesim.trace import read_trace
 from fmoesim.workload.synthetic import SyntheticConfig, generate
@@ -94,6 +100,11 @@ def runs(workdir: Path, policy: str = "fmoe") -> Iterator[tuple[str, dict[str, A
         ("mixtral-24gb-serving-online", trace, mixtral, pol, 24 * GB, {"serving": arriving})
     )
     cases.append(("mixtral-12gb-hit-only", trace, mixtral, pol, 12 * GB, {"timing": False}))
+    # without an access log: LRU's hit-rate-only run then takes its numpy path
+    cases.append(
+        ("mixtral-12gb-hit-only-no-log", trace, mixtral, pol, 12 * GB,
+         {"timing": False, "access_log": False})
+    )  # fmt: skip
     cases.append(
         ("mixtral-12gb-hit-only-offline", trace, mixtral, pol, 12 * GB,
          {"timing": False, "serving": offline})
@@ -110,7 +121,7 @@ def runs(workdir: Path, policy: str = "fmoe") -> Iterator[tuple[str, dict[str, A
     cases.append(("qwen3-quarter", qt, qm, pol, qb, {}))
     for name, tr, model, pol, budget, kw in cases:
         policy = _policy(pol)
-        r = simulate(tr, model, hw, policy, int(budget), access_log=True, **kw)
+        r = simulate(tr, model, hw, policy, int(budget), **({"access_log": True} | kw))
         summary = {k: v for k, v in r.summary.items() if k not in _WALL}
         d = {
             "summary": _h(summary),
@@ -122,14 +133,39 @@ def runs(workdir: Path, policy: str = "fmoe") -> Iterator[tuple[str, dict[str, A
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Write or check the digests (one line and exit status 2 on bad input)."""
+    ap = parser("python -m benchmarks.fmoe_digests", __doc__.splitlines()[0])
     g = ap.add_mutually_exclusive_group(required=True)
-    g.add_argument("--write", type=Path)
-    g.add_argument("--check", type=Path)
+    g.add_argument("--write", type=Path, help="file to write the digests to")
+    g.add_argument("--check", type=Path, help="digests written before, to compare with")
     ap.add_argument("--workdir", type=Path, default=None, help="where the Qwen3 trace is kept")
     ap.add_argument("--policy", default="fmoe", help="policy preset to digest (fmoe)")
     args = ap.parse_args()
-    ref = json.loads(args.check.read_text()) if args.check else None
+    sys.exit(run_or_exit(ap.prog, _main, args))
+
+
+def _reference(path: Path, policy: str) -> dict[str, dict[str, str]]:
+    """The settings' digests in ``path`` (written by ``--write`` for ``policy``)."""
+    try:
+        ref = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise FmoesimError(f"--check {path}: cannot be read ({exc})") from None
+    if not isinstance(ref, dict) or not isinstance(ref.get("settings"), dict):
+        raise FmoesimError(f"--check {path}: not a digests file (rule: written by --write)")
+    if ref.get("policy") != policy:
+        raise FmoesimError(
+            f"--check {path}: digests of policy {ref.get('policy')!r}, not {policy!r} "
+            f"(rule: check with the --policy it was written for)"
+        )
+    return ref["settings"]
+
+
+def _main(args: argparse.Namespace) -> int:
+    check_policies([args.policy])
+    ref = _reference(args.check, args.policy) if args.check else None
+    if args.write and (why := unwritable(args.write, file=True)) is not None:
+        raise FmoesimError(f"--write {args.write}: {why}")
+    print(build_line(), flush=True)
     out: dict[str, dict[str, str]] = {}
     bad = 0
     t0 = time.perf_counter()
@@ -139,17 +175,28 @@ def main() -> None:
         for name, d, wall in runs(workdir, args.policy):
             out[name] = d
             status = ""
-            if ref is not None:
-                same = ref.get(name) == d
-                bad += not same
-                status = "same" if same else f"DIFFERENT (reference {ref.get(name)})"
-            print(f"{name:40s} {wall:7.2f} s  {d}  {status}", flush=True)
+            if ref is not None and name not in ref:
+                status = "not in the reference"
+            elif ref is not None:
+                parts = [k for k in d if ref[name].get(k) != d[k]]
+                bad += bool(parts)
+                status = "same" if not parts else f"DIFFERENT: {', '.join(parts)}"
+            print(f"{name:40s} {wall:7.2f} s  {status}", flush=True)
     if args.write:
-        args.write.write_text(json.dumps(out, indent=1, sort_keys=True))
+        args.write.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"policy": args.policy, "settings": out}, indent=1, sort_keys=True)
+        with atomic_file(args.write) as tmp_path:
+            tmp_path.write_text(text)
+        print(f"wrote {args.write}")
     print(f"({time.perf_counter() - t0:.0f} s)")
-    if ref is not None:
-        print("all identical" if not bad else f"{bad} settings differ")
-        sys.exit(1 if bad else 0)
+    if ref is None:
+        return 0
+    lost = [name for name in ref if name not in out]
+    for name in lost:
+        print(f"{name:40s} in the reference, not run now")
+    bad += len(lost)
+    print("all identical" if not bad else f"{bad} settings differ")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
