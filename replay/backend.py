@@ -499,8 +499,10 @@ def check_device(device: str, needs: str = "the replay") -> Any:
     """``device`` is one the replay can use (``cpu``, or ``cuda[:N]`` with CUDA here) and
     torch imports; returns the torch module.  Checked by every command before its first
     run or measurement, in one line naming ``--device``."""
-    cuda = device.startswith("cuda")
-    if not cuda and device != "cpu":
+    import re
+
+    cuda = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if cuda is None and device != "cpu":
         raise FmoesimError(f"--device {device}: must be 'cpu' or 'cuda[:N]'")
     try:
         import torch
@@ -509,6 +511,9 @@ def check_device(device: str, needs: str = "the replay") -> Any:
     if cuda and not torch.cuda.is_available():
         raise FmoesimError(f"--device {device}: CUDA is not available here (rule: the "
                            "replay runs on a GPU; --device cpu replays on the CPU)")  # fmt: skip
+    if cuda and cuda.group(1) is not None and int(cuda.group(1)) >= torch.cuda.device_count():
+        raise FmoesimError(f"--device {device}: no such GPU (rule: N < the "
+                           f"{torch.cuda.device_count()} GPUs here)")  # fmt: skip
     return torch
 
 

@@ -690,8 +690,9 @@ def run_replays(
     Python's garbage collector during each run.  ``event_logs`` writes each run's first
     repeat's event log to ``out/events/`` (:mod:`replay.events`).  ``out`` is made with
     the first row.  Returns the number of runs replayed; a failed run is one line to
-    ``log`` and the grid goes on, but when every run tried failed the first failure is
-    raised as one :class:`FmoesimError` line (no row was added)."""
+    ``log`` and the grid goes on, and at the end the first failure is raised as one
+    :class:`FmoesimError` line with the count (the runs that succeeded are in the file),
+    so that a command that lost runs does not exit 0."""
     if repeats < 1:
         raise FmoesimError(f"--repeats {repeats}: must be >= 1")
     path = out / "replay.csv"
@@ -752,10 +753,13 @@ def run_replays(
             f"{1e3 * row['replay_probe_s']:.1f} ms, steal {row['replay_steal_s']:.2f} s, "
             f"gc {1e3 * row['replay_gc_s']:.0f} ms)"
         )
-    if failed and n == 0:
+    if failed:
         first = " ".join(failed[0].split())
-        raise FmoesimError(f"every run tried failed ({len(failed)}), none added to {path}; "
-                           f"the first: {first}")  # fmt: skip
+        if n == 0:
+            raise FmoesimError(f"every run tried failed ({len(failed)}), none added to {path}; "
+                               f"the first: {first}")  # fmt: skip
+        raise FmoesimError(f"{len(failed)} of the {n + len(failed)} runs tried failed ({n} "
+                           f"added to {path}); the first: {first}")  # fmt: skip
     return n
 
 
@@ -1290,7 +1294,8 @@ def policy_order(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     order (``alike`` of ``pairs``); of the pairs the replay tells apart (their means more
     than :data:`RESOLVED_SE` standard errors of the difference apart; ``resolved``, NaN
     where a run was replayed once), how many (``alike_resolved``); Kendall's tau (pairs
-    alike less pairs reversed, over pairs); and each side's fastest policy.  Repeats of
+    alike less pairs reversed, over pairs); and each side's fastest policy (tied ones
+    joined by ``=``).  Repeats of
     a policy's run (unmerged rows) are averaged, the simulator's too."""
     import itertools
 
@@ -1329,10 +1334,16 @@ def policy_order(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "resolved": math.nan if unknown else resolved,
                 "alike_resolved": math.nan if unknown else alike_resolved,
                 "kendall_tau": (alike - reversed_) / pairs,
-                "fastest_replay": min(rep, key=lambda p: rep[p][0]),
-                "fastest_sim": min(sim, key=sim.__getitem__),
+                "fastest_replay": _fastest({p: m for p, (m, _) in rep.items()}),
+                "fastest_sim": _fastest(sim),
             })  # fmt: skip
     return out
+
+
+def _fastest(values: dict[str, float]) -> str:
+    """The policy with the lowest value; policies tied at it joined by ``=``."""
+    best = min(values.values())
+    return "=".join(p for p, v in values.items() if v == best)
 
 
 def _order_table(
@@ -2432,6 +2443,11 @@ def _run(args: argparse.Namespace) -> None:
     ):
         raise FmoesimError(f"--host-speed-from {args.host_speed_from}: needs --host-speed")
     if args.cmd == "host-fit":
+        from replay.profile import check_file_destination
+
+        # a refit replaces its profile (seconds of work); a folder or an unwritable place
+        # is refused before the fit
+        check_file_destination("--out", Path(args.out), force=True)
         if args.host_speed and args.host_from is not None:
             raise FmoesimError("--host-speed: needs replays to take the probe from, not "
                                "--host-from")  # fmt: skip

@@ -451,7 +451,7 @@ def _run(args: argparse.Namespace) -> None:
     base = load_preset("hardware", args.base, HardwareSpec) if args.base else None
     for flag, dest in (("--out", args.out), ("--diagnostics", args.diagnostics)):
         if dest is not None:
-            _check_file_destination(flag, Path(dest), args.force)
+            check_file_destination(flag, Path(dest), args.force)
     name = args.name or Path(args.out).stem
     if not is_plain_name(name):  # it names the preset: hardware=measured/<name>
         flag = "--name" if args.name else f"--out {args.out}: its file name gives"
@@ -475,7 +475,7 @@ def _run(args: argparse.Namespace) -> None:
         print(f"wrote {args.diagnostics}")
 
 
-def _check_file_destination(flag: str, path: Path, force: bool = False) -> None:
+def check_file_destination(flag: str, path: Path, force: bool = False) -> None:
     """``path`` can be written as a file: not a directory, not an existing file unless
     ``force`` (a profile took minutes of a GPU), and its nearest existing ancestor is a
     writable directory (checked before minutes of measuring)."""

@@ -278,6 +278,27 @@ TINY_GRID = C.ModelGrid(
 )  # fmt: skip
 
 
+def test_a_grid_that_lost_runs_does_not_end_quietly(tmp_path, monkeypatch):
+    """One policy's runs fail, the other's are replayed: the replayed rows are kept and
+    the call ends in one error line counting the failures.  Red if the grid returns as
+    if complete (``fmoesim-validate-grid replay`` and ``gpu_validation.sh`` would exit 0
+    with runs missing, named only in run.log)."""
+    pytest.importorskip("torch", reason="the replay needs torch")
+    runs = C.grid_runs([TINY_GRID], ["lru", "lfu"], ["batch1"], crossover=False)
+    real = C.replay_one
+
+    def lfu_fails(run, *a, **k):
+        if run.policy == "lfu" and k.get("repeat") is not None:
+            raise RuntimeError("out of memory")
+        return real(run, *a, **k)
+
+    monkeypatch.setattr(C, "replay_one", lfu_fails)
+    out = tmp_path / "rep"
+    with pytest.raises(FmoesimError, match=r"^1 of the 2 runs tried failed \(1 added to "):
+        C.run_replays(runs, "cpu", out, log=lambda line: None)
+    assert [r["policy"] for r in _csv_rows(out / "replay.csv")] == ["lru"]
+
+
 def test_repeats_run_in_rounds_and_resume_by_count(tmp_path):
     """``repeats``: every run once, then every run again (rows numbered by ``repeat``);
     a later call with more repeats replays only the missing rounds, and scoring reads

@@ -518,3 +518,59 @@ def test_the_gpu_script_stops_without_the_device_and_fails_when_a_step_fails(tmp
                        cwd=root, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert p.returncode == 1, p.stdout + p.stderr
     assert "failed: profile replays (run.log and pytest-gpu.log say why)" in p.stderr
+
+
+def test_the_gpu_script_reads_its_seconds_or_its_flags(tmp_path):
+    """``gpu_validation.sh OUT 5m`` is refused in one line before anything runs, and
+    ``gpu_validation.sh OUT --models m`` (the seconds left out) hands ``--models`` to the
+    replays.  Red if the script takes ``--models`` for the seconds and drops it (bash then
+    stops on an unbound variable), or starts the profile with a bad number of seconds."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch", reason="the replay needs torch")
+    root = Path(C.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHON": sys.executable,
+           "FMOESIM_DEVICE": "cpu", "SKIP_PROFILE": "1", "SKIP_TESTS": "1"}  # fmt: skip
+    script = str(root / "replay" / "gpu_validation.sh")
+    p = subprocess.run(["bash", script, str(tmp_path / "a"), "5m"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 2 and p.stderr.startswith(
+        "gpu_validation.sh: error: SECONDS 5m: must be a positive whole number"
+    ), p.stderr
+    assert not (tmp_path / "a").exists()
+    p = subprocess.run(["bash", script, str(tmp_path / "b"), "--models", "nosuch"], cwd=root,
+                       env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "replays get 540 s" in p.stdout and "--models nosuch" in p.stdout, p.stdout
+
+
+def test_a_device_is_cpu_or_an_existing_gpu(monkeypatch):
+    """Red if ``--device cudafoo`` or ``cuda:x`` passes the check on a CUDA machine, or
+    ``cuda:7`` on a machine of one GPU: each then fails inside torch, after the commands
+    have started writing."""
+    torch = pytest.importorskip("torch", reason="the replay needs torch")
+    from replay.backend import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for bad in ("cudafoo", "cuda:x", "cuda:"):
+        with pytest.raises(FmoesimError, match=f"--device {bad}: must be 'cpu' or 'cuda"):
+            check_device(bad)
+    with pytest.raises(FmoesimError, match=r"--device cuda:7: no such GPU \(rule: N < the 1 GPUs"):
+        check_device("cuda:7")
+    assert check_device("cuda:0") is torch and check_device("cuda") is torch
+
+
+def test_host_fit_refuses_a_folder_for_its_profile(tmp_path, capsys):
+    """Red if ``host-fit --out DIR`` fits and then fails with "Is a directory" and no
+    rule, instead of one line naming --out before the fit."""
+    (tmp_path / "plain").write_text("x")
+    for out, want in ((tmp_path, f"--out {tmp_path}: is a directory (rule: a file to write)"),
+                      (tmp_path / "plain" / "p.yaml",
+                       f"--out {tmp_path / 'plain' / 'p.yaml'}: cannot be made: "
+                       f"{tmp_path / 'plain'} is a file")):  # fmt: skip
+        argv = ["host-fit", "--base", "measured/h100-3", "--fit-model", "olmoe-1b-7b",
+                "--host-from", "measured/h100-3-host-speed", "--out", str(out)]  # fmt: skip
+        assert refused(capsys, C.PROG, lambda argv=argv: C.main(argv)).endswith(want)
