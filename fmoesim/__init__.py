@@ -9,9 +9,12 @@ imports torch.
 
 __version__ = "0.1.0"
 
-from fmoesim._compiled import check_fresh
+from fmoesim._compiled import StaleBuildError, check_fresh
 from fmoesim.errors import ConfigError, FmoesimError, TraceError
 
-check_fresh()  # an optional compiled build must match its sources (fmoesim/_compiled.py)
+try:  # an optional compiled build must match its sources (fmoesim/_compiled.py)
+    check_fresh()
+except StaleBuildError as exc:  # one line naming the file, not an import traceback
+    raise SystemExit(f"fmoesim: error: {exc}") from None
 
 __all__ = ["ConfigError", "FmoesimError", "TraceError", "__version__"]

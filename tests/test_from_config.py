@@ -86,12 +86,24 @@ def test_llama4_reads_its_text_config() -> None:
         model_from_config({"model_type": "llama4", "text_config": bad}, "m")
 
 
+def test_a_config_saved_by_the_installed_transformers_converts() -> None:
+    """transformers saves a Qwen3-MoE config's expert count as ``num_local_experts``
+    (its attribute map's name for ``num_experts``).  Red if such a config.json is refused
+    as lacking ``num_experts``, so a tiny Qwen3 model built the way the tests build a tiny
+    Mixtral could get no preset."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(num_experts=16, num_experts_per_tok=4).to_dict()
+    spec, used = model_from_config(cfg, "tiny-qwen3")
+    assert (spec.num_experts, spec.top_k) == (16, 4)
+    assert used["num_experts"] in ("num_experts", "num_local_experts")
+
+
 def test_bad_configs_name_the_file_and_key(tmp_path: Path) -> None:
     """Red if an unknown family, a missing key, interleaved dense layers or a broken file
     pass, or fail without one line naming the file and the key, or leave a file."""
     with pytest.raises(FmoesimError, match="config.json: model_type = 'llama'"):
         model_from_config({**BASE, "model_type": "llama"}, "m")
-    with pytest.raises(FmoesimError, match="has key 'num_local_experts'"):
+    with pytest.raises(FmoesimError, match="lacks key 'num_local_experts'"):
         model_from_config({**BASE, "model_type": "mixtral", "num_experts_per_tok": 2,
                            "intermediate_size": 8}, "m")  # fmt: skip
     with pytest.raises(FmoesimError, match="decoder_sparse_step = 2"):

@@ -232,3 +232,20 @@ def test_one_reader_s_link_rate_brackets_the_engine(capsys) -> None:
     main([str(EDGE / "qwen.route.csv"), "--metrics", str(EDGE / "qwen.metrics"),
           "--pcie-gbps", "0.789"])  # fmt: skip
     assert "| stall, simulator / engine | | 4.32 |" in capsys.readouterr().out
+
+
+def test_engine_log_names_a_folder_or_a_missing_file(tmp_path: Path, capsys) -> None:
+    """Red if a folder given as LOG fails with "Is a directory" and no rule, or one that
+    holds other files is read as some other file's error."""
+    from fmoesim.validation.engine_log import main
+
+    (tmp_path / "other.json").write_text("{")
+    for argv, said in (
+        ([str(tmp_path)], f"LOG {tmp_path}: a folder (rule: one CSV file)"),
+        ([str(tmp_path / "none.csv")], f"LOG {tmp_path / 'none.csv'}: no such file"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"error: {said}" in err[0], err

@@ -160,6 +160,29 @@ def test_a_repeated_row_is_refused_not_read_as_a_new_step(tmp_path: Path, shape:
     assert (rep.tokens, rep.steps_restarted, rep.missing_pairs) == (2, 1, 1)
 
 
+def test_a_row_logged_twice_after_the_last_layer_is_refused(tmp_path: Path) -> None:
+    """A logger that flushed a row again after the step's last layer: the row goes back
+    to layer 0, which the restart rule alone reads as a new step.  With weights, a new
+    token's row differs from the old one; an identical one is the same row.  Red if it
+    is imported as a made-up token that routes at layer 0 only (exit 0, one more token,
+    a layer gap), or if a new step whose row only shares the key is refused."""
+    head = "position,layer,experts,weights"
+    rows = ['0,0,"[0, 1]","[0.7, 0.3]"', '0,1,"[2, 3]","[0.6, 0.4]"']
+    src = tmp_path / "r.csv"
+    src.write_text("\n".join([head, *rows, rows[0]]) + "\n")
+    with pytest.raises(FmoesimError) as info:
+        import_table(src, tmp_path / "t", M)
+    assert str(info.value) == (
+        f"{src} row 3: a (position, layer) read again with the same experts and weights is "
+        "a row logged twice, not a new step (request 0, position 0, layer 0: as row 1)"
+    )
+    assert not (tmp_path / "t").exists()
+    new_step = '0,0,"[0, 1]","[0.5, 0.5]"'  # the same experts, another token's weights
+    src.write_text("\n".join([head, *rows, new_step, rows[1]]) + "\n")
+    _, rep = import_table(src, tmp_path / "t", M)
+    assert (rep.tokens, rep.steps_restarted, rep.missing_pairs) == (2, 1, 0)
+
+
 def test_a_json_array_reads_as_its_json_lines(tmp_path: Path) -> None:
     """Red if a ``.json`` file holding one array of records (what ``json.dump`` of a
     list writes) is refused as "each line is a JSON object", or imports another trace
@@ -187,7 +210,8 @@ def test_a_json_array_reads_as_its_json_lines(tmp_path: Path) -> None:
 
 def test_map_and_top_k_override(tmp_path: Path) -> None:
     """Red if --map does not name a column the usual names miss, or a run made with
-    fewer experts per token cannot be imported with top_k."""
+    fewer experts per token cannot be imported with top_k, or a top_k above the model's
+    is taken (a trace then records a model that routes more experts than it does)."""
     df = pd.DataFrame({"tok": [0, 0, 1, 1], "lyr": [0, 1, 0, 1], "e": [2, 3, 3, 1]})
     src = tmp_path / "r.parquet"
     df.to_parquet(src)
@@ -203,6 +227,9 @@ def test_map_and_top_k_override(tmp_path: Path) -> None:
     tr = read_trace(path)
     assert tr.top_k == 1
     np.testing.assert_array_equal(tr.counts[1], [[0, 0, 0, 1], [0, 1, 0, 0]])
+    # more experts per token than the model routes: the trace would claim a top-3 model
+    with pytest.raises(FmoesimError, match=r"^--top-k 3: must be in \[1, 2\] \(rule: a run"):
+        import_table(src, tmp_path / "t3", M, top_k=3)
 
 
 @pytest.mark.parametrize(

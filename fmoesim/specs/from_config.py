@@ -60,7 +60,9 @@ class _Keys:
         if default is not None:
             self.used[field] = f"default ({' / '.join(keys)} absent)"
             return default
-        raise FmoesimError(f"{self.path}: has key '{keys[0]}' (rule: a {self.family} config)")
+        raise FmoesimError(
+            f"{self.path}: lacks key '{keys[0]}' (rule: a {self.family} config has it)"
+        )
 
     @property
     def family(self) -> str:
@@ -111,7 +113,8 @@ def model_from_config(
             raise k.refuse("decoder_sparse_step", "1: every layer MoE")
         if cfg.get("mlp_only_layers"):
             raise k.refuse("mlp_only_layers", "empty: every layer MoE")
-        out["num_experts"] = k.get("num_experts", "num_experts")
+        # transformers may save num_experts under its attribute_map's num_local_experts
+        out["num_experts"] = k.get("num_experts", "num_experts", "num_local_experts")
         out["top_k"] = k.get("top_k", "num_experts_per_tok")
         inter_key = "intermediate_size" if mt == "olmoe" else "moe_intermediate_size"
         out["expert_intermediate_size"] = k.get("expert_intermediate_size", inter_key)

@@ -496,6 +496,9 @@ def read_table(
     )  # fmt: skip
     out: dict[str, _Request] = {}
     seen: dict[str, dict[tuple[int, ...], int]] = {}  # the current step's keys -> row
+    # the current step's keys -> the row's (rank, expert, weight) items, to tell a row
+    # logged twice from a new step at the same key (with weights, a new token's differ)
+    seen_items: dict[str, dict[tuple[int, ...], list[tuple[int, int, float | None]]]] = {}
     step: dict[str, int] = {}
     last: dict[str, int] = {}  # the layer of the request's row before
     request_col = get.get("request")
@@ -506,7 +509,7 @@ def read_table(
         r = out.get(name)
         if r is None:
             r = out[name] = _Request(name, {}, set(), origin)
-            seen[name], step[name] = {}, 0
+            seen[name], seen_items[name], step[name] = {}, {}, 0
         layer = _int(origin, i, "layer", get["layer"][i])
         if not 0 <= layer < L:
             raise origin.error(i, f"layer in [0, {L})", f"got {layer}")
@@ -571,10 +574,18 @@ def read_table(
                     f"request {r.name}, position {p}, layer {layer}: also "
                     f"{origin.where(seen[name][key], i)}",
                 )  # fmt: skip
+            if weights is not None and seen_items[name][key] == items:
+                raise origin.error(
+                    i, f"a {key_name} read again with the same experts and weights is a "
+                    "row logged twice, not a new step",
+                    f"request {r.name}, position {p}, layer {layer}: as "
+                    f"{origin.where(seen[name][key], i)}",
+                )  # fmt: skip
             step[name] += 1
-            seen[name] = {}
+            seen[name], seen_items[name] = {}, {}
             rep.steps_restarted += 1
         seen[name].setdefault(key, i)
+        seen_items[name].setdefault(key, items)
         last[name] = layer
         tok = (step[name], p)
         lay = r.tokens.setdefault(tok, {}).setdefault(layer, [])
@@ -645,8 +656,11 @@ def import_table(
     check_destination(dst, overwrite)
     check_prompt_tokens(prompt_tokens)
     if top_k is not None:
-        if not 1 <= top_k <= model.num_experts:
-            raise FmoesimError(f"--top-k must be in [1, {model.num_experts}], got {top_k}")
+        if not 1 <= top_k <= model.top_k:
+            raise FmoesimError(
+                f"--top-k {top_k}: must be in [1, {model.top_k}] (rule: a run made with at "
+                f"most the model's top_k, {model.top_k} for {model.name})"
+            )
         model = dataclasses.replace(model, top_k=top_k)
     requests, rep = read_table(src, model, mapping)
     path = Path(src)

@@ -537,6 +537,10 @@ def main(argv: list[str] | None = None) -> None:
             raise FmoesimError(f"--pcie-gbps {args.pcie_gbps:g}: must be a number > 0")
         if not args.budget_mib > 0:
             raise FmoesimError(f"--budget-mib {args.budget_mib:g}: must be a number > 0")
+        for flag, f in (("LOG", args.log), ("--metrics", args.metrics)):
+            if f is not None and not Path(f).is_file():
+                what = "a folder" if Path(f).is_dir() else "no such file"
+                raise FmoesimError(f"{flag} {f}: {what} (rule: one CSV file)")
         if args.calibrate:
             if args.metrics is None:
                 raise FmoesimError("--calibrate: needs --metrics (rule: the numbers come from it)")
