@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from benchmarks._cli import parser, positive_int
+from benchmarks._cli import build_line, parser, positive_int
 from policies.moe_infinity import EAMC
 
 L, E = 32, 8
@@ -52,6 +52,7 @@ def main() -> None:
     ap = parser("python -m benchmarks.eamc", __doc__.splitlines()[0])
     ap.add_argument("--repeat", type=positive_int, default=3, help="timings of each (3)")
     args = ap.parse_args()
+    print(build_line())
     rng = np.random.default_rng(0)
     iters = rng.multinomial(2, np.full(E, 1 / E), size=(20, L))  # (20, L, E) decode tokens
     print("| EAMs | matched (k) | us / query (incremental) | us / query (full recompute) |")

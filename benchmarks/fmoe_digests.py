@@ -11,8 +11,8 @@ batching); every ``conf/policy/<policy>-*.yaml`` preset at 24 GB; Qwen3-30B-A3B 
 synthetic requests, a quarter of the experts); hit-rate-only runs (offline and online,
 and one without the access log, where LRU takes its numpy path); batch size 3; caching
 off (``release_after_use``) at 13.7 GB.  ``--check`` names the settings that differ and
-which digests, refuses a file written for another policy, and counts a setting of the
-file that did not run as a difference.
+which digests, refuses a file written for another policy, and counts as a difference a
+setting of the file that did not run and a setting the file lacks (not checked).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from benchmarks._cli import build_line, check_policies, parser
-from fmoesim.atomic import atomic_file, unwritable
+from fmoesim.atomic import atomic_file, check_file_destination
 from fmoesim.config.build import load_preset
 from fmoesim.config.schema import CONF_DIR, PROJECT_ROOT
 from fmoesim.engine.serving import ServingConfig
@@ -163,8 +163,8 @@ def _reference(path: Path, policy: str) -> dict[str, dict[str, str]]:
 def _main(args: argparse.Namespace) -> int:
     check_policies([args.policy])
     ref = _reference(args.check, args.policy) if args.check else None
-    if args.write and (why := unwritable(args.write, file=True)) is not None:
-        raise FmoesimError(f"--write {args.write}: {why}")
+    if args.write:
+        check_file_destination("--write", args.write, force=True)
     print(build_line(), flush=True)
     out: dict[str, dict[str, str]] = {}
     bad = 0
@@ -175,15 +175,15 @@ def _main(args: argparse.Namespace) -> int:
         for name, d, wall in runs(workdir, args.policy):
             out[name] = d
             status = ""
-            if ref is not None and name not in ref:
-                status = "not in the reference"
+            if ref is not None and name not in ref:  # unchecked: the reference is older
+                bad += 1
+                status = "NOT IN THE REFERENCE (write it again before the change)"
             elif ref is not None:
                 parts = [k for k in d if ref[name].get(k) != d[k]]
                 bad += bool(parts)
                 status = "same" if not parts else f"DIFFERENT: {', '.join(parts)}"
             print(f"{name:40s} {wall:7.2f} s  {status}", flush=True)
     if args.write:
-        args.write.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps({"policy": args.policy, "settings": out}, indent=1, sort_keys=True)
         with atomic_file(args.write) as tmp_path:
             tmp_path.write_text(text)

@@ -12,13 +12,14 @@ ten-row table), against the size of the text and of the trace's counts in memory
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks._cli import build_line, parser, positive_int
 
 L, E, K = 48, 128, 8
 
@@ -67,9 +68,10 @@ def _run(src: Path, dst: Path) -> tuple[float, float]:
 
 def main() -> None:
     """Print one Markdown table row."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap = parser("python -m benchmarks.import_table", __doc__.splitlines()[0])
+    ap.add_argument("--rows", type=positive_int, default=1_000_000, help="rows (1,000,000)")
     args = ap.parse_args()
+    print(build_line())
     with tempfile.TemporaryDirectory() as tmp:
         small, src = Path(tmp) / "small.csv", Path(tmp) / "routes.csv"
         write_table(small, 10)

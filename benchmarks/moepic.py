@@ -19,11 +19,11 @@ paper's 5,000 would run it once on this short trace).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import tempfile
 from pathlib import Path
 
+from benchmarks._cli import build_line, parser, positive_int
 from fmoesim.config.build import load_preset
 from fmoesim.engine.simulate import simulate
 from fmoesim.specs import HardwareSpec, ModelSpec
@@ -119,11 +119,12 @@ def table3() -> list[str]:
 
 def main() -> None:
     """Print Table 1 and Table 3 for the README."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser("python -m benchmarks.moepic", __doc__.splitlines()[0])
     ap.add_argument("--part", choices=("table1", "table3", "all"), default="all")
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", type=positive_int, default=32, help="synthetic requests (32)")
     ap.add_argument("--skew", type=float, nargs="+", default=[1.5, 0.5])
     args = ap.parse_args()
+    print(build_line())
     if args.part in ("table3", "all"):
         print("\n### Table 3\n")
         print("\n".join(table3()))

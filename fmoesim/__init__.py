@@ -14,7 +14,10 @@ from fmoesim.errors import ConfigError, FmoesimError, TraceError
 
 try:  # an optional compiled build must match its sources (fmoesim/_compiled.py)
     check_fresh()
-except StaleBuildError as exc:  # one line naming the file, not an import traceback
-    raise SystemExit(f"fmoesim: error: {exc}") from None
+except StaleBuildError as exc:  # one line naming the file and exit status 2, as every
+    import sys  # command's bad input (fmoesim.errors), not an import traceback
+
+    print(f"fmoesim: error: {exc}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 __all__ = ["ConfigError", "FmoesimError", "TraceError", "__version__"]

@@ -69,15 +69,33 @@ def unwritable(path: str | os.PathLike[str], *, file: bool = False) -> str | Non
     """Why ``path`` cannot be written, in words to follow it in an error line, or None
     when it can: a folder that can take new entries or be made (``file=False``), or a file
     whose folder can (``file=True``).  The words are "is not a folder" or "is not
-    writable" for the folder itself, else "cannot be made: <ancestor> is a file" or
-    "... is not writable" for the nearest existing folder above it."""
+    writable" for a folder that exists, "is a folder" for a file's path that is one, else
+    "cannot be made: <ancestor> is a file" or "... is not writable" for the nearest
+    existing folder above it."""
     path = Path(path).expanduser()
+    if file and path.is_dir():
+        return "is a folder"
     probe, problem = writable_ancestor(path.parent if file else path)
     if problem is None:
         return None
     if probe == path:
         return "is not a folder" if problem == "is a file" else problem
     return f"cannot be made: {probe} {problem}"
+
+
+def check_file_destination(flag: str, path: Path, force: bool = False) -> None:
+    """``path`` (the value of ``flag``) can be written as a file: not a folder, not an
+    existing file unless ``force`` (what it holds took minutes to measure), and its
+    folder can be made or written (checked before the work that fills it)."""
+    from fmoesim.errors import FmoesimError
+
+    why = unwritable(path, file=True)
+    if why == "is a folder":
+        raise FmoesimError(f"{flag} {path}: is a folder (rule: a file to write)")
+    if path.exists() and not force:
+        raise FmoesimError(f"{flag} {path}: exists (--force replaces it)")
+    if why is not None:
+        raise FmoesimError(f"{flag} {path}: {why}")
 
 
 def _prefix(name: str) -> str:

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from fmoesim.atomic import unwritable
 from fmoesim.errors import ArgumentParser, FmoesimError, names_of, run_or_exit
 from replay.events import EventLog, EventRecorder, log_name, save_log
 
@@ -2414,6 +2415,8 @@ def _run(args: argparse.Namespace) -> None:
                          budgets_gb=budgets)  # fmt: skip
         if not runs:
             raise FmoesimError("--models, --modes, --policies: they select no run of the grid")
+        if (why := unwritable(args.out)) is not None:  # before the device's warm-up
+            raise FmoesimError(f"--out {args.out}: {why} (rule: a folder for replay.csv)")
         n = run_replays(runs, args.device, Path(args.out), args.deadline_s,
                         host_timers=args.host_timers, repeats=args.repeats,
                         gc_off=args.no_gc, event_logs=args.event_logs)  # fmt: skip
@@ -2443,7 +2446,7 @@ def _run(args: argparse.Namespace) -> None:
     ):
         raise FmoesimError(f"--host-speed-from {args.host_speed_from}: needs --host-speed")
     if args.cmd == "host-fit":
-        from replay.profile import check_file_destination
+        from fmoesim.atomic import check_file_destination
 
         # a refit replaces its profile (seconds of work); a folder or an unwritable place
         # is refused before the fit

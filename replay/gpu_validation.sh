@@ -24,8 +24,9 @@ usage="usage: gpu_validation.sh OUT_DIR [SECONDS] [replay flags]"
 out=${1:?$usage}
 shift
 budget_s=540
-if [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then  # SECONDS given (flags start with --)
-  if ! [[ $1 =~ ^[0-9]+$ ]] || [ "$1" -eq 0 ]; then
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then  # SECONDS given (flags start with -)
+  # 1 to 9,999,999 written in decimal (bash would read a leading 0 as octal)
+  if ! [[ $1 =~ ^[1-9][0-9]{0,6}$ ]]; then
     echo "gpu_validation.sh: error: SECONDS $1: must be a positive whole number ($usage)" >&2
     exit 2
   fi

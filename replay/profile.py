@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from fmoesim.atomic import atomic_file, is_plain_name
+from fmoesim.atomic import atomic_file, check_file_destination, is_plain_name
 from fmoesim.errors import ArgumentParser, ConfigError, FmoesimError, names_of, run_or_exit
 from fmoesim.specs import HardwareSpec, ModelSpec
 
@@ -473,21 +473,6 @@ def _run(args: argparse.Namespace) -> None:
         with atomic_file(args.diagnostics) as tmp:
             pd.DataFrame(rows).to_csv(tmp, index=False)
         print(f"wrote {args.diagnostics}")
-
-
-def check_file_destination(flag: str, path: Path, force: bool = False) -> None:
-    """``path`` can be written as a file: not a directory, not an existing file unless
-    ``force`` (a profile took minutes of a GPU), and its nearest existing ancestor is a
-    writable directory (checked before minutes of measuring)."""
-    from fmoesim.atomic import unwritable
-
-    if path.is_dir():
-        raise FmoesimError(f"{flag} {path}: is a directory (rule: a file to write)")
-    if path.exists() and not force:
-        raise FmoesimError(f"{flag} {path}: exists (--force replaces it)")
-    why = unwritable(path, file=True)
-    if why is not None:
-        raise FmoesimError(f"{flag} {path}: {why}")
 
 
 if __name__ == "__main__":

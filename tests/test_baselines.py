@@ -1016,3 +1016,15 @@ def test_presets_instantiate_with_the_constructor_defaults(name: str):
     assert set(knobs) == named
     for k, v in knobs.items():
         assert params[k].default == v, f"{name}.yaml {k}={v} != default {params[k].default}"
+
+
+def test_the_table_5_variant_records_its_own_name_and_caches_by_count() -> None:
+    """``policy=brainstorm-count`` (MoE-Infinity's Table 5 baseline, §7.3 (i)) is
+    BrainStorm with its cache kept by model-level counts, under its own name in results.
+    Red if its label is dropped (its runs and ``brainstorm``'s would share one name, and a
+    figure or claim would read the wrong one) or it keeps the LRU cache."""
+    cfg = OmegaConf.load(CONF_DIR / "policy" / "brainstorm-count.yaml")
+    policy = instantiate(cfg)
+    assert type(policy) is BrainStorm
+    assert (policy.name, policy.cache_priority) == ("brainstorm-count", "count")
+    assert instantiate(OmegaConf.load(CONF_DIR / "policy" / "brainstorm.yaml")).name == "brainstorm"

@@ -44,8 +44,9 @@ def test_the_digest_check_names_what_differs(
     """A reference written into a folder that does not exist yet, then checked against
     runs whose transfers changed in one setting and which lost another.  Red if the
     write fails after the runs (no such folder), if a changed setting is reported without
-    the digest that changed, if a setting of the reference that no longer runs passes
-    as identical, or if a file written for another policy is compared at all."""
+    the digest that changed, if a setting of the reference that no longer runs, or one
+    the reference lacks, passes as identical, or if a file written for another policy
+    is compared at all."""
     import benchmarks.fmoe_digests as D
 
     digests: dict[str, dict[str, str]] = {
@@ -68,6 +69,7 @@ def test_the_digest_check_names_what_differs(
 
     digests["b"]["transfers"] = "changed"
     del digests["c"]
+    digests["d"] = dict(digests["a"])  # a setting the reference lacks: not checked
     capsys.readouterr()
     monkeypatch.setattr(sys, "argv", ["x", "--policy", "lru", "--check", str(ref)])
     with pytest.raises(SystemExit) as exc:
@@ -75,7 +77,8 @@ def test_the_digest_check_names_what_differs(
     out = capsys.readouterr().out
     assert exc.value.code == 1
     assert "DIFFERENT: transfers\n" in out and "c " in out and "not run now" in out
-    assert out.rstrip().endswith("2 settings differ"), out
+    assert "NOT IN THE REFERENCE" in out
+    assert out.rstrip().endswith("3 settings differ"), out
 
     monkeypatch.setattr(sys, "argv", ["x", "--check", str(ref)])  # written for lru
     with pytest.raises(SystemExit) as exc:

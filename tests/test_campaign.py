@@ -199,6 +199,8 @@ def test_the_order_of_the_policies_by_hand():
     tie = [{**_order_row(p, 10, s), "mode": "x"} for p, s in (("a", 9), ("b", 11))]
     (t, _) = C.policy_order(tie)
     assert (t["pairs"], t["alike"], t["kendall_tau"]) == (1, 0, 0.0)
+    # ...and both are the replay's fastest: a tie shown as one, not the first listed
+    assert (t["fastest_replay"], t["fastest_sim"]) == ("a=b", "a")
     # unmerged repeats: a's 9 and 11 ms (mean 10, standard error 1.0), simulated 8 and
     # 12 (mean 10, above b's 9: reversed); b's one row carries no spread of its own, so
     # no pair is resolved

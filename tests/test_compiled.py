@@ -105,7 +105,7 @@ def test_a_stale_build_stops_the_import_with_one_line(tmp_path: Path) -> None:
             capture_output=True,
             text=True,
         )
-        assert out.returncode != 0, package
+        assert out.returncode == 2, package
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1, out.stderr  # not a traceback through fmoesim/__init__.py
         assert "engine/cache.py: changed since it was compiled; run `make compiled`" in lines[0]

@@ -91,11 +91,15 @@ def test_a_config_saved_by_the_installed_transformers_converts() -> None:
     (its attribute map's name for ``num_experts``).  Red if such a config.json is refused
     as lacking ``num_experts``, so a tiny Qwen3 model built the way the tests build a tiny
     Mixtral could get no preset."""
-    transformers = pytest.importorskip("transformers")
+    saved = {**BASE, **CASES["qwen3_moe"][0], "model_type": "qwen3_moe"}
+    saved["num_local_experts"] = saved.pop("num_experts")
+    spec, used = model_from_config(saved, "tiny-qwen3")
+    assert (spec.num_experts, used["num_experts"]) == (saved["num_local_experts"],
+                                                       "num_local_experts")  # fmt: skip
+    transformers = pytest.importorskip("transformers")  # as the installed version saves it
     cfg = transformers.Qwen3MoeConfig(num_experts=16, num_experts_per_tok=4).to_dict()
     spec, used = model_from_config(cfg, "tiny-qwen3")
     assert (spec.num_experts, spec.top_k) == (16, 4)
-    assert used["num_experts"] in ("num_experts", "num_local_experts")
 
 
 def test_bad_configs_name_the_file_and_key(tmp_path: Path) -> None:

@@ -141,7 +141,7 @@ def test_the_command_refuses_a_bad_device_or_destination_before_measuring(tmp_pa
          f"--diagnostics {tmp_path / 'plain' / 'd.csv'}: cannot be made: "
          f"{tmp_path / 'plain'} is a file"),
         (["--device", "cpu", "--diagnostics", str(tmp_path)],
-         f"--diagnostics {tmp_path}: is a directory (rule: a file to write)"),
+         f"--diagnostics {tmp_path}: is a folder (rule: a file to write)"),
     ):  # fmt: skip
         with pytest.raises(SystemExit) as exc:
             main([*base, *extra])

@@ -521,10 +521,11 @@ def test_the_gpu_script_stops_without_the_device_and_fails_when_a_step_fails(tmp
 
 
 def test_the_gpu_script_reads_its_seconds_or_its_flags(tmp_path):
-    """``gpu_validation.sh OUT 5m`` is refused in one line before anything runs, and
-    ``gpu_validation.sh OUT --models m`` (the seconds left out) hands ``--models`` to the
-    replays.  Red if the script takes ``--models`` for the seconds and drops it (bash then
-    stops on an unbound variable), or starts the profile with a bad number of seconds."""
+    """``gpu_validation.sh OUT 5m`` (or ``08``, octal to bash) is refused in one line
+    before anything runs, and ``gpu_validation.sh OUT --models m`` (the seconds left out)
+    hands ``--models`` to the replays.  Red if the script takes ``--models`` for the
+    seconds and drops it (bash then stops on an unbound variable), or starts the profile
+    with a bad number of seconds."""
     import os
     import subprocess
     import sys
@@ -534,12 +535,13 @@ def test_the_gpu_script_reads_its_seconds_or_its_flags(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root), "PYTHON": sys.executable,
            "FMOESIM_DEVICE": "cpu", "SKIP_PROFILE": "1", "SKIP_TESTS": "1"}  # fmt: skip
     script = str(root / "replay" / "gpu_validation.sh")
-    p = subprocess.run(["bash", script, str(tmp_path / "a"), "5m"], cwd=root, env=env,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert p.returncode == 2 and p.stderr.startswith(
-        "gpu_validation.sh: error: SECONDS 5m: must be a positive whole number"
-    ), p.stderr
-    assert not (tmp_path / "a").exists()
+    for seconds in ("5m", "08", "0"):  # 08: bash reads a leading 0 as octal, and fails
+        p = subprocess.run(["bash", script, str(tmp_path / "a"), seconds], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert p.returncode == 2 and p.stderr.startswith(
+            f"gpu_validation.sh: error: SECONDS {seconds}: must be a positive whole number"
+        ), p.stderr
+        assert not (tmp_path / "a").exists()
     p = subprocess.run(["bash", script, str(tmp_path / "b"), "--models", "nosuch"], cwd=root,
                        env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert p.returncode == 1, p.stdout + p.stderr
@@ -567,10 +569,32 @@ def test_host_fit_refuses_a_folder_for_its_profile(tmp_path, capsys):
     """Red if ``host-fit --out DIR`` fits and then fails with "Is a directory" and no
     rule, instead of one line naming --out before the fit."""
     (tmp_path / "plain").write_text("x")
-    for out, want in ((tmp_path, f"--out {tmp_path}: is a directory (rule: a file to write)"),
+    for out, want in ((tmp_path, f"--out {tmp_path}: is a folder (rule: a file to write)"),
                       (tmp_path / "plain" / "p.yaml",
                        f"--out {tmp_path / 'plain' / 'p.yaml'}: cannot be made: "
                        f"{tmp_path / 'plain'} is a file")):  # fmt: skip
         argv = ["host-fit", "--base", "measured/h100-3", "--fit-model", "olmoe-1b-7b",
                 "--host-from", "measured/h100-3-host-speed", "--out", str(out)]  # fmt: skip
         assert refused(capsys, C.PROG, lambda argv=argv: C.main(argv)).endswith(want)
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_the_runs(tmp_path, capsys):
+    """``fmoesim-plot --run``, ``fmoesim-plot crossover`` and ``fmoesim-validate-grid
+    replay`` refuse an ``--out`` under a plain file before their sweeps, grid or warm-up.
+    Red if the runs go first and the command then fails writing (minutes of simulation,
+    or of a GPU, lost)."""
+    from fmoesim.cli import plot_cli
+
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    out = plain / "figs"
+    want = f"--out {out}: cannot be made: {plain} is a file"
+    for prog, argv in (
+        ("fmoesim-plot", ["fmoe-fig4", "--run", "--store", str(tmp_path / "s"), "--out", str(out)]),
+        ("fmoesim-plot", ["crossover", "--requests", "1", "--out", str(out)]),
+    ):
+        assert want in refused(capsys, prog, lambda argv=argv: plot_cli.main(argv))
+    assert not (tmp_path / "s").exists()
+    pytest.importorskip("torch", reason="the replay needs torch")
+    argv = [*REPLAY, "--policies", "lru", "--device", "cpu", "--out", str(out)]
+    assert want in refused(capsys, C.PROG, lambda: C.main(argv))

@@ -162,24 +162,35 @@ def test_a_repeated_row_is_refused_not_read_as_a_new_step(tmp_path: Path, shape:
 
 def test_a_row_logged_twice_after_the_last_layer_is_refused(tmp_path: Path) -> None:
     """A logger that flushed a row again after the step's last layer: the row goes back
-    to layer 0, which the restart rule alone reads as a new step.  With weights, a new
-    token's row differs from the old one; an identical one is the same row.  Red if it
-    is imported as a made-up token that routes at layer 0 only (exit 0, one more token,
-    a layer gap), or if a new step whose row only shares the key is refused."""
+    to an earlier layer, which the restart rule alone reads as a new step.  A new step
+    starts where the step before started; a repeat elsewhere with the same experts and
+    weights is the same row.  Red if it is imported as a made-up token that routes at
+    one layer only (exit 0, one more token, a layer gap), or if a new step is refused
+    because its first row equals the step before's: equal weights are common (rounded
+    logs, top-1 models), in the wide and the long layout."""
     head = "position,layer,experts,weights"
-    rows = ['0,0,"[0, 1]","[0.7, 0.3]"', '0,1,"[2, 3]","[0.6, 0.4]"']
+    rows = ['0,0,"[0, 1]","[0.7, 0.3]"', '0,1,"[2, 3]","[0.6, 0.4]"',
+            '1,0,"[1, 2]","[0.5, 0.5]"', '1,1,"[0, 3]","[0.9, 0.1]"']  # fmt: skip
     src = tmp_path / "r.csv"
-    src.write_text("\n".join([head, *rows, rows[0]]) + "\n")
+    src.write_text("\n".join([head, *rows, rows[2]]) + "\n")
     with pytest.raises(FmoesimError) as info:
         import_table(src, tmp_path / "t", M)
     assert str(info.value) == (
-        f"{src} row 3: a (position, layer) read again with the same experts and weights is "
-        "a row logged twice, not a new step (request 0, position 0, layer 0: as row 1)"
+        f"{src} row 5: a (position, layer) read again with the same experts and weights, "
+        "away from where the step began, is a row logged twice, not a new step (request 0, "
+        "position 1, layer 0: as row 3)"
     )
     assert not (tmp_path / "t").exists()
-    new_step = '0,0,"[0, 1]","[0.5, 0.5]"'  # the same experts, another token's weights
-    src.write_text("\n".join([head, *rows, new_step, rows[1]]) + "\n")
+    # the next step (positions again from 0) opens with the very row the step before did
+    src.write_text("\n".join([head, *rows, rows[0], '0,1,"[1, 3]","[0.6, 0.4]"']) + "\n")
     _, rep = import_table(src, tmp_path / "t", M)
+    assert (rep.tokens, rep.steps_restarted, rep.missing_pairs) == (3, 1, 0)
+    long = tmp_path / "long.csv"  # one row per routed expert: a new step's rank-0 row alike
+    long.write_text(
+        "position,layer,rank,expert,weight\n0,0,0,0,0.62\n0,0,1,1,0.38\n0,1,0,2,0.5\n"
+        "0,1,1,3,0.5\n0,0,0,0,0.62\n0,0,1,2,0.38\n0,1,0,1,0.7\n0,1,1,3,0.3\n"
+    )
+    _, rep = import_table(long, tmp_path / "tl", M)
     assert (rep.tokens, rep.steps_restarted, rep.missing_pairs) == (2, 1, 0)
 
 

@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
+    from fmoesim.atomic import unwritable
     from fmoesim.config.schema import PROJECT_ROOT
     from fmoesim.errors import AmbiguousRunsError
     from fmoesim.plots.figures import (
@@ -189,6 +190,8 @@ def _run(args: argparse.Namespace) -> None:
     if args.jobs < 1:
         raise FmoesimError(f"--jobs {args.jobs}: must be >= 1")
     check_store_dir(args.store, f"{PROG} --run makes it and runs the figures' sweeps", args.run)
+    if (why := unwritable(args.out)) is not None:  # before the sweeps of --run
+        raise FmoesimError(f"--out {args.out}: {why} (rule: a folder to write the figures into)")
     store = Path(args.store).resolve()
     if args.run:
         exps = list(dict.fromkeys(FIGURES[n].experiment for n in names))

@@ -565,13 +565,15 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def _cli(args: argparse.Namespace) -> None:
-    from fmoesim.atomic import is_plain_name
+    from fmoesim.atomic import is_plain_name, unwritable
 
     if not is_plain_name(args.name):  # the stem of four files in --out
         raise FmoesimError(
             f"--name {args.name}: not a file name (rule: no '/', '\\' or '..', not empty, "
             "not starting with '.')"
         )
+    if (why := unwritable(args.out)) is not None:  # before minutes of runs
+        raise FmoesimError(f"--out {args.out}: {why} (rule: a folder to write the figure into)")
     table = run_grid(
         args.models, args.policies, args.compute, args.bandwidth,
         args.requests, args.hardware, jobs=args.jobs, log=lambda m: print(m, flush=True),

@@ -495,10 +495,9 @@ def read_table(
         else "(position, layer, expert)"
     )  # fmt: skip
     out: dict[str, _Request] = {}
-    seen: dict[str, dict[tuple[int, ...], int]] = {}  # the current step's keys -> row
-    # the current step's keys -> the row's (rank, expert, weight) items, to tell a row
-    # logged twice from a new step at the same key (with weights, a new token's differ)
-    seen_items: dict[str, dict[tuple[int, ...], list[tuple[int, int, float | None]]]] = {}
+    # the current step's keys -> (the row, its (rank, expert, weight) items)
+    seen: dict[str, dict[tuple[int, ...], tuple[int, list[tuple[int, int, float | None]]]]] = {}
+    first: dict[str, tuple[int, int]] = {}  # the current step's first (position, layer)
     step: dict[str, int] = {}
     last: dict[str, int] = {}  # the layer of the request's row before
     request_col = get.get("request")
@@ -509,7 +508,7 @@ def read_table(
         r = out.get(name)
         if r is None:
             r = out[name] = _Request(name, {}, set(), origin)
-            seen[name], seen_items[name], step[name] = {}, {}, 0
+            seen[name], step[name] = {}, 0
         layer = _int(origin, i, "layer", get["layer"][i])
         if not 0 <= layer < L:
             raise origin.error(i, f"layer in [0, {L})", f"got {layer}")
@@ -572,20 +571,23 @@ def read_table(
                     i, f"a {key_name} read again starts the next step only below the "
                     f"layer of the request's row before ({last[name]}): a repeated row?",
                     f"request {r.name}, position {p}, layer {layer}: also "
-                    f"{origin.where(seen[name][key], i)}",
+                    f"{origin.where(seen[name][key][0], i)}",
                 )  # fmt: skip
-            if weights is not None and seen_items[name][key] == items:
+            # a new step starts where the step before started; a row elsewhere in the
+            # step that repeats its experts and weights exactly was flushed twice
+            if weights is not None and (p, layer) != first[name] and seen[name][key][1] == items:
                 raise origin.error(
-                    i, f"a {key_name} read again with the same experts and weights is a "
-                    "row logged twice, not a new step",
+                    i, f"a {key_name} read again with the same experts and weights, away "
+                    "from where the step began, is a row logged twice, not a new step",
                     f"request {r.name}, position {p}, layer {layer}: as "
-                    f"{origin.where(seen[name][key], i)}",
+                    f"{origin.where(seen[name][key][0], i)}",
                 )  # fmt: skip
             step[name] += 1
-            seen[name], seen_items[name] = {}, {}
+            seen[name] = {}
             rep.steps_restarted += 1
-        seen[name].setdefault(key, i)
-        seen_items[name].setdefault(key, items)
+        if not seen[name]:
+            first[name] = (p, layer)
+        seen[name].setdefault(key, (i, items))
         last[name] = layer
         tok = (step[name], p)
         lay = r.tokens.setdefault(tok, {}).setdefault(layer, [])
