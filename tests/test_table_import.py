@@ -342,3 +342,23 @@ def test_a_header_may_count_the_dense_blocks_in_its_layers(tmp_path: Path) -> No
     import_table(src, tmp_path / "t", dataclasses.replace(M, dense_layers=1))
     with pytest.raises(FmoesimError, match="the header's n_layer is the model's layers, 2 "):
         import_table(src, tmp_path / "t2", M)
+
+
+def test_a_position_logged_at_no_layer_is_reported(tmp_path: Path) -> None:
+    """A token missing from every layer leaves a hole in its step's positions: the
+    import says so.  Red if it is dropped without a word (the report counted only pairs
+    missing at some layers), or if a log whose positions restart each step reports
+    holes it does not have."""
+    src = tmp_path / "r.csv"
+    src.write_text(
+        'position,layer,experts\n0,0,"[0, 1]"\n0,1,"[2, 3]"\n2,0,"[1, 2]"\n2,1,"[0, 3]"\n'
+        '3,0,"[1, 3]"\n3,1,"[0, 2]"\n'
+    )
+    _, rep = import_table(src, tmp_path / "t", M)
+    assert (rep.tokens, rep.position_holes, rep.missing_pairs) == (3, 1, 0)
+    assert "1 position within a step's range logged at no layer" in "\n".join(rep.lines())
+    src.write_text(
+        'position,layer,experts\n0,0,"[0, 1]"\n0,1,"[2, 3]"\n0,0,"[1, 2]"\n0,1,"[0, 3]"\n'
+    )
+    _, rep = import_table(src, tmp_path / "t2", M)
+    assert (rep.tokens, rep.steps_restarted, rep.position_holes) == (2, 1, 0)

@@ -108,6 +108,8 @@ class ImportReport:
     rows: int = 0
     steps_restarted: int = 0
     missing_pairs: int = 0
+    #: positions inside a step's range that no row logs (a token missing from every layer)
+    position_holes: int = 0
     columns: dict[str, str] = dataclasses.field(default_factory=dict)
     #: bytes of one expert per layer, from a size column (None without one)
     layer_bytes: list[int] | None = None
@@ -135,6 +137,11 @@ class ImportReport:
                     "no request column: every row is one request (--map request=COL names "
                     "the column of a log of several)"
                 )
+        if self.position_holes:
+            out.append(
+                f"{counted(self.position_holes, 'position')} within a step's range logged at "
+                "no layer: no token there in the trace (the step's other tokens keep their order)"
+            )
         if self.missing_pairs:
             out.append(
                 f"{self.missing_pairs} (token, layer) pairs without rows: kept, routing "
@@ -603,6 +610,12 @@ def read_table(
             r.prefill.add(tok)
     rep.requests = len(out)
     rep.tokens = sum(len(r.tokens) for r in out.values())
+    if pos is not None:  # a step's positions run without a gap unless a token was not logged
+        for r in out.values():
+            steps: dict[int, list[int]] = {}
+            for st, q in r.tokens:
+                steps.setdefault(st, []).append(q)
+            rep.position_holes += sum(max(q) - min(q) + 1 - len(q) for q in steps.values())
     if size_col is not None or layer_size:
         if len(layer_size) != L or any(b <= 0 for b in layer_size.values()):
             missing = set(range(L)) - set(layer_size)
