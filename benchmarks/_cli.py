@@ -1,12 +1,12 @@
 """What the benchmark scripts share on their command line: one-line errors for bad
-flags (run ``main`` under :func:`fmoesim.errors.run_or_exit`), the build line, and the
-policy presets they accept."""
+flags (run ``main`` under :func:`fmoesim.errors.run_or_exit`; presets are checked by
+:func:`fmoesim.config.build.check_preset_names`) and the build line."""
 
 from __future__ import annotations
 
 import argparse
 
-from fmoesim.errors import ArgumentParser, FmoesimError
+from fmoesim.errors import ArgumentParser
 
 
 def parser(prog: str, description: str) -> ArgumentParser:
@@ -23,17 +23,6 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
-
-
-def check_policies(names: list[str], flag: str = "--policy") -> None:
-    """Each of ``names`` is a preset of ``conf/policy/``: one line naming the first that
-    is not, with the valid ones (before any run)."""
-    from fmoesim.config.build import preset_names
-
-    valid = preset_names("policy")
-    for name in names:
-        if name not in valid:
-            raise FmoesimError(f"{flag} {name}: unknown policy preset; valid: {', '.join(valid)}")
 
 
 def build_line() -> str:

@@ -26,8 +26,8 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from benchmarks._cli import build_line, check_policies, parser, positive_int
-from fmoesim.config.build import load_preset, preset_names
+from benchmarks._cli import build_line, parser, positive_int
+from fmoesim.config.build import check_preset_names, load_preset, preset_names
 from fmoesim.config.schema import CONF_DIR, PROJECT_ROOT
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import simulate
@@ -139,7 +139,7 @@ def main() -> None:
 def _main(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     names = names_of("--policies", args.policies) if args.policies else None
-    check_policies(names or [], "--policies")
+    check_preset_names("policy", names or [], "--policies")
     print(f"{build_line()}\n")
     print("## Per policy (Mixtral-8x7B, RTX 3090 PCIe 4, 24 GB, batch 1, bundled trace)\n")
     print("\n".join(per_policy(args.repeat, names)))

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._cli import build_line, check_policies, parser, positive_int
+from benchmarks._cli import build_line, parser, positive_int
 from benchmarks.fmoe_digests import _policy, qwen3_setting
-from fmoesim.config.build import load_preset
+from fmoesim.config.build import check_preset_names, load_preset
 from fmoesim.config.schema import PROJECT_ROOT
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import simulate
@@ -200,7 +200,7 @@ def main() -> None:
 
 
 def _main(args: argparse.Namespace) -> None:
-    check_policies([args.policy])
+    check_preset_names("policy", [args.policy], "--policy")
     print(f"{build_line()}\n")
     if args.part in ("search", "all"):
         search(args.repeat)

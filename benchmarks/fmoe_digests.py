@@ -31,9 +31,9 @@ import numpy as np
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from benchmarks._cli import build_line, check_policies, parser
+from benchmarks._cli import build_line, parser
 from fmoesim.atomic import atomic_file, check_file_destination
-from fmoesim.config.build import load_preset
+from fmoesim.config.build import check_preset_names, load_preset
 from fmoesim.config.schema import CONF_DIR, PROJECT_ROOT
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import simulate
@@ -161,7 +161,7 @@ def _reference(path: Path, policy: str) -> dict[str, dict[str, str]]:
 
 
 def _main(args: argparse.Namespace) -> int:
-    check_policies([args.policy])
+    check_preset_names("policy", [args.policy], "--policy")
     ref = _reference(args.check, args.policy) if args.check else None
     if args.write:
         check_file_destination("--write", args.write, force=True)

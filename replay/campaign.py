@@ -2368,13 +2368,10 @@ def _fit_modes(arg: str) -> list[str]:
 def _check_replay_args(policies: Sequence[str], args: argparse.Namespace) -> None:
     """``replay``'s policies, hardware, numbers and device, checked before any run (one
     line naming the option; nothing is made)."""
-    from fmoesim.config.build import preset_names, valid_presets
+    from fmoesim.config.build import check_preset_names, valid_presets
     from fmoesim.config.schema import CONF_DIR
 
-    known = preset_names("policy")
-    for p in policies:
-        if p not in known:
-            raise FmoesimError(f"--policies {p}: unknown policy; valid: {', '.join(known)}")
+    check_preset_names("policy", list(policies), "--policies")
     if not (CONF_DIR / "hardware" / f"{args.hardware}.yaml").is_file():
         raise FmoesimError(f"--hardware {args.hardware}: unknown hardware; valid: "
                            f"{valid_presets('hardware')}")  # fmt: skip

@@ -20,7 +20,7 @@ from fmoesim.config.schema import PROJECT_ROOT
         (["benchmarks.engine", "--repeat", "0"], "argument --repeat: 0 must be >= 1 (see --help)"),
         (["benchmarks.engine", "--policies", "lru,"], "--policies 'lru,': an empty item"),
         (["benchmarks.fmoe", "--part", "speed", "--policy", "nope"],
-         "--policy nope: unknown policy preset; valid: adapmoe, "),
+         "--policy nope: unknown policy; valid: adapmoe, "),
         (["benchmarks.fmoe_digests", "--check", "no/such.json"],
          "--check no/such.json: cannot be read"),
         (["benchmarks.eamc", "--repeat", "x"], "argument --repeat: 'x' is not an integer"),

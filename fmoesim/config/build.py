@@ -35,6 +35,15 @@ def preset_names(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
+def check_preset_names(group: str, names: list[str], flag: str) -> None:
+    """Each of ``names`` (the value of command-line option ``flag``) is a preset of
+    ``group``: one line naming the first that is not, with the valid ones."""
+    known = preset_names(group)
+    for name in names:
+        if name not in known:
+            raise FmoesimError(f"{flag} {name}: unknown {group}; valid: {', '.join(known)}")
+
+
 def valid_presets(group: str) -> str:
     """A group's preset names, then each subfolder of presets as ``sub/<name>`` with its
     count (``measured/<name> (21 presets)``): the subfolders' names are too many to list."""
