@@ -21,7 +21,7 @@ from fmoesim.engine.compute import ComputeModel
 from fmoesim.engine.sim import SimLink
 from fmoesim.errors import ConfigError
 from fmoesim.trace import read_trace
-from policies.base import Outcome
+from policies.base import NO_ACTIONS, Actions, Outcome, Prefetch, PrefetchBatch
 from policies.lru import LRU
 from tests._engine_helpers import (
     TRANSFER_COLUMNS,
@@ -31,7 +31,7 @@ from tests._engine_helpers import (
     transfer_s,
     write_trace,
 )
-from tests.tiny import TINY, TINY_HW, write_sequence_trace
+from tests.tiny import TINY, TINY_HW, small_model, write_sequence_trace
 
 SIZE = TINY.expert_size_bytes  # 6 MB
 C = ComputeModel.from_specs(TINY, TINY_HW)
@@ -681,6 +681,64 @@ def test_cancelled_prefetches_leave_the_queue() -> None:
     assert lk.link._queue == [] and [r.key for r in lk.live()] == [10_000]
     lk.finish()
     assert lk.done == [10_000]
+
+
+class _Rerank(LRU):
+    """LRU that prefetches keys 9, 10, 11 at step 0 (priorities 0.1 < 0.2 < 0.3, so 9
+    first) and gives 10 and 11 new priorities (0.5 and 0.05) at step 1, as a
+    :class:`PrefetchBatch` or as :class:`Prefetch` objects."""
+
+    name = "rerank"
+
+    def __init__(self, batch: bool, rerank: bool) -> None:
+        super().__init__()
+        self.batch, self.rerank = batch, rerank
+
+    def on_gate(self, layer, gate):
+        if gate.step == 0:
+            keys, prios = [9, 10, 11], [0.1, 0.2, 0.3]
+        elif gate.step == 1 and self.rerank:
+            keys, prios = [10, 11], [0.5, 0.05]
+        else:
+            return NO_ACTIONS
+        if self.batch:
+            return Actions(prefetch=PrefetchBatch(keys, prios))
+        return Actions(prefetch=[Prefetch(k, p) for k, p in zip(keys, prios, strict=True)])
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batch", "objects"])
+@pytest.mark.parametrize("rerank", [True, False])
+def test_a_queued_prefetch_takes_its_new_priority_at_the_next_gate(tmp_path, batch, rerank):
+    """Three prefetches queue on a link 100x slower than a layer's compute: 9 starts, 10
+    and 11 wait.  Re-ranked at the next gate (11 before 10), they start in the new order
+    on both of the runner's paths (a batch of keys, Prefetch objects); without it, in
+    the old one.  Red if the runner's re-ranking is dropped or goes to the wrong transfer
+    on either path (the queue order stays 10, 11)."""
+    model = small_model(4, 4, 1)
+    hw = replace(TINY_HW, pcie_gbps=0.1)  # 60 ms a 6 MB expert
+    tr = write_trace(tmp_path / "t", model, [Req(0, 1, [[[0], [0], [0], [0]]])])
+    r = simulate(tr, model, hw, _Rerank(batch, rerank), 16 * SIZE)
+    starts = {t.key: t.start_s for t in r.transfers if t.reason == "prefetch"}
+    assert set(starts) == {9, 10, 11}
+    assert starts[9] < min(starts[10], starts[11])
+    assert (starts[11] < starts[10]) == rerank
+
+
+def test_a_backend_without_records_of_its_own_reranks_by_key():
+    """A backend that moves transfers by key (the replay's) gets a re-ranking of a cache
+    entry's record as :meth:`Backend.reprioritize` of that record's key; an entry with no
+    record (None) moves nothing.  Red if the default drops re-rankings (the replay's
+    queue would keep every prefetch at its first priority) or passes the wrong key."""
+    moved: list[tuple[int, int, float]] = []
+
+    class ByKey(sim_engine.InstantBackend):
+        def reprioritize(self, gpu: int, key: int, priority: float) -> None:
+            moved.append((gpu, key, priority))
+
+    be = ByKey([])
+    be.reprioritize_record(1, TransferRecord(7, 1, SIZE, "prefetch", 0.3, 0.0), 0.05)
+    be.reprioritize_record(0, None, 0.5)
+    assert moved == [(1, 7, 0.05)]
 
 
 # -- 3. a prefetch for the next layer overlaps compute -------------------------------------

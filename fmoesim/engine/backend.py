@@ -185,6 +185,13 @@ class Backend(ABC):
         """Move ``key``'s queued, never-started prefetch to ``priority`` (default: no
         ordering to change)."""
 
+    def reprioritize_record(self, gpu: int, record: TransferRecord | None, priority: float) -> None:
+        """:meth:`reprioritize` for the transfer ``record`` (a cache entry's record, as
+        :meth:`submit` returned it; None: nothing to move), for a caller that holds it
+        (default: by its key)."""
+        if record is not None:
+            self.reprioritize(gpu, record.key, priority)
+
     def split(self, gpu: int, key: int, parts: list[int]) -> None:
         """Resident whole expert ``key`` is now the segments ``parts`` in the cache
         (:meth:`fmoesim.engine.cache.ExpertCache.split`), its bytes already on ``gpu``

@@ -592,6 +592,7 @@ class Runner:
                 why = key_problem(bad[0], self.max_key)
                 self._bad(aborted, f"PrefetchBatch: {why}")
             get = caches[0].entries.get
+            rerank = be.reprioritize_record
             for key, priority in zip(keys, prefetch.priorities, strict=True):
                 ent = get(key)
                 if ent is not None and ent.resident:
@@ -602,7 +603,7 @@ class Runner:
                 if ent is None:
                     self._prefetch(0, key, priority, "prefetch", delay)
                 else:  # a queued prefetch takes the latest priority
-                    be.reprioritize(0, key, priority)
+                    rerank(0, ent.record, priority)
             return
         for p in prefetch:
             key = p.key
@@ -620,7 +621,7 @@ class Runner:
             if ent is None:
                 self._prefetch(g, key, priority, p.reason, delay)
             else:  # a queued prefetch takes the latest priority
-                be.reprioritize(g, key, priority)
+                be.reprioritize_record(g, ent.record, priority)
 
     def _prefetch(self, g: int, key: int, priority: float, reason: str, delay: float) -> None:
         """Load ``key``, absent from GPU ``g``'s cache, as a prefetch (or count it dropped

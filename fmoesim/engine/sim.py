@@ -555,6 +555,12 @@ class SimBackend(Backend):
         if rec is not None:
             self.links[gpu].reprioritize(rec, priority)
 
+    def reprioritize_record(self, gpu: int, record: TransferRecord | None, priority: float) -> None:
+        """Move ``record``'s transfer, a queued, never-started prefetch, to ``priority``
+        (perf: no second look-up of the cache entry the caller holds)."""
+        if record is not None:
+            self.links[gpu].reprioritize(record, priority)
+
     def cancel(self, gpu: int, key: int) -> bool:
         """Cancel a queued, never-started transfer."""
         rec = self._record(gpu, key)
