@@ -531,11 +531,12 @@ class Actions:
     The hit-rate-only backend applies it on the modelled compute clock of
     ``engine.landing=link`` and ignores it with ``landing=next_step``.
 
-    For policies with budget groups (:meth:`Policy.cache_groups`): ``budgets`` sets
-    new group budgets in bytes (shrinking evicts within the group, the policy's
-    ``victim`` choosing); ``evict`` drops resident, unused entries (or cancels queued
-    ones), e.g. segments cut at an old split ratio.  Both are applied before the
-    prefetches.
+    ``evict``: keys to drop now: a resident one leaves the cache, a queued one is
+    cancelled; one pinned by the current layer stays (e.g. segments cut at an old split
+    ratio, or what a policy without a cache no longer needs).  For policies with budget
+    groups (:meth:`Policy.cache_groups`): ``budgets`` sets new group budgets in bytes
+    (shrinking evicts within the group, the policy's ``victim`` choosing).  Both are
+    applied before the cancellations and the prefetches.
 
     perf: ``__init__`` is written out (a dataclass keeps a class's own ``__init__``) so
     that the compiled build compiles it; the generated one stays interpreted.

@@ -24,29 +24,39 @@ class PreGated(Policy, LayerGuard):
     not in any trace; its ``n`` most probable experts are prefetched, ``n`` =
     ``prefetch_experts`` or, if ``None``, the number of distinct experts the current layer
     routed to (never below ``top_k``), as in :class:`policies.mixtral_offloading.
-    MixtralOffloading`.  "No cache": the victim is the oldest admitted candidate that
-    neither the current layer routes to nor this gate predicted for the next layer, so
-    only what the current and next layer need is protected.  The protocol has no way to
-    drop an entry before the budget is full, so with a budget larger than two layers'
-    experts, leftovers can still hit; run it with ``2 * top_k`` experts of budget to
-    reproduce the paper's budget-independent behaviour.  Stale predictions: the paper
-    is silent (in Pre-gated MoE the pre-gate's choice is the routing, so nothing is
-    mispredicted); here the router decides, so at the gate of layer ``l + 1`` the
-    still-queued prefetches this policy issued for it that the gate did not route to are
-    cancelled (``cancel_stale``, default on), because otherwise, on a link slower than a
-    layer's compute, mispredictions pile up in the queue, hold the budget in flight and
-    evict everything resident (TPOT then stays at the all-miss level at any budget);
-    ``false`` keeps them queued.
+    MixtralOffloading`.  "No cache": at each gate, every expert the policy holds
+    (resident or in flight) that neither the current layer routes to nor this gate
+    predicts for the next layer is evicted (``Actions.evict``; a queued one is
+    cancelled), so the GPU holds the current and the next layer's experts and nothing
+    else, and a budget above that changes nothing, as §4.2 says; when the budget is
+    smaller, the victim is the oldest admitted candidate outside those two sets.
+    ``cache_leftovers=True`` keeps what the two layers no longer need until the budget
+    wants its room (a cache the paper's system does not have, for comparison).
+    Stale predictions: the paper is silent (in Pre-gated MoE the pre-gate's choice is
+    the routing, so nothing is mispredicted); here the router decides, so at the gate of
+    layer ``l + 1`` the still-queued prefetches this policy issued for it that the gate
+    did not route to are cancelled (``cancel_stale``, default on), because otherwise, on
+    a link slower than a layer's compute, mispredictions pile up in the queue, hold the
+    budget in flight and evict everything resident (TPOT then stays at the all-miss
+    level at any budget); ``false`` keeps them queued.  Without a cache that happens
+    anyway (a prediction the layer did not use is a leftover at that gate), so
+    ``cancel_stale`` matters only with ``cache_leftovers=True``.
     """
 
     name = "pregated"
     uses_spec = True
 
-    def __init__(self, prefetch_experts: int | None = None, cancel_stale: bool = True) -> None:
+    def __init__(
+        self,
+        prefetch_experts: int | None = None,
+        cancel_stale: bool = True,
+        cache_leftovers: bool = False,
+    ) -> None:
         if prefetch_experts is not None and int(prefetch_experts) < 1:
             raise ValueError(f"prefetch_experts must be >= 1 or None, got {prefetch_experts}")
         self.prefetch_experts = None if prefetch_experts is None else int(prefetch_experts)
         self.cancel_stale = bool(cancel_stale)
+        self.cache_leftovers = bool(cache_leftovers)
 
     def reset(self, ctx: PolicyContext) -> None:
         """Forget the last prediction."""
@@ -57,6 +67,22 @@ class PreGated(Policy, LayerGuard):
         self._next: set[int] = set()  # keys predicted for the next layer at the last gate
         self._issued: list[list[int]] = [[] for _ in range(self._L)]  # per target layer
         self._prefetches = PrefetchTable(self._L * self._E, self._E)
+        self._held: set[int] = set()  # keys in the cache (resident or in flight)
+
+    def on_insert(self, key: int) -> None:
+        """Track what the cache holds."""
+        self._held.add(key)
+
+    def on_evict(self, key: int) -> None:
+        """Track what the cache holds."""
+        self._held.discard(key)
+
+    def _leftovers(self, layer: int, keep: set[int]) -> list[int]:
+        """The held keys (ascending) that neither ``layer`` routes to nor ``keep``
+        names: what "no cache" drops at this gate."""
+        if self.cache_leftovers:
+            return []
+        return sorted(k for k in self._held if k not in keep and not self._guarded(k))
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """Prefetch the pre-gate's top experts of the next layer."""
@@ -67,7 +93,10 @@ class PreGated(Policy, LayerGuard):
         spec = gate.spec_list  # perf: a list, so the gate makes no array (top_spec)
         if spec is None or layer + 1 >= self._L:
             self._next = set()
-            return Actions(cancel=cancel) if cancel else NO_ACTIONS
+            evict = self._leftovers(layer, self._next)
+            if cancel or evict:
+                return Actions(cancel=cancel, evict=evict)
+            return NO_ACTIONS
         routed = self._routed(gate)
         n = self.prefetch_experts or max(self._K, routed)
         n = min(min(n, self._E), self._room_experts(routed))  # perf: see ProMoE
@@ -76,6 +105,13 @@ class PreGated(Policy, LayerGuard):
         self._next = set(keys)
         if self.cancel_stale:
             self._issued[layer + 1] = keys
+        evict = self._leftovers(layer, self._next)
+        if evict:
+            return Actions(
+                prefetch=[self._prefetches.get(k, r) for r, k in enumerate(keys)],
+                cancel=cancel,
+                evict=evict,
+            )
         return self._prefetches.actions(keys, cancel)
 
     def victim(self, candidates: Collection[int], incoming: int) -> int:

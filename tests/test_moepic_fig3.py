@@ -132,22 +132,41 @@ def test_cache_based_hit_and_miss(tmp_path):
 
 # -- (c) prefetch-based: the next layer's expert loads behind this layer's compute -------
 def test_prefetch_based_hides_what_the_window_covers(tmp_path):
-    """Pre-gated MoE with room for two experts (no cache beyond the two layers).  At layer
-    0's gate it prefetches layer 1's predicted expert; the window is layer 0's expert
-    and layer 1's attention, ``T + ATT`` = 3.5 ms, against X = 4 ms: 0.5 ms show.  A wrong
-    guess leaves the whole load to the router's result: the GPU waits for the wrong
-    expert's transfer already on the link (0.5 ms: the engine, like a copy engine, does
-    not abort a started copy) and then X.  Red if the window left out the next layer's
-    attention or a prefetch started before its gate."""
+    """Pre-gated MoE with room for two experts, keeping what its two layers no longer
+    need (``cache_leftovers``), so that the first layer's expert is resident as the
+    figure draws it.  At layer 0's gate it prefetches layer 1's predicted expert; the
+    window is layer 0's expert and layer 1's attention, ``T + ATT`` = 3.5 ms, against X =
+    4 ms: 0.5 ms show.  A wrong guess leaves the whole load to the router's result: the
+    GPU waits for the wrong expert's transfer already on the link (0.5 ms: the engine,
+    like a copy engine, does not abort a started copy) and then X.  Red if the window left
+    out the next layer's attention or a prefetch started before its gate."""
     right = two_steps(tmp_path / "r", [(0, 3), (0, 1)], [(0, 3), (0, 1)])
     wrong = two_steps(tmp_path / "w", [(0, 3), (0, 1)], [(0, 3), (0, 2)])
     window = T + ATT
-    assert tpot(simulate(right, M, HW, PreGated(), 2 * S)) == pytest.approx(
+    keep = PreGated(cache_leftovers=True)
+    assert tpot(simulate(right, M, HW, keep, 2 * S)) == pytest.approx(
         ALL_RESIDENT + eq5_7(0, 0, 1, 0.0, window)
     )
-    assert tpot(simulate(wrong, M, HW, PreGated(), 2 * S)) == pytest.approx(
+    assert tpot(simulate(wrong, M, HW, keep, 2 * S)) == pytest.approx(
         ALL_RESIDENT + (X - window) + X
     )
+
+
+@pytest.mark.parametrize("experts", [2, 8])
+def test_prefetch_based_keeps_no_cache_whatever_the_budget(tmp_path, experts):
+    """Pre-gated MoE as MoEpic §4.2 states it ("there are no cached experts"): the
+    prefill's layer-0 expert leaves at layer 1's gate, so the decode step loads it on
+    demand (X, nothing to hide it), and layer 1's right guess queues behind that load:
+    it lands at ``ATT + 2 X`` where the GPU reaches layer 1 at ``2 ATT + X + T``, so
+    ``X - (T + ATT)`` = 0.5 ms show.  The same with room for two experts or for all
+    eight; keeping leftovers (``cache_leftovers``) with room for all, layer 0 hits.  Red
+    if the leftovers stayed (a hit at layer 0, 8.5 ms) or the budget changed the time."""
+    right = two_steps(tmp_path / "r", [(0, 3), (0, 1)], [(0, 3), (0, 1)])
+    assert tpot(simulate(right, M, HW, PreGated(), experts * S)) == pytest.approx(
+        ALL_RESIDENT + X + (X - (T + ATT))
+    )
+    kept = tpot(simulate(right, M, HW, PreGated(cache_leftovers=True), 8 * S))
+    assert kept == pytest.approx(ALL_RESIDENT + (X - (T + ATT)))
 
 
 # -- (d) MoEpic: cached tops, prefetched bottoms, tops computing while bottoms load -------
