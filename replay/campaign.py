@@ -21,6 +21,10 @@ The grid's runs cover models, budgets, serving modes and policies, in two steps.
 3. ``host-fit`` (anywhere): the host costs of :mod:`fmoesim.engine.host` from stored
    replays (:func:`fit_host`), written as a new profile.
 
+``render`` writes a report's ``report.md`` anew from its ``validation.csv`` without
+simulating (:func:`render`): the numbers as scored, written as the report writes them
+today (:mod:`fmoesim.validation.numbers`).
+
 Replaying is the scarce step (a GPU); scoring takes minutes on a laptop, so a change of
 the simulator's model is re-scored against the same measured runs.
 
@@ -47,6 +51,7 @@ from typing import Any
 
 from fmoesim.atomic import unwritable
 from fmoesim.errors import ArgumentParser, FmoesimError, names_of, run_or_exit
+from fmoesim.validation import numbers
 from replay.events import EventLog, EventRecorder, log_name, save_log
 
 PROG = "fmoesim-validate-grid"
@@ -102,15 +107,17 @@ GRID = (
 
 #: replay.csv's key columns: one run
 KEY = ("model", "budget_gb", "mode", "policy", "compute_repeat")
-#: the compared metrics: (summary key, label, scale, unit, relative error?)
+#: the compared metrics: (summary key, label, kind of quantity); the kinds are
+#: :data:`fmoesim.validation.numbers.KINDS`: a share's error is a difference in points,
+#: the others' relative
 METRICS = (
-    ("ttft_mean_s", "TTFT", 1e3, "ms", True),
-    ("tpot_mean_s", "TPOT", 1e3, "ms", True),
-    ("stall_s", "stall", 1.0, "s", True),
-    ("pcie_bytes", "PCIe", 1e-9, "GB", True),
-    ("hit_rate", "hit", 100.0, "%", False),
-    ("late_rate", "late", 100.0, "%", False),
-    ("miss_rate", "miss", 100.0, "%", False),
+    ("ttft_mean_s", "TTFT", "s"),
+    ("tpot_mean_s", "TPOT", "s"),
+    ("stall_s", "stall", "s"),
+    ("pcie_bytes", "PCIe", "bytes"),
+    ("hit_rate", "hit", "share"),
+    ("late_rate", "late", "share"),
+    ("miss_rate", "miss", "share"),
 )
 #: targets per policy: mean |relative error| of TPOT and TTFT, hit-rate gap in points
 TARGETS = {"tpot": 0.05, "ttft": 0.10, "hit_points": 1.0}
@@ -1224,17 +1231,18 @@ def score_rows(
     rows: Sequence[dict[str, Any]], hardware: str, spec_hw: Any = None
 ) -> list[dict[str, Any]]:
     """Each replay row with the simulator's numbers (:func:`simulate_row`) and the errors
-    added: relative (NaN where the replay measured 0, as a replay's stall often is) or,
-    for rates, the difference."""
+    added, exact: relative (NaN where the replay measured 0, as a replay's stall often
+    is) or, for rates, the difference.  The report writes them by
+    :func:`fmoesim.validation.numbers.error`."""
     from replay.validate import rel_err
 
     out = []
     for r in rows:
         row = dict(r)
         row.update(simulate_row(r, hardware, spec_hw))
-        for key, _, _, _, rel in METRICS:
+        for key, _, kind in METRICS:
             s, g = row[f"sim_{key}"], row[f"replay_{key}"]
-            row[f"err_{key}"] = rel_err(s, g) if rel else s - g
+            row[f"err_{key}"] = s - g if kind == "share" else rel_err(s, g)
         out.append(row)
     return out
 
@@ -1380,20 +1388,16 @@ def _order_table(
             ""]  # fmt: skip
 
 
-def _fmt(key: str, v: float, scale: float, unit: str) -> str:
-    return "n/a" if v != v else f"{scale * v:.2f}{' ' if unit != '%' else ''}{unit}"
-
-
 def _targets_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["| policy | runs | mean abs TPOT error | mean abs TTFT error | "
              "largest hit-rate gap | met | replay's TPOT CV |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for p in per_policy(rows):
         cv = "n/a" if p["tpot_cv"] != p["tpot_cv"] else f"{100 * p['tpot_cv']:.1f}%"
+        gap = numbers.points(p["hit_gap_points"] / 100, signed=False)
         lines.append(
             f"| {p['policy']} | {p['runs']} | {100 * p['tpot_err']:.1f}% | "
-            f"{100 * p['ttft_err']:.1f}% | {p['hit_gap_points']:.2f} pt | "
-            f"{'yes' if p['met'] else 'no'} | {cv} |"
+            f"{100 * p['ttft_err']:.1f}% | {gap} | {'yes' if p['met'] else 'no'} | {cv} |"
         )
     return lines
 
@@ -1417,16 +1421,14 @@ def _first_request_table(rows: Sequence[dict[str, Any]]) -> list[str]:
              "relative error in brackets.  Where only the first is far off, the gap is "
              "the run's start (a replay's first request can run cold), not its steady "
              "state.", "",
-             "| model | budget | mode | policy | first request, ms | the others, ms |",
+             "| model | budget | mode | policy | first request | the others |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     errs: dict[str, list[float]] = {"first": [], "rest": []}
     for r in rs:
         cells = [r["model"], f"{r['budget_gb']:g} GB", r["mode"], _run_policy(r)]
         for part, key in (("first", "ttft_first_s"), ("rest", "ttft_rest_mean_s")):
-            s, g = r[f"sim_{key}"], r[f"replay_{key}"]
-            e = rel_err(s, g)
-            errs[part].append(abs(e))
-            cells.append(f"{1e3 * s:.1f} / {1e3 * g:.1f} ({100 * e:+.1f}%)")
+            errs[part].append(abs(rel_err(r[f"sim_{key}"], r[f"replay_{key}"])))
+            cells.append("{} / {} ({})".format(*numbers.pair(r, key, "s")))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Mean |error|: the first request {100 * np.nanmean(errs['first']):.1f}%, "
               f"the others {100 * np.nanmean(errs['rest']):.1f}%."]  # fmt: skip
@@ -1539,8 +1541,10 @@ def _repeats_table(rows: Sequence[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {r['model']} | {r['budget_gb']:g} GB | {r['mode']} | {int(r['compute_repeat'])} "
             f"| {r['policy']} | {int(r['replay_repeats'])} | "
-            f"{1e3 * r['replay_tpot_mean_s']:.2f} ms | {1e3 * r['replay_tpot_min_s']:.2f} ms | "
-            f"{1e3 * r['replay_tpot_max_s']:.2f} ms | {100 * r['replay_tpot_cv']:.1f}% | {probe} |"
+            f"{numbers.quantity(r['replay_tpot_mean_s'], 's')} | "
+            f"{numbers.quantity(r['replay_tpot_min_s'], 's')} | "
+            f"{numbers.quantity(r['replay_tpot_max_s'], 's')} | {100 * r['replay_tpot_cv']:.1f}% | "
+            f"{probe} |"
         )
     return lines
 
@@ -1594,27 +1598,28 @@ def report_markdown(
             if int(r["compute_repeat"]) != 1:
                 continue
             cells = [r["model"], f"{r['budget_gb']:g} GB", r["mode"], r["policy"],
-                     f"{1e3 * r['replay_tpot_mean_s']:.2f} ms"]  # fmt: skip
+                     numbers.quantity(r["replay_tpot_mean_s"], "s")]  # fmt: skip
             for rs in by_profile.values():
                 x = rs[i]
-                cells.append(
-                    f"{1e3 * x['sim_tpot_mean_s']:.2f} ms ({100 * x['err_tpot_mean_s']:+.1f}%, "
-                    f"hit {100 * x['err_hit_rate']:+.2f} pt)"
-                )
+                sim, _, err = numbers.pair(x, "tpot_mean_s", "s")
+                cells.append(f"{sim} ({err}, hit {numbers.pair(x, 'hit_rate', 'share')[2]})")
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Every run", "",
-              "Simulator / replay; relative error in brackets, n/a where the replay "
-              "measured 0 (hit, late and miss: the difference in points).", ""]  # fmt: skip
+              "Simulator / replay, each time in s, ms, us or ns and each size in B to TB by "
+              "its size, to 3 significant figures; in brackets the relative error, "
+              "(simulator - replay) / replay, or the difference, simulator - replay, where "
+              "the replay's value is 0 or a stall of at most "
+              f"{numbers.NEGLIGIBLE_STALL_SHARE:.1%} of the replay's wall time (a ratio to "
+              "it says nothing) and for hit, late and miss (in percentage points, pt).",
+              ""]  # fmt: skip
     head = "| model | budget | mode | policy | " + " | ".join(m[1] for m in METRICS) + " |"
     lines += [head, "|---|---|---|---|" + "---|" * len(METRICS)]
     for r in rows:
         if int(r["compute_repeat"]) != 1:
             continue
         cells = [r["model"], f"{r['budget_gb']:g} GB", r["mode"], _run_policy(r)]
-        for key, _, scale, unit, rel in METRICS:
-            s, g, e = r[f"sim_{key}"], r[f"replay_{key}"], r[f"err_{key}"]
-            err = "n/a" if e != e else f"{100 * e:+.1f}%" if rel else f"{100 * e:+.2f} pt"
-            cells.append(f"{_fmt(key, s, scale, unit)} / {_fmt(key, g, scale, unit)} ({err})")
+        for key, _, kind in METRICS:
+            cells.append("{} / {} ({})".format(*numbers.pair(r, key, kind)))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Where the replay's time goes", "",
               "Per MoE layer step (microseconds): the replay's wall time, its compute "
@@ -2229,6 +2234,59 @@ def cross_check(
     return out, fits
 
 
+#: a report's title line, before the device (:func:`report_markdown`)
+TITLE = "# Simulator vs replay on "
+#: the heading of a cross-check report's last section, each fit's host costs
+#: (:func:`fits_markdown`), which its validation.csv does not hold
+FITS_HEADING = "## Host costs of each fit"
+
+
+def render(out: Path) -> Path:
+    """Write ``out/report.md`` anew from ``out/validation.csv``, as :func:`score` or
+    :func:`cross_check` writes it, without simulating: every number is the CSV's, as it
+    was scored.  What the CSV does not hold is kept from the report as it is: its header
+    lines (the device, the profiles, the date scored) and a cross-check's host costs of
+    each fit.  The figure is left as it is.  Rows of several profiles (the CSV's
+    ``hardware``, in the order they appear) give the report of each profile in turn."""
+    import itertools
+
+    import pandas as pd
+
+    from fmoesim.atomic import atomic_file
+
+    report, table = out / "report.md", out / "validation.csv"
+    for f in (report, table):
+        if not f.is_file():
+            raise FmoesimError(f"{out}: no {f.name} (rule: a report directory of '{PROG} "
+                               "score' or 'cross-check')")  # fmt: skip
+    old = report.read_text(encoding="utf-8")
+    lines = old.split("\n")
+    if not lines[0].startswith(TITLE):
+        raise FmoesimError(f"{report}: its first line is not {TITLE.strip()!r}... (rule: a "
+                           f"report of '{PROG} score' or 'cross-check')")  # fmt: skip
+    meta = {"device": lines[0].removeprefix(TITLE)}
+    for line in itertools.takewhile(lambda x: x.startswith("- "), lines[2:]):
+        key, _, value = line[2:].partition(": ")
+        meta[key] = value
+    df = pd.read_csv(table, dtype={"policy_code": str})
+    compared = [f"{side}_{m[0]}" for m in METRICS for side in ("sim", "replay")]
+    missing = [c for c in ("hardware", *KEY, *compared) if c not in df.columns]
+    if missing:
+        raise FmoesimError(f"{table}: column {missing[0]!r} is missing (rule: the "
+                           f"validation.csv of '{PROG} score' or 'cross-check')")  # fmt: skip
+    rows = df.to_dict("records")
+    by_profile = {hw: [r for r in rows if r["hardware"] == hw]
+                  for hw in dict.fromkeys(r["hardware"] for r in rows)}  # fmt: skip
+    last = list(by_profile.values())[-1]
+    text = report_markdown(last, meta, by_profile if len(by_profile) > 1 else None)
+    fits = old.find(f"\n{FITS_HEADING}\n")
+    if fits >= 0:
+        text += old[fits:]
+    with atomic_file(report) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return report
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     ap = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
@@ -2323,6 +2381,9 @@ def main(argv: list[str] | None = None) -> None:
     _host_model_options(ep, full=False)
     ep.add_argument("--link-depth", type=int, default=0, help="as host-fit's")
     ep.add_argument("--probe-exponent", action="store_true", help="as host-fit's")
+    wp = sub.add_parser("render", help="write a report's report.md anew from its "
+                        "validation.csv, without simulating")  # fmt: skip
+    wp.add_argument("reports", nargs="+", help="report directories of score or cross-check")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     run_or_exit(PROG, _run, args)
 
@@ -2383,6 +2444,10 @@ def _check_replay_args(policies: Sequence[str], args: argparse.Namespace) -> Non
 
 
 def _run(args: argparse.Namespace) -> None:
+    if args.cmd == "render":
+        for d in args.reports:
+            print(f"report     {render(Path(d))}")
+        return
     if args.cmd == "replay":
         models = names_of("--models", args.models)
         grid = [g for g in GRID if g.model in models]

@@ -46,6 +46,7 @@ from zipfile import BadZipFile
 import numpy as np
 
 from fmoesim.errors import FmoesimError, one_line
+from fmoesim.validation import numbers
 
 #: the format of an event log file (``meta["format"]``)
 FORMAT = 1
@@ -478,7 +479,8 @@ def compare(replay: EventLog, sim: EventLog) -> dict[str, Any]:
     return out
 
 
-#: the rows of a comparison table: (summary key, label, scale, format)
+#: the rows of a comparison table: (summary key, label, scale, format: a format string
+#: or a function, :func:`fmoesim.validation.numbers.share` for the accesses' outcomes)
 TABLE_ROWS = (
     ("step_ms_multi", "layer step of > 1 token, ms", 1.0, "{:.3f}"),
     ("step_ms_one", "layer step of 1 token, ms", 1.0, "{:.3f}"),
@@ -492,9 +494,9 @@ TABLE_ROWS = (
     ("policy_ms_one", "policy's hooks a step of 1 token, ms", 1.0, "{:.3f}"),
     ("host_ms_multi", "modelled host a step of > 1 token, ms", 1.0, "{:.3f}"),
     ("host_ms_one", "modelled host a step of 1 token, ms", 1.0, "{:.3f}"),
-    ("hit", "hit", 100.0, "{:.1f}%"),
-    ("late", "late", 100.0, "{:.1f}%"),
-    ("miss", "miss", 100.0, "{:.1f}%"),
+    ("hit", "hit", 1.0, numbers.share),
+    ("late", "late", 1.0, numbers.share),
+    ("miss", "miss", 1.0, numbers.share),
     ("on_demand_submitted", "on-demand loads a step", 1.0, "{:.2f}"),
     ("on_demand_wait_ms", "on-demand queue wait, ms", 1.0, "{:.3f}"),
     ("prefetch_submitted", "prefetches a step", 1.0, "{:.2f}"),
@@ -533,8 +535,10 @@ def csv_summary(row: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _fmt(v: float, scale: float, fmt: str) -> str:
-    return "n/a" if v != v else fmt.format(v * scale)
+def _fmt(v: float, scale: float, fmt: str | Callable[[float], str]) -> str:
+    if v != v:
+        return "n/a"
+    return fmt(v * scale) if callable(fmt) else fmt.format(v * scale)
 
 
 #: the overview's columns besides the run and the agreement: (key, scale, format)
@@ -614,7 +618,7 @@ def report_markdown(
                 f"{_fmt(c['step_diff_ms_multi'], 1.0, '{:+.3f}')} ms a step of more than one "
                 f"token, {_fmt(c['step_diff_ms_one'], 1.0, '{:+.3f}')} ms a step of one "
                 f"(correlation {_fmt(c['step_corr'], 1.0, '{:.2f}')}); "
-                f"{_fmt(c['agree'], 100.0, '{:.1f}%')} of the accesses found the same."
+                f"{_fmt(c['agree'], 1.0, numbers.share)} of the accesses found the same."
             )
             body += ["", "| replay \\ simulator | hit | late | miss |", "|---|---|---|---|"]
             for i, o in enumerate(OUTCOMES):
@@ -629,7 +633,7 @@ def report_markdown(
         body.append("")
         rows.append(row)
         cells = [_pair(rs, ss, k, scale, fmt) for k, scale, fmt in OVERVIEW]
-        same = _fmt(c.get("agree", math.nan), 100.0, "{:.1f}%")
+        same = _fmt(c.get("agree", math.nan), 1.0, numbers.share)
         overview.append(f"| {name} | {' | '.join(cells)} | {same} |")
     return "\n".join([*lines, *overview, "", *body]), rows
 

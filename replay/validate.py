@@ -5,9 +5,10 @@ overrides name, normally one ``fmoesim-profile`` measured: ``hardware=measured/<
 and the replay (:class:`replay.backend.GpuBackend`: the same trace, the same policy,
 real copies and FFNs), and writes a report directory::
 
-    report.md        TTFT, TPOT, stall and hit rate side by side, relative errors,
-                     the targets (mean |TPOT| and |TTFT| error <= 5%, hit rate within
-                     1 point) and whether they are met
+    report.md        TTFT, TPOT, stall and hit rate side by side, relative errors
+                     (:func:`fmoesim.validation.numbers.error`), the targets (mean
+                     |TPOT| error <= 5%, |TTFT| <= 10%, hit rate within 1 point) and
+                     whether they are met
     validation.csv   the same numbers, one row per policy
     validation.png   and .pdf: the four metrics as grouped bars, simulator vs replay
 
@@ -32,16 +33,20 @@ from pathlib import Path
 from typing import Any
 
 from fmoesim.errors import ArgumentParser, FmoesimError, names_of, run_or_exit
+from fmoesim.validation import numbers
 
 PROG = "fmoesim-validate"
 DEFAULT_POLICIES = "lru,lfu,moe-infinity,fmoe,moepic"
-#: (summary key, label, unit scale, unit) of the compared metrics
+#: (summary key, label, kind of quantity) of the compared metrics; the kinds are
+#: :data:`fmoesim.validation.numbers.KINDS`, which the report writes them by
 METRICS = (
-    ("ttft_mean_s", "TTFT", 1e3, "ms"),
-    ("tpot_mean_s", "TPOT", 1e3, "ms"),
-    ("stall_s", "stall", 1.0, "s"),
-    ("hit_rate", "hit rate", 100.0, "%"),
+    ("ttft_mean_s", "TTFT", "s"),
+    ("tpot_mean_s", "TPOT", "s"),
+    ("stall_s", "stall", "s"),
+    ("hit_rate", "hit rate", "share"),
 )
+#: the figure's axis of each kind: (scale, unit)
+PLOT_UNITS = {"s": (1e3, "ms"), "share": (100.0, "%")}
 #: the targets: mean |relative error| of TPOT and of TTFT (Vidur reports < 9%), the
 #: largest hit-rate gap in points; ``fmoesim-validate-grid`` scores against the same
 TARGET_TPOT_ERR = 0.05
@@ -86,18 +91,13 @@ def report_markdown(rows: list[dict[str, Any]], meta: dict[str, str]) -> str:
             "when its transfers land, which this CPU's times decide.**",
         ]
     lines += ["", "| policy | " + " | ".join(
-        f"{lab} sim | {lab} replay | err" for _, lab, _, _ in METRICS
+        f"{lab} sim | {lab} replay | err" for _, lab, _ in METRICS
     ) + " |"]  # fmt: skip
     lines.append("|---|" + "---|---|---|" * len(METRICS))
     for r in rows:
         cells = [r["policy"]]
-        for key, _, scale, unit in METRICS:
-            s, g = r[f"sim_{key}"], r[f"replay_{key}"]
-            cells += [f"{scale * s:.2f} {unit}", f"{scale * g:.2f} {unit}"]
-            if key == "hit_rate":
-                cells.append(f"{100 * (s - g):+.2f} pt")
-            else:
-                cells.append(f"{100 * rel_err(s, g):+.1f}%")
+        for key, _, kind in METRICS:
+            cells += numbers.pair(r, key, kind)
         lines.append("| " + " | ".join(cells) + " |")
     ok_t = agg["tpot_err"] <= TARGET_TPOT_ERR and agg["ttft_err"] <= TARGET_TTFT_ERR
     ok_h = agg["hit_gap_points"] <= TARGET_HIT_POINTS
@@ -108,8 +108,8 @@ def report_markdown(rows: list[dict[str, Any]], meta: dict[str, str]) -> str:
         f"(target <= {100 * TARGET_TTFT_ERR:.0f}%): "
         + ("met" if ok_t else "NOT met")
         + (" (meaningless on the CPU)" if meta["device"] == "cpu" else ""),
-        f"- largest hit-rate gap {agg['hit_gap_points']:.2f} points (target <= "
-        f"{TARGET_HIT_POINTS:g}): "
+        f"- largest hit-rate gap {numbers.points(agg['hit_gap_points'] / 100, signed=False)} "
+        f"(target <= {TARGET_HIT_POINTS:g} pt): "
         + ("met" if ok_h else "NOT met")
         + (" (of a prefetching policy: meaningless on the CPU)" if meta["device"] == "cpu" else ""),
         *(
@@ -117,10 +117,14 @@ def report_markdown(rows: list[dict[str, Any]], meta: dict[str, str]) -> str:
             for line in _order_lines(rows)
         ),
         "",
-        "Relative error = (simulator - replay) / replay.  TTFT: time to the first token; "
-        "TPOT: time per output token after it; stall: the summed per-layer wait for "
-        "experts (simulated, against measured: with CUDA events on a GPU); hit: the share "
-        "of expert accesses found resident (docs/concepts.md has each).",
+        "err: relative error = (simulator - replay) / replay; the difference "
+        "(simulator - replay) instead where the replay's value is 0, or a stall of at "
+        f"most {numbers.NEGLIGIBLE_STALL_SHARE:.1%} of the replay's wall time (a ratio to "
+        "it says nothing), and for the hit rate, in percentage points (pt).  Each time "
+        "in s, ms, us or ns by its size, to 3 significant figures.  TTFT: time to the "
+        "first token; TPOT: time per output token after it; stall: the summed per-layer "
+        "wait for experts (simulated, against measured: with CUDA events on a GPU); hit: "
+        "the share of expert accesses found resident (docs/concepts.md has each).",
         "",
     ]
     return "\n".join(lines)
@@ -152,7 +156,8 @@ def plot(rows: list[dict[str, Any]], title: str, stem: Path) -> None:
 
     fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.6))
     x = np.arange(len(rows))
-    for ax, (key, lab, scale, unit) in zip(axes, METRICS, strict=True):
+    for ax, (key, lab, kind) in zip(axes, METRICS, strict=True):
+        scale, unit = PLOT_UNITS[kind]
         sim = [scale * r[f"sim_{key}"] for r in rows]
         rep = [scale * r[f"replay_{key}"] for r in rows]
         ax.bar(x - 0.2, sim, 0.4, label="simulator", color="#4c72b0")

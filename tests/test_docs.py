@@ -107,6 +107,7 @@ DOCS_RUN = {
         "fmoesim-regress --policies lru,lfu",
     ],
     "reproduction.md": ["fmoesim-reproduce --list | grep -i promoe"],
+    "validation.md": ["fmoesim-validate-grid render results/validation/h100-3-cross-check-link"],
     "performance.md": [
         "python -m benchmarks.engine --policies lru --repeat 1 --skip-scaling",
         ".venv/bin/python fmoesim/_compiled.py status",
