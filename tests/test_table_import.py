@@ -15,6 +15,7 @@ import pytest
 from fmoesim.engine.simulate import simulate
 from fmoesim.errors import FmoesimError
 from fmoesim.trace import read_trace
+from fmoesim.trace.reader import read_tokens, validate_trace
 from fmoesim.trace.table import from_arrays, import_routed_experts, import_table
 from policies.lru import LRU
 from tests.tiny import TINY_HW, small_model
@@ -108,9 +109,7 @@ def test_long_rows_phase_restarted_positions_and_a_missing_layer(tmp_path: Path)
     path, rep = import_table(src, tmp_path / "t", M)
     tr = read_trace(path)
     assert rep.steps_restarted == 2 and rep.missing_pairs == 1 and rep.tokens == 4
-    # the weights cannot go to tokens.parquet with a pair missing: said, not silent
-    assert rep.lines()[-1].startswith("weights (weight) not kept: ")
-    assert not tr.manifest.has_tokens
+    assert tr.manifest.has_tokens  # the weights of the pairs the log has are kept
     assert tr.prompt_tokens.tolist() == [2] and tr.output_tokens.tolist() == [3]
     np.testing.assert_array_equal(tr.counts[0], [[1, 2, 1, 0], [1, 2, 1, 0]])
     np.testing.assert_array_equal(tr.counts[1], [[0, 0, 1, 1], [0, 0, 1, 1]])
@@ -119,6 +118,58 @@ def test_long_rows_phase_restarted_positions_and_a_missing_layer(tmp_path: Path)
     # the engine serves it: the missing layer accesses nothing (2 + 2 + 2 + 2 + 2 + 0)
     res = simulate(tr, M, TINY_HW, LRU(), 8 * M.expert_size_bytes)
     assert res.summary["accesses"] == 3 + 3 + 2 + 2 + 2
+
+
+def test_a_log_missing_a_layer_keeps_the_weights_it_has(tmp_path: Path) -> None:
+    """Red if an imported log in which a (token, layer) pair is missing keeps no gate
+    weights at all (no tokens.parquet, as when that file could only hold every layer of
+    every token), instead of the weights of every pair it logs, with a null row at each
+    pair it lacks: a llama.cpp-style table (turn, phase, step, slot, expert, weight)
+    whose prompt tokens are not logged at the last layer, as such engines log them."""
+    head = "# n_layer=2 n_expert=4 n_expert_used=2\nturn,phase,step,layer,slot,expert,weight\n"
+    rows = [  # (phase, step, layer, experts, weights): step 1 of the prompt lacks layer 1
+        (0, 0, 0, [0, 1], [0.75, 0.25]), (0, 0, 1, [2, 3], [0.5, 0.5]),
+        (0, 1, 0, [1, 2], [0.625, 0.375]),
+        (1, 2, 0, [3, 0], [0.875, 0.125]), (1, 2, 1, [1, 3], [0.5625, 0.4375]),
+    ]  # fmt: skip
+    src = tmp_path / "r.csv"
+    src.write_text(head + "".join(
+        f"0,{ph},{st},{layer},{slot},{e},{w}\n"
+        for ph, st, layer, es, ws in rows for slot, (e, w) in enumerate(zip(es, ws, strict=True))
+    ))  # fmt: skip
+    path, rep = import_table(src, tmp_path / "t", M)
+    assert rep.missing_pairs == 1
+    assert rep.lines()[-1] == (
+        "1 (token, layer) pairs without rows: kept, routing nothing at that layer "
+        "(layer_gaps); null rows in tokens.parquet"
+    )
+    tr = validate_trace(path)
+    assert tr.manifest.layer_gaps and tr.manifest.has_tokens
+    assert tr.prompt_tokens.tolist() == [2] and tr.output_tokens.tolist() == [2]
+    tok = read_tokens(tr)
+    # one row per (token, layer): prompt tokens 0 and 1, then the decode token
+    assert tok.iteration.tolist() == [0, 0, 0, 0, 1, 1]
+    assert tok.logged.tolist() == [True, True, True, False, True, True]
+    assert tok.topk_ids.tolist() == [[0, 1], [2, 3], [1, 2], [-1, -1], [3, 0], [1, 3]]
+    logged = [ws for *_, ws in rows]  # every weight is exact in float16
+    np.testing.assert_array_equal(tok.topk_weights[tok.logged], logged)
+    assert np.isnan(tok.topk_weights[3]).all()
+    # on disk the missing pair is null in both lists, as pandas shows it
+    df = pd.read_parquet(path / "tokens.parquet")
+    assert df.topk_ids.isna().tolist() == df.topk_weights.isna().tolist() == [
+        False, False, False, True, False, False]  # fmt: skip
+
+
+def test_from_arrays_keeps_weights_around_a_missing_layer(tmp_path: Path) -> None:
+    """Red if from_arrays drops every weight of a trace whose arrays mark a layer the
+    logger missed (``-1``), or writes that pair's weights (NaN here) as if logged."""
+    ids = np.array([[[0, 1], [2, 3]], [[1, 2], [-1, -1]]])  # token 1 lacks layer 1
+    wts = np.array([[[0.75, 0.25], [0.5, 0.5]], [[0.625, 0.375], [np.nan, np.nan]]])
+    tr = validate_trace(from_arrays(ids, tmp_path / "t", M, weights=wts, prompt_tokens=1))
+    tok = read_tokens(tr)
+    assert tok.logged.tolist() == [True, True, True, False]
+    np.testing.assert_array_equal(tok.topk_weights[:3], wts.reshape(4, 2)[:3])
+    assert tok.topk_ids[3].tolist() == [-1, -1] and np.isnan(tok.topk_weights[3]).all()
 
 
 @pytest.mark.parametrize("shape", ["wide", "long"])
@@ -301,7 +352,10 @@ def test_npz_requests_keep_the_order_savez_was_given(tmp_path: Path) -> None:
 def test_real_engine_log_imports_through_the_cli(tmp_path: Path) -> None:
     """Red if the real on-device engine's log (turn, phase, step, slot, expert, weight,
     '#' header lines, 6 experts per token, prefill steps lacking a layer) needs any hand
-    conversion, or loses a row: 28 prefill tokens, 128 decode steps, 27 gaps."""
+    conversion, or loses a row: 28 prefill tokens, 128 decode steps, 27 gaps; red too if
+    its weights are dropped because of those gaps (tokens.parquet keeps the 7,461 logged
+    (token, layer) pairs' weights, each summing to 1 as the engine's renormalised top-6,
+    and 27 null rows at layer 47, the layer the log lacks for its prefill tokens)."""
     out = subprocess.run(
         [sys.executable, "-m", "fmoesim.cli.trace_cli", "import", "table",
          str(EDGE / "qwen.route.csv"), str(tmp_path / "t"), "--model", "qwen3-30b-a3b",
@@ -316,6 +370,9 @@ def test_real_engine_log_imports_through_the_cli(tmp_path: Path) -> None:
     from fmoesim.trace.stats import format_report  # inspect says so too, not the import alone
 
     assert "; layer gaps: 27 (token, layer) pairs route nothing" in format_report(tr)
+    tok = read_tokens(tr)
+    assert int(tok.logged.sum()) == 44766 // 6 and set(tok.layer[~tok.logged].tolist()) == {47}
+    np.testing.assert_allclose(tok.topk_weights[tok.logged].sum(axis=1), 1.0, atol=2e-3)
 
 
 def test_a_table_without_positions_reads_each_return_to_layer_0_as_a_token(tmp_path: Path) -> None:

@@ -475,11 +475,26 @@ def _no_tokens_flag(t: Path) -> None:
     edit_manifest(t / S.MANIFEST, lambda raw: raw.update(has_tokens=False))
 
 
+def _null_tokens_row(t: Path, ids: bool = True, weights: bool = True) -> None:
+    """Null row 1's ``topk_ids`` and / or ``topk_weights``."""
+    tab = pq.read_table(t / S.TOKENS).to_pydict()
+    if ids:
+        tab["topk_ids"][1] = None
+    if weights:
+        tab["topk_weights"][1] = None
+    pq.write_table(pa.table(tab, schema=S.tokens_schema(2)), t / S.TOKENS)
+
+
 BAD_TRACES = [
     (_junk, "tokens.parquet: ", "a readable Parquet file"),
     (lambda t: (t / S.TOKENS).unlink(), "tokens.parquet: ", "file not found"),
     (_tokens_out_of_range, "tokens.parquet row 0: ", "topk_ids [0, 9] (rule: topk_ids in [0, 4)"),
     (_no_tokens_flag, "tokens.parquet: ", "present only when trace.json says has_tokens"),
+    # a null row (a pair a log lacks) in a trace without layer_gaps, or in one list only
+    (_null_tokens_row, "tokens.parquet row 1: ",
+     "(rule: a row is null only in a trace with layer_gaps"),
+    (lambda t: _null_tokens_row(t, weights=False), "tokens.parquet row 1: ",
+     "topk_ids null, topk_weights [0.5, 0.5] (rule: topk_ids and topk_weights are null on"),
     (lambda t: edit_manifest(t / S.MANIFEST, lambda r: r.update(num_requests=33)),
      "trace.json: ", "num_requests = 33, requests.parquet has 1 rows (rule: num_requests is"),
     (lambda t: edit_manifest(t / S.MANIFEST, lambda r: r.update(num_iterations=7)),
@@ -512,6 +527,26 @@ def test_validate_checks_tokens_and_manifest(
     assert f"error: {token_trace / where}" in line and expected in line, line
     with pytest.raises(TraceError):
         validate_trace(token_trace)
+
+
+def test_null_token_rows_match_the_routing_gaps(tmp_path: Path) -> None:
+    """Red if ``validate`` passes a ``tokens.parquet`` whose null rows (the (token, layer)
+    pairs a log lacks) disagree with the routing of a trace with layer_gaps: a null row
+    where the routing counts the token, or a logged row where it routes nothing."""
+    ids = np.array([[[0, 1], [2, 3]], [[1, 2], [-1, -1]]])  # token 1 lacks layer 1
+    wts = np.full(ids.shape, 0.5)
+    t = from_arrays(ids, tmp_path / "t", M, weights=wts)
+    validate_trace(t)
+    tab = pq.read_table(t / S.TOKENS).to_pydict()
+    assert tab["topk_ids"][3] is None and tab["topk_weights"][3] is None
+    for row, value in ((2, None), (3, [0, 3])):  # token 1's layer 0 nulled; its gap filled
+        spoilt = {k: list(v) for k, v in tab.items()}
+        spoilt["topk_ids"][row] = value
+        spoilt["topk_weights"][row] = None if value is None else [0.5, 0.5]
+        pq.write_table(pa.table(spoilt, schema=S.tokens_schema(2)), t / S.TOKENS)
+        said = rf"tokens\.parquet row {row}: request 0, iteration 1, layer {row - 2}: the "
+        with pytest.raises(TraceError, match=said + r".*top-k ids add up to expert_counts"):
+            validate_trace(t)
 
 
 def test_a_nan_arrival_is_not_a_null_one(token_trace: Path) -> None:

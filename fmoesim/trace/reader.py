@@ -579,7 +579,10 @@ def validate_trace(path: str | os.PathLike[str]) -> Trace:
 
 @dataclass
 class TokenTable:
-    """``tokens.parquet`` as columns: one row per (request, iteration, token, layer)."""
+    """``tokens.parquet`` as columns: one row per (request, iteration, token, layer).
+
+    A (token, layer) pair the log lacks (a null row, in a trace with ``layer_gaps``) has
+    ``logged`` False, ids ``-1`` and weights NaN."""
 
     request_id: np.ndarray  # (N,) int64
     iteration: np.ndarray  # (N,) int32
@@ -587,12 +590,15 @@ class TokenTable:
     layer: np.ndarray  # (N,) int16
     topk_ids: np.ndarray  # (N, k) int16
     topk_weights: np.ndarray  # (N, k) float32
+    logged: np.ndarray  # (N,) bool: False where the log has no routing for the pair
 
 
 def read_tokens(trace: Trace) -> TokenTable:
     """Load and check a trace's optional ``tokens.parquet``: ids distinct and in
     ``[0, E)``, weights finite and >= 0, one row per (request, iteration, token, layer)
-    in order, and every iteration's ids adding up to its ``expert_counts``."""
+    in order, and every iteration's ids adding up to its ``expert_counts``.  A row's
+    ids and weights are null together, and only in a trace with ``layer_gaps``: the
+    (token, layer) pairs the log lacks, which the counts then leave out."""
     m = trace.manifest
     path = trace.path / S.TOKENS
     if not m.has_tokens:
@@ -604,24 +610,40 @@ def read_tokens(trace: Trace) -> TokenTable:
         )
     k, L, E = m.model.top_k, m.model.num_layers, m.model.num_experts
     t = _read_table(path, S.tokens_schema(k))
-    ids, _ = _fixed_block(t.column("topk_ids"), k, np.int64)
-    w, _ = _fixed_block(t.column("topk_weights"), k, np.float32)
+    ids, logged = _fixed_block(t.column("topk_ids"), k, np.int64)
+    w, w_logged = _fixed_block(t.column("topk_weights"), k, np.float32)
     cols = {c: t.column(c).to_numpy() for c in ("request_id", "iteration", "token", "layer")}
     _refuse(
-        ((ids < 0) | (ids >= E)).any(axis=1),
+        logged != w_logged,
+        path,
+        "topk_ids and topk_weights are null on the same rows",
+        lambda row: (
+            f"topk_ids {'null' if not logged[row] else ids[row].tolist()}, "
+            f"topk_weights {'null' if not w_logged[row] else w[row].tolist()}"
+        ),
+    )
+    if not m.layer_gaps:
+        _refuse(
+            ~logged,
+            path,
+            "a row is null only in a trace with layer_gaps (a (token, layer) pair the log lacks)",
+            lambda row: "topk_ids null, and trace.json has no layer_gaps",
+        )
+    _refuse(
+        logged & ((ids < 0) | (ids >= E)).any(axis=1),
         path,
         f"topk_ids in [0, {E})",
         lambda row: f"topk_ids {ids[row].tolist()}",
     )
     srt = np.sort(ids, axis=1)
     _refuse(
-        (srt[:, 1:] == srt[:, :-1]).any(axis=1),
+        logged & (srt[:, 1:] == srt[:, :-1]).any(axis=1),
         path,
         "topk_ids are distinct",
         lambda row: f"topk_ids {ids[row].tolist()}",
     )
     _refuse(
-        (~np.isfinite(w) | (w < 0)).any(axis=1),
+        logged & (~np.isfinite(w) | (w < 0)).any(axis=1),
         path,
         "topk_weights finite and >= 0",
         lambda row: f"topk_weights {w[row].tolist()}",
@@ -642,14 +664,16 @@ def read_tokens(trace: Trace) -> TokenTable:
             cols[name] != want, path, f"rows sorted by (request, iteration, token, layer): {name}"
         )
     counts = np.zeros((trace.num_iterations, L, E), dtype=np.int64)
-    np.add.at(counts, (np.repeat(rows, k), np.repeat(lay, k), ids.reshape(-1)), 1)
+    on = np.repeat(logged, k)  # a null row routes nothing
+    np.add.at(counts, (np.repeat(rows, k)[on], np.repeat(lay, k)[on], ids.reshape(-1)[on]), 1)
     bad = (counts != trace.counts).any(axis=2)  # (iterations, L): the layers that differ
     _refuse(
         bad[rows, lay], path, "top-k ids add up to expert_counts",
         lambda row: f"request {rid[row]}, iteration {it[row]}, layer {lay[row]}: the first "
         "row of that layer's tokens",
     )  # fmt: skip
+    ids[~logged], w[~logged] = -1, np.nan
     return TokenTable(
         cols["request_id"], cols["iteration"], cols["token"], cols["layer"],
-        ids.astype(np.int16), w,
+        ids.astype(np.int16), w, logged,
     )  # fmt: skip

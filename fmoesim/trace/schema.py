@@ -80,15 +80,18 @@ def routing_schema(num_experts: int) -> pa.Schema:
 
 
 def tokens_schema(top_k: int) -> pa.Schema:
-    """Schema of the optional ``tokens.parquet`` (per token and layer: top-k ids, weights)."""
+    """Schema of the optional ``tokens.parquet`` (per token and layer: top-k ids, weights).
+
+    ``topk_ids`` and ``topk_weights`` are null together on the row of a (token, layer)
+    pair the log lacks, in a trace with ``layer_gaps`` (that token routes nothing there)."""
     return pa.schema(
         [
             pa.field("request_id", pa.int64(), nullable=False),
             pa.field("iteration", pa.int32(), nullable=False),
             pa.field("token", pa.int32(), nullable=False),
             pa.field("layer", pa.int16(), nullable=False),
-            pa.field("topk_ids", pa.list_(pa.int16(), top_k), nullable=False),
-            pa.field("topk_weights", pa.list_(pa.float16(), top_k), nullable=False),
+            pa.field("topk_ids", pa.list_(pa.int16(), top_k), nullable=True),
+            pa.field("topk_weights", pa.list_(pa.float16(), top_k), nullable=True),
         ]
     )
 

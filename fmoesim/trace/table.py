@@ -39,9 +39,8 @@ or ``top_k`` given for a run made with fewer), a rank is in ``[0, top_k)``, weig
 finite numbers >= 0.  A token the log lacks at some layer is kept: it routes nothing there
 (the trace's ``layer_gaps``), and the import reports how many (token, layer) pairs that
 is.  A log whose last routed layer is below the model's last is refused (the log of a
-model with fewer layers).  No routed row is dropped; the weights are kept
-(``tokens.parquet``) only when every token has every layer, and the report says when
-they are not.
+model with fewer layers).  No routed row is dropped; a table with weights keeps them in
+``tokens.parquet``, where a (token, layer) pair the log lacks is a null row.
 
 :func:`from_arrays` writes a trace from per-request ``(tokens, layers, top_k)`` arrays of
 expert ids (and optional weights), the shape vLLM's routed-experts output and most
@@ -146,12 +145,8 @@ class ImportReport:
             out.append(
                 f"{self.missing_pairs} (token, layer) pairs without rows: kept, routing "
                 "nothing at that layer (layer_gaps)"
+                + ("; null rows in tokens.parquet" if "weights" in self.columns else "")
             )
-            if "weights" in self.columns:
-                out.append(
-                    f"weights ({self.columns['weights']}) not kept: tokens.parquet holds a "
-                    "token's weights at every layer, and those pairs have none"
-                )
         return out
 
 
@@ -742,11 +737,12 @@ def write_routed(
     """Write an importer's trace from requests given as ``(name, ids (T, L, K) with -1
     where a layer was not logged, weights (T, L, K), prompt tokens)``: the first prompt
     tokens one prefill iteration, each later token one decode iteration; per-token top-k
-    with weights when ``with_weights`` and no layer is missing.  ``datasets`` names each
-    request's dataset (default: its name); ``extra`` goes into ``source``.  Refuses a log
-    whose last routed layer is below the model's last (the log of a model with fewer
-    layers); a leading or inner layer no token routes at is kept (a block-indexed log's
-    dense blocks).  Returns the (token, layer) pairs without routing."""
+    with weights (``tokens.parquet``) when ``with_weights``, a null row where a layer was
+    not logged.  ``datasets`` names each request's dataset (default: its name); ``extra``
+    goes into ``source``.  Refuses a log whose last routed layer is below the model's last
+    (the log of a model with fewer layers); a leading or inner layer no token routes at is
+    kept (a block-indexed log's dense blocks).  Returns the (token, layer) pairs without
+    routing."""
     L, E = model.num_layers, model.num_experts
     missing = sum(int((ids[:, :, 0] < 0).sum()) for _, ids, _, _ in arrays)
     routed = np.zeros(L, dtype=bool)  # (L,) layers some token routes at
@@ -776,7 +772,6 @@ def write_routed(
         has_spec_probs=False,
         layer_gaps=missing > 0,
     )
-    per_token = with_weights and missing == 0
     with TraceWriter(dst, man, overwrite=overwrite, check=True) as w:
         for rid, (name, ids, wts, p) in enumerate(arrays):
             T = len(ids)
@@ -787,7 +782,7 @@ def write_routed(
             w.add_request(rid, prompt_tokens=p, output_tokens=T - p + 1, dataset=ds)
 
             def tok(a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
-                return (ids[a:b], wts[a:b]) if per_token else None  # noqa: B023
+                return (ids[a:b], wts[a:b]) if with_weights else None  # noqa: B023
 
             w.add_iteration(rid, 0, p, None, one_hot[:p].sum(axis=0), tokens=tok(0, p))
             for j in range(1, T - p + 1):
@@ -810,8 +805,9 @@ def from_arrays(
 ) -> Path:
     """A trace from routed experts: one ``(tokens, layers, top_k)`` integer array per
     request (or one array for a single request), expert ids in ``[0, E)`` and ``-1`` for
-    a layer the logger missed; optional weights of the same shapes, finite and >= 0; the
-    prompt length of each request (its first tokens form the prefill iteration).
+    a layer the logger missed; optional weights of the same shapes, finite and >= 0
+    (written to ``tokens.parquet``, a null row where the layer is ``-1``); the prompt
+    length of each request (its first tokens form the prefill iteration).
     ``top_k`` is the arrays' last dimension, at most the model's (a run made with fewer
     replaces the model's).  Bad arrays are refused before anything is written, naming
     the request, the token and layer, and the rule."""

@@ -156,7 +156,9 @@ class TraceWriter:
         """Record one iteration of one request: all its MoE layers at once.  ``tokens``
         (optional, for ``tokens.parquet``): each token's top-k expert ids and weights,
         two ``(num_tokens, L, k)`` arrays; give them for every iteration or none, and
-        only where every layer sees the iteration's ``num_tokens``.  ``layer_tokens``
+        only where every layer sees the iteration's ``num_tokens``.  A (token, layer)
+        whose ids are all ``-1`` (a pair the log lacks, in a trace with ``layer_gaps``)
+        is written as a null row of both lists.  ``layer_tokens
         (optional): the tokens each layer sees, ``(L,)`` (see the class docstring)."""
         key = (int(request_id), int(iteration))
         if key <= self._last_key:
@@ -353,13 +355,17 @@ class TraceWriter:
             lay.append(np.tile(np.arange(L, dtype=np.int16), n))
             ids.append(b[7][0].reshape(n * L, k))
             wts.append(b[7][1].reshape(n * L, k))
+        id_block = np.concatenate(ids).astype(np.int16)
+        wt_block = np.concatenate(wts).astype(np.float16)
+        logged = ~(id_block == -1).all(axis=1)  # a pair the log lacks: a null row
+        id_block[~logged], wt_block[~logged] = 0, 0.0
         cols = {
             "request_id": np.concatenate(rid),
             "iteration": np.concatenate(it),
             "token": np.concatenate(tok),
             "layer": np.concatenate(lay),
-            "topk_ids": _fixed_list(np.concatenate(ids).astype(np.int16), k, pa.int16()),
-            "topk_weights": _fixed_list(np.concatenate(wts).astype(np.float16), k, pa.float16()),
+            "topk_ids": _fixed_list(id_block, k, pa.int16(), logged),
+            "topk_weights": _fixed_list(wt_block, k, pa.float16(), logged),
         }
         self._tokens.write_table(pa.table(cols, schema=self._tokens.schema))
 
