@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +13,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from fmoesim.cli.trace_cli import build_parser
 from fmoesim.engine.simulate import simulate
 from fmoesim.errors import FmoesimError
 from fmoesim.trace import read_trace
 from fmoesim.trace.reader import read_tokens, validate_trace
-from fmoesim.trace.table import from_arrays, import_routed_experts, import_table
+from fmoesim.trace.table import COLUMNS, from_arrays, import_routed_experts, import_table
 from policies.lru import LRU
 from tests.tiny import TINY_HW, small_model
 
@@ -170,6 +172,20 @@ def test_from_arrays_keeps_weights_around_a_missing_layer(tmp_path: Path) -> Non
     assert tok.logged.tolist() == [True, True, True, False]
     np.testing.assert_array_equal(tok.topk_weights[:3], wts.reshape(4, 2)[:3])
     assert tok.topk_ids[3].tolist() == [-1, -1] and np.isnan(tok.topk_weights[3]).all()
+
+
+def test_map_help_names_every_key() -> None:
+    """Red if ``--map``'s help leaves out a key the importer takes (a key of
+    :data:`fmoesim.trace.table.COLUMNS`, such as ``size`` or ``dataset``), or lists one
+    it does not."""
+    sub = next(a for a in build_parser()._actions if a.choices and "import" in a.choices)
+    imp = sub.choices["import"]
+    (act,) = [a for a in imp._actions if "--map" in a.option_strings]
+    listed = re.search(r"the column of a key \(([^)]*)\)", act.help or "")
+    assert listed is not None, act.help
+    assert listed.group(1).split(", ") == list(COLUMNS)
+    text = " ".join(imp.format_help().split())  # as printed, line breaks undone
+    assert f"({', '.join(COLUMNS)})" in text
 
 
 @pytest.mark.parametrize("shape", ["wide", "long"])

@@ -106,12 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="tokens of each request's prefill (default: what a phase column says, else 1)",
     )
+    from fmoesim.trace.table import COLUMNS
+
     imp.add_argument(
         "--map",
         default="",
         metavar="KEY=COLUMN,...",
-        help="table, vllm-routes: the column of a key (request, position, layer, experts, "
-        "weights, rank, phase) where its name is not one of the usual ones; KEY=- for none",
+        help=f"table, vllm-routes: the column of a key ({', '.join(COLUMNS)}) where its name "
+        "is not one of the usual ones; KEY=- for none",
     )
     imp.add_argument(
         "--top-k",
