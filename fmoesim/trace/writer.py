@@ -158,7 +158,7 @@ class TraceWriter:
         two ``(num_tokens, L, k)`` arrays; give them for every iteration or none, and
         only where every layer sees the iteration's ``num_tokens``.  A (token, layer)
         whose ids are all ``-1`` (a pair the log lacks, in a trace with ``layer_gaps``)
-        is written as a null row of both lists.  ``layer_tokens
+        is written as a null row of both lists.  ``layer_tokens``
         (optional): the tokens each layer sees, ``(L,)`` (see the class docstring)."""
         key = (int(request_id), int(iteration))
         if key <= self._last_key:
