@@ -5,6 +5,8 @@ load and tokenizer errors in one line, and no empty ``<out>.parts/`` left behind
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import pytest
 
@@ -134,11 +136,38 @@ def id_prompts(tmp_path):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def offline(monkeypatch):  # type: ignore[no-untyped-def]
-    """No hub: a hub id cannot be reached (as on a machine without network)."""
+def offline(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
+    """No hub: a hub id cannot be reached (as on a machine without network), and an
+    empty local cache."""
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+
+@pytest.fixture
+def unreachable(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
+    """A hub that refuses connections (a closed port on this host) and an empty local
+    cache; transformers' loaders record their calls instead of asking a hub."""
+    import huggingface_hub.constants
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    calls: list[tuple[str, str, dict]] = []  # type: ignore[type-arg]
+    for auto in (T.AutoConfig, T.AutoTokenizer, T.AutoModelForCausalLM):
+
+        def record(name, *args, _auto=auto, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append((_auto.__name__, str(name), kwargs))
+            raise OSError("We couldn't connect to the hub (after its retries)")
+
+        monkeypatch.setattr(auto, "from_pretrained", record)
+    return calls
 
 
 def test_cli_checks_the_destination_before_loading_the_model(tmp_path, capfd, id_prompts):
@@ -166,17 +195,74 @@ def test_cli_hub_and_model_load_errors_are_one_line(tmp_path, capfd, id_prompts,
     ``<out>.parts`` behind, or, with text prompts, blame the tokenizer ("give input_ids
     instead", which would fail next on the model)."""
     (err,) = cli(capfd, "fmoesim-test/no-such-model", id_prompts, tmp_path / "o1")
-    assert "fmoesim-test/no-such-model: cannot load the model (OSError:" in err
+    assert "fmoesim-test/no-such-model: not a local folder and not in the local cache" in err
+    assert "offline mode (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE) asks no hub" in err
     text = tmp_path / "text.jsonl"  # text prompts: the model is blamed, not its tokenizer
     text.write_text('{"prompt": "What is 12 times 7?"}\n')
     (err,) = cli(capfd, "fmoesim-test/no-such-model", text, tmp_path / "o3")
-    assert "fmoesim-test/no-such-model: cannot load the model (OSError:" in err
+    assert err.startswith("fmoesim-collect: error: fmoesim-test/no-such-model: not a local")
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text('{"model_type": "no-such-family"}')
     (err,) = cli(capfd, bad, id_prompts, tmp_path / "o2")
     assert f"{bad}: cannot load the model (" in err
     assert not list(tmp_path.glob("o*"))
+
+
+@pytest.mark.parametrize("prompts", ["ids", "text"])
+def test_cli_unreachable_hub_fails_at_once(tmp_path, capfd, id_prompts, unreachable, prompts):
+    """Red if a hub id that is in no local cache, where the hub cannot be reached, goes to
+    transformers' loaders anyway: huggingface_hub retries each file about 28 s (51 s with
+    id prompts: the config, then the model) before an OSError that names neither the
+    cache nor a fix.  It must be one line at once, naming the model, the cache, the
+    unreachable hub and the fixes, with nothing written."""
+    if prompts == "text":
+        path = tmp_path / "text.jsonl"
+        path.write_text('{"prompt": "What is 12 times 7?"}\n')
+    else:
+        path = id_prompts
+    start = time.monotonic()
+    (err,) = cli(capfd, "fmoesim-test/no-such-model", path, tmp_path / "out")
+    assert time.monotonic() - start < 5
+    assert unreachable == []  # no loader was asked
+    assert err.startswith("fmoesim-collect: error: fmoesim-test/no-such-model: not a local "
+                          f"folder and not in the local cache ({tmp_path / 'hub'}), and the "
+                          "hub (http://127.0.0.1:")  # fmt: skip
+    assert "cannot be reached (ConnectError" in err or "cannot be reached (Connection" in err
+    assert "hf download fmoesim-test/no-such-model" in err and "HF_HOME" in err
+    assert "local model folder" in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.parts").exists()
+
+
+def test_cli_unreachable_hub_loads_a_cached_model_from_the_cache(
+    tmp_path, capfd, id_prompts, unreachable, monkeypatch
+):
+    """Red if a model in the local cache, where the hub cannot be reached, is loaded
+    without ``local_files_only`` (each file then waits on the hub, up to its timeout where
+    the network drops packets), or is refused as if it were not cached."""
+    snapshot = tmp_path / "hub" / "models--fmoesim-test--tiny" / "snapshots" / ("0" * 40)
+    (snapshot.parent.parent / "refs").mkdir(parents=True)
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    tiny("olmoe").save_pretrained(snapshot)
+    capfd.readouterr()  # the progress bar of saving
+    real = T.OlmoeForCausalLM.from_pretrained
+
+    def from_cache(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        unreachable.append(("AutoModelForCausalLM", str(name), kwargs))
+        return real(snapshot, dtype=kwargs.get("dtype"))
+
+    def config_from_cache(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        unreachable.append(("AutoConfig", str(name), kwargs))
+        return T.OlmoeConfig.from_pretrained(snapshot)
+
+    monkeypatch.setattr(T.AutoModelForCausalLM, "from_pretrained", from_cache)
+    monkeypatch.setattr(T.AutoConfig, "from_pretrained", config_from_cache)
+    main(["fmoesim-test/tiny", str(id_prompts), str(tmp_path / "out"), "--max-new-tokens", "2"])
+    err = capfd.readouterr().err
+    assert "cannot be reached" in err and "loading fmoesim-test/tiny from the local cache" in err
+    assert [c[0] for c in unreachable] == ["AutoConfig", "AutoModelForCausalLM"]
+    assert all(c[1] == "fmoesim-test/tiny" and c[2].get("local_files_only") for c in unreachable)
+    assert read_trace(tmp_path / "out").num_requests == len(PROMPTS)
 
 
 def test_cli_text_prompts_without_a_tokenizer_are_one_line(tmp_path, capfd):

@@ -14,14 +14,19 @@ with the same arguments resumes it; other arguments or another model are refused
 (``--force`` discards the stopped collection).  Exit status 2 and one line on stderr for
 bad input: options, an existing destination and a stopped collection with other
 arguments are refused before the model loads; prompt files, tokenizers, hub ids and
-model directories that do not load are reported in one line too.
+model directories that do not load are reported in one line too.  A hub id is looked up
+without waiting on the hub's retries: where the hub cannot be reached (one request, the
+hub's ``HF_HUB_ETAG_TIMEOUT``) or offline mode is set, a model in the local cache loads
+from it, and one that is not there is refused at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,10 +161,12 @@ def _run(args: argparse.Namespace) -> None:
         ) from None
     from fmoesim.collect.state import check_resume, collection_arguments, library_versions
 
-    ids = _token_ids(prompts, args.model, args.prompts)
+    # resolved at the first load: id prompts let a stopped collection be checked first
+    options = functools.cache(lambda: load_options(args.model))
+    ids = _token_ids(prompts, args.model, args.prompts, options)
     arguments = collection_arguments(ids, args.max_new_tokens, embedding_dim, args.projection_seed)
     check_resume(parts_dir(args.out), arguments, library_versions(), None, args.force)
-    vocab = _config_vocab_size(args.model)
+    vocab = _config_vocab_size(args.model, options())
     for (n, _), p in zip(prompts, ids, strict=True):  # before the weights load (seconds)
         bad = next((t for t in p if vocab is not None and not 0 <= t < vocab), None)
         if bad is not None:
@@ -167,7 +174,7 @@ def _run(args: argparse.Namespace) -> None:
                 f"{place(args.prompts, n)}: token id {bad} is outside {args.model}'s "
                 f"vocabulary (rule: ids in [0, {vocab}))"
             )
-    model = _load_model(args.model, getattr(torch, args.dtype))
+    model = _load_model(args.model, getattr(torch, args.dtype), options())
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     if embedding_dim is not None and isinstance(hidden, int) and embedding_dim > hidden:
         print(f"{PROG}: note: --embedding-dim {embedding_dim} exceeds {args.model}'s hidden "
@@ -189,14 +196,69 @@ def _run(args: argparse.Namespace) -> None:
     print(f"wrote {out}: {counted(len(ids), 'request')}")
 
 
-def _config_vocab_size(name: str) -> int | None:
+def load_options(name: str) -> dict[str, Any]:
+    """Keyword arguments for ``from_pretrained(name, ...)``: none for a local folder, a
+    name that is not a hub id, or a hub id where the hub answers (transformers then does
+    as it always does); ``local_files_only`` where the hub cannot be reached but the model
+    is in the local cache.  Offline mode (``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE``)
+    asks no hub.  A hub id that is in no cache and cannot be fetched is one
+    :class:`FmoesimError` naming the model, the cache, the reason and the fixes, at once
+    instead of after the hub's retries (about 28 s for each file)."""
+    if Path(name).is_dir():
+        return {}
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except Exception:  # noqa: BLE001 - not a hub id: transformers' own error names it
+        return {}
+    try:
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # noqa: BLE001 - an unreadable cache holds nothing usable
+        cached = False
+    if constants.HF_HUB_OFFLINE:
+        if cached:
+            return {}  # transformers reads the cache in offline mode
+        why = "offline mode (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE) asks no hub"
+    else:
+        reason = hub_unreachable()
+        if reason is None:
+            return {}
+        if cached:
+            print(f"{PROG}: note: the hub ({constants.ENDPOINT}) cannot be reached ({reason}); "
+                  f"loading {name} from the local cache", file=sys.stderr)  # fmt: skip
+            return {"local_files_only": True}
+        why = f"the hub ({constants.ENDPOINT}) cannot be reached ({reason})"
+    raise FmoesimError(
+        f"{name}: not a local folder and not in the local cache ({constants.HF_HUB_CACHE}), "
+        f"and {why}; download it where there is network (hf download {name}) and copy the "
+        "cache here, pass a local model folder, or set HF_HOME to a cache that holds it"
+    )
+
+
+def hub_unreachable() -> str | None:
+    """Why the hub (``HF_ENDPOINT``) does not answer one HEAD request, without retries and
+    within the hub's own ``HF_HUB_ETAG_TIMEOUT`` (10 s unless set); None where it answers
+    (any HTTP status: an answer is enough)."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 - DNS, refused, timeout, proxy, TLS: all unreachable
+        return _first_line(exc)
+    return None
+
+
+def _config_vocab_size(name: str, options: dict[str, Any]) -> int | None:
     """The vocabulary size ``name``'s config gives (its text model's, for a multimodal
     one), or None where the config does not load or say: loading the model reports it,
     and the collector checks the ids against the loaded embeddings."""
     from transformers import AutoConfig
 
     try:
-        cfg = AutoConfig.from_pretrained(name)
+        cfg = AutoConfig.from_pretrained(name, **options)
     except Exception:  # noqa: BLE001 - reported in one line by the model's load
         return None
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -204,21 +266,28 @@ def _config_vocab_size(name: str) -> int | None:
     return vocab if isinstance(vocab, int) and vocab > 0 else None
 
 
-def _load_model(name: str, dtype: Any) -> Any:
+def _load_model(name: str, dtype: Any, options: dict[str, Any]) -> Any:
     """``AutoModelForCausalLM.from_pretrained``; any failure (hub, files, config, weights)
     is one line naming the model."""
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **options)
     except Exception as exc:  # hub, file, config and weight errors come in many types
         raise FmoesimError(f"{name}: cannot load the model ({_first_line(exc)})") from None
 
 
-def _token_ids(prompts: list[tuple[int, Any]], model: str, path: str) -> list[list[int]]:
+def _token_ids(
+    prompts: list[tuple[int, Any]],
+    model: str,
+    path: str,
+    options: Callable[[], dict[str, Any]],
+) -> list[list[int]]:
     """Token ids of each prompt: id lists as they are, text through the model's tokenizer
     and its chat template when it has one.  A model whose config does not load is
-    reported as the model's failure (input_ids would not help), before its tokenizer."""
+    reported as the model's failure (input_ids would not help), before its tokenizer.
+    ``options`` gives :func:`load_options`' keyword arguments, asked at the first text
+    prompt."""
     from transformers import AutoConfig, AutoTokenizer
 
     ids: list[list[int]] = []
@@ -229,12 +298,13 @@ def _token_ids(prompts: list[tuple[int, Any]], model: str, path: str) -> list[li
             continue
         where = place(path, n)
         if tok is None:
+            kwargs = options()  # its own one-line error, not the loaders'
             try:
-                AutoConfig.from_pretrained(model)
+                AutoConfig.from_pretrained(model, **kwargs)
             except Exception as exc:  # hub, file and config errors come in many types
                 raise FmoesimError(f"{model}: cannot load the model ({_first_line(exc)})") from None
             try:
-                tok = AutoTokenizer.from_pretrained(model)
+                tok = AutoTokenizer.from_pretrained(model, **kwargs)
             except Exception as exc:  # missing files, hub errors, unknown tokenizer classes
                 raise FmoesimError(
                     f"{where}: a text prompt needs {model}'s tokenizer, which does not load "
