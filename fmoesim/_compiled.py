@@ -5,7 +5,10 @@ build``) compiles the modules in :data:`MODULES` with mypyc, from the same sourc
 into extension modules next to them, which Python then imports instead of the
 ``.py`` files: the same decisions and the same modelled times (``tests/
 test_compiled.py``), 1.3x to 6x as fast (docs/performance.md).  ``make pure`` removes
-them again; ``python fmoesim/_compiled.py status`` says which build is active.
+them again; ``python fmoesim/_compiled.py status`` says which build is active.  A build
+is for the Python that ran it (its extensions carry that Python's tag, such as
+``cpython-311``), and only an interpreter that imports :mod:`fmoesim` from this tree
+uses it: the build says so where the one running it does not.
 
 A compiled module silently shadows its source, so an edit to the source would not
 take effect.  The build records each source's SHA-256 in :data:`MANIFEST`, and
@@ -110,6 +113,33 @@ def _runtime_libs(root: Path) -> list[Path]:
     return sorted((root / package).glob(f"{name}__mypyc*"))
 
 
+def built_files(root: Path = ROOT) -> list[Path]:
+    """Every compiled extension of :data:`MODULES` and mypyc's runtime library, for any
+    Python: ``lru.cpython-311-...so`` and ``lru.cpython-312-...so`` alike (a build is
+    made for the interpreter that ran it, and only that one imports it)."""
+    found: list[Path] = []
+    for module in MODULES:
+        stem = (root / module).with_suffix("")
+        for pattern in (".*.so", ".so", ".*.pyd", ".pyd"):
+            found += sorted(stem.parent.glob(stem.name + pattern))
+    return found + _runtime_libs(root)
+
+
+def imported_from() -> Path | None:
+    """The root (the folder holding ``fmoesim/``) this interpreter imports :mod:`fmoesim`
+    from, found without importing it (that would run :func:`check_fresh`); None where it
+    has none."""
+    from importlib.util import find_spec  # noqa: PLC0415
+
+    try:
+        spec = find_spec("fmoesim")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).resolve().parent.parent
+
+
 def compiled_modules(root: Path = ROOT) -> list[str]:
     """The modules of :data:`MODULES` that have a compiled extension next to them."""
     return [m for m in MODULES if extension_of(m, root) is not None]
@@ -147,9 +177,9 @@ def is_compiled() -> bool:
 
 
 def clean(root: Path = ROOT) -> list[Path]:
-    """Remove the compiled extensions, mypyc's runtime library and the manifest."""
-    removed = [p for p in (extension_of(m, root) for m in MODULES) if p is not None]
-    removed += _runtime_libs(root)
+    """Remove the compiled extensions (for any Python), mypyc's runtime library and the
+    manifest."""
+    removed = built_files(root)
     if (root / MANIFEST).exists():
         removed.append(root / MANIFEST)
     for path in removed:
@@ -173,6 +203,26 @@ def build(root: Path = ROOT) -> None:
     os.replace(tmp, root / MANIFEST)
 
 
+def unused_build_note(root: Path = ROOT) -> str | None:
+    """A note where this interpreter would not import a build made in ``root``: it
+    imports :mod:`fmoesim` from another folder (another clone, a non-editable install) or
+    not at all.  None where it imports it from ``root``."""
+    home = imported_from()
+    if home == root.resolve():
+        return None
+    where = f"fmoesim from {home}" if home is not None else "no fmoesim"
+    return (
+        f"note: {sys.executable} imports {where}, not from {root}, so it runs without "
+        f"this build; `pip install -e {root}` into its environment makes it use it"
+    )
+
+
+def _python() -> str:
+    """This interpreter and its version: a build is for it alone."""
+    v = sys.version_info
+    return f"{sys.executable} ({sys.implementation.name} {v.major}.{v.minor})"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``build`` | ``pure`` | ``status``."""
     args = sys.argv[1:] if argv is None else argv
@@ -186,20 +236,27 @@ def main(argv: list[str] | None = None) -> int:
             print("mypyc failed (its messages are above); the tree is pure Python", file=sys.stderr)
             clean()  # whatever it built before failing
             return 1
-        print(f"compiled {len(MODULES)} modules with mypyc")
+        print(f"compiled {len(MODULES)} modules with mypyc for {_python()}")
+        note = unused_build_note()
+        if note is not None:
+            print(note, file=sys.stderr)
     elif args == ["pure"]:
         print(f"removed {len(clean())} compiled files")
     else:
         built = compiled_modules()
         if not built:
-            print("pure Python: no module is compiled")
+            others = built_files()
+            print(f"pure Python: no module is compiled for {_python()}" + (
+                f" ({len(others)} compiled files of another Python are there: `make pure` "
+                "removes them, `make compiled` builds for this one)" if others else ""
+            ))  # fmt: skip
             return 0
         try:
             check_fresh()
         except StaleBuildError as e:
             print(f"compiled, stale: {e}")
             return 1
-        print(f"compiled: {len(built)} of {len(MODULES)} modules, up to date")
+        print(f"compiled for {_python()}: {len(built)} of {len(MODULES)} modules, up to date")
     return 0
 
 

@@ -204,10 +204,12 @@ def test_the_compiled_build_makes_the_same_runs_as_the_sources(tmp_path: Path) -
     built = subprocess.run(
         [sys.executable, "fmoesim/_compiled.py", "build"],
         cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},  # as the runs below import it
         capture_output=True,
         text=True,
     )
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    assert "note:" not in built.stderr  # this Python imports the copy: no "runs without"
     assert _compiled.compiled_modules(tmp_path) == list(MODULES)
 
     pure_root = tmp_path.parent / f"{tmp_path.name}-pure"
@@ -219,3 +221,32 @@ def test_the_compiled_build_makes_the_same_runs_as_the_sources(tmp_path: Path) -
     for a, b in zip(pure, compiled, strict=True):
         assert a["run"] == b["run"]
         assert a["s"] == b["s"], a["run"]
+
+
+def test_pure_removes_a_build_of_another_python(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Red if ``make pure`` (or a new build) run by one Python leaves the extensions
+    another Python built (``lru.cpython-312-...so`` next to the sources, which
+    that Python keeps importing), or if ``status`` calls such a tree plain pure Python
+    without a word about them."""
+    copy_sources(tmp_path)
+    other = ".cpython-399-x86_64-linux-gnu.so"  # no interpreter here imports these
+    for module in MODULES:
+        (tmp_path / module).with_suffix(other).write_bytes(b"")
+    (tmp_path / f"fmoesim/native__mypyc{other}").write_bytes(b"")
+    assert _compiled.compiled_modules(tmp_path) == []  # not this Python's build
+    assert len(_compiled.built_files(tmp_path)) == len(MODULES) + 1
+    removed = clean(tmp_path)
+    assert len(removed) == len(MODULES) + 1
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_a_build_this_python_will_not_use_is_noted(tmp_path: Path) -> None:
+    """Red if building in a tree that the running Python does not import fmoesim from
+    (another clone, a non-editable install: a venv set up elsewhere) passes without a
+    word, though that Python goes on running the sources."""
+    assert _compiled.imported_from() == ROOT  # the tests import this tree
+    assert _compiled.unused_build_note(ROOT) is None
+    note = _compiled.unused_build_note(tmp_path)
+    assert note is not None
+    assert f"imports fmoesim from {ROOT}, not from {tmp_path}" in note
+    assert f"pip install -e {tmp_path}" in note
