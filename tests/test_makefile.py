@@ -22,12 +22,19 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 def dry_run(*args: str, active: str | None = None) -> list[str]:
     """The commands ``make -n ARGS`` prints in the repository, with ``active`` as the
-    active environment (VIRTUAL_ENV) or none."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "VENV", "MAKEFLAGS")}
+    active environment (VIRTUAL_ENV) or none; run from inside a make (``make test``), as
+    a top-level make would print them (no "Entering directory" lines)."""
+    inherited = ("VIRTUAL_ENV", "VENV", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
     if active is not None:
         env["VIRTUAL_ENV"] = active
     out = subprocess.run(
-        ["make", "-n", *args], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+        ["make", "--no-print-directory", "-n", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return out.stdout.splitlines()
 
