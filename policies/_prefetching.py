@@ -133,11 +133,15 @@ class PrefetchTable:
             p = row[rank] = Prefetch(key, self._distance + rank / self._E)
         return p
 
-    def actions(self, keys: list[int], cancel: list[int] | None = None) -> Actions:
-        """Prefetch ``keys`` in the given order (the first at rank 0); cancel ``cancel``."""
+    def actions(
+        self, keys: list[int], cancel: list[int] | None = None, evict: list[int] | None = None
+    ) -> Actions:
+        """Prefetch ``keys`` in the given order (the first at rank 0); cancel ``cancel``;
+        evict ``evict``."""
         return Actions(
             prefetch=[self.get(k, r) for r, k in enumerate(keys)],
             cancel=() if cancel is None else cancel,
+            evict=() if evict is None else evict,
         )
 
 

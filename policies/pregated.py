@@ -105,14 +105,7 @@ class PreGated(Policy, LayerGuard):
         self._next = set(keys)
         if self.cancel_stale:
             self._issued[layer + 1] = keys
-        evict = self._leftovers(layer, self._next)
-        if evict:
-            return Actions(
-                prefetch=[self._prefetches.get(k, r) for r, k in enumerate(keys)],
-                cancel=cancel,
-                evict=evict,
-            )
-        return self._prefetches.actions(keys, cancel)
+        return self._prefetches.actions(keys, cancel, self._leftovers(layer, self._next))
 
     def victim(self, candidates: Collection[int], incoming: int) -> int:
         """Oldest candidate the current and next layer do not need (else the oldest unguarded)."""
