@@ -37,6 +37,8 @@ def test_model_sizes_by_layer() -> None:
     # fp16 scale and zero per 128 scales = 3.015625 bits; 4 bits in groups of 64: 4.25390625
     assert DTYPE_BYTES["hqq-2bit-g16"] * 8 == 3.015625
     assert DTYPE_BYTES["hqq-4bit-g64"] * 8 == 4.25390625
+    # its attention's scales quantized per 256 (scale_quant_params group_size = 256)
+    assert DTYPE_BYTES["hqq-4bit-g64-s256"] * 8 == 4.251953125
 
 
 @pytest.mark.parametrize("timing", [False, True])

@@ -112,6 +112,60 @@ def test_moepic_2bit_mixtral():
     assert c.expert_a_s == pytest.approx(3 * 9.3022e-5 + q.expert_size_bytes / (768e9 * 0.8))
 
 
+def test_moepic_2bit_mixtral_weights_by_width():
+    """MoEpic §4.1 quantizes attention to 4 bits and the experts to 2; Mixtral-Offloading,
+    whose configuration the preset takes, keeps the embedding, the LM head and the routers
+    at float16 (4-bit attention in groups of 64, scales quantized per 256).  By hand: the
+    embedding, the LM head and 32 routers are 2 x 32,000 x 4,096 + 32 x 4,096 x 8 =
+    263,192,576 weights at 2 bytes; attention is 32 x 41,943,040 weights at 4.251953125
+    bits; so 526,385,152 + 713,359,360 = 1,239,744,512 resident bytes.  Red when one width
+    sizes every weight (the experts' 2-bit one: 0.61 GB), or when the compute model reads
+    attention, the LM head or the KV cache at the experts' width."""
+    q = model("mixtral-8x7b-2bit").validate()
+    assert q.resident_params_by_width == (263_192_576, 1_342_177_280, 0)
+    assert q.resident_params == model("mixtral-8x7b").resident_params
+    assert q.resident_weight_bytes == 526_385_152 + 713_359_360 == 1_239_744_512
+    h = hw("moepic-testbed")
+    mem = 768e9 * 0.8  # the testbed's achieved memory bandwidth, bytes/s
+    c = ComputeModel.from_specs(q, h)
+    assert c.attn_a_s == pytest.approx(6 * 9.3022e-5 + 41_943_040 * 4.251953125 / 8 / mem)
+    assert c.lm_head_a_s == pytest.approx(9.3022e-5 + 32_000 * 4_096 * 2 / mem)
+    assert c.router_a_s == pytest.approx(9.3022e-5 + 4_096 * 8 * 2 / mem)
+    assert c.attn_kv_s == pytest.approx(2 * 8 * 128 * 2 / mem)  # float16 keys and values
+
+
+def test_weight_widths_default_to_dtype_and_kv_to_16_bits():
+    """Red when an empty ``attention_dtype`` / ``embedding_dtype`` does not fall back to
+    ``dtype`` (a bf16 model's bytes would change), when a weight-only format (MXFP4) puts
+    the KV cache at its width instead of 16 bits, when a float format (FP8) does not keep
+    its own, when an explicit ``kv_cache_dtype`` is ignored, or when GPT-OSS's attention,
+    routers, embedding and LM head (config.json's ``modules_to_not_convert``) are read at
+    MXFP4."""
+    m = model("mixtral-8x7b")
+    assert m.resident_weight_bytes == 2 * m.resident_params
+    assert (m.attention_dtype_bytes, m.embedding_dtype_bytes, m.kv_cache_dtype_bytes) == (2, 2, 2)
+    assert model("deepseek-v3").kv_cache_dtype_bytes == 1
+    oss = model("gpt-oss-20b").validate()
+    assert oss.kv_cache_dtype_bytes == 2 and oss.attention_dtype_bytes == 2
+    assert oss.resident_weight_bytes == 2 * oss.resident_params
+    bare = dataclasses.replace(oss, attention_dtype="", embedding_dtype="")
+    assert bare.kv_cache_dtype_bytes == 2 and bare.resident_weight_bytes == int(
+        oss.resident_params * 4.25 / 8
+    )
+    assert dataclasses.replace(oss, kv_cache_dtype="float8").kv_cache_dtype_bytes == 1
+
+
+@pytest.mark.parametrize("key", ["attention_dtype", "embedding_dtype", "kv_cache_dtype"])
+def test_weight_width_names_the_bad_key(key):
+    """Red when a misspelt width passes validation (the run would fail later, on a
+    KeyError naming no key) or the message does not name the key."""
+    from fmoesim.errors import ConfigError
+
+    bad = dataclasses.replace(model("mixtral-8x7b"), **{key: "bf16"})
+    with pytest.raises(ConfigError, match=f"model.{key}"):
+        bad.validate()
+
+
 # A Mixtral expert at one token and a one-token decode step (empty KV cache) on the roofline
 # presets, e.g. rtx3090-pcie4's expert: 3 x 5 us + 352,321,536 B / (936e9 x 0.8)
 # + 352,321,536 FLOP / (71e12 x 0.6) = 0.4938 ms.

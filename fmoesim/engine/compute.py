@@ -12,6 +12,11 @@ computed on its own reads its share of the weights but launches every kernel, so
 takes ``launch + fraction * (a - launch + b * tokens)``
 (:meth:`ComputeModel.segment_s`).  A measured profile without it leaves ``a`` less the
 roofline's weight read (never below 0).
+
+Each operator reads its weights at its group's width: the experts, shared experts and
+dense MLPs at the model's ``dtype``, attention at ``attention_dtype``, the router and the
+LM head at ``embedding_dtype``; attention reads the KV cache at ``kv_cache_dtype``
+(:class:`~fmoesim.specs.model.ModelSpec`).
 """
 
 from __future__ import annotations
@@ -50,7 +55,10 @@ class ComputeModel:
         flops = hw.peak_tflops * 1e12 * hw.compute_efficiency  # FLOP/s achieved
         mem = hw.hbm_gbps * 1e9 * hw.memory_efficiency  # bytes/s achieved
         k0 = hw.kernel_overhead_s
-        bpe = model.dtype_bytes
+        bpe = model.dtype_bytes  # experts, shared experts, dense and residual MLPs
+        attn_bpe = model.attention_dtype_bytes
+        emb_bpe = model.embedding_dtype_bytes  # embedding, LM head, routers
+        kv_bpe = model.kv_cache_dtype_bytes
         h = model.hidden_size
 
         mats = model.expert_matrices  # 3: SwiGLU (gate, up, down); 2: wi, wo
@@ -81,17 +89,17 @@ class ComputeModel:
             expert_b_s=exp_b,
             shared_a_s=sh_a,
             shared_b_s=sh_b,
-            attn_a_s=period * (6 * k0 + attn_params * bpe / mem),
+            attn_a_s=period * (6 * k0 + attn_params * attn_bpe / mem),
             attn_b_s=period * 2 * attn_params / flops,
-            attn_kv_s=period * model.kv_cache_elems * bpe / mem,
+            attn_kv_s=period * model.kv_cache_elems * kv_bpe / mem,
             attn_pair_s=period * model.pair_flops / flops,
-            router_a_s=k0 + h * model.num_experts * bpe / mem,
+            router_a_s=k0 + h * model.num_experts * emb_bpe / mem,
             router_b_s=2 * h * model.num_experts / flops,
             residual_a_s=res_a,
             residual_b_s=res_b,
             dense_a_s=dn_a,
             dense_b_s=dn_b,
-            lm_head_a_s=k0 + model.vocab_size * h * bpe / mem,
+            lm_head_a_s=k0 + model.vocab_size * h * emb_bpe / mem,
             lm_head_b_s=2 * model.vocab_size * h / flops,
         )
         measured = (hw.measured or {}).get(model.name, {})

@@ -31,10 +31,17 @@ DTYPE_BYTES: dict[str, float] = {
     # 128 scales: nbits + 16 / g + 32 / (128 g) bits
     "hqq-2bit-g16": (2 + 16 / 16 + 32 / (128 * 16)) / 8,
     "hqq-4bit-g64": (4 + 16 / 64 + 32 / (128 * 64)) / 8,
+    # Mixtral-Offloading's attention (its notebook's attn_config): 4-bit in groups of 64,
+    # the scales' own fp16 scale and zero per 256 scales (scale_quant_params group 256)
+    "hqq-4bit-g64-s256": (4 + 16 / 64 + 32 / (256 * 64)) / 8,
     "q8_0": 34 / 32,
     "q4_k": 144 / 256,
     "q6_k": 210 / 256,
 }
+
+#: the formats that store activations too; a weight-only quantization (integer or block
+#: formats) leaves the KV cache at 16 bits unless ``kv_cache_dtype`` says otherwise
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float8")
 
 
 @dataclass
@@ -78,6 +85,15 @@ class ModelSpec:
     cached keys), its projections not counted twice.  ``expert_matrices`` is 3 for a
     SwiGLU FFN (gate, up, down) and 2 for a two-matrix FFN (``wi``, ``wo``: Switch,
     NLLB-MoE); the dense FFNs of the model have the same form.
+
+    Widths: ``dtype`` is the routed experts' storage format, and also that of the shared
+    experts and the dense and residual MLPs.  ``attention_dtype`` is the attention
+    projections' and ``embedding_dtype`` the embedding's, the LM head's and the routers'
+    (each empty: ``dtype``); a mixed-precision model sets them (MoEpic's Mixtral-8x7B:
+    2-bit experts, 4-bit attention, a 16-bit embedding and LM head).  ``kv_cache_dtype``
+    is the KV cache's (empty: ``dtype`` when it is a float format, else ``bfloat16``: a
+    weight-only quantization keeps 16-bit activations).  They set the resident weights'
+    bytes and each operator's weight and cache reads in the compute model.
     """
 
     name: str = "unnamed"
@@ -100,6 +116,9 @@ class ModelSpec:
     qk_rope_head_dim: int = 0
     vocab_size: int = 32000
     dtype: str = "bfloat16"
+    attention_dtype: str = ""  # empty: dtype
+    embedding_dtype: str = ""  # embedding, LM head and routers; empty: dtype
+    kv_cache_dtype: str = ""  # empty: dtype if a float format, else bfloat16
     source: str = ""
     hf_model_id: str = ""
     expert_size_bytes_by_layer: list[int] | None = None
@@ -111,6 +130,27 @@ class ModelSpec:
     def dtype_bytes(self) -> float:
         """Bytes per weight element for ``dtype``."""
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def attention_dtype_bytes(self) -> float:
+        """Bytes per weight of the attention projections (``attention_dtype``, or
+        ``dtype``)."""
+        return DTYPE_BYTES[self.attention_dtype or self.dtype]
+
+    @property
+    def embedding_dtype_bytes(self) -> float:
+        """Bytes per weight of the embedding, the LM head and the routers
+        (``embedding_dtype``, or ``dtype``)."""
+        return DTYPE_BYTES[self.embedding_dtype or self.dtype]
+
+    @property
+    def kv_cache_dtype_bytes(self) -> float:
+        """Bytes per element of the KV cache (``kv_cache_dtype``; else ``dtype`` when it
+        is a float format, else 2: a weight-only quantization keeps 16-bit
+        activations)."""
+        if self.kv_cache_dtype:
+            return DTYPE_BYTES[self.kv_cache_dtype]
+        return DTYPE_BYTES[self.dtype if self.dtype in FLOAT_DTYPES else "bfloat16"]
 
     @property
     def expert_params(self) -> int:
@@ -193,6 +233,29 @@ class ModelSpec:
         return 4 * heads * self.head_dim
 
     @property
+    def resident_params_by_width(self) -> tuple[int, int, int]:
+        """:attr:`resident_params` in the three groups that may differ in width:
+        ``(embedding, attention, other)``.  Embedding: the embedding, the LM head and the
+        routers (``embedding_dtype``); attention: every decoder block's projections
+        (``attention_dtype``); other: the shared experts, the residual MLPs and the dense
+        MLPs (``dtype``)."""
+        h, f = self.hidden_size, self.expert_matrices
+        attention = self.attention_params
+        period = self.moe_layer_period  # the blocks each MoE layer stands for
+        embedding = 2 * self.vocab_size * h + self.num_layers * h * self.num_experts
+        attentions = (self.num_layers * period + self.dense_layers) * attention
+        per_moe_layer = f * h * self.residual_intermediate_size
+        if self.num_shared_experts:
+            per_moe_layer += f * h * self.shared_expert_intermediate_size
+        # the dense FFNs of the blocks without experts that each MoE layer stands for
+        per_moe_layer += (period - 1) * f * h * self.dense_intermediate_size
+        other = (
+            self.num_layers * per_moe_layer
+            + self.dense_layers * f * h * self.dense_intermediate_size
+        )
+        return embedding, attentions, other
+
+    @property
     def resident_params(self) -> int:
         """Parameters that stay in GPU memory whatever the policy: the embedding and the
         LM head (untied, as in every preset model), attention (:attr:`attention_params`)
@@ -200,27 +263,18 @@ class ModelSpec:
         dense layers' MLPs.  Norms and biases are left out (under 0.1% of any preset
         model).  Qwen1.5-MoE-A2.7B: 1,858,404,352, which with its 12,457,082,880
         routed-expert parameters is the 14.3B of its model card."""
-        h, f = self.hidden_size, self.expert_matrices
-        attention = self.attention_params
-        per_moe_layer = h * self.num_experts + f * h * self.residual_intermediate_size
-        if self.num_shared_experts:
-            per_moe_layer += f * h * self.shared_expert_intermediate_size
-        # the blocks without experts that each MoE layer stands for (moe_layer_period)
-        per_moe_layer += (self.moe_layer_period - 1) * (
-            attention + f * h * self.dense_intermediate_size
-        )
-        return (
-            2 * self.vocab_size * h
-            + (self.num_layers + self.dense_layers) * attention
-            + self.num_layers * per_moe_layer
-            + self.dense_layers * f * h * self.dense_intermediate_size
-        )
+        return sum(self.resident_params_by_width)
 
     @property
     def resident_weight_bytes(self) -> int:
-        """Bytes of :attr:`resident_params` at the model's ``dtype`` (one width sizes
-        every weight, as it does for the compute model)."""
-        return int(self.resident_params * self.dtype_bytes)
+        """Bytes of :attr:`resident_params`, each group at its width
+        (:attr:`resident_params_by_width`)."""
+        embedding, attention, other = self.resident_params_by_width
+        return int(
+            embedding * self.embedding_dtype_bytes
+            + attention * self.attention_dtype_bytes
+            + other * self.dtype_bytes
+        )
 
     def validate(self, prefix: str = "model") -> ModelSpec:
         """Check every field; raise :class:`ConfigError` naming the first bad one."""
@@ -307,8 +361,11 @@ class ModelSpec:
                 sizes,
                 f"must be null or {self.num_layers} positive integers (one per MoE layer)",
             )
-        if self.dtype not in DTYPE_BYTES:
-            raise ConfigError(
-                f"{prefix}.dtype", self.dtype, f"must be one of {sorted(DTYPE_BYTES)}"
-            )
+        for key in ("dtype", "attention_dtype", "embedding_dtype", "kv_cache_dtype"):
+            value = getattr(self, key)
+            if value not in DTYPE_BYTES and not (key != "dtype" and value == ""):
+                empty = "" if key == "dtype" else " (or empty: the default)"
+                raise ConfigError(
+                    f"{prefix}.{key}", value, f"must be one of {sorted(DTYPE_BYTES)}{empty}"
+                )
         return self
