@@ -74,6 +74,29 @@ def test_each_family(family: str, tmp_path: Path) -> None:
     assert f"# {used['num_experts']}" in text
 
 
+def test_modules_left_unconverted_keep_the_config_width(tmp_path: Path) -> None:
+    """GPT-OSS's config.json quantizes the experts to MXFP4 and lists attention, the
+    routers, the embedding and the LM head in ``modules_to_not_convert``: they stay at
+    ``torch_dtype``.  Red if the preset reads them at the experts' width (its resident
+    weights a quarter of the real ones), if the widths do not reach the written preset,
+    or if a config without the list gets widths of its own."""
+    keep = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]  # fmt: skip
+    quant = {"modules_to_not_convert": keep, "quant_method": "mxfp4"}
+    cfg = {**BASE, **CASES["gpt_oss"][0], "model_type": "gpt_oss", "torch_dtype": "bfloat16",
+           "quantization_config": quant}  # fmt: skip
+    spec, used = model_from_config(cfg, "oss", "mxfp4")
+    widths = (spec.dtype, spec.attention_dtype, spec.embedding_dtype)
+    assert widths == ("mxfp4", "bfloat16", "bfloat16")
+    assert spec.resident_weight_bytes == 2 * spec.resident_params
+    raw = OmegaConf.load(_write(tmp_path / "oss.yaml", preset_yaml(spec, used)))
+    del raw["defaults"]
+    assert ModelSpec(**OmegaConf.to_container(raw)) == spec  # type: ignore[arg-type]
+    del cfg["quantization_config"]
+    bare, _ = model_from_config(cfg, "oss", "mxfp4")
+    assert (bare.attention_dtype, bare.embedding_dtype) == ("", "")
+
+
 def test_llama4_reads_its_text_config() -> None:
     """Red if Llama 4's nested text_config is not read, or its shared expert is lost."""
     text = {**BASE, "num_local_experts": 16, "num_experts_per_tok": 1,

@@ -21,6 +21,12 @@ What each family's keys mean here:
   ``qk_rope_head_dim`` and ``v_head_dim``.
 - ``llama4`` (its ``text_config``): ``num_local_experts`` of ``intermediate_size`` plus one
   shared expert of the same size; ``interleave_moe_layer_step`` above 1 is refused.
+
+Widths: ``--dtype`` is the experts'.  A ``quantization_config`` whose
+``modules_to_not_convert`` names attention (``self_attn``) or the embedding or LM head
+(``embed_tokens``, ``lm_head``) leaves those at the config's ``torch_dtype`` (GPT-OSS:
+MXFP4 experts, bfloat16 attention, routers, embedding and LM head), which the preset
+writes as ``attention_dtype`` and ``embedding_dtype``.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Any
 
 from fmoesim.atomic import atomic_file
 from fmoesim.errors import ArgumentParser, ConfigError, FmoesimError, run_or_exit
-from fmoesim.specs.model import DTYPE_BYTES, ModelSpec
+from fmoesim.specs.model import DTYPE_BYTES, FLOAT_DTYPES, ModelSpec
 from fmoesim.trace.schema import is_json_int
 
 PROG = "fmoesim-model"
@@ -159,6 +165,7 @@ def model_from_config(
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"):
             out[name] = int(k.get(name, name))
     out["vocab_size"] = k.get("vocab_size", "vocab_size")
+    out.update(_unconverted_widths(cfg, k))
     hf_id = cfg.get("_name_or_path") or ""
     spec = ModelSpec(**out, hf_model_id=str(hf_id), source=f"{path} (model_type {mt})")
     try:
@@ -170,6 +177,28 @@ def model_from_config(
             raise FmoesimError(f"{path}: {src} = {exc.value!r} (rule: {exc.rule})") from None
         raise FmoesimError(f"{path}: {exc}") from None
     return spec, k.used
+
+
+#: module-name parts of ``modules_to_not_convert`` and the width field each keeps
+_UNCONVERTED = (("self_attn", "attention_dtype"), ("embed_tokens", "embedding_dtype"),
+                ("lm_head", "embedding_dtype"))  # fmt: skip
+
+
+def _unconverted_widths(cfg: dict[str, Any], k: _Keys) -> dict[str, str]:
+    """``attention_dtype`` / ``embedding_dtype`` for the modules a ``quantization_config``
+    leaves unconverted, at the config's ``torch_dtype`` (or ``dtype``); none when the
+    config has no such list or names no float format of :data:`DTYPE_BYTES`."""
+    quant = cfg.get("quantization_config")
+    keep = quant.get("modules_to_not_convert") if isinstance(quant, dict) else None
+    width = cfg.get("torch_dtype") or cfg.get("dtype")
+    if not isinstance(keep, list) or width not in FLOAT_DTYPES:
+        return {}
+    out: dict[str, str] = {}
+    for part, field in _UNCONVERTED:
+        if any(isinstance(m, str) and part in m for m in keep):
+            out[field] = str(width)
+            k.used[field] = "quantization_config.modules_to_not_convert, torch_dtype"
+    return out
 
 
 def _yaml_item(key: str, text: str) -> str:
@@ -205,7 +234,11 @@ def preset_yaml(spec: ModelSpec, used: dict[str, str]) -> str:
         v = getattr(spec, f)
         if f in used or v:
             lines.append(f"{f + ':':<34}{v}".rstrip() + (f"  # {used[f]}" if f in used else ""))
-    lines += [f"dtype: {spec.dtype}", _yaml_item("source", spec.source), ""]
+    lines.append(f"dtype: {spec.dtype}")
+    for f in ("attention_dtype", "embedding_dtype"):
+        if getattr(spec, f):
+            lines.append(f"{f}: {getattr(spec, f)}" + (f"  # {used[f]}" if f in used else ""))
+    lines += [_yaml_item("source", spec.source), ""]
     return "\n".join(lines)
 
 
