@@ -39,8 +39,9 @@ DTYPE_BYTES: dict[str, float] = {
     "q6_k": 210 / 256,
 }
 
-#: the formats that store activations too; a weight-only quantization (integer or block
-#: formats) leaves the KV cache at 16 bits unless ``kv_cache_dtype`` says otherwise
+#: the float formats, whose models keep their KV cache at the weights' width; a
+#: weight-only quantization (the integer, HQQ, GGUF and MXFP4 formats) keeps it at 16 bits
+#: unless ``kv_cache_dtype`` says otherwise
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float8")
 
 
