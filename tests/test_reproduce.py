@@ -26,6 +26,7 @@ from fmoesim.reproduce.claims import PAPERS, Claim, Pair, load_catalog
 from fmoesim.reproduce.report import (
     COLUMNS,
     OVERVIEW,
+    csv_rows,
     insert_table,
     markers,
     overview,
@@ -235,6 +236,28 @@ def test_relative_direction_and_ratio_by_hand() -> None:
     assert (higher.fmoesim_value, higher.holds) == (pytest.approx(25.0), YES)
     assert higher.ratio == pytest.approx(0.25)
     assert magnitude_ratio(None, -47.0) is None and magnitude_ratio(-8.0, None) is None
+
+
+def test_a_side_b_of_zero_gives_an_infinite_change_of_a_known_sign() -> None:
+    """MoE-Infinity's Table 5 against LRU: a cache that hits nothing (B = 0) against one
+    that hits 25%.  The change is +inf, so "higher" holds and "lower" does not, the
+    ratio is infinite, the CSV says inf and the table says so with both sides.  Red if
+    B = 0 leaves the claim not computed (the direction is known), if the sign is lost,
+    or if A = B = 0 is scored as a change (it stays not computed)."""
+    rows = store_rows("t", [{"policy": "moe-infinity", "hit_rate": 0.254},
+                            {"policy": "lru", "hit_rate": 0.0},
+                            {"policy": "never", "hit_rate": 0.0}])  # fmt: skip
+    tab5 = dict(experiment="t", metric="hit_rate", a={"policy": "moe-infinity"},
+                b={"policy": "lru"}, paper_value=750.0)  # fmt: skip
+    s = score_claim(claim(direction="higher", **tab5), rows)
+    assert (s.fmoesim_value, s.holds, s.ratio) == (math.inf, YES, math.inf)
+    assert s.detail == "B is 0 and A 0.254: no finite change"
+    assert csv_rows([s])[0]["fmoesim_value"] == "inf"
+    assert "| +inf (B is 0 and A 0.254: no finite change) | yes | inf |" in to_markdown([s])
+    assert score_claim(claim(direction="lower", **tab5), rows).holds == NO
+    both = score_claim(claim(direction="higher", **{**tab5, "a": {"policy": "never"}}), rows)
+    assert (both.fmoesim_value, both.holds) == (None, NA)
+    assert "side B is 0, no relative change" in both.detail
 
 
 def test_aggregates_and_means_by_hand() -> None:
@@ -729,22 +752,27 @@ def test_docs_table_between_markers() -> None:
         insert_table(page, "moepic", "| t |")
 
 
-def _row(holds: str, value: str, ratio: str) -> dict[str, str]:
-    return {"paper": "P", "holds": holds, "fmoesim_value": value, "ratio": ratio}
+def _row(holds: str, value: str, paper: str, ratio: str) -> dict[str, str]:
+    return {"paper": "P", "holds": holds, "fmoesim_value": value, "paper_value": paper,
+            "ratio": ratio}  # fmt: skip
 
 
 def test_overview_by_hand(tmp_path: Path) -> None:
-    """Five claims: three hold (ratios 0.7, 1.31 and none: direction only), one does not
-    (ratio -0.5), one is not computed: 3 / 1 / 1, and of the three ratios one lies in
-    [0.7, 1.3] (0.7 itself).  Red if the band's ends are exclusive, if a claim without a
-    ratio counts in the band's total, or if a not-computed claim counts as failing; red
-    too if the page's text outside the markers changes."""
-    rows = [_row("yes", "-30", "0.7"), _row("yes", "-70", "1.31"), _row("yes", "+5", ""),
-            _row("no", "+10", "-0.5"), _row("n.a.", "", "")]  # fmt: skip
+    """Six claims: four hold (-7 against -10, ratio 0.70; -13 against -10, 1.30; -25.02
+    against -19.21, 1.302 printed 1.30; and one without a paper number), one does not
+    (ratio -0.50), one is not computed: 4 / 1 / 1, and of the four ratios two lie in
+    [0.7, 1.3] (its two ends).  Red if the band's ends are exclusive, if the band reads
+    the ratio column's two decimals (1.302 would count), if a claim without a ratio
+    counts in the band's total, or if a not-computed claim counts as failing; red too if
+    the page's text outside the markers changes."""
+    rows = [_row("yes", "-7.00", "-10", "0.70"), _row("yes", "-13.00", "-10", "1.30"),
+            _row("yes", "-25.02", "-19.21", "1.30"), _row("yes", "+5", "", ""),
+            _row("no", "10.00", "-20", "-0.50"), _row("n.a.", "", "", "")]  # fmt: skip
     table = overview({"p": rows})
-    assert table.splitlines()[2] == "| P | 5 | 3 | 1 | 1 | 1 of 3 |"
+    assert table.splitlines()[2] == "| P | 6 | 4 | 1 | 1 | 2 of 4 |"
     (tmp_path / "p.csv").write_text(
-        "paper,holds,fmoesim_value,ratio\n" + "\n".join(",".join(r.values()) for r in rows)
+        "paper,holds,fmoesim_value,paper_value,ratio\n"
+        + "\n".join(",".join(r.values()) for r in rows)
     )
     start, end = markers(OVERVIEW)
     page = tmp_path / "page.md"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,6 +85,8 @@ def _fmoesim_cell(s: Score) -> str:
         return f"— ({s.detail})" if s.detail else "—"
     if s.unit == "% of points":
         return f"{s.fmoesim_value:.0f}% of points"
+    if math.isinf(s.fmoesim_value):  # side B is 0: the detail gives A
+        return f"{'+' if s.fmoesim_value > 0 else '-'}inf ({s.detail})"
     if s.unit != "% change":  # a bound, in the paper's unit: 4 significant digits
         return f"{s.fmoesim_value:.4g} {s.unit}"
     if s.resident is not None:
@@ -193,7 +196,8 @@ def overview(tables: dict[str, list[dict[str, str]]]) -> str:
     """The scoreboards at a glance, one row per paper from its CSV rows (:func:`read_csv`):
     its claims, how many hold in direction, do not, and have no fmoesim number, and of
     the claims with a ratio (the paper gives a number), how many lie within :data:`BAND`
-    of the paper's size."""
+    of the paper's size (the ratio of the two numbers as the CSV gives them, to two
+    decimals each)."""
     lo, hi = BAND
     lines = [
         "| paper | claims | the direction holds | does not | not computed | "
@@ -204,7 +208,10 @@ def overview(tables: dict[str, list[dict[str, str]]]) -> str:
         n = len(rows)
         yes = sum(r["holds"] == YES for r in rows)
         na = sum(r["fmoesim_value"] == "" for r in rows)
-        ratios = [float(r["ratio"]) for r in rows if r["ratio"] != ""]
+        # from the two numbers, not the ratio column's two decimals (1.302 prints 1.30)
+        ratios = [
+            float(r["fmoesim_value"]) / float(r["paper_value"]) for r in rows if r["ratio"] != ""
+        ]
         band = sum(lo <= x <= hi for x in ratios)
         name = rows[0]["paper"] if rows else "?"
         lines.append(f"| {name} | {n} | {yes} | {n - yes - na} | {na} | {band} of {len(ratios)} |")

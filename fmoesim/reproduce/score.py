@@ -8,7 +8,10 @@ same unit as the paper's number.  The kinds:
   filter) is aggregated by ``a_agg`` / ``b_agg`` (``min``, ``max``, ``mean``, ``range``:
   the largest minus the smallest; ``one`` requires exactly one row).  Side B may be a
   list of filters: the rows of any of them (two baselines that are different points of
-  a sweep, as "the better of Prefetch Only and Cache Only" with ``b_agg: min``).
+  a sweep, as "the better of Prefetch Only and Cache Only" with ``b_agg: min``).  A B of
+  0 against a non-zero A is an infinite effect of A's sign (a hit rate above a cache
+  that hits nothing: the direction is known, the size is not finite; the ratio is then
+  infinite too).
 - ``mean_relative``: the mean of several effects of A, one per ``pairs`` entry (its own
   metric and side B), as a paper's "on average" or headline number.
 - ``every_point``: the effect at each value of the swept key ``over``; fmoesim's number
@@ -325,11 +328,14 @@ def _effect(claim: Claim, df: Any) -> tuple[float, bool, str]:
         return _best_reached(claim, df, what)
     b_layers = claim.b_layers or claim.layers
     if claim.kind == "relative":
-        value = relative_pct(
-            side_value(df, claim.a, metric, claim.a_agg, what, claim.layers),
-            side_value(df, claim.b, metric, claim.b_agg, what, b_layers),
-            what,
-        )
+        a = side_value(df, claim.a, metric, claim.a_agg, what, claim.layers)
+        b = side_value(df, claim.b, metric, claim.b_agg, what, b_layers)
+        if b == 0 and a != 0:
+            # no finite change, but a sign: A above (below) a B of 0
+            value = math.copysign(math.inf, a)
+            detail = f"B is 0 and A {_num(a)}: no finite change"
+            return value, favourable(value, claim.direction), detail
+        value = relative_pct(a, b, what)
         return value, favourable(value, claim.direction), ""
     if claim.kind == "at_point":
         return _at_point(claim, df, what)
