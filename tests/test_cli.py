@@ -233,3 +233,58 @@ def test_a_sweep_flag_after_overrides_still_sweeps(tmp_path):
     p = fmoesim("policy=lru", "-m", "cache.budget_gb=0.012,0.018", *over, "output.write=false")
     assert p.returncode == 0, p.stderr
     assert "[sweep 2/2]" in p.stdout and "sweep done: 2 runs" in p.stdout
+
+
+def test_help_lists_presets_and_not_the_typed_schemas():
+    """``fmoesim --help`` lists each group's presets, and not the typed schemas the
+    ConfigStore keeps beside them (``model_schema``, ``hardware_schema``,
+    ``workload_schema``), which fmoesim refuses as presets.  Red if the help lists a
+    schema, drops a real preset with it, or no longer exits 0 with the config."""
+    p = fmoesim("--help")
+    assert p.returncode == 0, p.stderr
+    assert "_schema" not in p.stdout
+    lines = {ln.partition(": ")[0]: ln.partition(": ")[2] for ln in p.stdout.splitlines()}
+    assert "mixtral-8x7b, mixtral-8x7b-2bit, nllb-moe-54b" in lines["model"]
+    assert lines["hardware"].startswith("a5000-pcie4, a6000-pcie4, fmoe-testbed")
+    assert lines["workload"].endswith("synthetic, trace")
+    assert "== Config ==" in p.stdout and "budget_gb: 24.0" in p.stdout
+    rejected = fmoesim("model=model_schema")
+    assert rejected.returncode == 2 and "model=model_schema: unknown model" in rejected.stderr
+
+
+def test_without_schemas_leaves_other_lines_alone():
+    """Only the lines of the groups section lose their ``*_schema`` entries; a config
+    value ending in ``_schema`` after ``== Config ==`` stays.  Red if the filter reaches
+    past its section."""
+    from fmoesim.cli.main import without_schemas
+
+    text = ("== Configuration groups ==\nCompose (group=option)\n\nmodel: a, model_schema, b\n"
+            "workload: workload_schema\n== Config ==\nname: x_schema\n")  # fmt: skip
+    assert without_schemas(text) == (
+        "== Configuration groups ==\nCompose (group=option)\n\nmodel: a, b\nworkload: \n"
+        "== Config ==\nname: x_schema\n"
+    )
+
+
+def test_a_sweep_line_reaches_stdout_in_one_write(monkeypatch):
+    """The joblib launcher's workers share one stdout: each progress line and its newline
+    go out in one write, so two workers' lines cannot run together.  Red if the line is
+    written by ``print`` (the text and the newline apart: two writes on an unbuffered
+    stdout)."""
+    from fmoesim.cli import sweep
+
+    class Writes:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.calls.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    out = Writes()
+    monkeypatch.setattr(sys, "stdout", out)
+    sweep._say("[sweep 1/4] policy=lru: hit rate 0.00%")
+    assert out.calls == ["[sweep 1/4] policy=lru: hit rate 0.00%\n"]

@@ -83,6 +83,10 @@ DOCS_RUN = {
         " ids = np.argsort(rng.random((2, 20, 32, 8)), axis=3)[..., :2];"
         " from_arrays(list(ids), 'out/arrays', m, prompt_tokens=4, overwrite=True)\"",
         "fmoesim workload.path=out/arrays engine.timing=false",
+        'mkdir -p out && python -c "import numpy as np; rng = np.random.default_rng(0);'
+        " ids = np.argsort(rng.random((3, 32, 5, 8)), axis=3)[..., :2]; np.save('out/eamc.npy',"
+        ' (np.arange(8) == ids[..., None]).sum(axis=(2, 3)))"',
+        "fmoesim-trace import eamc out/eamc.npy out/eamc --model mixtral-8x7b",
         'mkdir -p out && printf \'{"prompt": "What is 12 times 7?"}\\n{"prompt": "Name three'
         " prime numbers.\"}\\n' > out/prompts.jsonl",
         'python -c "import torch, transformers as T; torch.manual_seed(0);'
@@ -127,7 +131,6 @@ NOT_RUN = [
         r"^fmoesim-collect Qwen/",
         "needs a Hugging Face model's weights (tens of GB) and the collect extra",
     ),
-    (r"^fmoesim-trace import eamc eamc\.npy ", "needs an EAMC array saved by MoE-Infinity"),
     (r"^fmoesim-profile --device cuda ", "needs a CUDA GPU"),
     (
         r"^python -m fmoesim\.validation\.engine_log LOG\.csv ",

@@ -510,6 +510,9 @@ def _main(argv: list[str]) -> None:
             f"config directory {CONF_DIR} not found (set FMOESIM_CONF_DIR or run from a "
             "source checkout: pip install -e .)"
         )
+    if any(a in ("--help", "-h") for a in argv):
+        _print_help(argv)
+        return
     multirun = any(a in ("-m", "--multirun") for a in argv)
     if multirun:  # Hydra's parser takes flags before the overrides only: -m goes first
         argv = ["-m", *(a for a in argv if a not in ("-m", "--multirun"))]
@@ -540,6 +543,41 @@ def _main(argv: list[str]) -> None:
             _preflight(overrides)
     sys.argv = [PROG, *argv]
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)()
+
+
+def _print_help(argv: list[str]) -> None:
+    """Hydra's ``--help`` for ``argv``, its lists of each group's presets without the
+    typed schemas the ConfigStore holds beside them (``model_schema``...: the presets'
+    base, refused as a preset of their own)."""
+    import contextlib
+    import io
+
+    import hydra
+
+    buf = io.StringIO()
+    sys.argv = [PROG, *argv]
+    try:
+        with contextlib.redirect_stdout(buf):
+            hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(
+                _task
+            )()
+    finally:
+        sys.stdout.write(without_schemas(buf.getvalue()))
+
+
+def without_schemas(help_text: str) -> str:
+    """``help_text`` with every entry ending in ``_schema`` left out of the lines of its
+    "Configuration groups" section (``group: a, b, model_schema, c``)."""
+    out, in_groups = [], False
+    for line in help_text.splitlines(keepends=True):
+        if line.startswith("== "):
+            in_groups = line.startswith("== Configuration groups")
+        group, sep, rest = line.partition(": ")
+        if in_groups and sep and " " not in group:
+            names = [n for n in rest.rstrip("\n").split(", ") if not n.endswith("_schema")]
+            line = f"{group}: {', '.join(names)}" + ("\n" if line.endswith("\n") else "")
+        out.append(line)
+    return "".join(out)
 
 
 def _task(cfg: Any) -> dict[str, Any]:

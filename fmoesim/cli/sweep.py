@@ -13,6 +13,7 @@ so the count uses Hydra's job number, not a counter of this process.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from hydra.experimental.callback import Callback
@@ -50,10 +51,14 @@ def _as_typed(override: str) -> str:
 
 
 def _say(line: str) -> None:
-    """Print ``line`` now; a closed stdout ends the sweep quietly (Hydra would only warn
-    about a callback's error and go on)."""
+    """Print ``line`` now, with its newline in the same write: the joblib launcher's
+    workers share one stdout, and ``print`` writes the text and the newline apart, two
+    writes on an unbuffered stdout (``PYTHONUNBUFFERED``), so two workers' lines could
+    run together.  A closed stdout ends the sweep quietly (Hydra would only warn about a
+    callback's error and go on)."""
     try:
-        print(line, flush=True)
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
     except BrokenPipeError:
         exit_stdout_closed()
 
