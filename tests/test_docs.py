@@ -112,6 +112,12 @@ DOCS_RUN = {
     ],
     "reproduction.md": ["fmoesim-reproduce --list | grep -i promoe"],
     "validation.md": ["fmoesim-validate-grid render results/validation/h100-3-cross-check-link"],
+    "development.md": [
+        "mkdir -p out && .venv/bin/python -m cProfile -o out/lfu.prof -m benchmarks.engine"
+        " --policies lfu --repeat 1 --skip-scaling",
+        ".venv/bin/python -c \"import pstats; pstats.Stats('out/lfu.prof').sort_stats('tottime')"
+        '.print_stats(20)"',
+    ],
     "performance.md": [
         "python -m benchmarks.engine --policies lru --repeat 1 --skip-scaling",
         ".venv/bin/python fmoesim/_compiled.py status",

@@ -558,9 +558,7 @@ def _print_help(argv: list[str]) -> None:
     sys.argv = [PROG, *argv]
     try:
         with contextlib.redirect_stdout(buf):
-            hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(
-                _task
-            )()
+            hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)()
     finally:
         sys.stdout.write(without_schemas(buf.getvalue()))
 
