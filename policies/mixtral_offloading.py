@@ -90,11 +90,13 @@ class MixtralOffloading(Policy, LayerGuard):
         self._orders: list[dict[int, None]] = [{} for _ in range(self._L)]
         self._held = [0] * (self._G * self._L)  # entries (resident or in flight) per (gpu, layer)
         self._prefetches = PrefetchTable(self._L * self._E, self._E)
+        # per layer and GPU (capacity_experts is one GPU's); the quotas are the whole model's
         slots = self.layer_slots or ctx.capacity_experts // self._L
-        self._set_quotas([slots] * self._L)
+        self._set_quotas([slots * self._G] * self._L)
 
     def _set_quotas(self, per_layer_slots: Sequence[int]) -> None:
-        """Install per-layer slot quotas (of the whole model; split evenly over GPUs)."""
+        """Install per-layer slot quotas (of the whole model, as AdapMoE's plan gives them;
+        each GPU's is its even share, at least one slot)."""
         self.quotas = [int(q) for q in per_layer_slots]
         G = self._G
         self._quota_gpu = [q if G == 1 else max(1, q // G) for q in self.quotas]

@@ -142,6 +142,7 @@ def test_dependency_victim_skips_the_current_layers_experts_and_prefetch_is_no_u
 
 
 M10x8 = small_model(10, 8, 2)  # 80 keys: room for orders much longer than the candidates
+M4x8 = small_model(4, 8, 2)
 
 
 @pytest.mark.parametrize(
@@ -391,6 +392,22 @@ def test_mixtral_prefetches_speculative_top_k_of_the_next_layer():
     r.reset(context(M34K2, 12))
     assert r.quotas == [3, 3, 3]
     assert [k for k, _ in pf(r.on_gate(0, gate(0, [1, 1, 0, 0], spec)))] == [7]
+
+
+def test_mixtral_quota_is_per_layer_and_gpu_on_several_gpus():
+    """``layer_slots`` (default: one GPU's capacity over L) is each GPU's quota for a layer:
+    16 slots a GPU over 4 layers give every layer 4 slots on each of two GPUs, the
+    model's quota 8 a layer (the cap on how many of a layer's experts one gate may
+    prefetch).  Red if the quota is split over the GPUs twice (2 a GPU on two GPUs:
+    fMoE's six-GPU testbed would give each layer a sixth of its slots)."""
+    for gpus in (1, 2):
+        p = MixtralOffloading()
+        p.reset(context(M4x8, 16, num_gpus=gpus))
+        assert p._quota_gpu == [4] * 4
+        assert p.quotas == [4 * gpus] * 4
+        q = MixtralOffloading(layer_slots=3)
+        q.reset(context(M4x8, 16, num_gpus=gpus))
+        assert q._quota_gpu == [3] * 4
 
 
 def test_mixtral_victims_come_from_the_incoming_layer():
