@@ -44,7 +44,9 @@ class MixtralOffloading(Policy, LayerGuard):
     its §6.2 credits the baseline's hit rate and blames its latency on "its synchronous
     speculative prefetching with a prefetch distance of 1"; the Mixtral-Offloading
     report does not say.  here: asynchronous by default (a guess still on the link when
-    its layer runs is LATE and costs only what is left of its transfer);
+    its layer runs is LATE and costs only what is left of its transfer), because MoEpic
+    (``002`` §2.2), which runs it as a baseline too, describes prefetch-based offloading
+    as loading during the previous layer's computation;
     ``synchronous=True`` makes a layer compute no expert before every transfer in flight
     on its GPU has landed (:meth:`Policy.waits_for_prefetches`), so its guesses of the
     next layer are resident there and the wait is stall.  fMoE's presets run that

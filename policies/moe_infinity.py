@@ -295,9 +295,13 @@ class MoEInfinity(Policy):
     expert that left the top-K; initial layers get higher caching priority.
     here: cache priority of expert ``(l, e)`` = the summed request-level EAM count of
     the batch's requests (the decode EAM once a request has decoded, before that its
-    prefill EAM), times ``2 - l / L`` when ``initial_layer_priority`` (the paper gives no
-    formula; a linear boost from 2x at the first layer to ~1x at the last), recomputed
-    at each iteration start (the paper updates request EAMs at iteration end).  An
+    prefill EAM) over its layer's row total: the activation frequency, on the scale of a
+    prefetch's predicted probability, which a load compares it with at admission (within
+    a layer the counts' order), times ``2 - l / L`` when ``initial_layer_priority`` (the
+    paper gives no formula; a linear boost chosen here, from 2x at the first layer to
+    ~1x at the last, so the preference at most doubles a priority and never reorders
+    one layer's experts), recomputed at each iteration start (the paper updates request
+    EAMs at iteration end).  An
     expert in the current top-K that is already in the buffer is protected as well
     (the top-K own the slots).  Ties go to the oldest admission; if every candidate is
     protected, the least important prediction goes.
