@@ -128,6 +128,14 @@ class MoEpic(Policy):
     inputs: the engine's modelled times (:attr:`PolicyContext.times`).
     ``configurator=False`` (Table 3 "w/o CCA") keeps the uniform start with ``θ = 0.5``.
     ``warm_start=False`` starts with no tops (for comparisons with plain caches).
+
+    Several GPUs.  paper: one GPU (§4.1).  here: with experts round-robin over ``G``
+    GPUs (fMoE's testbed runs it on six), the budget and the buffer are each GPU's, as
+    the engine gives every GPU its own cache with the same group budgets: a GPU caches
+    ``C_i`` tops of its own experts of layer ``i`` (at most ``ceil(E / G)``, the most of
+    a layer one GPU holds), its buffer takes the guesses of its own experts, and
+    Algorithm 1 plans the model's ``G V_e``, each GPU getting ``V_i / G``, because a
+    layer's statistics are the whole layer's.  One GPU is the paper's setting unchanged.
     """
 
     name = "moepic"
@@ -184,6 +192,8 @@ class MoEpic(Policy):
         self._L, self._E, self._K = L, E, K = m.num_layers, m.num_experts, m.top_k
         self._n = n = L * E
         self._S = S = ctx.expert_size_bytes
+        self._G = G = ctx.num_gpus
+        self._cap = -(-E // G)  # the most experts of a layer one GPU holds (e % G == g)
         nbuf = self.buffer_experts or K
         self._buffer = nbuf * S
         if self._buffer >= ctx.budget_bytes and self.split > 0:
@@ -218,12 +228,27 @@ class MoEpic(Policy):
         self.configurations = 0
 
     def _cache_sizes(self, V: np.ndarray, theta: np.ndarray) -> np.ndarray:
-        """Tops per layer: ``floor(V_i S / round(θ_i S))`` (0 where ``θ_i = 0``)."""
+        """Tops per layer and GPU: ``floor(V_i S / round(θ_i S))`` (0 where ``θ_i = 0``),
+        at most the layer's experts one GPU holds."""
         S = self._S
         out = np.zeros(len(V), dtype=np.int64)
         for i, (v, th) in enumerate(zip(V.tolist(), theta.tolist(), strict=True)):
             tb = round(th * S)
-            out[i] = min(int(v * S // tb), self._E) if tb > 0 else 0
+            out[i] = min(int(v * S // tb), self._cap) if tb > 0 else 0
+        return out
+
+    def _on_each_gpu(self, order: list[int], count: int) -> list[int]:
+        """The first ``count`` experts of ``order`` (a layer's expert ids) that each GPU
+        holds: ``order[:count]`` on one GPU."""
+        G = self._G
+        if G == 1:
+            return order[:count]
+        taken = [0] * G
+        out = []
+        for e in order:
+            if taken[e % G] < count:
+                taken[e % G] += 1
+                out.append(e)
         return out
 
     def _group_budgets(self) -> dict[int, int]:
@@ -278,7 +303,7 @@ class MoEpic(Policy):
         rng, n, E = self.ctx.rng, self._n, self._E
         pf = []
         for i in range(self._L):
-            for e in rng.permutation(E)[: int(self._sizes[i])].tolist():
+            for e in self._on_each_gpu(rng.permutation(E).tolist(), int(self._sizes[i])):
                 pf.append(Prefetch(n + i * E + e, 10.0, "configure"))
         return Actions(prefetch=pf) if pf else None
 
@@ -288,8 +313,13 @@ class MoEpic(Policy):
         if t is None or self.stats.tokens.min() == 0:
             return None
         timing = Timing(t.t_att_s, self._K * t.t_expert_s, t.t_head_s, t.t_load_s)
-        V, theta, sizes, _ = vram_allocation(self._V_e, self.zeta, self.stats, timing)
-        theta, sizes = applied_split(V, sizes, theta, self._S, self._E)
+        G = self._G
+        # the model's top budget over its layers; each GPU holds its share of a layer's
+        V, theta, sizes, _ = vram_allocation(self._V_e * G, self.zeta, self.stats, timing)
+        if G > 1:
+            V = V / G
+            sizes = self._cache_sizes(V, theta)
+        theta, sizes = applied_split(V, sizes, theta, self._S, self._cap)
         n, E = self._n, self._E
         evict: list[int] = []
         changed = np.abs(theta - self._theta) > 1e-12
@@ -302,9 +332,10 @@ class MoEpic(Policy):
         self._V, self._theta, self._sizes = V, theta, sizes
         pf = []
         for i in range(self._L):
-            want = self._by_priority(i)[: int(self._sizes[i])]
+            order = self._by_priority(i)
             if self.cache == "rnd":
-                want = self.ctx.rng.permutation(E)[: int(self._sizes[i])].tolist()
+                order = self.ctx.rng.permutation(E).tolist()
+            want = self._on_each_gpu(order, int(self._sizes[i]))
             for e in want:
                 k = n + i * E + e
                 if changed[i] or k not in self._in:
@@ -340,24 +371,38 @@ class MoEpic(Policy):
         else:
             order = self.ctx.rng.permutation(E).tolist()
         tb = round(float(self._theta[target]) * self._S)
-        room, pf = self._buffer, []
+        G = self._G
+        # each GPU's buffer takes the guesses of its own experts, in order, until one
+        # does not fit (room -1: that GPU is done)
+        room, pf, open_gpus = [self._buffer] * G, [], G
         tbase = target * E
         protect: set[int] = set()
         for r, e in enumerate(order):
+            g = e % G
+            if room[g] < 0:
+                continue
             k = tbase + e
             if k in self._in or 2 * n + k in self._in:  # in the buffer already: it counts
                 key, size = (k, self._S) if k in self._in else (2 * n + k, self._S - tb)
-                if size > room:
-                    break
-                room -= size
+                if size > room[g]:
+                    room[g] = -1
+                    open_gpus -= 1
+                    if open_gpus == 0:
+                        break
+                    continue
+                room[g] -= size
                 protect.add(key)
                 continue
             key, size = (2 * n + k, self._S - tb) if n + k in self._in else (k, self._S)
             if size <= 0:
                 continue
-            if size > room:
-                break
-            room -= size
+            if size > room[g]:
+                room[g] = -1
+                open_gpus -= 1
+                if open_gpus == 0:
+                    break
+                continue
+            room[g] -= size
             protect.add(key)
             pf.append(Prefetch(key, 1.0 + r / E))
             self._pending[key] = target

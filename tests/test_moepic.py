@@ -205,6 +205,67 @@ def test_speculative_prefetch_goes_by_probability_then_expert_id():
     assert [p.key - E for p in acts.prefetch] == [1, 3, 6, 5]
 
 
+def _ctx(model, budget_experts: int, gpus: int) -> PolicyContext:
+    return PolicyContext(
+        model=model, budget_bytes=budget_experts * model.expert_size_bytes,
+        expert_size_bytes=model.expert_size_bytes, rng=np.random.default_rng(0), num_gpus=gpus,
+    )  # fmt: skip
+
+
+def test_each_gpu_buffer_takes_the_guesses_of_its_own_experts():
+    """With experts round-robin over two GPUs, each GPU's buffer of K = 2 experts takes
+    the most probable guesses among its own experts: odd 1 and 3 on GPU 1, even 6 and 0
+    on GPU 0 (order 1, 3, 6, 5, 0, ...; 5 finds GPU 1 full).  One GPU takes 1 and 3.
+    Red if the GPUs share one buffer's room (two guesses in all on two GPUs)."""
+    model = small_model(2, 8, 2)
+    spec = np.array([0.1, 0.3, 0.05, 0.3, 0.0, 0.2, 0.3, 0.05], dtype=np.float32)
+    E = model.num_experts
+    for gpus, want in ((1, [1, 3]), (2, [1, 3, 6, 0])):
+        pol = MoEpic(split_ratio=0.0, configurator=False, warm_start=False)
+        pol.reset(_ctx(model, 6, gpus))
+        pol.on_iteration_start(BatchInfo(1, (0,), (1,), 1, False))
+        acts = pol.on_gate(0, GateView(0, np.array([1, 1, 0, 0, 0, 0, 0, 0]), 1, None, spec))
+        assert [p.key - E for p in acts.prefetch] == want, gpus
+
+
+def test_each_gpu_caches_tops_of_its_own_experts():
+    """14 experts a GPU less a buffer of 2 leave 3 a layer over 4 layers: at θ = 0.5
+    that is 6 tops a layer on one GPU, and on two GPUs each holds 4 of a layer's 8
+    experts, so it caches all 4 of its own (8 tops a layer in all).  Red if the tops
+    are drawn from the whole layer (6 a layer, unevenly over the GPUs) or capped at the
+    layer's 8 on each GPU."""
+    model = small_model(4, 8, 2)
+    E, n = model.num_experts, model.num_layers * model.num_experts
+    for gpus, per_gpu in ((1, [6]), (2, [4, 4])):
+        pol = MoEpic(configurator=False)
+        pol.reset(_ctx(model, 14, gpus))
+        acts = pol.on_iteration_start(BatchInfo(1, (0,), (1,), 1, False))
+        assert acts is not None
+        for i in range(model.num_layers):
+            tops = [p.key - n - i * E for p in acts.prefetch if (p.key - n) // E == i]
+            assert [sum(e % gpus == g for e in tops) for g in range(gpus)] == per_gpu
+
+
+def test_the_configurator_plans_each_gpus_share_of_the_model(trace):
+    """Two GPUs, 20 experts each: Algorithm 1 plans the model's 36 experts of tops and
+    each GPU gets half of every layer's, so a GPU's layer budgets still sum to its 18
+    and no layer caches more tops than the 4 of its experts a GPU holds.  Red if a
+    GPU's plan is the model's (tops beyond 4 a layer, budget the GPU cannot use)."""
+    import dataclasses
+
+    size = MODEL.expert_size_bytes
+    pol = MoEpic(tau_tokens=20)
+    r = simulate(trace, MODEL, dataclasses.replace(TINY_HW, num_gpus=2), pol, 20 * size)
+    assert pol.configurations >= 2
+    rep = pol.report()
+    assert rep["budget_experts"].sum() == pytest.approx(20 - MODEL.top_k)
+    cap = -(-MODEL.num_experts // 2)
+    assert (rep["cached_tops"] <= cap).all() and (rep["cached_tops"] > 0).all()
+    for cache in r.caches:
+        for i in range(MODEL.num_layers):
+            assert cache.group_used[i] <= cache.group_budget[i]
+
+
 @pytest.mark.parametrize(
     ("name", "knobs"),
     [
