@@ -61,7 +61,8 @@ class MoEpic(Policy):
     (on MoEpic's testbed twice that, over 24 requests, gave a 0.1% higher TPOT on
     Mixtral-8x7B at 2 bits and 160 experts and a 1.4% higher one on Qwen1.5-MoE at 6 GB:
     a smaller cache, and no fewer misses; on fMoE's, bf16 Mixtral-8x7B over six GPUs at
-    24 GB, K gives 471 ms against 386 ms, a prompt's misses queueing for the buffer).
+    24 GB (fmoe-fig9), K gives 394 ms against 381 ms, a prompt's misses queueing for the
+    buffer).
     The paper's buffer sits beside the budget ``V_e`` that MoEpic shares with the
     baselines (eq. 8, ``V_e = V - U_n - U_b``); here it is inside the run's budget, the
     one number every policy of a sweep gets, so MoEpic caches ``K`` experts' worth less
