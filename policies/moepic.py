@@ -383,21 +383,14 @@ class MoEpic(Policy):
             if room[g] < 0:
                 continue
             k = tbase + e
-            if k in self._in or 2 * n + k in self._in:  # in the buffer already: it counts
+            held = k in self._in or 2 * n + k in self._in  # in the buffer already: it counts
+            if held:
                 key, size = (k, self._S) if k in self._in else (2 * n + k, self._S - tb)
-                if size > room[g]:
-                    room[g] = -1
-                    open_gpus -= 1
-                    if open_gpus == 0:
-                        break
+            else:
+                key, size = (2 * n + k, self._S - tb) if n + k in self._in else (k, self._S)
+                if size <= 0:
                     continue
-                room[g] -= size
-                protect.add(key)
-                continue
-            key, size = (2 * n + k, self._S - tb) if n + k in self._in else (k, self._S)
-            if size <= 0:
-                continue
-            if size > room[g]:
+            if size > room[g]:  # this GPU's buffer is full
                 room[g] = -1
                 open_gpus -= 1
                 if open_gpus == 0:
@@ -405,8 +398,9 @@ class MoEpic(Policy):
                 continue
             room[g] -= size
             protect.add(key)
-            pf.append(Prefetch(key, 1.0 + r / E))
-            self._pending[key] = target
+            if not held:
+                pf.append(Prefetch(key, 1.0 + r / E))
+                self._pending[key] = target
         self._protect = protect
         if not pf and not cancel:
             return NO_ACTIONS
