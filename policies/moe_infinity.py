@@ -301,10 +301,9 @@ class MoEInfinity(Policy):
     paper gives no formula; a linear boost chosen here, from 2x at the first layer to
     ~1x at the last, so the preference at most doubles a priority and never reorders
     one layer's experts), recomputed at each iteration start (the paper updates request
-    EAMs at iteration end).  An
-    expert in the current top-K that is already in the buffer is protected as well
-    (the top-K own the slots).  Ties go to the oldest admission; if every candidate is
-    protected, the least important prediction goes.
+    EAMs at iteration end).  An expert in the current top-K that is already in the
+    buffer is protected as well (the top-K own the slots).  Ties go to the oldest
+    admission; if every candidate is protected, the least important prediction goes.
 
     Switches (Table 4 and §7.5): ``request_level_tracing`` (off: every expert of the
     next layers equally likely, the "vanilla" dependency prefetch), ``multi_layer`` (off:
