@@ -20,7 +20,7 @@ from policies.base import BatchInfo, GateView, PolicyContext
 from policies.lcp import LCP
 from policies.moepic import MoEpic, applied_split
 from policies.pregated import PreGated
-from tests._baseline_helpers import write_one_token_trace
+from tests._baseline_helpers import context, write_one_token_trace
 from tests.test_policy_contract import MODEL
 from tests.tiny import TINY_HW, small_model, write_sequence_trace
 
@@ -205,13 +205,6 @@ def test_speculative_prefetch_goes_by_probability_then_expert_id():
     assert [p.key - E for p in acts.prefetch] == [1, 3, 6, 5]
 
 
-def _ctx(model, budget_experts: int, gpus: int) -> PolicyContext:
-    return PolicyContext(
-        model=model, budget_bytes=budget_experts * model.expert_size_bytes,
-        expert_size_bytes=model.expert_size_bytes, rng=np.random.default_rng(0), num_gpus=gpus,
-    )  # fmt: skip
-
-
 def test_each_gpu_buffer_takes_the_guesses_of_its_own_experts():
     """With experts round-robin over two GPUs, each GPU's buffer of K = 2 experts takes
     the most probable guesses among its own experts: odd 1 and 3 on GPU 1, even 6 and 0
@@ -222,7 +215,7 @@ def test_each_gpu_buffer_takes_the_guesses_of_its_own_experts():
     E = model.num_experts
     for gpus, want in ((1, [1, 3]), (2, [1, 3, 6, 0])):
         pol = MoEpic(split_ratio=0.0, configurator=False, warm_start=False)
-        pol.reset(_ctx(model, 6, gpus))
+        pol.reset(context(model, 6, num_gpus=gpus))
         pol.on_iteration_start(BatchInfo(1, (0,), (1,), 1, False))
         acts = pol.on_gate(0, GateView(0, np.array([1, 1, 0, 0, 0, 0, 0, 0]), 1, None, spec))
         assert [p.key - E for p in acts.prefetch] == want, gpus
@@ -238,7 +231,7 @@ def test_each_gpu_caches_tops_of_its_own_experts():
     E, n = model.num_experts, model.num_layers * model.num_experts
     for gpus, per_gpu in ((1, [6]), (2, [4, 4])):
         pol = MoEpic(configurator=False)
-        pol.reset(_ctx(model, 14, gpus))
+        pol.reset(context(model, 14, num_gpus=gpus))
         acts = pol.on_iteration_start(BatchInfo(1, (0,), (1,), 1, False))
         assert acts is not None
         for i in range(model.num_layers):

@@ -492,8 +492,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(argv: list[str]) -> None:
-    import hydra
-
     if "--version" in argv:  # fmoesim's, not Hydra's (Hydra's own flag printed its version)
         from importlib.metadata import PackageNotFoundError, version
 
@@ -541,6 +539,13 @@ def _main(argv: list[str]) -> None:
                 _fail(omegaconf_line(exc))
         else:
             _preflight(overrides)
+    _run_hydra(argv)
+
+
+def _run_hydra(argv: list[str]) -> None:
+    """Hydra's entry point on ``argv`` (fmoesim's config, :func:`_task` per run)."""
+    import hydra
+
     sys.argv = [PROG, *argv]
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)()
 
@@ -552,13 +557,10 @@ def _print_help(argv: list[str]) -> None:
     import contextlib
     import io
 
-    import hydra
-
     buf = io.StringIO()
-    sys.argv = [PROG, *argv]
     try:
         with contextlib.redirect_stdout(buf):
-            hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)()
+            _run_hydra(argv)
     finally:
         sys.stdout.write(without_schemas(buf.getvalue()))
 
