@@ -121,8 +121,10 @@ def test_several_gpus_search_a_gpu_share_of_the_model(tmp_path):
 
 
 def test_a_top_k_above_a_gpu_share_is_searched_not_crashed(tmp_path):
-    """Red if top_k exceeds a GPU's share of the model (3 > 2 layers x ceil(4 / 4)) and
-    the search range comes out empty: a raw ValueError traceback with exit status 1."""
+    """Top-3 of 4 experts on 4 GPUs: a GPU computes at most ceil(4 / 4) = 1 of a token's
+    experts a layer and holds 2 layers x 1 experts. Red if the search range comes out
+    empty (top_k 3 above the share of 2: a raw ValueError traceback with exit status 1),
+    or if it starts at the whole top-3 instead of the one expert a GPU needs."""
     from dataclasses import replace
 
     m = replace(TINY, top_k=3)
@@ -138,8 +140,8 @@ def test_a_top_k_above_a_gpu_share_is_searched_not_crashed(tmp_path):
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
-    assert "bisection over 3..3 experts per GPU" in p.stdout
-    assert "| 1000 | 3 (the least searched) | 0.02 |" in p.stdout
+    assert "bisection over 1..2 experts per GPU" in p.stdout
+    assert "| 1000 | 1 (the least searched) | 0.01 |" in p.stdout
 
 
 def test_an_answer_beyond_the_gpu_says_so_and_its_progress_reads_back(tmp_path):

@@ -165,6 +165,29 @@ def test_invariants(trace: Trace, name: str, setting: str) -> None:
         assert set(order) | unused == {k for c in r.caches for k in c.entries}
 
 
+@pytest.mark.parametrize("name", POLICIES)
+def test_the_least_budget_on_eight_gpus(trace: Trace, name: str) -> None:
+    """Red if the budget check asks every GPU for a whole layer's top-k (a GPU of eight
+    computes at most ceil(8 / 8) = 1 of a token's experts a layer), or if a policy breaks
+    on one expert a GPU: every preset runs there, batched, with the budget kept and every
+    access counted, or refuses with one line (MoEpic, whose buffer needs two)."""
+    policy = make_policy(name)
+    hw = dataclasses.replace(TINY_HW, num_gpus=MODEL.num_experts)
+    serving = ServingConfig(mode="static", batch_size=2)
+    if name.startswith("moepic"):
+        with pytest.raises(ConfigError, match="leave nothing beside MoEpic's buffer"):
+            simulate(trace, MODEL, hw, policy, SIZE, serving=serving)
+        return
+    r = simulate(trace, MODEL, hw, policy, SIZE, serving=serving)
+    s = r.summary
+    assert len(r.caches) == MODEL.num_experts
+    assert all(c.peak_bytes <= SIZE for c in r.caches)
+    assert s["hits"] + s["late"] + s["misses"] == s["accesses"]
+    assert s["accesses"] == expected_accesses(trace, r, "static")
+    with pytest.raises(ConfigError, match="must hold the 2 experts of contract that one of 4"):
+        simulate(trace, MODEL, dataclasses.replace(TINY_HW, num_gpus=4), policy, SIZE)
+
+
 @pytest.mark.parametrize("setting", ["static", "online"])
 @pytest.mark.parametrize("name", POLICIES)
 def test_same_seed_same_result(trace: Trace, name: str, setting: str) -> None:

@@ -408,7 +408,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
         if not math.isfinite(budget_gb):
             raise ConfigError("cache.budget_gb", budget_gb, "must be a finite number")
         budget_bytes = budget_bytes_of(budget_gb)
-        check_budget(model, budget_bytes)
+        check_budget(model, budget_bytes, num_gpus=hardware.num_gpus)
     serving: ServingConfig = OmegaConf.to_object(cfg.serving)  # type: ignore[assignment]
     serving.validate()
     engine: EngineConfig = OmegaConf.to_object(cfg.engine)  # type: ignore[assignment]

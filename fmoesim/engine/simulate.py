@@ -153,10 +153,13 @@ def check_link_order(link_order: str, timing: bool, replay: bool = False) -> Non
         raise ConfigError("engine.link_order", link_order, why)
 
 
-def check_budget(model: ModelSpec, budget_bytes: int, key: str = "cache.budget_gb") -> None:
-    """The budget must be a positive whole number of bytes that fits in int64 and hold
-    at least one layer's top-k experts.  A budget above the model's experts is allowed:
-    every expert fits."""
+def check_budget(
+    model: ModelSpec, budget_bytes: int, key: str = "cache.budget_gb", num_gpus: int = 1
+) -> None:
+    """The budget (one GPU's) must be a positive whole number of bytes that fits in int64
+    and hold the experts one GPU computes for a token in a layer: the layer's top-k on one
+    GPU, at most ``ceil(E / num_gpus)`` of them on several (expert ``e`` on GPU ``e mod
+    num_gpus``).  A budget above the model's experts is allowed: every expert fits."""
     if isinstance(budget_bytes, float) and not math.isfinite(budget_bytes):
         raise ConfigError(key, budget_bytes / GB, "must be a finite number")
     if not budget_bytes > 0:
@@ -169,13 +172,16 @@ def check_budget(model: ModelSpec, budget_bytes: int, key: str = "cache.budget_g
             f"must be at most {MAX_BUDGET_BYTES / GB:.3g} GB (bytes are counted in int64); "
             f"every expert of {model.name} fits in {whole / GB:.4g} GB",
         )
-    if budget_bytes < model.layer_topk_bytes:
-        raise ConfigError(
-            key,
-            budget_bytes / GB,
-            f"must hold one layer's top-{model.top_k} experts of {model.name} "
-            f"({model.layer_topk_bytes / GB:.3f} GB)",
+    floor_bytes = model.gpu_topk_bytes(num_gpus)
+    if budget_bytes < floor_bytes:
+        n = floor_bytes // max(model.layer_expert_bytes)
+        where = (
+            f"one layer's top-{model.top_k} experts of {model.name}"
+            if num_gpus == 1
+            else f"the {n} expert{'s' if n > 1 else ''} of {model.name} that one of {num_gpus}"
+            " GPUs computes in a token's layer step"
         )
+        raise ConfigError(key, budget_bytes / GB, f"must hold {where} ({floor_bytes / GB:.3f} GB)")
 
 
 def check_experts_per_layer(model: ModelSpec, hardware: HardwareSpec, C: object) -> None:
@@ -464,7 +470,7 @@ def simulate(
             )
         groups = {layer: C * b for layer, b in enumerate(model.layer_expert_bytes)}
     else:
-        check_budget(model, budget_bytes)
+        check_budget(model, budget_bytes, num_gpus=hardware.num_gpus)
     serving = (serving or ServingConfig()).validate()
     if serving.mode == "online" and not timing:
         raise ConfigError("engine.timing", False, "hit-rate-only mode needs serving.mode=static")
