@@ -664,6 +664,13 @@ class Policy(ABC):
         run."""
         return False
 
+    def keeps_unused_experts(self) -> bool:
+        """False: at its gates the policy evicts every expert it holds that the current
+        or the next layer does not use (Pre-gated MoE's "no cache"), so experts made
+        resident before the run (``cache.preload``) would not stay: the engine refuses
+        that combination.  Read once, at the start of a run."""
+        return True
+
     def waits_for_prefetches(self) -> bool:
         """True: prefetching is synchronous.  On each GPU, no expert of a layer computes
         before every transfer in flight there (the gate's prefetches and the layer's own

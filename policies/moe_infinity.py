@@ -17,6 +17,7 @@ import heapq
 import os
 from collections.abc import Collection, Sequence
 from pathlib import Path
+from zipfile import BadZipFile
 
 import numpy as np
 from mypy_extensions import mypyc_attr
@@ -221,8 +222,12 @@ def load_eamcs(
     path = Path(path)
     try:
         z = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable .npz EAMC file ({exc})") from None
+    except (OSError, ValueError, EOFError, BadZipFile) as exc:
+        raise ValueError(f"{path}: not a readable .npz EAMC file ({exc or 'empty'})") from None
+    if isinstance(z, np.ndarray):  # a .npy array
+        raise ValueError(
+            f"{path}: a .npy array (rule: an EAMC file is the .npz archive save_eamcs writes)"
+        )
     with z:
         if "format" not in z.files or int(z["format"]) != EAMC_FORMAT:
             raise ValueError(f"{path}: key 'format' must be {EAMC_FORMAT}")
@@ -369,7 +374,11 @@ class MoEInfinity(Policy):
         self._L, self._E, self._N = L, E, ctx.num_gpus
         self._slots = ctx.capacity_experts
         if self.eamc_path:
-            self.eamcs = load_eamcs(self.eamc_path, PHASES, L, E, capacity=self.eamc_capacity)
+            try:
+                self.eamcs = load_eamcs(self.eamc_path, PHASES, L, E, self.eamc_capacity)
+            except ValueError as exc:  # one line, without the path the key's value gives
+                said = str(exc).removeprefix(f"{Path(self.eamc_path)}: ")
+                raise ConfigError("policy.eamc_path", self.eamc_path, said) from None
         else:
             self.eamcs = {p: EAMC(self.eamc_capacity, L, E) for p in PHASES}
         self._req: dict[int, dict[str, np.ndarray]] = {}  # request -> phase -> (L, E) counts

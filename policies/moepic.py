@@ -137,6 +137,12 @@ class MoEpic(Policy):
     a layer one GPU holds), its buffer takes the guesses of its own experts, and
     Algorithm 1 plans the model's ``G V_e``, each GPU getting ``V_i / G``, because a
     layer's statistics are the whole layer's.  One GPU is the paper's setting unchanged.
+
+    Expert sizes.  paper: one size in every layer (Qwen1.5-MoE, Mixtral).  here: the same
+    is required, and a model whose layers' experts differ in size
+    (``expert_size_bytes_by_layer``, which an imported trace may record) is refused with
+    one line, because the buffer, the tops and Algorithm 1's budgets are counted in
+    experts of one size.
     """
 
     name = "moepic"
@@ -190,6 +196,13 @@ class MoEpic(Policy):
         """Uniform start: ``V_i = V_e / L``, ``θ_i`` = ``split_ratio``; zero statistics."""
         super().reset(ctx)
         m = ctx.model
+        if not m.uniform_experts:  # its buffer, tops and budgets count experts of one size
+            raise ConfigError(
+                "model.expert_size_bytes_by_layer",
+                m.expert_size_bytes_by_layer,
+                f"{self.name} needs one expert size in every layer (its buffer, cached tops "
+                "and layer budgets count experts of one size)",
+            )
         self._L, self._E, self._K = L, E, K = m.num_layers, m.num_experts, m.top_k
         self._n = n = L * E
         self._S = S = ctx.expert_size_bytes

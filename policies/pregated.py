@@ -69,6 +69,11 @@ class PreGated(Policy, LayerGuard):
         self._prefetches = PrefetchTable(self._L * self._E, self._E)
         self._held: set[int] = set()  # keys in the cache (resident or in flight)
 
+    def keeps_unused_experts(self) -> bool:
+        """Only with ``cache_leftovers``: without it, each gate evicts what the two
+        layers do not use."""
+        return self.cache_leftovers
+
     def on_insert(self, key: int) -> None:
         """Track what the cache holds."""
         self._held.add(key)

@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checkpoint", default=None, help="local safetensors checkpoint")
     ap.add_argument("--depth", type=int, default=2, help="chunks kept on the copy stream")
     ap.add_argument("overrides", nargs="*", help="fmoesim config overrides")
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    # options may stand between the overrides (model=x --policies lru ...)
+    args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     run_or_exit(PROG, _run, args)
 
 

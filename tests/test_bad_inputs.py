@@ -206,6 +206,9 @@ BAD = [
         ["policy=moe-infinity", "policy.eamc_path=/no/such.npz"],
         "config key 'policy.eamc_path' = '/no/such.npz': file not found",
     ),
+    # arrivals are online serving's: a static run that names them would ignore them
+    (["serving.arrivals=poisson"], "'serving.arrivals' = 'poisson': is read in online serving"),
+    (["serving.arrivals_csv=a.csv"], "'serving.arrivals_csv' = 'a.csv': is read in online"),
     # the model's name names the run folder: '../..' wrote the run outside output.dir
     (["model.name=../../x"], "config key 'model.name' = '../../x': must be a plain name"),
     (["model.name="], "config key 'model.name' = '': must be a plain name"),
@@ -1139,3 +1142,34 @@ def test_a_preset_is_checked_whoever_chooses_it_and_may_extend_another(tmp_path:
         assert f"model {name}" in p.stdout
     assert_refused(fmoesim(*quick, "experiment=ex", cwd=tmp_path),
                    f"{conf / 'model' / 'broke.yaml'}: sets no hidden_size")  # fmt: skip
+
+
+def test_an_eamc_file_that_does_not_fit_is_one_line(tmp_path):
+    """Red if a collection file that exists but is empty, a bare .npy array, or saved
+    for another model reaches the run and stops it with Hydra's traceback (EOFError,
+    TypeError, the loader's ValueError), instead of one line naming policy.eamc_path."""
+    from policies.moe_infinity import EAMC, save_eamcs
+
+    empty, array, other = tmp_path / "empty.npz", tmp_path / "a.npy", tmp_path / "other.npz"
+    empty.write_bytes(b"")
+    np.save(array, np.zeros((1, 2, 4)))
+    save_eamcs(other, {"prefill": EAMC(2, 3, 4), "decode": EAMC(2, 3, 4)})  # 3 layers, not 2
+    for path, rule in (
+        (empty, "not a readable .npz EAMC file"),
+        (array, "a .npy array (rule: an EAMC file is the .npz archive save_eamcs writes)"),
+        (other, "key 'prefill_eams' has shape (0, 3, 4), expected (n, 2, 4)"),
+    ):
+        p = fmoesim(*tiny(tmp_path, "policy=moe-infinity", f"policy.eamc_path={path}"))
+        assert_refused(p, f"config key 'policy.eamc_path' = '{path}': {rule}")
+        assert_nothing_written(tmp_path)
+
+
+def test_a_sweep_whose_record_cannot_be_written_is_refused_before_it_runs(tmp_path):
+    """Red if a sweep whose Hydra record (hydra.sweep.dir; by default results/sweeps/
+    under the working directory, read-only in a container) cannot be made starts its
+    jobs and stops with Hydra's traceback, instead of one line before any run."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    p = fmoesim("-m", *tiny(tmp_path, "policy=lru,lfu", f"hydra.sweep.dir={blocker}/sw"))
+    assert_refused(p, f"config key 'hydra.sweep.dir' = '{blocker}/sw': cannot be made")
+    assert_nothing_written(tmp_path)

@@ -225,6 +225,7 @@ def test_preload_spreads_experts_over_gpus_and_refuses_what_does_not_fit(seq_tra
 
     from fmoesim.errors import ConfigError
     from policies.moepic import MoEpic
+    from policies.pregated import PreGated
 
     S = TINY.expert_size_bytes
     hw2 = replace(TINY_HW, num_gpus=2)
@@ -238,6 +239,12 @@ def test_preload_spreads_experts_over_gpus_and_refuses_what_does_not_fit(seq_tra
     with pytest.raises(ConfigError, match="cache.preload.*splits them"):
         simulate(seq_trace, TINY, TINY_HW, MoEpic(warm_start=False, buffer_experts=1), 8 * S,
                  preload=True)  # fmt: skip
+    # Pre-gated MoE keeps no cache: its first gates would evict the preloaded experts and
+    # load them again over the link (red if it runs); with its leftovers cached it keeps them
+    with pytest.raises(ConfigError, match="cache.preload.*pregated evicts"):
+        simulate(seq_trace, TINY, TINY_HW, PreGated(), 8 * S, preload=True)
+    r = simulate(seq_trace, TINY, TINY_HW, PreGated(cache_leftovers=True), 8 * S, preload=True)
+    assert r.summary["pcie_bytes"] == 0 and r.summary["hits"] == r.summary["accesses"]
 
 
 def test_preload_is_a_config_key():

@@ -152,6 +152,15 @@ def test_a_shape_the_model_refuses_names_the_config_key() -> None:
         "num_experts (8))"  # fmt: skip
 
 
+def test_no_attention_heads_is_one_line() -> None:
+    """Red if 0 heads reaches the head_dim default, hidden_size / heads: a
+    ZeroDivisionError traceback."""
+    cfg = {**BASE, **CASES["mixtral"][0], "model_type": "mixtral", "num_attention_heads": 0}
+    with pytest.raises(FmoesimError) as info:
+        model_from_config(cfg, "m")
+    assert str(info.value) == "config.json: num_attention_heads = 0 (rule: >= 1)"
+
+
 @pytest.mark.parametrize(
     ("key", "value"),
     [("hidden_size", "big"), ("hidden_size", float("nan")), ("num_experts_per_tok", True),

@@ -112,6 +112,9 @@ def test_eamc_rows_become_one_iteration_requests(tmp_path):
     np.save(tmp_path / "shape.npy", np.zeros((2, 3, 4)))
     with pytest.raises(FmoesimError, match=r"shape: \(capacity, 2, 4\)"):
         import_eamc(tmp_path / "shape.npy", tmp_path / "v", M)
+    (tmp_path / "empty.npy").write_bytes(b"")  # an interrupted dump: red on numpy's EOFError
+    with pytest.raises(FmoesimError, match="empty.npy: not a readable .npy array"):
+        import_eamc(tmp_path / "empty.npy", tmp_path / "w", M)
 
 
 @pytest.mark.skipif(not REAL.is_dir(), reason="../shared/data (real Mixtral routing) is absent")

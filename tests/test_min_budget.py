@@ -105,13 +105,14 @@ def test_the_answer_holds_that_many_experts_when_given_back(experts, size_bytes)
 def test_several_gpus_search_a_gpu_share_of_the_model(tmp_path):
     """Red if the search on two GPUs runs up to the whole model on each (its budget is
     per GPU: half the experts of every layer live on one) or its table does not say
-    that the answer is per GPU."""
+    that the answer is per GPU; red too if the option between the overrides is refused
+    (argparse's "unrecognized arguments" for the overrides after it)."""
     path = tmp_path / "t"
     generate(TINY, SyntheticConfig(num_requests=1, embedding_dim=0, seed=4), path)
     over = [o for o in tiny_overrides(path, tmp_path / "out") if not o.startswith("cache.")]
     p = subprocess.run(
-        [sys.executable, "-m", "fmoesim.cli.min_budget", "--target-tpot-ms", "0.000001",
-         *over, "hardware.num_gpus=2"],
+        [sys.executable, "-m", "fmoesim.cli.min_budget", *over[:1], "--target-tpot-ms",
+         "0.000001", *over[1:], "hardware.num_gpus=2"],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr

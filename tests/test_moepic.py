@@ -282,3 +282,18 @@ def test_bad_knobs():
         MoEpic(prefetch="oracle")
     with pytest.raises(ValueError, match="zeta"):
         MoEpic(zeta=0.0)
+
+
+def test_experts_of_several_sizes_are_refused_with_one_line(trace):
+    """Red if a model whose layers' experts differ in size (an imported trace may record
+    them) runs MoEpic, whose buffer and tops are sized from the mean expert: a layer above
+    it does not fit the buffer and the run stopped mid-way with a RuntimeError."""
+    from dataclasses import replace
+
+    from fmoesim.errors import ConfigError
+
+    big, small = 2 * MODEL.expert_size_bytes, MODEL.expert_size_bytes // 2
+    sizes = [big] + [small] * (MODEL.num_layers - 1)
+    model = replace(MODEL, expert_size_bytes_by_layer=sizes)
+    with pytest.raises(ConfigError, match="moepic needs one expert size in every layer"):
+        simulate(trace, model, TINY_HW, MoEpic(), MODEL.num_experts * MODEL.num_layers * big)

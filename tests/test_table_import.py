@@ -347,6 +347,10 @@ def test_from_arrays_and_routed_experts_files(tmp_path: Path) -> None:
     (tmp_path / "r.json").write_text(json.dumps({"routed_experts": b.tolist()}))
     tr3 = read_trace(import_routed_experts(tmp_path / "r.json", tmp_path / "t3", M))
     np.testing.assert_array_equal(tr3.counts[0], [[0, 0, 1, 1], [1, 1, 0, 0]])
+    for name in ("empty.npy", "empty.npz"):  # an interrupted dump: red on numpy's EOFError
+        (tmp_path / name).write_bytes(b"")
+        with pytest.raises(FmoesimError, match=f"{name}: .*readable"):
+            import_routed_experts(tmp_path / name, tmp_path / "t4", M)
     with pytest.raises(FmoesimError, match="distinct"):
         from_arrays(np.array([[[1, 1], [2, 3]]]), tmp_path / "t4", M)
     with pytest.raises(FmoesimError, match=r"-1 for a whole layer"):

@@ -422,11 +422,14 @@ def _preflight_sweep(overrides: list[str]) -> int:
                     ) from None
                 raise FmoesimError(one_line(exc)) from None
             try:
-                sweeper = _compose(first, hydra_config=True).hydra.sweeper
+                hydra_cfg = _compose(first, hydra_config=True).hydra
+                sweeper = hydra_cfg.sweeper
             except FmoesimError as exc:  # the first point's composition: name the point
                 varied = [i for i in range(len(first)) if len({p[i] for p in plain}) > 1]
                 shown = " ".join(first[i] for i in varied)
                 raise FmoesimError(f"{exc} (sweep run 1: {shown})" if shown else str(exc)) from None
+            given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.sweep.dir=")]
+            check_dir("hydra.sweep.dir", given[-1] if given else str(hydra_cfg.sweep.dir))
             if not str(sweeper.get("_target_", "")).endswith(".BasicSweeper"):
                 return 0  # points picked as the sweep goes (optuna...): each job checks
             params = sweeper.get("params") or {}

@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*", help="fmoesim config overrides, e.g. policy=lcp")
 
     def parse_and_run() -> None:
-        args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+        # options may stand between the overrides (policy=lfu --target-tpot-ms 300 ...)
+        args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
         _run(args.target_tpot_ms, args.overrides)
 
     run_or_exit(PROG, parse_and_run)

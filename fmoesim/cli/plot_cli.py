@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run", action="store_true", help="run the sweeps missing from the store")
     ap.add_argument("--jobs", type=int, default=2, help="local cores for --run (%(default)s)")
     ap.add_argument("--list", action="store_true", help="list the figures and exit")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # names may follow options: --run fig9 --jobs 1 fig10
     run_or_exit(PROG, _run, args)
 
 

@@ -142,11 +142,14 @@ def closed_form_applies(policy: Policy, model: ModelSpec, caches: Sequence[Exper
     """Whether a layer step of ``policy`` without actions and with an idle link may be
     timed in closed form (:meth:`Runner._layers_closed_form`): one GPU, one cache of
     whole experts of one size that keeps what it loads, and a policy that loads the
-    routed misses only (no split experts, no whole-layer fetch)."""
+    routed misses only (no split experts, no whole-layer fetch) and lets resident experts
+    compute while they load (not a synchronous one, whose layer waits for every transfer
+    in flight, its own loads included)."""
     c = caches[0]
     return (
         len(caches) == 1
         and not policy.uses_segments
+        and not policy.waits_for_prefetches()  # the closed form overlaps hits with loads
         and not policy.fetches_whole_layers()  # the closed form loads the routed misses only
         and c.group_of is None
         and not c.release_after_use  # the closed form keeps what it loads

@@ -66,6 +66,12 @@ class ServingConfig:
             raise ConfigError(
                 f"{prefix}.arrivals", self.arrivals, "must be 'trace', 'poisson' or 'csv'"
             )
+        if self.mode == "static":  # static batching serves from time 0: no arrivals
+            why = "is read in online serving only (serving.mode=online)"
+            if self.arrivals != "trace":
+                raise ConfigError(f"{prefix}.arrivals", self.arrivals, why)
+            if self.arrivals_csv is not None:
+                raise ConfigError(f"{prefix}.arrivals_csv", self.arrivals_csv, why)
         if self.mode == "online" and self.arrivals == "poisson":
             if not (isinstance(self.rate_rps, (int, float)) and math.isfinite(self.rate_rps)):
                 raise ConfigError(f"{prefix}.rate_rps", self.rate_rps, "must be a finite number")

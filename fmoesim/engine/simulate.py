@@ -352,6 +352,9 @@ def _preload(
     a GPU-Rich deployment holds them: admitted and completed without a transfer."""
     if policy.uses_segments:
         raise ConfigError("cache.preload", True, f"holds whole experts; {policy.name} splits them")
+    if not policy.keeps_unused_experts():
+        why = f"keeps every expert resident; {policy.name} evicts those its next layers do not use"
+        raise ConfigError("cache.preload", True, why)
     if release_after_use:
         raise ConfigError("cache.preload", True, "contradicts cache.release_after_use")
     E, N = model.num_experts, len(caches)

@@ -153,6 +153,8 @@ def model_from_config(
     )
     hidden = int(k.get("hidden_size", "hidden_size"))
     heads = int(k.get("num_attention_heads", "num_attention_heads"))
+    if heads < 1:  # head_dim defaults to hidden_size / heads below
+        raise k.refuse("num_attention_heads", ">= 1")
     out["hidden_size"] = hidden
     out["num_attention_heads"] = heads
     out["num_kv_heads"] = k.get("num_kv_heads", "num_key_value_heads", default=heads)

@@ -975,8 +975,17 @@ def import_routed_experts(
                 stored = [x["prompt_tokens"] for x in items]
         else:
             raise TableError(path, None, "routed experts are in a .npy, .npz or .json file")
-    except (ValueError, TypeError, OSError, OverflowError, RecursionError, BadZipFile) as exc:
-        raise TableError(path, None, "readable", str(exc).splitlines()[0]) from None
+    except (
+        ValueError,
+        TypeError,
+        OSError,
+        OverflowError,
+        RecursionError,
+        BadZipFile,
+        EOFError,
+    ) as exc:
+        said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TableError(path, None, "readable", said) from None
     if not reqs:
         raise TableError(path, None, "at least one request (array)")
     if stored is not None and len(stored) != len(reqs):
