@@ -98,8 +98,9 @@ def check_file_destination(flag: str, path: Path, force: bool = False) -> None:
         raise FmoesimError(f"{flag} {path}: {why}")
 
 
-def _prefix(name: str) -> str:
-    """The start of a temporary name for ``name`` made by this process."""
+def temp_prefix(name: str) -> str:
+    """The start of a temporary name for ``name`` made by this process (host and pid
+    in it, so :func:`clean_stale_temps` can tell when its writer is gone)."""
     return f".{name}.tmp-{HOST}-{os.getpid()}-"
 
 
@@ -125,7 +126,8 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_prefix(path.stem), suffix=path.suffix)
+        prefix = temp_prefix(path.stem)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=path.suffix)
     except OSError as exc:
         raise _about(exc, path) from None
     os.close(fd)
@@ -158,7 +160,7 @@ def atomic_dir(path: str | os.PathLike[str], replace: bool = False) -> Iterator[
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=_prefix(path.name), dir=path.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path.name), dir=path.parent))
     except OSError as exc:
         raise _about(exc, path) from None
     as_created(tmp, 0o777)

@@ -2268,12 +2268,23 @@ def render(out: Path) -> Path:
     for line in itertools.takewhile(lambda x: x.startswith("- "), lines[2:]):
         key, _, value = line[2:].partition(": ")
         meta[key] = value
-    df = pd.read_csv(table, dtype={"policy_code": str})
+    rule = f"rule: the validation.csv of '{PROG} score' or 'cross-check'"
+    if not table.read_bytes().endswith(b"\n"):  # the writer ends every row with one
+        raise FmoesimError(f"{table}: ends inside a row, cut short ({rule})")
+    try:
+        df = pd.read_csv(table, dtype={"policy_code": str})
+    except (ValueError, UnicodeDecodeError) as exc:  # pandas' parser and empty-data errors
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FmoesimError(f"{table}: not readable as CSV ({said}; {rule})") from None
     compared = [f"{side}_{m[0]}" for m in METRICS for side in ("sim", "replay")]
     missing = [c for c in ("hardware", *KEY, *compared) if c not in df.columns]
     if missing:
-        raise FmoesimError(f"{table}: column {missing[0]!r} is missing (rule: the "
-                           f"validation.csv of '{PROG} score' or 'cross-check')")  # fmt: skip
+        raise FmoesimError(f"{table}: column {missing[0]!r} is missing ({rule})")
+    for c in compared:  # a hand edit: a number that is not one
+        bad = pd.to_numeric(df[c], errors="coerce").isna() & df[c].notna()
+        if bad.any():
+            i = int(bad.to_numpy().argmax())
+            raise FmoesimError(f"{table}: row {i + 1}: {c} = {df[c].iloc[i]!r} (rule: a number)")
     rows = df.to_dict("records")
     by_profile = {hw: [r for r in rows if r["hardware"] == hw]
                   for hw in dict.fromkeys(r["hardware"] for r in rows)}  # fmt: skip
@@ -2552,6 +2563,8 @@ def _run(args: argparse.Namespace) -> None:
         print(_costs_text(engine))
         print(f"wrote {path}")
         return
+    if (why := unwritable(args.out)) is not None:  # before the simulations
+        raise FmoesimError(f"--out {args.out}: {why} (rule: a folder for the report)")
     device = args.device or "the replay's GPU"
     meta = {"device": device, "scored": dt.date.today().isoformat()}
     if args.cmd == "cross-check":

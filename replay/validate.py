@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fmoesim.errors import ArgumentParser, FmoesimError, names_of, run_or_exit
+from fmoesim.errors import ArgumentParser, ConfigError, FmoesimError, names_of, run_or_exit
 from fmoesim.validation import numbers
 
 PROG = "fmoesim-validate"
@@ -207,6 +207,8 @@ def validate(
     for name in policies:
         cfg = compose_config([*overrides, f"policy={name}"])
         spec = build_run(cfg)
+        if not spec.engine.timing:  # both sides are timed: the comparison is of times
+            raise ConfigError("engine.timing", False, f"{PROG} compares timed runs: drop it")
         check_link_order(spec.engine.link_order, timing=True, replay=True)
         path = _trace_path(spec)
         trace = traces[path] = traces.get(path) or read_trace(path)

@@ -1173,3 +1173,32 @@ def test_a_sweep_whose_record_cannot_be_written_is_refused_before_it_runs(tmp_pa
     p = fmoesim("-m", *tiny(tmp_path, "policy=lru,lfu", f"hydra.sweep.dir={blocker}/sw"))
     assert_refused(p, f"config key 'hydra.sweep.dir' = '{blocker}/sw': cannot be made")
     assert_nothing_written(tmp_path)
+
+
+KILLED_TRACE_WRITER = """
+import sys, time
+from fmoesim.trace import TraceWriter
+from tests._policy_helpers import _manifest
+from tests.tiny import TINY
+writer = TraceWriter(sys.argv[1], _manifest(TINY))  # kept referenced until the kill
+print(writer._tmp, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_killed_trace_writers_temporary_goes_at_the_next_write(tmp_path):
+    """Red if the folder a killed trace import or synth (SIGKILL, or SIGTERM, which runs
+    no cleanup) was writing stays beside the traces for good: its name must say which
+    process made it, and the next trace written to that folder removes it."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", KILLED_TRACE_WRITER, str(tmp_path / "a")],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert p.stdout is not None
+    killed = Path(p.stdout.readline().strip())
+    p.kill()
+    p.wait()
+    assert killed.is_dir() and killed.name.startswith(f".a.tmp-{HOST}-{p.pid}-")
+    write_sequence_trace(tmp_path / "b", ROUTES)
+    assert not killed.exists()
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["b"]

@@ -1233,3 +1233,22 @@ def test_a_policy_s_fingerprint_covers_the_modules_it_imports_from():
             {"prefetch_distance": 3, "_target_": "policies.fmoe.FMoE"}  # keys in another order
         )
     )
+
+
+@pytest.mark.parametrize("cmd", ["score", "cross-check", "events"])
+def test_a_report_folder_that_cannot_be_made_is_refused_first(tmp_path, capsys, cmd):
+    """Red if score, cross-check or events simulates first (tens of seconds on a real
+    replay.csv) and only then finds its --out under a file: the refusal must come
+    before any work, in one line naming --out."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    extra = (["--hardware", "h200-pcie5"] if cmd in ("score", "events")
+             else ["--base", "h200-pcie5", "--fit-model", "olmoe-1b-7b"])  # fmt: skip
+    with pytest.raises(SystemExit) as ex:
+        C.main([cmd, "--out", str(blocker / "r"), *extra, str(tmp_path / "no-replay.csv")])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"fmoesim-validate-grid: error: --out {blocker}/r: cannot be made: {blocker} is a "
+        "file (rule: a folder for the report)"
+    ]

@@ -123,3 +123,17 @@ def test_bad_golden_is_one_line(tmp_path):
     p = run("--golden", str(bad), "--policies", "lru")
     assert p.returncode == 2
     assert p.stderr.strip() == f"fmoesim-regress: error: {bad}: row 1: hit_rate must be in [0, 1]"
+
+
+def test_an_update_that_cannot_write_is_refused_before_the_runs(tmp_path):
+    """Red if --update runs every policy and only then finds that its golden file cannot
+    be written (under a file here), or says so in more than one line."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    p = run("--golden", str(blocker / "g.csv"), "--policies", "lru", "--update")
+    assert p.returncode == 2
+    assert p.stderr.strip() == (
+        f"fmoesim-regress: error: --golden {blocker}/g.csv: cannot be made: {blocker} is a "
+        "file (rule: --update writes it)"
+    )
+    assert p.stdout == ""  # no run's progress before the refusal

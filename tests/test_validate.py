@@ -102,6 +102,15 @@ def test_bad_input_is_one_line(tmp_path):
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "'engine.link_order' = 'fifo': is the simulator's what-if" in p.stderr
     assert not (tmp_path / "f").exists()
+    # hit-rate-only mode has no times to compare: red if the run went on timed (the
+    # override ignored), or the option between the overrides is refused by argparse
+    p = run("--device", "cpu", "--out", str(tmp_path / "h"), "engine.timing=false",
+            "--policies", "lru", "serving.max_requests=1")  # fmt: skip
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "fmoesim-validate: error: config key 'engine.timing' = False: fmoesim-validate "
+        "compares timed runs: drop it"
+    ], p.stderr
+    assert not (tmp_path / "h").exists()
     # a device the replay cannot use: refused before the synthetic trace is made (14 s,
     # a progress line and a bar on stderr before the error)
     p = run("--device", "tpu", "--out", str(tmp_path / "d"), "--policies", "lru")

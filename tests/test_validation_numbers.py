@@ -143,6 +143,33 @@ def test_render_refuses_what_is_not_a_report(tmp_path, capsys):
         assert len(err) == 1 and why in err[0], err
 
 
+def test_render_names_a_hand_edited_or_cut_row(tmp_path, capsys):
+    """Red if a validation.csv with a number edited into text, or cut inside a row,
+    gives pandas' traceback (or a misleading "column is missing") instead of one line
+    naming the file, the row and the rule, with the report left as it was."""
+    edited, cut = tmp_path / "edited", tmp_path / "cut"
+    for folder in (edited, cut):
+        report = _write_report(folder, {"p": [_row("a"), _row("b")]}, {"device": "d"}, "")
+        (folder / "report.md").write_text(report)
+    text = (cut / "validation.csv").read_text()
+    df = pd.read_csv(edited / "validation.csv")
+    df["sim_tpot_mean_s"] = df["sim_tpot_mean_s"].astype(object)
+    df.loc[1, "sim_tpot_mean_s"] = "abc"
+    df.to_csv(edited / "validation.csv", index=False)
+    (cut / "validation.csv").write_text(text[: len(text) - 7])
+    for folder, why in (
+        (edited, "validation.csv: row 2: sim_tpot_mean_s = 'abc' (rule: a number)"),
+        (cut, "validation.csv: ends inside a row, cut short"),
+    ):
+        before = (folder / "report.md").read_bytes()
+        with pytest.raises(SystemExit) as exc:
+            C.main(["render", str(folder)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0], err
+        assert (folder / "report.md").read_bytes() == before
+
+
 @pytest.mark.parametrize("report", REPORTS, ids=lambda p: p.name)
 def test_the_committed_reports_are_written_as_render_writes_them(report, tmp_path):
     """Every committed report under results/validation/ with a validation.csv is what

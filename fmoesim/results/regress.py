@@ -244,11 +244,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fmoesim.atomic import atomic_file
+    from fmoesim.atomic import atomic_file, unwritable
 
     golden = Path(args.golden)
     if not args.golden or golden.is_dir():  # --update would write into the folder's name
         raise FmoesimError(f"--golden {args.golden!r}: a directory or no name (rule: a CSV file)")
+    if args.update and (why := unwritable(golden, file=True)) is not None:  # before the runs
+        raise FmoesimError(f"--golden {args.golden}: {why} (rule: --update writes it)")
     policies = names_of("--policies", args.policies, empty_ok=True) or None
     check_tolerance(args.tolerance_points)
     # the golden file is checked before the runs: bad input fails at once

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fmoesim.atomic import as_created
+from fmoesim.atomic import as_created, clean_stale_temps, temp_prefix
 from fmoesim.errors import FmoesimError, TraceError
 from fmoesim.trace import schema as S
 
@@ -95,8 +95,9 @@ class TraceWriter:
         self._check, self._overwrite = check, overwrite
         check_destination(self.path, overwrite)
         self.path.parent.mkdir(parents=True, exist_ok=True)  # its OSError names the path
+        clean_stale_temps(self.path.parent)  # what a killed writer left there
         try:
-            tmp = tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent)
+            tmp = tempfile.mkdtemp(prefix=temp_prefix(self.path.name), dir=self.path.parent)
         except OSError as exc:  # a read-only or virtual file system: name the destination
             raise FmoesimError(
                 f"{self.path}: cannot be written ({exc.strerror or exc}; rule: the trace's "
