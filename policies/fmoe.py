@@ -344,6 +344,15 @@ class TrajectoryQuery:
         return np.divide(sim, norm, out=np.zeros_like(sim), where=norm > 0)
 
 
+def _count_shares(counts: np.ndarray) -> np.ndarray:
+    """A request's expert hit counts ``(L, J)`` as each layer's shares (a layer without
+    tokens stays zero): the probabilities fMoE's ranking takes as ``p``.  Every layer of
+    a request routes its tokens times K, so this divides the matrix by one number, which
+    leaves the cosine matches and the top-k picks as the counts give them."""
+    total = counts.sum(axis=1, keepdims=True)  # (L, 1)
+    return np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it
 class FMoE(Policy):
     """fMoE's map-guided prefetching and caching (``000`` §4).
@@ -353,18 +362,20 @@ class FMoE(Policy):
     each request of a batch contributes its own map (its mean gate probabilities, from
     :attr:`GateView.request_probs`) and embedding (:attr:`BatchInfo.embeddings`),
     because a batch's mixed map matches no single request's later iterations, and at
-    batch 1 (the paper's setting) the two are the same; on a
+    batch 1 the two are the same (the paper states no batch size but Fig. 14b's 1-4); on a
     trace without probabilities (top-k-only import) the map row is the routed-token
     share of each expert instead.
 
     Search (§4.2).  paper: for the first ``d`` layers, semantic search (eq. 4) picks the
     stored iteration with the most similar embedding and uses its first ``d`` layers;
-    after observing ``l`` layers, trajectory search (eq. 5) picks the stored map most
-    similar over those layers and uses its layer ``l + d``.  here: exactly that, per
-    request (0-based: at iteration start the semantic match prefetches layers
-    ``0..d-1``; the gate of layer ``g`` has shown ``g + 1`` layers and prefetches layer
-    ``g + d``).  Without embeddings, or with semantic search off (the Map(T) ablation),
-    the first ``d`` layers use the historical popularity (the mean stored map, top-k),
+    at layer ``l``, trajectory search (eq. 5) picks the stored map most similar over
+    "previous (l - 1) layers" and uses its ``P_{l+d}``.  here: per request, and the
+    trajectory includes the current layer's gate, because its distribution is known at
+    that gate and without it layer ``d`` (0-based) would have no match to guide it
+    (0-based: at iteration start the semantic match prefetches layers ``0..d-1``; the
+    gate of layer ``g`` has shown ``g + 1`` layers and prefetches layer ``g + d``).
+    Without embeddings, or with semantic search off (the Map(T) ablation), the first
+    ``d`` layers use the historical popularity (the mean stored map, top-k),
     MoE-Infinity's rule that §4.2 contrasts with.
 
     Selection (§4.3 eq. 6-8): :func:`select_experts` with the match's score
@@ -383,8 +394,9 @@ class FMoE(Policy):
     ``match_latency_s`` (:attr:`Actions.delay_s`): they start no earlier than the
     match would finish, so a distance ``d`` shorter than the latency cannot hide it
     (Fig. 13).  The paper gives no number for the latency (Fig. 15 only shows it off
-    the critical path); the default, 20 us, bounds this matcher's measured cost per
-    query at C = 1K (``benchmarks/fmoe.py``: 8-15 us trajectory, 12 us semantic); set
+    the critical path); the default, 20 us, is about this matcher's measured cost per
+    query at C = 1K (``benchmarks/fmoe.py``: 8-22 us a query, depending on the search
+    and the machine's load); set
     it to a measured value of a real matcher (Python threads, a GPU round trip) to
     study Fig. 13.
 
@@ -411,11 +423,18 @@ class FMoE(Policy):
     Store (§4.4): :class:`ExpertMapStore` with RDY replacement.  Offline mode (§6.1):
     ``serving.held_in_fraction=0.7`` gives 70% of the requests to :meth:`learn`, which
     fills the store before serving; online mode (§6.3): an empty store (``learn_online``
-    adds every finished iteration, in both modes, as fMoE's step 5 does).
+    adds every finished iteration, in both modes, as fMoE's step 5 does).  paper: RDY
+    scores "new iteration data" against "historical iteration data".  here: a batch's
+    maps are added one after another, so a later request's scores are taken against
+    the store as the earlier ones left it and may replace one of them (the paper does not
+    say how a batch's new maps meet each other; batch 1 is the same either way).
 
     Ablations (§6.5, Fig. 12).  ``guide``: ``map`` (expert maps), ``hit_count``
     (MoE-Infinity's request-level expert hit counts: the store holds one count matrix
-    per finished request, matched by trajectory on the iteration's counts, top-k),
+    per finished request, matched by trajectory on the iteration's counts, top-k; the
+    paper does not say what ``p`` its caching takes there: here each layer's shares of
+    the counts, a probability as §4.5's ``p`` is, so a long request's counts do not
+    outrank a short one's in eviction or in the first layers' popularity),
     ``speculate`` (the trace's speculative prediction ``spec_probs``, top-k of layer
     ``g + 1`` at gate ``g`` and of the next iteration's layer 0 at the last gate: the
     one-layer-ahead guess the trace records, so at distance 1 whatever ``d`` is — the
@@ -558,7 +577,7 @@ class FMoE(Policy):
             emb = r.embeddings
             store = self._store(0 if emb is None else emb.shape[1])
             if self.guide == "hit_count":
-                store.add(np.asarray(r.counts, dtype=np.float64).sum(axis=0))
+                store.add(_count_shares(np.asarray(r.counts, dtype=np.float64).sum(axis=0)))
                 continue
             if self.guide != "map":
                 continue
@@ -578,7 +597,7 @@ class FMoE(Policy):
         self._prompt.pop(request_id, None)
         counts = self._req_counts.pop(request_id, None)
         if counts is not None and self.learn_online:
-            self._store(0).add(counts)
+            self._store(0).add(_count_shares(counts))
 
     def on_iteration_start(self, batch: BatchInfo) -> Actions | None:
         """Semantic search; prefetch the first ``d`` layers."""
@@ -737,33 +756,32 @@ class FMoE(Policy):
         elif self._query is not None:
             q = self._query
             q.observe(layer, rows)
-            slots, scores = q.best()
+            slots, scores = q.best() if target < L else ([-1], [])  # the last d gates: no use
             if slots[0] >= 0:
-                self._traj.append(sum(scores) / len(scores))
-                if target < L:
-                    assert store is not None
-                    if len(slots) == 1:  # perf: one row, no fancy indexing
-                        mapped = store._maps[target, slots[0] : slots[0] + 1]  # (1, J)
-                        rows_p = mapped.tolist()
-                        self._set_guide(target, rows_p[0])
+                self._traj.append(sum(scores) / len(scores))  # the matches used only
+                assert store is not None
+                if len(slots) == 1:  # perf: one row, no fancy indexing
+                    mapped = store._maps[target, slots[0] : slots[0] + 1]  # (1, J)
+                    rows_p = mapped.tolist()
+                    self._set_guide(target, rows_p[0])
+                else:
+                    mapped = store._maps[target, slots]  # (B, J)
+                    rows_p = mapped.tolist()
+                    self._set_guide(target, mapped.max(axis=0).tolist())
+                for i, sc in enumerate(scores):
+                    if self.guide == "hit_count":  # counts -> shares, top-k
+                        row = mapped[i]
+                        tot = float(row.sum())
+                        picks += self._pick(
+                            row / tot if tot > 0 else row, target, None, self._k(i, target)
+                        )
                     else:
-                        mapped = store._maps[target, slots]  # (B, J)
-                        rows_p = mapped.tolist()
-                        self._set_guide(target, mapped.max(axis=0).tolist())
-                    for i, sc in enumerate(scores):
-                        if self.guide == "hit_count":  # counts -> shares, top-k
-                            row = mapped[i]
-                            tot = float(row.sum())
-                            picks += self._pick(
-                                row / tot if tot > 0 else row, target, None, self._k(i, target)
-                            )
-                        else:
-                            picks += self._pick_list(
-                                rows_p[i],
-                                target,
-                                sc if self.dynamic_threshold else None,
-                                self._k(i, target),
-                            )
+                        picks += self._pick_list(
+                            rows_p[i],
+                            target,
+                            sc if self.dynamic_threshold else None,
+                            self._k(i, target),
+                        )
         elif target < L and self._sem_slots and store is not None:
             # trajectory search off: the semantic match guides every layer
             mapped = store._maps[target, self._sem_slots]  # (B, J)

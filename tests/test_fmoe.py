@@ -318,6 +318,23 @@ def test_semantic_search_guides_the_first_d_layers_and_trajectory_search_the_res
     np.testing.assert_allclose(pol.store.maps()[2], [Y_ROW] * 4)
 
 
+def test_the_trajectory_score_counts_the_matches_used_only():
+    """One stored map [A, A, B, B], d = 2, the request routes A at every layer: the gates
+    of layers 0 and 1 match it over [A] and [A, A] (cosine 1) and prefetch layers 2 and 3;
+    the gates of layers 2 and 3 prefetch nothing (2 + d = L). Red if those two unused
+    matches (1.2 / 1.56 and 1.36 / 2.08) enter the logged mean: 0.856 instead of 1, a
+    score Fig. 8 correlates with the hit rate."""
+    A, B = [0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]
+    pol = FMoE(prefetch_distance=2, learn_online=False)
+    pol.reset(context(small_model(4, 4, 1), 16))
+    pol.learn([one_iteration(0, [A, A, B, B], [1.0, 0.0])])
+    pol.on_iteration_start(batch([1.0, 0.0]))
+    for layer in range(4):
+        pol.on_gate(layer, gate(layer, A))
+    pol.on_iteration_end(batch([1.0, 0.0]))
+    assert pol.report()["trajectory_score"][0] == pytest.approx(1.0)
+
+
 def test_without_semantic_search_the_first_layers_follow_historical_popularity():
     """Map (T): the mean stored map ((.4, .1, .1, .4) per layer) gives the top-1, expert 0
     (ties to the smaller id), and the semantic score is not logged."""
@@ -340,7 +357,32 @@ def test_hit_count_guide_stores_request_level_counts():
     counts = np.array([[[2, 0, 1, 0], [0, 3, 0, 0]], [[1, 0, 0, 0], [0, 0, 0, 1]]], np.int32)
     pol.learn([RequestTrace(0, counts, np.array([3, 1]), None, None)])
     assert pol.store is not None
-    np.testing.assert_allclose(pol.store.maps()[0], counts.sum(axis=0))
+    # each layer's shares of the counts [[3, 0, 1, 0], [0, 3, 0, 1]]
+    np.testing.assert_allclose(pol.store.maps()[0], [[0.75, 0, 0.25, 0], [0, 0.75, 0, 0.25]])
+
+
+def test_hit_count_p_is_a_share_not_a_count():
+    """Two stored requests, one of 10 tokens (layer 0: expert 0 ten times) and one of 2
+    (layer 0: expert 1 twice): the first layer's popularity is the mean of their shares,
+    [0.5, 0.5], and a prefetch's queue value stays in [0, 1]. Red on raw counts: the
+    mean [5, 1] makes the long request's expert a p of 5 in eviction and its prefetch
+    a queue value of 1 - 5 = -4, ahead of every share-based pick."""
+    m = small_model(3, 2, 1)
+
+    def req(rid: int, routes: list[list[int]]) -> RequestTrace:
+        c = np.zeros((len(routes), 3, 2), np.int32)
+        for t, r in enumerate(routes):
+            for layer, e in enumerate(r):
+                c[t, layer, e] = 1
+        return RequestTrace(rid, c, np.ones(len(routes), np.int64), None, None)
+
+    pol = FMoE(prefetch_distance=1, guide="hit_count", semantic=False, dynamic_threshold=False)
+    pol.reset(context(m, 6))
+    pol.learn([req(0, [[0, t % 2, 0] for t in range(10)]), req(1, [[1, 0, 1], [1, 1, 1]])])
+    pol.on_request_start(RequestInfo(7, 1, 2, None))
+    acts = pol.on_iteration_start(BatchInfo(0, (7,), (0,), 1, False, None))
+    assert pol._guide[0:2] == [0.5, 0.5]
+    assert acts is not None and all(0 <= p.priority <= 1 for p in acts.prefetch)
 
 
 # -- the oracle store reaches the demand upper bound ---------------------------------------------
