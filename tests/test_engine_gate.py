@@ -114,6 +114,39 @@ def test_cancelling_a_key_the_layer_is_loading_does_nothing(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("timing", "landing"), [(True, "link"), (False, "link"), (False, "next_step")]
 )
+def test_a_deferred_miss_the_gate_then_prefetches_is_waited_for(
+    tmp_path: Path, timing: bool, landing: str
+) -> None:
+    """Budget one expert, held by a delayed prefetch of key 1 that never started: layer
+    0's miss of key 0 finds no room and waits; the gate's actions then cancel key 1 and
+    prefetch key 0 itself. Red if the waiting miss, retried, admits key 0 a second time
+    (ValueError: already cached or in flight) instead of waiting for that prefetch."""
+    from policies.base import BatchInfo, Prefetch
+    from tests.tiny import TINY, write_sequence_trace
+
+    class FreeThenFetch(LRU):
+        def on_iteration_start(self, batch: BatchInfo) -> Actions:
+            if batch.iteration == 0:
+                return Actions(prefetch=[Prefetch(1, 0.5)], delay_s=1.0)
+            return NO_ACTIONS
+
+        def on_gate(self, layer: int, gate: GateView) -> Actions:
+            if layer == 0 and gate.step == 0:
+                return Actions(cancel=[1], prefetch=[Prefetch(0, 0.5)])
+            return NO_ACTIONS
+
+    tr = read_trace(write_sequence_trace(tmp_path / "t", [[0, 0], [0, 0]]))
+    size = TINY.expert_size_bytes
+    r = simulate(tr, TINY, TINY_HW, FreeThenFetch(), size, timing=timing, landing=landing)
+    landed = [t.key for t in r.transfers if not t.cancelled]
+    assert landed.count(0) == 2 and landed.count(4) == 2  # each layer's expert once a token
+    if landing == "link":  # with next_step the delayed prefetch has landed by the gate
+        assert [t.key for t in r.transfers if t.cancelled] == [1]
+
+
+@pytest.mark.parametrize(
+    ("timing", "landing"), [(True, "link"), (False, "link"), (False, "next_step")]
+)
 def test_aborting_keys_the_layer_is_loading_does_nothing(
     tmp_path: Path, timing: bool, landing: str
 ) -> None:

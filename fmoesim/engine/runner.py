@@ -1142,7 +1142,13 @@ class Runner:
             if deferred:  # room may have been freed by experts computed since
                 still = []
                 for x in deferred:
-                    if self._load(g, x[1], ON_DEMAND, "on_demand", pin=True):
+                    ent = cache.entries.get(x[1])
+                    if ent is not None:  # the gate's actions prefetched it since: wait for it
+                        cache.pin(x[1], ent)
+                        if not ent.resident:
+                            be.escalate(g, x[1])
+                        pending.append(x)
+                    elif self._load(g, x[1], ON_DEMAND, "on_demand", pin=True):
                         pending.append(x)
                     else:
                         still.append(x)
