@@ -14,9 +14,11 @@ layer is using, and it queues behind the on-demand loads); shared experts; then 
 each GPU, resident experts compute while the missing ones load, and the layer ends
 when the slowest GPU is done.
 
-When an on-demand load finds no room because the budget is held by prefetches still in
-flight, the Runner cancels queued, never-started ones (least urgent first, only as many
-as it needs) and otherwise waits for one to land; a real server must do the same.
+An on-demand load that finds no room waits and is tried again after each expert its GPU
+computes; when nothing of the step's own is loading or left to compute and prefetches in
+flight hold the budget, the Runner cancels a queued, never-started one (the largest
+priority value it was submitted with first) and otherwise waits for one to land; a real
+server must do the same (docs/concepts.md, "Budget").
 """
 
 from __future__ import annotations
@@ -1092,9 +1094,9 @@ class Runner:
 
     def _reclaim(self, g: int) -> bool:
         """An on-demand load finds GPU ``g``'s budget held by unused prefetches in
-        flight: cancel the least urgent queued, never-started one; if none can be
-        cancelled, wait for one to land (it then becomes evictable).  False when nothing
-        is in flight."""
+        flight: cancel the queued, never-started one with the largest priority value it
+        was submitted with (ties: the earliest submitted); if none can be cancelled, wait
+        for one to land (it then becomes evictable).  False when nothing is in flight."""
         cache, be = self.caches[g], self.backend
         inflight = [
             (e.record.priority, -e.record.submit_s, k)
