@@ -499,24 +499,30 @@ time.sleep(300)
 """
 
 
+def _kill_a_writer(script: str, dest: Path) -> tuple[Path, int]:
+    """Run ``script`` (it prints its temporary's path, then sleeps) writing ``dest``, kill
+    it with SIGKILL (no cleanup runs) and return that temporary and the dead pid."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", script, str(dest)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    assert p.stdout is not None
+    killed = Path(p.stdout.readline().strip())
+    p.kill()
+    p.wait()
+    return killed, p.pid
+
+
 def test_stale_temporaries_of_killed_writers_are_removed(tmp_path):
     runs, store = tmp_path / "runs", tmp_path / "store"
     runs.mkdir()
     store.mkdir()
-    p = subprocess.Popen(
-        [sys.executable, "-c", KILLED_WRITER, str(runs / "victim")],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT,
-    )  # fmt: skip
-    assert p.stdout is not None
-    killed = Path(p.stdout.readline().strip())
-    p.kill()  # SIGKILL: no cleanup
-    p.wait()
+    killed, pid = _kill_a_writer(KILLED_WRITER, runs / "victim")
     assert killed.is_dir() and killed.parent == runs
-    dead_file = store / f".abc.tmp-{HOST}-{p.pid}-xyz.parquet"
+    dead_file = store / f".abc.tmp-{HOST}-{pid}-xyz.parquet"
     dead_file.write_text("half")
     live = runs / f".other.tmp-{HOST}-{os.getpid()}-live"  # this test's own: alive
     live.mkdir()
-    elsewhere = runs / f".other.tmp-otherhost-{p.pid}-far"  # another host: unknown
+    elsewhere = runs / f".other.tmp-otherhost-{pid}-far"  # another host: unknown
     elsewhere.mkdir()
     keep = runs / ".keepme"
     keep.write_text("not ours")
@@ -1190,15 +1196,8 @@ def test_a_killed_trace_writers_temporary_goes_at_the_next_write(tmp_path):
     """Red if the folder a killed trace import or synth (SIGKILL, or SIGTERM, which runs
     no cleanup) was writing stays beside the traces for good: its name must say which
     process made it, and the next trace written to that folder removes it."""
-    p = subprocess.Popen(
-        [sys.executable, "-c", KILLED_TRACE_WRITER, str(tmp_path / "a")],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT,
-    )  # fmt: skip
-    assert p.stdout is not None
-    killed = Path(p.stdout.readline().strip())
-    p.kill()
-    p.wait()
-    assert killed.is_dir() and killed.name.startswith(f".a.tmp-{HOST}-{p.pid}-")
+    killed, pid = _kill_a_writer(KILLED_TRACE_WRITER, tmp_path / "a")
+    assert killed.is_dir() and killed.name.startswith(f".a.tmp-{HOST}-{pid}-")
     write_sequence_trace(tmp_path / "b", ROUTES)
     assert not killed.exists()
     assert sorted(x.name for x in tmp_path.iterdir()) == ["b"]
