@@ -155,7 +155,8 @@ class EAMCQuery:
 
     def top(self, k: int) -> list[int]:
         """Slots of the ``k`` most similar stored EAMs with similarity > 0, most similar
-        first, ties to the lower slot.
+        first, ties to the lower slot (up to float32 rounding: two EAMs of exactly equal
+        cosine may score a last bit apart, and the higher slot can then win).
 
         perf: ranking needs only ``dot / ||stored prefix||`` (the query's own norm is a
         common factor); one ``argmax`` for ``k == 1``, a partition for larger ``k``.
@@ -302,13 +303,20 @@ class MoEInfinity(Policy):
     the batch's requests (the decode EAM once a request has decoded, before that its
     prefill EAM) over its layer's row total: the activation frequency, on the scale of a
     prefetch's predicted probability, which a load compares it with at admission (within
-    a layer the counts' order), times ``2 - l / L`` when ``initial_layer_priority`` (the
-    paper gives no formula; a linear boost chosen here, from 2x at the first layer to
-    ~1x at the last, so the preference at most doubles a priority and never reorders
-    one layer's experts), recomputed at each iteration start (the paper updates request
-    EAMs at iteration end).  An expert in the current top-K that is already in the
-    buffer is protected as well (the top-K own the slots).  Ties go to the oldest
-    admission; if every candidate is protected, the least important prediction goes.
+    a layer the counts' order, for a decoder-only model: an encoder-decoder's prefill EAM
+    has encoder rows summing to the prompt and decoder rows to 1), times ``2 - l / L``
+    when ``initial_layer_priority`` (the paper gives no formula; a linear boost chosen
+    here, from 2x at the first layer to ~1x at the last, so the preference at most
+    doubles a priority and never reorders one layer's experts), recomputed at each
+    iteration start (the paper updates request EAMs at iteration end).  With the boost
+    the priorities reach 2 while a prediction stays below 1, so a cached expert of an
+    early layer with a frequency of 0.5 or more is never displaced by a prefetch, where
+    §5.2 "replace[s] the one that shows the lowest cache priority" whatever the
+    prediction; and a gate's own cancellations do not count as free slots for its new
+    prefetches, which then need room from the cache.  An expert in the current top-K
+    that is already in the buffer is protected as well (the top-K own the slots).  Ties
+    go to the oldest admission; if every candidate is protected, the least important
+    prediction goes.
 
     Switches (Table 4 and §7.5): ``request_level_tracing`` (off: every expert of the
     next layers equally likely, the "vanilla" dependency prefetch), ``multi_layer`` (off:
@@ -429,8 +437,8 @@ class MoEInfinity(Policy):
             eams = self._req[rid]
             acc += eams["decode"] if eams["decode"].any() else eams["prefill"]
         # row-normalised: the request's empirical activation probability, the same scale
-        # as a prefetch's predicted probability (every row of an EAM sums to the same
-        # number of routed tokens, so this keeps the order of the counts)
+        # as a prefetch's predicted probability (every row of a decoder-only model's EAM
+        # sums to the same number of routed tokens, so this keeps the order of the counts)
         tot = acc.sum(axis=1, keepdims=True)
         freq = np.divide(acc, tot, out=np.zeros_like(acc), where=tot > 0)
         self._cprio = (freq * self._layer_w[:, None]).reshape(-1).tolist()
