@@ -346,9 +346,11 @@ class TrajectoryQuery:
 
 def _count_shares(counts: np.ndarray) -> np.ndarray:
     """A request's expert hit counts ``(L, J)`` as each layer's shares (a layer without
-    tokens stays zero): the probabilities fMoE's ranking takes as ``p``.  Every layer of
-    a request routes its tokens times K, so this divides the matrix by one number, which
-    leaves the cosine matches and the top-k picks as the counts give them."""
+    tokens stays zero): the probabilities fMoE's ranking takes as ``p``.  In a
+    decoder-only model every layer of a request routes its tokens times K, so this
+    divides the matrix by one number and leaves the cosine matches and the top-k picks
+    as the counts give them (an encoder-decoder's encoder and decoder layers route
+    different numbers of tokens, and there each layer weighs the same in a match)."""
     total = counts.sum(axis=1, keepdims=True)  # (L, 1)
     return np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)
 

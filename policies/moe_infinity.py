@@ -224,7 +224,7 @@ def load_eamcs(
     try:
         z = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, BadZipFile) as exc:
-        raise ValueError(f"{path}: not a readable .npz EAMC file ({exc or 'empty'})") from None
+        raise ValueError(f"{path}: not a readable .npz EAMC file ({str(exc) or 'empty'})") from None
     if isinstance(z, np.ndarray):  # a .npy array
         raise ValueError(
             f"{path}: a .npy array (rule: an EAMC file is the .npz archive save_eamcs writes)"

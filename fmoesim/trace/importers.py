@@ -225,7 +225,7 @@ def import_eamc(
     try:
         arr = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
-        raise FmoesimError(f"{path}: not a readable .npy array ({exc or 'empty'})") from None
+        raise FmoesimError(f"{path}: not a readable .npy array ({str(exc) or 'empty'})") from None
     if not isinstance(arr, np.ndarray):  # an .npz archive
         arr.close()
         raise FmoesimError(f"{path}: not a .npy array (rule: an EAMC is one .npy array)")
