@@ -771,8 +771,8 @@ class FMoE(Policy):
                     rows_p = mapped.tolist()
                     self._set_guide(target, mapped.max(axis=0).tolist())
                 for i, sc in enumerate(scores):
-                    if self.guide == "hit_count":  # counts -> shares, top-k
-                        row = mapped[i]
+                    if self.guide == "hit_count":  # the stored shares, top-k
+                        row = mapped[i]  # float32: sums to 1 only up to rounding
                         tot = float(row.sum())
                         picks += self._pick(
                             row / tot if tot > 0 else row, target, None, self._k(i, target)

@@ -165,7 +165,7 @@ def _run(targets_ms: list[float], overrides: list[str]) -> None:
         return runs[n]
 
     gpus = spec.hardware.num_gpus
-    lo = min(m.top_k, -(-m.num_experts // gpus))  # what one GPU computes of a token's layer
+    lo = m.gpu_topk_experts(gpus)  # what one GPU computes of a token's layer
     hi = max(lo, m.experts_per_gpu(gpus))  # the budget is per GPU
     per = " per GPU" if gpus > 1 else ""
     print(

@@ -174,7 +174,7 @@ def check_budget(
         )
     floor_bytes = model.gpu_topk_bytes(num_gpus)
     if budget_bytes < floor_bytes:
-        n = floor_bytes // max(model.layer_expert_bytes)
+        n = model.gpu_topk_experts(num_gpus)
         where = (
             f"one layer's top-{model.top_k} experts of {model.name}"
             if num_gpus == 1

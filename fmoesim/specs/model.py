@@ -185,12 +185,15 @@ class ModelSpec:
         that can run a token."""
         return self.top_k * max(self.layer_expert_bytes)
 
+    def gpu_topk_experts(self, num_gpus: int) -> int:
+        """The most routed experts one of ``num_gpus`` GPUs computes in a token's layer
+        step: ``min(top_k, ceil(E / N))``, since expert ``e`` lives on GPU ``e mod N``."""
+        return min(self.top_k, -(-self.num_experts // num_gpus))
+
     def gpu_topk_bytes(self, num_gpus: int) -> int:
-        """Bytes of the most routed experts one of ``num_gpus`` GPUs computes in a token's
-        layer step (the largest layer's): ``min(top_k, ceil(E / N))`` experts, since expert
-        ``e`` lives on GPU ``e mod N``. One GPU's is :attr:`layer_topk_bytes`."""
-        per_gpu = min(self.top_k, -(-self.num_experts // num_gpus))
-        return per_gpu * max(self.layer_expert_bytes)
+        """Bytes of :meth:`gpu_topk_experts` experts of the largest layer. One GPU's is
+        :attr:`layer_topk_bytes`."""
+        return self.gpu_topk_experts(num_gpus) * max(self.layer_expert_bytes)
 
     def experts_per_gpu(self, num_gpus: int) -> int:
         """The most routed experts one of ``num_gpus`` GPUs holds: expert ``e`` of every
