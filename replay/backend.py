@@ -464,6 +464,11 @@ class GpuBackend(Backend):
             if not link.pump(self._host_s()):
                 time.sleep(0)  # perf: let the copy thread (CPU path) have the GIL
 
+    def catch_up(self, gpu: int) -> None:
+        """Land the copies that have arrived by now (the link fed as :meth:`wait_any`
+        feeds it), so a load that found no room sees them resident."""
+        self.link.pump(self._host_s())
+
     def end_experts(self) -> float:
         """The layer's stall (summed over its waits)."""
         return self._layer_stall_s

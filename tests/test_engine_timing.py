@@ -21,7 +21,7 @@ from fmoesim.engine.compute import ComputeModel
 from fmoesim.engine.sim import SimLink
 from fmoesim.errors import ConfigError
 from fmoesim.trace import read_trace
-from policies.base import NO_ACTIONS, Actions, Outcome, Prefetch, PrefetchBatch
+from policies.base import NO_ACTIONS, Actions, GateView, Outcome, Prefetch, PrefetchBatch
 from policies.lru import LRU
 from tests._engine_helpers import (
     TRANSFER_COLUMNS,
@@ -1037,6 +1037,84 @@ def test_on_demand_cancels_only_as_many_queued_prefetches_as_it_needs(tmp_path):
     assert not by_key[1].cancelled, "cancelled a queued prefetch that was not in the way"
     assert by_key[1].end_s == pytest.approx(t_0 + 3 * T_X)
     assert s["cancelled_transfers"] == 1
+
+
+@pytest.mark.parametrize(
+    ("schedule", "cancelled", "kept"),
+    [
+        # equal priorities: the later submission is the one the link would serve last
+        ({2: [(5, 1.0), (3, 3.0), (1, 3.0)]}, 1, 3),
+        # key 1 re-ranked at layer 1's gate (step 3) to 4.0, below key 3's 3.0 in the queue
+        ({2: [(5, 1.0), (1, 2.0), (3, 3.0)], 3: [(1, 4.0)]}, 1, 3),
+    ],
+)
+def test_on_demand_cancels_the_prefetch_the_link_would_serve_last(
+    tmp_path, schedule, cancelled, kept
+):
+    """As above (three experts of budget per GPU, keys 5, 1, 3 prefetched to GPU 1 at
+    ``T0``, layer 1 missing key 7): the queued prefetch cancelled for room is the one
+    the link would start last, by its current queue priority and then the latest
+    submission, and the other still lands at ``T0 + 3 t_x``.  Red if the ranking reads
+    the priority a prefetch was submitted with (a re-ranking ignored) or breaks a tie
+    for the earliest submission."""
+    tr = write_trace(tmp_path / "t", TINY, [Req(0, 1, [[[0], [0]], [[0], [3]]])])
+    r = simulate(tr, TINY, HW2, ScheduledPrefetch(schedule), 3 * SIZE)
+    first = {}
+    for t in r.transfers:
+        if t.reason == "prefetch":
+            first.setdefault(t.key, t)
+    t_0 = first[5].submit_s
+    assert [k for k, t in first.items() if t.cancelled] == [cancelled]
+    assert first[kept].end_s == pytest.approx(t_0 + 3 * T_X)
+    np.testing.assert_allclose(r.metrics.stall_per_layer_s, [T_X, T_X + 2 * T_X - GAP1], rtol=1e-9)
+
+
+def test_a_load_waiting_for_room_sees_a_prefetch_landed_while_its_gpu_computed(tmp_path):
+    """Three experts of budget, one GPU, a static batch of three one-token requests.
+
+    Iteration 0 caches keys 0, 2 (layer 0) and 4 (layer 1).  Iteration 1: layer 0 hits
+    key 0 and its gate prefetches key 1 (for a later iteration), held back ``D`` so it
+    evicts key 2 and lands half way through layer 1's compute of key 4.  Layer 1 needs
+    keys 4 (a hit), 5 and 6: key 5 evicts key 0 and key 6 finds no room (key 4 in use,
+    keys 5 and 1 in flight).  Once key 4 has computed, key 1 has landed: LRU evicts it
+    (inserted before key 4's use), so key 6 loads and iteration 2's access to key 1 is a
+    miss.  Red if the retry looked at the residency the cache knew at the layer's gate
+    (key 1 still in flight there): key 4 would be evicted and key 1 be a hit."""
+    from fmoesim.engine.serving import ServingConfig
+
+    hw = replace(TINY_HW, pcie_gbps=1000.0, transfer_overhead_s=1e-5)
+    c = ComputeModel.from_specs(TINY, hw)
+    t_x = transfer_s(hw, TINY)
+    gap = c.expert_s(3) + pre_gate_s(c, [(1, 1)] * 3)  # layer 0's gate to layer 1's
+    x4 = c.expert_s(1)
+    delay = gap + x4 / 2 - t_x  # key 1 lands half way through key 4's compute
+    assert 0 < delay < gap
+
+    class PrefetchKey1(LRU):
+        def on_gate(self, layer: int, gate: GateView) -> Actions:
+            if gate.step == 2:  # iteration 1, layer 0
+                return Actions(prefetch=[Prefetch(1)], delay_s=delay)
+            return NO_ACTIONS
+
+    routes = [  # (iteration 0, 1, 2) x (layer 0, layer 1) of each request
+        [[[0], [0]], [[0], [0]], [[1], [0]]],
+        [[[2], [0]], [[0], [1]], [[1], [0]]],
+        [[[0], [0]], [[0], [2]], [[1], [0]]],
+    ]
+    tr = write_trace(tmp_path / "t", TINY, [Req(i, 1, routes[i]) for i in range(3)])
+    r = simulate(
+        tr, TINY, hw, PrefetchKey1(), 3 * SIZE, access_log=True,
+        serving=ServingConfig(mode="static", batch_size=3),
+    )  # fmt: skip
+    pf = next(t for t in r.transfers if t.reason == "prefetch")
+    od6 = next(t for t in r.transfers if t.key == 6)
+    t_g1 = pf.submit_s + gap
+    assert pf.key == 1 and pf.end_s == pytest.approx(t_g1 + x4 / 2)
+    assert od6.submit_s == pytest.approx(t_g1 + x4)  # tried again once key 4 computed
+    log = r.accesses
+    it2 = (log["iteration"] == 2) & (log["layer"] == 0)
+    assert list(log["outcome"][it2]) == [Outcome.MISS]  # one access: the batch shares key 1
+    assert [t.key for t in r.transfers if t.reason == "on_demand"][-2:] == [1, 4]
 
 
 @settings(max_examples=60, deadline=None)

@@ -236,6 +236,11 @@ class Backend(ABC):
     def wait_any(self, gpu: int, keys: list[int]) -> int:
         """Block ``gpu``'s compute until one of ``keys`` is resident; return it."""
 
+    def catch_up(self, gpu: int) -> None:
+        """Make every transfer on ``gpu``'s link that has landed by that GPU's current
+        time resident in its cache, without moving any clock (default: nothing to do,
+        a backend whose residency follows real completions)."""
+
     def link_idle(self, gpu: int) -> bool:
         """Whether ``gpu``'s link has nothing moving, queued or waiting for release."""
         return False

@@ -1094,12 +1094,14 @@ class Runner:
 
     def _reclaim(self, g: int) -> bool:
         """An on-demand load finds GPU ``g``'s budget held by unused prefetches in
-        flight: cancel the queued, never-started one with the largest priority value it
-        was submitted with (ties: the earliest submitted); if none can be cancelled, wait
-        for one to land (it then becomes evictable).  False when nothing is in flight."""
+        flight: cancel the queued, never-started one the link would serve last (the
+        largest current queue priority value, ties: the latest submitted, by the link's
+        sequence numbers; the hit-rate-only ``next_step`` backend numbers none, so its
+        ties go to the largest key); if none can be cancelled, wait for one to land (it
+        then becomes evictable).  False when nothing is in flight."""
         cache, be = self.caches[g], self.backend
         inflight = [
-            (e.record.priority, -e.record.submit_s, k)
+            (e.record.link_priority, e.record.seq, k)
             for k, e in cache.entries.items()
             if not e.resident and not e.pins and e.record is not None
         ]
@@ -1142,6 +1144,7 @@ class Runner:
                     self._split_whole(g, layer, x[1])
         while pending or deferred:
             if deferred:  # room may have been freed by experts computed since
+                be.catch_up(g)  # and prefetches landed by now are evictable
                 still = []
                 for x in deferred:
                     ent = cache.entries.get(x[1])

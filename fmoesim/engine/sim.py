@@ -646,6 +646,13 @@ class SimBackend(Backend):
             t = link.cur_end_s
             link.advance(t)
 
+    def catch_up(self, gpu: int) -> None:
+        """Advance ``gpu``'s link to that GPU's clock (its landed transfers resident)."""
+        link = self.links[gpu]
+        t = self._gpu_s[gpu] if self._in_experts else self.clock_s
+        if link.cur_end_s <= t:
+            link.advance(t)
+
     def link_idle(self, gpu: int) -> bool:
         """Nothing moving on ``gpu``'s link and nothing queued or waiting for release
         (the release entries of cancelled delayed prefetches do not count)."""
