@@ -189,6 +189,28 @@ def test_cli_refuses_a_resume_with_other_arguments_before_loading(
     assert "max_new_tokens 3 there, 6 now" in err and "--force" in err
 
 
+def test_cli_refuses_a_dense_model_before_its_weights_load(
+    tmp_path, capfd, id_prompts, monkeypatch
+):
+    """A saved dense Llama: one line naming the model and the missing expert count,
+    before ``AutoModelForCausalLM.from_pretrained`` runs (its weight-loading progress
+    bar would come first) and with no output directory.  Red if the config is not
+    checked before the load."""
+    T.LlamaForCausalLM(T.LlamaConfig(**COMMON, intermediate_size=16)).save_pretrained(
+        tmp_path / "dense"
+    )
+    capfd.readouterr()  # the save's own progress bar
+
+    def no_load(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(T.AutoModelForCausalLM, "from_pretrained", no_load)
+    (err,) = cli(capfd, tmp_path / "dense", id_prompts, tmp_path / "out")
+    assert err.startswith(f"fmoesim-collect: error: {tmp_path / 'dense'}: LlamaConfig: no ")
+    assert "not a mixture-of-experts model?" in err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out*"))
+
+
 def test_cli_hub_and_model_load_errors_are_one_line(tmp_path, capfd, id_prompts, offline):
     """Red when ``from_pretrained`` errors reach the user as a traceback (an unreachable
     hub id: a 51-line OSError; a model directory with a broken config), leave

@@ -43,6 +43,22 @@ def trace_dir(tmp_path: Path) -> Path:
 
 
 # -- round trip ------------------------------------------------------------------------
+def test_a_null_embedding_reads_as_zeros(trace_dir: Path) -> None:
+    """``iterations.embedding`` is nullable (traces/README.md): a null row reads as
+    zeros, the other rows as written.  Red if the null row came back as another row's
+    values or as the buffer's leftovers, or if the read refused it."""
+    want = read_trace(trace_dir).embedding.copy()  # (N, D)
+
+    def null_second(rows: list[dict]) -> None:
+        rows[1]["embedding"] = None
+
+    rewrite_rows(trace_dir / S.ITERATIONS, null_second)
+    got = read_trace(trace_dir).embedding
+    assert np.all(want[1] != 0)  # the planted null replaces a row of non-zeros
+    np.testing.assert_array_equal(got[1], np.zeros(D, np.float16))
+    np.testing.assert_array_equal(np.delete(got, 1, axis=0), np.delete(want, 1, axis=0))
+
+
 def test_round_trip_values(tmp_path: Path) -> None:
     path = tmp_path / "tiny"
     inp = build_trace(path)

@@ -254,13 +254,22 @@ def hub_unreachable() -> str | None:
 def _config_vocab_size(name: str, options: dict[str, Any]) -> int | None:
     """The vocabulary size ``name``'s config gives (its text model's, for a multimodal
     one), or None where the config does not load or say: loading the model reports it,
-    and the collector checks the ids against the loaded embeddings."""
+    and the collector checks the ids against the loaded embeddings.  A config that
+    names no routed experts or no experts per token (a dense model) is refused here, in
+    one line, before the weights load."""
     from transformers import AutoConfig
+
+    from fmoesim.collect.routing import num_experts_of, top_k_of
 
     try:
         cfg = AutoConfig.from_pretrained(name, **options)
     except Exception:  # noqa: BLE001 - reported in one line by the model's load
         return None
+    try:  # what the collector reads from the loaded model's config
+        num_experts_of(cfg)
+        top_k_of(cfg)
+    except FmoesimError as exc:
+        raise FmoesimError(f"{name}: {exc}") from None
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     vocab = getattr(text, "vocab_size", None)
     return vocab if isinstance(vocab, int) and vocab > 0 else None
