@@ -319,10 +319,9 @@ class MoEInfinity(Policy):
     2 while a prediction stays below 1, so a cached expert of an early layer with a
     frequency of 0.5 or more is never displaced by a prefetch; and a gate's own
     cancellations do not count as free slots for its new prefetches, which then need
-    room from the cache.  An expert in the current top-K
-    that is already in the buffer is protected as well (the top-K own the slots).  Ties
-    go to the oldest admission; if every candidate is protected, the least important
-    prediction goes.
+    room from the cache.  An expert in the current top-K that is already in the buffer
+    is protected as well (the top-K own the slots).  Ties go to the oldest admission; if
+    every candidate is protected, the least important prediction goes.
 
     Switches (Table 4 and §7.5): ``request_level_tracing`` (off: every expert of the
     next layers equally likely, the "vanilla" dependency prefetch), ``multi_layer`` (off:
