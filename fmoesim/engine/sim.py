@@ -978,6 +978,10 @@ class LinkStepBackend(InstantBackend):
         c = self.compute
         self._gpu_s[gpu] += fraction * (c.expert_a_s + c.expert_b_s * tokens)
 
+    def catch_up(self, gpu: int) -> None:
+        """Land the prefetches ``gpu``'s link has finished by that GPU's time."""
+        self._advance(gpu, self._now_s(gpu))
+
     def wait_any(self, gpu: int, keys: list[int]) -> int:
         """Land this step's on-demand loads and what the link has finished by the GPU's
         time; if none of ``keys`` is resident then, land the first of ``keys`` still in
