@@ -522,16 +522,22 @@ class SimBackend(Backend):
     ) -> TransferRecord:
         """Queue a transfer on ``gpu``'s link at that GPU's current time; it may start
         ``delay_s`` later at the earliest."""
-        t = self._gpu_s[gpu] if self._in_experts else self.clock_s
-        link = self.links[gpu]
-        if link.cur_end_s <= t:
-            link.advance(t)
+        t = self._link_now(gpu)
         rec = TransferRecord(key, gpu, size_bytes, reason, priority, t)
         if delay_s > 0.0:
             rec.release_s = t + delay_s
         self.transfers.append(rec)
-        link.submit(rec, t)
+        self.links[gpu].submit(rec, t)
         return rec
+
+    def _link_now(self, gpu: int) -> float:
+        """``gpu``'s current time (its own in the expert phase, else the forward pass's),
+        its link advanced to it: every transfer landed by then is resident."""
+        t = self._gpu_s[gpu] if self._in_experts else self.clock_s
+        link = self.links[gpu]
+        if link.cur_end_s <= t:
+            link.advance(t)
+        return t
 
     def _record(self, gpu: int, key: int) -> TransferRecord | None:
         """The transfer record of ``key``'s cache entry on ``gpu`` (None if absent)."""
@@ -543,11 +549,7 @@ class SimBackend(Backend):
         rec = self._record(gpu, key)
         if rec is None:
             return
-        t = self._gpu_s[gpu] if self._in_experts else self.clock_s
-        link = self.links[gpu]
-        if link.cur_end_s <= t:
-            link.advance(t)
-        link.escalate(rec, t)
+        self.links[gpu].escalate(rec, self._link_now(gpu))
 
     def reprioritize(self, gpu: int, key: int, priority: float) -> None:
         """Move a queued, never-started prefetch to ``priority``."""
@@ -575,13 +577,10 @@ class SimBackend(Backend):
         rec = self._record(gpu, key)
         if rec is None:
             return False
-        t = self._gpu_s[gpu] if self._in_experts else self.clock_s
-        link = self.links[gpu]
-        if link.cur_end_s <= t:
-            link.advance(t)
+        t = self._link_now(gpu)
         if rec.start_s != rec.start_s:  # NaN: never started
             return self.cancel(gpu, key)
-        return link.abort(rec, t)
+        return self.links[gpu].abort(rec, t)
 
     def begin_experts(self, layer: int, tokens: int) -> None:
         """Shared experts, then every GPU starts its experts at the forward pass's clock."""
@@ -648,10 +647,7 @@ class SimBackend(Backend):
 
     def catch_up(self, gpu: int) -> None:
         """Advance ``gpu``'s link to that GPU's clock (its landed transfers resident)."""
-        link = self.links[gpu]
-        t = self._gpu_s[gpu] if self._in_experts else self.clock_s
-        if link.cur_end_s <= t:
-            link.advance(t)
+        self._link_now(gpu)
 
     def link_idle(self, gpu: int) -> bool:
         """Nothing moving on ``gpu``'s link and nothing queued or waiting for release
