@@ -16,9 +16,9 @@ when the slowest GPU is done.
 
 An on-demand load that finds no room waits and is tried again after each expert its GPU
 computes; when nothing of the step's own is loading or left to compute and prefetches in
-flight hold the budget, the Runner cancels a queued, never-started one (the largest
-priority value it was submitted with first) and otherwise waits for one to land; a real
-server must do the same (docs/concepts.md, "Budget").
+flight hold the budget, the Runner cancels a queued, never-started one (the one the link
+would serve last) and otherwise waits for one to land; a real server must do the same
+(docs/concepts.md, "Budget").
 """
 
 from __future__ import annotations
