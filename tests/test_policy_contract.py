@@ -1,8 +1,9 @@
 """The contract every registered policy (every ``conf/policy/*.yaml``) must keep.
 
 Each policy runs on one small synthetic trace (with gate probabilities and speculative
-probabilities, so prefetching policies act) in four settings: timed static batching,
-hit-rate-only, online serving, and two GPUs.  Invariants checked on every run:
+probabilities, so prefetching policies act) in five settings: timed static batching,
+hit-rate-only, online serving, two GPUs, and a link of several lanes with sliced
+transfers.  Invariants checked on every run:
 
 - the budget is never exceeded (peak bytes per GPU <= budget);
 - pinned or in-flight entries are never evicted (the cache raises if a policy names
@@ -47,6 +48,8 @@ SETTINGS = {
     "hits-only": dict(serving=ServingConfig(mode="static", batch_size=1), timing=False),
     "online": dict(serving=ServingConfig(mode="online", max_batch_size=3)),
     "two-gpus": dict(serving=ServingConfig(mode="static", batch_size=1), num_gpus=2),
+    # a link of 3 lanes moving each transfer as 2 slices (fmoesim.engine.sim.LaneLink)
+    "lanes": dict(serving=ServingConfig(mode="static", batch_size=2), lanes=3, slices=2),
 }
 
 
@@ -69,7 +72,12 @@ def make_policy(name: str) -> Policy:
 
 def run(trace: Trace, policy: Policy, setting: str, seed: int = 0) -> RunResult:
     kw = dict(SETTINGS[setting])
-    hw = dataclasses.replace(TINY_HW, num_gpus=int(kw.pop("num_gpus", 1)))
+    hw = dataclasses.replace(
+        TINY_HW,
+        num_gpus=int(kw.pop("num_gpus", 1)),
+        link_lanes=int(kw.pop("lanes", 1)),
+        transfer_slices=int(kw.pop("slices", 1)),
+    )
     # the default path (closed-form demand layers included), except the LRU hit-only
     # kernel, which keeps no caches or transfers to check
     fast = setting != "hits-only"

@@ -426,6 +426,203 @@ class SimLink:
         return self.cur is None
 
 
+class LaneLink(SimLink):
+    """A host-to-device link of several lanes, and transfers cut into slices.
+
+    Model: ``lanes`` servers share the link's rate, each moving ``bytes_per_s / lanes``
+    (an engine's reader threads, each with its own share of the storage's bandwidth).  A
+    transfer is cut into ``slices`` jobs of equal size (the last takes the remainder of
+    the bytes): an engine that reads an expert one projection at a time, one job each.
+    A lane that frees takes the next slice of the first transfer in the queue (lowest
+    ``(link_priority, seq)``, as :class:`SimLink` orders it), so one transfer's slices
+    run side by side on the free lanes and the next transfer's fill the lanes it leaves
+    idle.  A transfer lands when its last slice does.  Each slice pays ``overhead_s``
+    (one read or copy call each).
+
+    A slice is the unit of preemption: a moving slice always finishes, and an on-demand
+    load (or an escalated prefetch) takes the next lane that frees, ahead of every
+    prefetch's slices still to start (``chunk_bytes`` and ``preempt`` play no part).
+    Cancelling works as on :class:`SimLink` (a transfer none of whose slices has
+    started).  Aborting a started transfer drops its slices not started; the moving ones
+    finish, their bytes wasted, and it never lands; one whose slices have all started
+    cannot stop and lands.  ``busy_s`` is the lanes' busy time over their number (the
+    mean share of the link in use), ``left_bytes`` the bytes of slices not yet started.
+    A host-issued link (``host_depth``) is not modelled with lanes.
+
+    With one lane and one slice it gives :class:`SimLink`'s times without pauses; the
+    backend uses :class:`SimLink` then.
+    """
+
+    def __init__(
+        self,
+        bytes_per_s: float,
+        overhead_s: float,
+        lanes: int,
+        slices: int,
+        on_done: Callable[[int], None] | None = None,
+        cache: ExpertCache | None = None,
+        fifo: bool = False,
+    ) -> None:
+        super().__init__(bytes_per_s, overhead_s, 1 << 62, False, on_done, cache, fifo)
+        if lanes < 1 or slices < 1:
+            raise ValueError(f"a link needs lanes >= 1 and slices >= 1, got {lanes}, {slices}")
+        self.lanes = lanes
+        self.slices = slices
+        self.lane_bytes_per_s = bytes_per_s / lanes
+        self._lane_end: list[float] = [INF] * lanes  # when each lane's slice ends
+        self._lane_job: list[TransferRecord | None] = [None] * lanes
+        # a started transfer not yet finished -> [its slices not started, its slices moving]
+        self._progress: dict[TransferRecord, list[int]] = {}
+
+    def advance(self, t_s: float) -> None:
+        """Process every link event at or before ``t_s``: slices that end, releases."""
+        ends = self._lane_end
+        while self.cur_end_s <= t_s:
+            t = self.cur_end_s
+            if t == INF:  # nothing moving and nothing to release
+                break
+            if min(ends) == t:
+                self._finish(ends.index(t), t)
+            self._fill(t)
+
+    def _finish(self, lane: int, t_s: float) -> None:
+        """``lane``'s slice ends at ``t_s``; its transfer lands with its last slice."""
+        job = self._lane_job[lane]
+        assert job is not None
+        self._lane_job[lane] = None
+        self._lane_end[lane] = INF
+        p = self._progress[job]
+        p[1] -= 1
+        job.end_s = t_s  # its last slice so far (the final one overwrites it)
+        if p[0] or p[1]:
+            return
+        del self._progress[job]
+        if job.state == _CANCELLED:  # aborted: its moving slices have finished
+            return
+        job.state = _DONE
+        if self.cache is not None:
+            self.cache.complete(job.key)
+        elif self.on_done is not None:
+            self.on_done(job.key)
+
+    def _fill(self, t_s: float) -> None:
+        """Release what is due, start the next slices on the free lanes at ``t_s``, and
+        set the next event."""
+        if self._delayed:
+            self._release(t_s)
+        jobs = self._lane_job
+        if self._queue:
+            for lane in range(self.lanes):
+                if jobs[lane] is None:
+                    if self._dirty:
+                        self._sort()
+                    self._start_slice(lane, self._queue[-1], t_s)
+                    if not self._queue:
+                        break
+        end = min(self._lane_end)
+        if self._delayed and None in jobs:
+            end = min(end, self._next_release_s())
+        self.cur_end_s = end
+        self.cur = None
+        for job in jobs:
+            if job is not None:
+                self.cur = job
+                break
+
+    def _start_slice(self, lane: int, job: TransferRecord, t_s: float) -> None:
+        """Start the next slice of ``job``, the head of the queue, on ``lane``."""
+        p = self._progress.get(job)
+        if p is None:  # its first slice: the transfer starts
+            p = [self.slices, 0]
+            self._progress[job] = p
+            job.start_s = t_s
+            job.state = _RUNNING
+            self.started += 1
+        size, n = job.size_bytes, self.slices
+        i = n - p[0]
+        nbytes = size * (i + 1) // n - size * i // n
+        p[0] -= 1
+        p[1] += 1
+        job.left_bytes -= nbytes
+        if not p[0]:  # every slice started: it leaves the queue
+            self._queue.pop()
+            self._qkeys.pop()
+        end = (t_s + self.overhead_s) + nbytes / self.lane_bytes_per_s
+        self._lane_job[lane] = job
+        self._lane_end[lane] = end
+        self.busy_s += (end - t_s) / self.lanes
+
+    def _queued(self, job: TransferRecord) -> bool:
+        """Whether ``job`` is in the queue: queued, or started with slices to start."""
+        if job.state == _QUEUED:
+            return True
+        p = self._progress.get(job)
+        return job.state == _RUNNING and p is not None and p[0] > 0
+
+    def host_point(self, t_s: float) -> None:
+        """Not modelled: a host-issued link has one lane (``HardwareSpec.validate``)."""
+        raise NotImplementedError("a host-issued link with lanes or slices is not modelled")
+
+    def submit(self, record: TransferRecord, t_s: float) -> None:
+        """Queue ``record``'s transfer at ``t_s`` (the link must be advanced to ``t_s``);
+        it may start at ``record.release_s`` at the earliest."""
+        job = record
+        if self.fifo and self._delayed:  # what was released by now reached the queue first
+            self._release(t_s)
+        job.seq = self._seq
+        self._seq += 1
+        if job.release_s > t_s and job.priority != ON_DEMAND:
+            job.state = _DELAYED
+            heapq.heappush(self._delayed, (job.release_s, job.seq, job))
+        else:
+            self._enqueue(job)
+        self._fill(t_s)
+
+    def escalate(self, job: TransferRecord, t_s: float) -> None:
+        """Give ``job``, queued, delayed or moving, on-demand priority: its slices still
+        to start go next."""
+        if job.link_priority == ON_DEMAND or job.state == _DONE or job.state == _CANCELLED:
+            return
+        if self.fifo and job.state == _DELAYED:
+            self._release(t_s)  # what was released by now (this job too) reached the queue
+        queued = self._queued(job)
+        if queued:
+            self._dequeue(job)  # found at the priority it was queued with
+        job.link_priority = ON_DEMAND
+        job.escalated = True
+        if job.state == _DELAYED:  # needed before its release: released now
+            job.state = _QUEUED
+            if self.fifo:
+                self._arrive(job)
+            self._enqueue(job)
+        elif queued:
+            self._enqueue(job)
+        self._fill(t_s)
+
+    def abort(self, job: TransferRecord, t_s: float) -> bool:
+        """Stop ``job`` for good: one that never started is cancelled; a started one drops
+        its slices not started and its moving ones finish.  An escalated transfer, or one
+        whose slices have all started, is not stopped.  True if ``job`` will not land."""
+        if job.link_priority == ON_DEMAND or job.state == _DONE or job.state == _CANCELLED:
+            return False
+        if job.start_s != job.start_s:  # NaN: never started
+            return self.cancel(job)
+        p = self._progress[job]
+        if not p[0]:
+            return False
+        self._dequeue(job)
+        p[0] = 0
+        job.state = _CANCELLED
+        job.aborted = True
+        if not p[1]:  # nothing moving: it stopped at its last slice's end
+            del self._progress[job]
+        return True
+
+    def idle(self) -> bool:
+        """Whether nothing is moving or queued."""
+        return self.cur is None and not self._queue
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)
 class SimBackend(Backend):
     """The timed simulator backend (see the module docstring)."""
@@ -443,17 +640,33 @@ class SimBackend(Backend):
         self.compute = compute
         self.caches = caches
         self.num_gpus = len(caches)
-        self.links = [
-            SimLink(
-                hw.pcie_bytes_per_s,
-                hw.transfer_overhead_s,
-                hw.chunk_bytes,
-                preempt,
-                cache=c,
-                fifo=fifo,
-            )
-            for c in caches
-        ]
+        self.links: list[SimLink] = []
+        lanes, slices = hw.link_lanes, hw.transfer_slices
+        for c in caches:
+            if lanes > 1 or slices > 1:
+                self.links.append(
+                    LaneLink(
+                        hw.pcie_bytes_per_s,
+                        hw.transfer_overhead_s,
+                        lanes,
+                        slices,
+                        cache=c,
+                        fifo=fifo,
+                    )
+                )
+            else:
+                self.links.append(
+                    SimLink(
+                        hw.pcie_bytes_per_s,
+                        hw.transfer_overhead_s,
+                        hw.chunk_bytes,
+                        preempt,
+                        cache=c,
+                        fifo=fifo,
+                    )
+                )
+        # the closed form of on-demand loads (demand_loads) is a single server's
+        self.closed_form_demand = lanes == 1 and slices == 1
         self.transfers: list[TransferRecord] = []
         self.clock_s = 0.0
         self.busy_compute_s = 0.0

@@ -265,7 +265,7 @@ def layer_times(
         t_att_s=compute.attention_s(1, kv, kv + 1) + compute.router_s(1),
         t_expert_s=compute.expert_a_s + compute.expert_b_s,
         t_head_s=compute.lm_head_s(1),
-        t_load_s=hardware.transfer_overhead_s + model.expert_size_bytes / hardware.pcie_bytes_per_s,
+        t_load_s=hardware.transfer_time_s(model.expert_size_bytes),
     )
 
 

@@ -44,7 +44,12 @@ class HardwareSpec:
     """One serving GPU (or ``num_gpus`` identical ones) and its host link.
 
     Units: ``pcie_gbps`` and ``hbm_gbps`` in GB/s (1e9 bytes/s), ``peak_tflops`` in
-    dense bf16/fp16 tensor TFLOP/s, times in seconds.  A preset's numbers come from
+    dense bf16/fp16 tensor TFLOP/s, times in seconds.  ``pcie_gbps`` is the link's whole
+    rate: with ``link_lanes`` n > 1 it is shared by n lanes that move transfers in
+    parallel at ``pcie_gbps / n`` each (an engine's reader threads), and
+    ``transfer_slices`` s > 1 cuts each transfer into s jobs, one lane each (an engine
+    that reads an expert projection by projection); see
+    :class:`fmoesim.engine.sim.LaneLink`.  A preset's numbers come from
     published figures (each YAML cites its source); a measured profile written by
     ``fmoesim-profile`` may add fitted coefficients in ``measured``.
     """
@@ -56,6 +61,8 @@ class HardwareSpec:
     pcie_gbps: float = 32.0
     transfer_overhead_s: float = 1.0e-5
     chunk_bytes: int = 16 * 2**20
+    link_lanes: int = 1
+    transfer_slices: int = 1
     peak_tflops: float = 71.0
     hbm_gbps: float = 936.0
     compute_efficiency: float = 0.6
@@ -70,8 +77,15 @@ class HardwareSpec:
         return self.pcie_gbps * 1e9
 
     def transfer_time_s(self, size_bytes: int) -> float:
-        """Time of one transfer of ``size_bytes`` on an idle link (fixed cost + size/bandwidth)."""
-        return self.transfer_overhead_s + size_bytes / self.pcie_bytes_per_s
+        """Time of one transfer of ``size_bytes`` on an idle link: fixed cost +
+        size/bandwidth; with lanes or slices, its slices' rounds over the lanes, each
+        round a slice's fixed cost and its bytes at one lane's rate (equal slices)."""
+        lanes, slices = self.link_lanes, self.transfer_slices
+        if lanes == 1 and slices == 1:
+            return self.transfer_overhead_s + size_bytes / self.pcie_bytes_per_s
+        rounds = -(-slices // lanes)
+        lane_bytes_per_s = self.pcie_bytes_per_s / lanes
+        return rounds * (self.transfer_overhead_s + size_bytes / slices / lane_bytes_per_s)
 
     def validate(self, prefix: str = "hardware") -> HardwareSpec:
         """Check every field; raise :class:`ConfigError` naming the first bad one."""
@@ -93,6 +107,10 @@ class HardwareSpec:
             raise ConfigError(
                 f"{prefix}.chunk_bytes", self.chunk_bytes, "must be a positive integer"
             )
+        for key in ("link_lanes", "transfer_slices"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{prefix}.{key}", value, "must be an integer >= 1")
         if not isinstance(self.measured, Mapping):
             raise ConfigError(f"{prefix}.measured", self.measured, "must be a mapping")
         for name, table in self.measured.items():  # a model's, the link's: name -> number
@@ -117,6 +135,14 @@ class HardwareSpec:
                         )
                     )
                     raise ConfigError(f"{prefix}.measured.{name}.{k}", table[k], what)
+            lanes = self.link_lanes > 1 or self.transfer_slices > 1
+            if name != "link" and lanes and table.get("host_link_depth", 0):
+                raise ConfigError(
+                    f"{prefix}.measured.{name}.host_link_depth",
+                    table["host_link_depth"],
+                    "a host-issued link has one lane and whole transfers "
+                    "(rule: link_lanes and transfer_slices 1 with it)",
+                )
             if name != "link" and not isinstance(table.get("host_decision_s", {}), Mapping):
                 raise ConfigError(
                     f"{prefix}.measured.{name}.host_decision_s",

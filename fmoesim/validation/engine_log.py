@@ -24,7 +24,8 @@ simulated per-token stall beside the logged ``stall_ms``.  The stall is never an
 Run ``python -m fmoesim.validation.engine_log LOG.csv [--metrics FILE]`` (the defaults
 are those of the BigMoeOnEdge log: ``--model qwen3-30b-a3b --top-k 6 --budget-mib 4000
 --policy lru --hardware oneplus-15r-flash``); ``--calibrate`` prints the preset's numbers
-as derived from ``--metrics``.
+as derived from ``--metrics``; ``--pcie-gbps``, ``--link-lanes`` and ``--transfer-slices``
+change the timing's link (what-ifs beside the preset's).
 """
 
 from __future__ import annotations
@@ -150,8 +151,10 @@ class StorageCalibration:
 
     - ``lane_bytes_per_s``: total ``read_bytes`` over total ``io_ms``.  With reads spread
       over ``lanes`` parallel reader threads, ``io_ms`` sums the lanes' busy times, so the
-      storage delivers ``lanes`` times that while every lane reads; the simulator's link is
-      one server at that aggregate rate (``pcie_gbps``), with no fixed cost per read.
+      storage delivers ``lanes`` times that while every lane reads (``pcie_gbps``), with
+      no fixed cost per read.  The simulator's link has the engine's ``lanes``, each at
+      ``lane_bytes_per_s``, and cuts each expert into the engine's ``slices`` read jobs
+      (:class:`fmoesim.engine.sim.LaneLink`).
     - ``compute_s``: the median per-token ``compute_ms`` (the mean is pulled up by tokens
       whose dense weights were paged back in from flash, ``majflt``).  It is split over the
       operators in proportion to the weight bytes each reads (a CPU decode step is bound by
@@ -163,6 +166,7 @@ class StorageCalibration:
     """
 
     lanes: int
+    slices: int
     lane_bytes_per_s: float
     compute_s: float
     dense_bytes_per_layer: float  # mean over layers
@@ -202,6 +206,8 @@ class StorageCalibration:
             name=name,
             gpu="calibrated from an engine's metrics",
             pcie_gbps=self.pcie_gbps,
+            link_lanes=self.lanes,
+            transfer_slices=self.slices,
             transfer_overhead_s=0.0,
             kernel_overhead_s=0.0,
             measured={model_name: self.measured()},
@@ -267,11 +273,13 @@ def calibrate_storage(
     model_name: str = "qwen3-30b-a3b",
     top_k: int = 6,
     lanes: int = 4,
+    slices: int = 3,
     head_bytes_per_weight: float = Q6_K_BYTES_PER_WEIGHT,
 ) -> StorageCalibration:
     """Derive the storage and compute of the device behind ``log`` and ``metrics`` (see
     :class:`StorageCalibration`).  ``lanes`` is the engine's number of reader threads
-    (BigMoeOnEdge's ``--io-threads``)."""
+    (BigMoeOnEdge's ``--io-threads``), ``slices`` the read jobs it cuts an expert into
+    (BigMoeOnEdge reads one job per projection: gate, up and down)."""
     from fmoesim.config.build import load_preset
     from fmoesim.specs import ModelSpec
 
@@ -286,14 +294,16 @@ def calibrate_storage(
                 f"{path}: has no '# layer={missing[0]} {name}=B' header "
                 "(rule: every layer's bytes, to split the compute)"
             )
-    if lanes < 1:
-        raise FmoesimError(f"--lanes: {lanes} (rule: an integer >= 1)")
+    for flag, n in (("--lanes", lanes), ("--slices", slices)):
+        if n < 1:
+            raise FmoesimError(f"{flag}: {n} (rule: an integer >= 1)")
     df = read_metrics(metrics)
     io_s = float(df["io_ms"].sum()) / 1e3
     if not io_s > 0 or len(df) == 0:
         raise FmoesimError(f"{metrics}: no row with io_ms > 0 (rule: reads to time)")
     return StorageCalibration(
         lanes=lanes,
+        slices=slices,
         lane_bytes_per_s=float(df["read_bytes"].sum()) / io_s,
         compute_s=float(df["compute_ms"].median()) / 1e3,
         dense_bytes_per_layer=float(np.mean([dense[layer] for layer in layers])),
@@ -484,6 +494,8 @@ def format_calibration(cal: StorageCalibration, model_name: str) -> str:
     """The ``hardware`` preset's numbers as YAML lines (see :class:`StorageCalibration`)."""
     lines = [
         f"pcie_gbps: {cal.pcie_gbps!r}  # {cal.lanes} lanes x {cal.lane_bytes_per_s:,.0f} B/s",
+        f"link_lanes: {cal.lanes}",
+        f"transfer_slices: {cal.slices}",
         "transfer_overhead_s: 0.0",
         "measured:",
         f"  {model_name}:",
@@ -515,7 +527,26 @@ def main(argv: list[str] | None = None) -> None:
         "of the phone's four is 0.789)",
     )
     ap.add_argument(
+        "--link-lanes",
+        type=int,
+        default=None,
+        help="the timing's link lanes instead of the preset's (what-if: 1, with "
+        "--transfer-slices 1, is one server at the whole rate)",
+    )
+    ap.add_argument(
+        "--transfer-slices",
+        type=int,
+        default=None,
+        help="the timing's read jobs per expert instead of the preset's",
+    )
+    ap.add_argument(
         "--lanes", type=int, default=None, help="--calibrate: the engine's reader threads (4)"
+    )
+    ap.add_argument(
+        "--slices",
+        type=int,
+        default=None,
+        help="--calibrate: the engine's read jobs per expert (3: one per projection)",
     )
     ap.add_argument(
         "--calibrate", action="store_true", help="print the preset derived from --metrics"
@@ -523,18 +554,29 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     def run() -> None:
-        if args.lanes is not None and not args.calibrate:
-            raise FmoesimError(
-                f"--lanes {args.lanes}: only with --calibrate (rule: the timing reads its "
-                "link from --hardware; --pcie-gbps changes its rate)"
-            )
-        if args.pcie_gbps is not None and (args.metrics is None or args.calibrate):
-            raise FmoesimError(
-                f"--pcie-gbps {args.pcie_gbps:g}: only with --metrics, without --calibrate "
-                "(rule: it changes the timing comparison's link)"
-            )
+        for flag, n in (("--lanes", args.lanes), ("--slices", args.slices)):
+            if n is not None and not args.calibrate:
+                raise FmoesimError(
+                    f"{flag} {n}: only with --calibrate (rule: the timing reads its link "
+                    "from --hardware; --pcie-gbps, --link-lanes and --transfer-slices "
+                    "change it)"
+                )
+        link = (
+            ("--pcie-gbps", args.pcie_gbps),
+            ("--link-lanes", args.link_lanes),
+            ("--transfer-slices", args.transfer_slices),
+        )
+        for flag, v in link:
+            if v is not None and (args.metrics is None or args.calibrate):
+                raise FmoesimError(
+                    f"{flag} {v:g}: only with --metrics, without --calibrate "
+                    "(rule: it changes the timing comparison's link)"
+                )
         if args.pcie_gbps is not None and not 0 < args.pcie_gbps < math.inf:
             raise FmoesimError(f"--pcie-gbps {args.pcie_gbps:g}: must be a number > 0")
+        for flag, n in (*link[1:], ("--lanes", args.lanes), ("--slices", args.slices)):
+            if n is not None and n < 1:
+                raise FmoesimError(f"{flag} {n}: must be an integer >= 1")
         if not args.budget_mib > 0:
             raise FmoesimError(f"--budget-mib {args.budget_mib:g}: must be a number > 0")
         for flag, f in (("LOG", args.log), ("--metrics", args.metrics)):
@@ -545,18 +587,26 @@ def main(argv: list[str] | None = None) -> None:
             if args.metrics is None:
                 raise FmoesimError("--calibrate: needs --metrics (rule: the numbers come from it)")
             lanes = 4 if args.lanes is None else args.lanes
-            cal = calibrate_storage(args.log, args.metrics, args.model, args.top_k, lanes)
+            slices = 3 if args.slices is None else args.slices
+            cal = calibrate_storage(args.log, args.metrics, args.model, args.top_k, lanes, slices)
             print(format_calibration(cal, args.model))
             return
         budget = int(args.budget_mib * 2**20)
         timing = None
         if args.metrics is not None:  # first, so a bad file prints nothing but its error
             hw: str | HardwareSpec = args.hardware
-            if args.pcie_gbps is not None:
+            changes = {
+                field: v
+                for field, (_, v) in zip(
+                    ("pcie_gbps", "link_lanes", "transfer_slices"), link, strict=True
+                )
+                if v is not None
+            }
+            if changes:
                 from fmoesim.config.build import load_preset
 
                 hw = load_preset("hardware", args.hardware, HardwareSpec)
-                hw = dataclasses.replace(hw, pcie_gbps=args.pcie_gbps)
+                hw = dataclasses.replace(hw, **changes)
             timing = compare_timing(
                 args.log, args.metrics, hw, args.model, args.top_k, budget, args.policy
             )
