@@ -241,8 +241,13 @@ BAD = [
         "config key 'policy.semantic' = 'maybe': must be true or false",
     ),
     (["policy=fmoe", "policy.label=1"], "config key 'policy.label' = 1: must be a string or null"),
+    # deletions: a message of its own for each kind of key, "unknown key (typo?)" for a
+    # valid one, or (~workload) a run that ignored it
+    (["~model"], "override '~model': a run keeps every key (rule: ~ removes only experiment"),
+    (["~serving"], "override '~serving': a run keeps every key"),
+    (["~cache.budget_gb"], "override '~cache.budget_gb': a run keeps every key"),
+    (["~workload"], "override '~workload': a run keeps every key"),
     # OmegaConf's tracebacks (33 to 79 lines)
-    (["~model"], "config key 'model': Missing mandatory value: model"),
     (["cache.budget_gb=${nosuch.key}"], "Interpolation key 'nosuch.key' not found"),
     (["-m", "seed=0,1", "cache.budget_gb=${nosuch.key}"], "Interpolation key 'nosuch.key'"),
 ]
@@ -276,6 +281,8 @@ def test_check_added_keys_leaves_policy_groups_and_hydra_alone():
     with pytest.raises(FmoesimError, match="experiment=nosuch: unknown experiment"):
         check_added_keys(["experiment=fmoe-fig4,nosuch"])  # each value of a sweep
     check_added_keys(["hardware=measured/h100-3", "policy=lru,lfu"])  # presets that exist
+    # what ~ may remove: the optional experiment, a policy keyword, Hydra's settings
+    check_added_keys(["~experiment", "~policy.prefetch_distance", "~hydra/launcher"])
 
 
 def test_a_hydra_group_option_on_the_search_path_runs(tmp_path):

@@ -231,6 +231,20 @@ def test_cli_hub_and_model_load_errors_are_one_line(tmp_path, capfd, id_prompts,
     assert not list(tmp_path.glob("o*"))
 
 
+def test_cli_names_a_missing_local_model_folder(tmp_path, capfd, id_prompts, monkeypatch):
+    """Red if a path to a model folder that is not there (absolute, or under a folder that
+    exists here) is sent to the hub as a model id, with advice to ``hf download`` it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    for name in (str(tmp_path / "models" / "gone"), "models/gone", "./gone"):
+        (err,) = cli(capfd, name, id_prompts, tmp_path / "o")
+        assert err == (
+            f"fmoesim-collect: error: {name}: no such folder (rule: a local model folder "
+            "holding config.json, or a hub id such as Qwen/Qwen3-30B-A3B)"
+        )
+        assert not list(tmp_path.glob("o*"))
+
+
 @pytest.mark.parametrize("prompts", ["ids", "text"])
 def test_cli_unreachable_hub_fails_at_once(tmp_path, capfd, id_prompts, unreachable, prompts):
     """Red if a hub id that is in no local cache, where the hub cannot be reached, goes to

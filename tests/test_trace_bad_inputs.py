@@ -596,3 +596,19 @@ def test_synth_with_an_overflowing_arrival_csv_is_one_line(tmp_path: Path, capsy
         )
     assert f"{p} row 1: ContextTokens = " in line and "at most 2147483647" in line
     assert_nothing_written(tmp_path / "o")
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--requests", "0"], "'--requests' = 0: must be a positive integer"),
+        (["--rate", "-2"], "'--rate' = -2.0: must be a finite number > 0"),
+        (["--set", "skew=-1"], "'--set skew' = -1.0: must be a finite number >= 0"),
+    ],
+)
+def test_synth_names_the_flag_a_bad_knob_came_from(tmp_path: Path, capsys, argv, said) -> None:
+    """Red if a bad ``--requests``, ``--rate`` or ``--set`` value is reported under the
+    config key the user never typed (``workload.synthetic.num_requests``)."""
+    line = refused(capsys, "synth", *argv, str(tmp_path / "o"))
+    assert said in line and "workload.synthetic" not in line, line
+    assert_nothing_written(tmp_path / "o")

@@ -631,6 +631,13 @@ ROW_CASES = [
         "for all 3 layers)",
     ),
     (
+        "routing_empty",
+        S.ROUTING,
+        lambda rows: rows.clear(),
+        None,  # an empty file has no row to name
+        "0 rows for 5 iterations x 3 layers = 15 (rule: one row per (request, iteration, layer)",
+    ),
+    (
         "routing_extra_layer",
         S.ROUTING,
         _duplicate(7),

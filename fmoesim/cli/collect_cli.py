@@ -204,8 +204,17 @@ def load_options(name: str) -> dict[str, Any]:
     asks no hub.  A hub id that is in no cache and cannot be fetched is one
     :class:`FmoesimError` naming the model, the cache, the reason and the fixes, at once
     instead of after the hub's retries (about 28 s for each file)."""
-    if Path(name).is_dir():
+    path = Path(name).expanduser()
+    if path.is_dir():
         return {}
+    first = path.parts[0] if path.parts else ""
+    if name.startswith(("/", ".", "~")) or (len(path.parts) > 1 and Path(first).is_dir()):
+        # a path into a folder that exists here is a local model that is not there, not a
+        # hub id to ask for
+        raise FmoesimError(
+            f"{name}: no such folder (rule: a local model folder holding config.json, or "
+            "a hub id such as Qwen/Qwen3-30B-A3B)"
+        )
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.utils import validate_repo_id
 

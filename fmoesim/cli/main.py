@@ -158,12 +158,19 @@ def parse_overrides(overrides: list[str]) -> list[Any]:
     raise FmoesimError(why)  # pragma: no cover - one of them fails on its own
 
 
+#: the keys a ``~key`` override may remove: the optional group a run can do without
+DELETABLE = ("experiment",)
+
+
 def check_added_keys(overrides: list[str]) -> None:
     """Refuse a ``+key=value`` or ``++key=value`` override whose key is not in the typed
     schema: Hydra adds such a key silently, so a typo (``+cache.budjet_gb=12``) would
     run the defaults.  Keys of ``hydra``, config groups (``+experiment=...``) and keys
     under ``policy`` (its constructor's keyword arguments) are left to Hydra and to the
-    policy.  Refuse too a group's typed schema chosen as its preset
+    policy.  Refuse a ``~key`` override but of :data:`DELETABLE`, a key under ``policy``
+    or Hydra's (a run keeps every other key; Hydra's own answer was a different message
+    for each, or a run that ignored it).  Refuse too a group's typed schema chosen as its
+    preset
     (``hardware=hardware_schema``: every value its default, nothing named).  A preset
     is looked for in ``conf/`` and in the ``file://`` folders of a ``hydra.searchpath``
     (one it cannot look in, a ``pkg://`` one, leaves presets to Hydra)."""
@@ -179,6 +186,19 @@ def check_added_keys(overrides: list[str]) -> None:
             folders += [Path(str(p)[len("file://") :]).expanduser() for p in paths]
     for o in parsed:
         group = o.key_or_group
+        if o.is_delete() and not (
+            group in DELETABLE
+            or group == "hydra"
+            or group.startswith(("hydra.", "hydra/", "policy."))
+            or o.package is not None
+        ):
+            # Hydra's own message depends on the key (a missing mandatory value, a typed
+            # config that "does not support deletion", an unknown key, or none at all)
+            raise FmoesimError(
+                f"override '~{group}': a run keeps every key (rule: ~ removes only "
+                f"{', '.join(sorted(DELETABLE))}, a policy's own keyword or a Hydra setting; "
+                "give the key a value instead)"
+            )
         if (
             not (o.is_add() or o.is_force_add() or o.is_delete())
             and _is_group(group)

@@ -22,6 +22,15 @@ from fmoesim.errors import ArgumentParser, ConfigError, FmoesimError, counted, r
 PROG = "fmoesim-trace"
 
 
+#: the ``fmoesim-trace synth`` flags that set a knob of ``SyntheticConfig``
+SYNTH_FLAGS = {
+    "num_requests": "--requests",
+    "seed": "--seed",
+    "arrivals_csv": "--arrivals",
+    "arrival_rate_rps": "--rate",
+}
+
+
 def _parse_set(items: list[str]) -> dict[str, object]:
     """``key=value`` pairs for SyntheticConfig, values typed like the field (its
     annotation: ``float | None`` takes a number or ``null``)."""
@@ -217,7 +226,13 @@ def _run(args: argparse.Namespace) -> None:
         if args.rate is not None:
             knobs["arrival_rate_rps"] = args.rate
         cfg = SyntheticConfig(**knobs)  # type: ignore[arg-type]
-        path = generate(model, cfg, args.out, overwrite=args.force, progress=True)
+        try:
+            path = generate(model, cfg, args.out, overwrite=args.force, progress=True)
+        except ConfigError as e:  # name the flag the knob came from, not the config key
+            knob = e.key.removeprefix("workload.synthetic.")
+            if knob == e.key:
+                raise
+            raise ConfigError(SYNTH_FLAGS.get(knob, f"--set {knob}"), e.value, e.rule) from None
         t = read_trace(path)
         print(
             f"wrote {path}: {counted(t.num_requests, 'request')}, "

@@ -389,7 +389,7 @@ def _validate(
         raise TraceError(
             fr,
             f"one row per (request, iteration, layer) for all {L} layers",
-            row=raise_row,
+            row=raise_row if len(r_rid) else None,  # an empty file has no row to name
             detail=f"{len(r_rid)} rows for {N} iterations x {L} layers = {N * L}",
         )
     exp_layer = np.tile(np.arange(L), N)
