@@ -62,7 +62,14 @@ def names_of(flag: str, text: str, empty_ok: bool = False) -> list[str]:
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose usage errors keep the commands' contract: one line
     (``<prog>: error: <what> (see --help)``) and exit status 2, not the usage text
-    followed by the error."""
+    followed by the error.  A ``description`` taken from a docstring reads without its
+    reST literal quotes (````fmoesim-plot````) in ``--help``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        description = kwargs.get("description")
+        if isinstance(description, str):
+            kwargs["description"] = description.replace("``", "")
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         """Print ``message`` as one line and exit with status 2."""

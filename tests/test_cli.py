@@ -288,3 +288,20 @@ def test_a_sweep_line_reaches_stdout_in_one_write(monkeypatch):
     monkeypatch.setattr(sys, "stdout", out)
     sweep._say("[sweep 1/4] policy=lru: hit rate 0.00%")
     assert out.calls == ["[sweep 1/4] policy=lru: hit rate 0.00%\n"]
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["fmoesim.cli.plot_cli", "fmoesim.cli.reproduce_cli", "fmoesim.cli.min_budget",
+     "fmoesim.cli.collect_cli", "fmoesim.results.regress"],
+)  # fmt: skip
+def test_help_reads_without_rest_quotes(module, capsys) -> None:
+    """Red if ``--help`` prints a docstring's reST literal quotes (````fmoesim-plot````:
+    the papers' figures ...) to a terminal."""
+    import importlib
+
+    with pytest.raises(SystemExit) as info:
+        importlib.import_module(module).main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage:" in out and "``" not in out
