@@ -62,7 +62,7 @@ test: $(DEV)
 	$(BIN)/python -m pytest -q
 
 lint: $(DEV)
-	$(BIN)/ruff check fmoesim policies replay tests benchmarks examples
+	$(BIN)/ruff check fmoesim policies replay tests benchmarks examples notebooks
 	$(BIN)/ruff format --check fmoesim policies replay tests benchmarks examples
 
 ## Regenerate every paper figure and table (results/figures/) from the bundled traces.
