@@ -294,15 +294,7 @@ class SimLink:
         """Queue ``record``'s transfer at ``t_s`` (the link must be advanced to ``t_s``);
         it may start at ``record.release_s`` at the earliest."""
         job = record  # perf: the record is the link's job (no second object per transfer)
-        # a new record already has left_bytes = size_bytes, link_priority = priority and
-        # state = _QUEUED (TransferRecord.__init__)
-        if self.fifo and self._delayed:  # what was released by now reached the queue first
-            self._release(t_s)
-        job.seq = self._seq
-        self._seq += 1
-        if job.release_s > t_s and job.priority != ON_DEMAND:
-            job.state = _DELAYED
-            heapq.heappush(self._delayed, (job.release_s, job.seq, job))
+        if not self._number(job, t_s):
             if self.cur is None and job.release_s < self.cur_end_s:
                 self.cur_end_s = job.release_s  # idle: the release is the next event
             return
@@ -314,6 +306,21 @@ class SimLink:
             self._start_next(t_s)
         elif job.link_priority == ON_DEMAND:
             self._pause_current(t_s)
+
+    def _number(self, job: TransferRecord, t_s: float) -> bool:
+        """Give a new ``job`` its submission number at ``t_s``; hold it off the queue until
+        its release (False) or let it queue now (True).  A new record already has
+        ``left_bytes = size_bytes``, ``link_priority = priority`` and state queued
+        (:class:`TransferRecord`)."""
+        if self.fifo and self._delayed:  # what was released by now reached the queue first
+            self._release(t_s)
+        job.seq = self._seq
+        self._seq += 1
+        if job.release_s > t_s and job.priority != ON_DEMAND:
+            job.state = _DELAYED
+            heapq.heappush(self._delayed, (job.release_s, job.seq, job))
+            return False
+        return True
 
     def _enqueue(self, job: TransferRecord) -> None:
         """Insert queued ``job`` at its place: after every job that goes later, before
@@ -354,11 +361,26 @@ class SimLink:
 
     def escalate(self, job: TransferRecord, t_s: float) -> None:
         """Give ``job``, queued, delayed or running, on-demand priority."""
+        if self._to_on_demand(job, t_s) and job.state == _QUEUED:
+            if self.cur is None:
+                self._start_next(t_s)
+            else:
+                self._pause_current(t_s)
+
+    def _queued(self, job: TransferRecord) -> bool:
+        """Whether ``job`` is in the queue."""
+        return job.state == _QUEUED
+
+    def _to_on_demand(self, job: TransferRecord, t_s: float) -> bool:
+        """:meth:`escalate`'s priority change: ``job`` takes on-demand priority, and its
+        place in the queue with it (a delayed one is released now); False if it has
+        landed, was dropped or is on demand already."""
         if job.link_priority == ON_DEMAND or job.state == _DONE or job.state == _CANCELLED:
-            return
+            return False
         if self.fifo and job.state == _DELAYED:
             self._release(t_s)  # what was released by now (this job too) reached the queue
-        if job.state == _QUEUED:
+        queued = self._queued(job)
+        if queued:
             self._dequeue(job)  # found at the priority it was queued with
         job.link_priority = ON_DEMAND
         job.escalated = True
@@ -367,13 +389,9 @@ class SimLink:
             if self.fifo:
                 self._arrive(job)
             self._enqueue(job)
-        elif job.state == _QUEUED:
+        elif queued:
             self._enqueue(job)
-        if job.state == _QUEUED:
-            if self.cur is None:
-                self._start_next(t_s)
-            else:
-                self._pause_current(t_s)
+        return True
 
     def reprioritize(self, job: TransferRecord, priority: float) -> None:
         """Move ``job``, a queued, never-started prefetch, to ``priority``."""
@@ -566,38 +584,15 @@ class LaneLink(SimLink):
     def submit(self, record: TransferRecord, t_s: float) -> None:
         """Queue ``record``'s transfer at ``t_s`` (the link must be advanced to ``t_s``);
         it may start at ``record.release_s`` at the earliest."""
-        job = record
-        if self.fifo and self._delayed:  # what was released by now reached the queue first
-            self._release(t_s)
-        job.seq = self._seq
-        self._seq += 1
-        if job.release_s > t_s and job.priority != ON_DEMAND:
-            job.state = _DELAYED
-            heapq.heappush(self._delayed, (job.release_s, job.seq, job))
-        else:
-            self._enqueue(job)
+        if self._number(record, t_s):
+            self._enqueue(record)
         self._fill(t_s)
 
     def escalate(self, job: TransferRecord, t_s: float) -> None:
         """Give ``job``, queued, delayed or moving, on-demand priority: its slices still
         to start go next."""
-        if job.link_priority == ON_DEMAND or job.state == _DONE or job.state == _CANCELLED:
-            return
-        if self.fifo and job.state == _DELAYED:
-            self._release(t_s)  # what was released by now (this job too) reached the queue
-        queued = self._queued(job)
-        if queued:
-            self._dequeue(job)  # found at the priority it was queued with
-        job.link_priority = ON_DEMAND
-        job.escalated = True
-        if job.state == _DELAYED:  # needed before its release: released now
-            job.state = _QUEUED
-            if self.fifo:
-                self._arrive(job)
-            self._enqueue(job)
-        elif queued:
-            self._enqueue(job)
-        self._fill(t_s)
+        if self._to_on_demand(job, t_s):
+            self._fill(t_s)
 
     def abort(self, job: TransferRecord, t_s: float) -> bool:
         """Stop ``job`` for good: one that never started is cancelled; a started one drops
