@@ -671,7 +671,7 @@ ROW_CASES = [
         S.ROUTING,
         _set_cell(4, "expert_counts", [-1, 2, 1, 0]),
         4,
-        "rule: expert_counts are non-negative",
+        "expert 0: -1 (rule: expert_counts are non-negative)",
     ),
     (
         "counts_sum",

@@ -427,7 +427,12 @@ def _validate(
                 f"expected {want_ntok[row]}"
             ),
         )
-    _refuse((counts < 0).any(axis=1), fr, "expert_counts are non-negative")
+    _refuse(
+        (counts < 0).any(axis=1),
+        fr,
+        "expert_counts are non-negative",
+        lambda row: f"expert {int(np.argmin(counts[row]))}: {int(counts[row].min())}",
+    )
     sums = counts.sum(axis=1, dtype=np.int64)
     if manifest.layer_gaps:  # tokens the logger missed at a layer route nothing there
         bad = (sums % k != 0) | (sums > r_ntok.astype(np.int64) * k)
