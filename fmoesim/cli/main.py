@@ -168,9 +168,9 @@ def check_added_keys(overrides: list[str]) -> None:
     run the defaults.  Keys of ``hydra``, config groups (``+experiment=...``) and keys
     under ``policy`` (its constructor's keyword arguments) are left to Hydra and to the
     policy.  Refuse a ``~key`` override but of :data:`DELETABLE`, a key under ``policy``
-    or Hydra's (a run keeps every other key; Hydra's own answer was a different message
-    for each, or a run that ignored it).  Refuse too a group's typed schema chosen as its
-    preset
+    or Hydra's: a run keeps every other key, and Hydra's own answer differs by key (or,
+    for ``~workload``, is a run that ignores it).  Refuse too a group's typed schema
+    chosen as its preset
     (``hardware=hardware_schema``: every value its default, nothing named).  A preset
     is looked for in ``conf/`` and in the ``file://`` folders of a ``hydra.searchpath``
     (one it cannot look in, a ``pkg://`` one, leaves presets to Hydra)."""

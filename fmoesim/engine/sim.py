@@ -1,8 +1,8 @@
 """The simulator backends: a modelled clock over a PCIe link model and the compute model.
 
 Why no general event loop: the GPU runs one operator at a time in program order, so
-compute time is a running sum, and each GPU's host-to-device link is a single server
-whose schedule depends only on what was submitted to it.  Each link therefore keeps
+compute time is a running sum, and each GPU's host-to-device link is a server (or a
+few lanes) whose schedule depends only on what was submitted to it.  Each link therefore keeps
 its own event state (current transfer, its end time, a priority queue) and is
 *advanced lazily* to the times the Runner looks at it: when it syncs before a gate,
 submits, or waits for an expert.  This is the event-queue semantics of a SimPy model
@@ -14,8 +14,12 @@ per transfer; ``tests/test_engine_timing.py`` checks it against closed forms.
 - :class:`SimBackend` — the timed backend.
 - :class:`InstantBackend` — hit-rate-only with ``engine.landing=next_step``: no clock;
   a transfer issued during a layer step is resident from the next step.
+- :class:`LaneLink` — a link of several lanes with transfers cut into slices
+  (``hardware.link_lanes``, ``hardware.transfer_slices``).
 - :class:`LinkStepBackend` — hit-rate-only with ``engine.landing=link`` (the default):
-  a prefetch is resident once its bytes have crossed the link during modelled compute.
+  a prefetch is resident once its bytes have crossed the link during modelled compute
+  (one transfer at a time at the link's whole rate: lanes and slices are the timed
+  link's).
 """
 
 from __future__ import annotations
