@@ -187,7 +187,7 @@ def run_or_exit(prog: str, fn: Callable[..., Any], *args: Any) -> Any:
     except Exception as exc:
         if not is_omegaconf_error(exc):
             raise
-        # a config the user's overrides made unreadable: '~model', a '${...}' that does
+        # a config the user's overrides made unreadable: a '${...}' that does
         # not resolve or resolves to the wrong type
         print(f"{prog}: error: {omegaconf_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from None

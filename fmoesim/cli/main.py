@@ -366,7 +366,7 @@ def _preflight(overrides: list[str]) -> None:
         _check_destinations(cfg)
     except FmoesimError as exc:
         _fail(str(exc))
-    except Exception as exc:  # '~model', a '${...}' that does not resolve
+    except Exception as exc:  # a '${...}' that does not resolve
         if not is_omegaconf_error(exc):
             raise
         _fail(omegaconf_line(exc))
