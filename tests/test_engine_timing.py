@@ -467,6 +467,25 @@ def test_link_cancel_and_reprioritize_a_delayed_prefetch():
     assert lk.link.idle() and lk.link.cur_end_s == float("inf")
 
 
+@pytest.mark.parametrize("lanes", [False, True])
+def test_an_idle_link_s_next_event_skips_a_cancelled_release(lanes: bool) -> None:
+    """An idle link holding two delayed prefetches (released at 1 and 2 ms): cancelling
+    the first makes the second's release its next event, cancelling both leaves none, so
+    the backend sees the link idle at once.  Red if a cancelled release stays the next
+    event (the link looks busy, and demand-only layer steps leave their closed form,
+    until the link passes it)."""
+    lk = Link()
+    if lanes:
+        lk.link = sim_engine.LaneLink(BW, OV, 2, 2, lk.done.append)
+    lk.submit(1, 1 * MB, 0.0, release=1e-3)
+    lk.submit(2, 1 * MB, 0.0, release=2e-3)
+    assert lk.link.cur is None and lk.link.cur_end_s == pytest.approx(1e-3)
+    assert lk.cancel(1) and lk.link.cur_end_s == pytest.approx(2e-3)
+    assert lk.cancel(2) and lk.link.cur_end_s == float("inf")
+    lk.finish()
+    assert lk.done == []
+
+
 # -- the first-come-first-served link (engine.link_order=fifo) -------------------------------
 def test_fifo_link_runs_every_transfer_in_arrival_order_and_never_pauses():
     # the priority link: the on-demand load pauses the prefetch at its 4 MB boundary

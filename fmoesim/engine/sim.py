@@ -418,7 +418,11 @@ class SimLink:
             return False
         if job.state == _QUEUED:
             self._dequeue(job)
+            job.state = _CANCELLED
+            return True
         job.state = _CANCELLED
+        if self.cur is None:  # idle: the next event is the next live release, if any
+            self.cur_end_s = self._next_release_s()
         return True
 
     def abort(self, job: TransferRecord, t_s: float) -> bool:
