@@ -11,11 +11,11 @@ per transfer; ``tests/test_engine_timing.py`` checks it against closed forms.
 
 - :class:`SimLink` — one host-to-device link: bandwidth, fixed cost per transfer,
   chunked transfers, priority queue, on-demand preemption, cancellation, abort.
+- :class:`LaneLink` — a link of several lanes with transfers cut into slices
+  (``hardware.link_lanes``, ``hardware.transfer_slices``).
 - :class:`SimBackend` — the timed backend.
 - :class:`InstantBackend` — hit-rate-only with ``engine.landing=next_step``: no clock;
   a transfer issued during a layer step is resident from the next step.
-- :class:`LaneLink` — a link of several lanes with transfers cut into slices
-  (``hardware.link_lanes``, ``hardware.transfer_slices``).
 - :class:`LinkStepBackend` — hit-rate-only with ``engine.landing=link`` (the default):
   a prefetch is resident once its bytes have crossed the link during modelled compute
   (one transfer at a time at the link's whole rate: lanes and slices are the timed
@@ -416,12 +416,11 @@ class SimLink:
         """Drop ``job`` if it is queued (or delayed) and never started."""
         if (job.state != _QUEUED and job.state != _DELAYED) or job.start_s == job.start_s:
             return False
-        if job.state == _QUEUED:
+        delayed = job.state == _DELAYED
+        if not delayed:
             self._dequeue(job)
-            job.state = _CANCELLED
-            return True
         job.state = _CANCELLED
-        if self.cur is None:  # idle: the next event is the next live release, if any
+        if delayed and self.cur is None:  # idle: the next event is the next live release
             self.cur_end_s = self._next_release_s()
         return True
 
@@ -457,8 +456,9 @@ class LaneLink(SimLink):
 
     Model: ``lanes`` servers share the link's rate, each moving ``bytes_per_s / lanes``
     (an engine's reader threads, each with its own share of the storage's bandwidth).  A
-    transfer is cut into ``slices`` jobs of equal size (the last takes the remainder of
-    the bytes): an engine that reads an expert one projection at a time, one job each.
+    transfer is cut into ``slices`` jobs of equal size to the byte (slice i of s moves
+    ``size * (i + 1) // s - size * i // s`` bytes): an engine that reads an expert one
+    projection at a time, one job each.
     A lane that frees takes the next slice of the first transfer in the queue (lowest
     ``(link_priority, seq)``, as :class:`SimLink` orders it), so one transfer's slices
     run side by side on the free lanes and the next transfer's fill the lanes it leaves
@@ -643,33 +643,17 @@ class SimBackend(Backend):
         self.compute = compute
         self.caches = caches
         self.num_gpus = len(caches)
-        self.links: list[SimLink] = []
+        bps, overhead = hw.pcie_bytes_per_s, hw.transfer_overhead_s
         lanes, slices = hw.link_lanes, hw.transfer_slices
-        for c in caches:
-            if lanes > 1 or slices > 1:
-                self.links.append(
-                    LaneLink(
-                        hw.pcie_bytes_per_s,
-                        hw.transfer_overhead_s,
-                        lanes,
-                        slices,
-                        cache=c,
-                        fifo=fifo,
-                    )
-                )
-            else:
-                self.links.append(
-                    SimLink(
-                        hw.pcie_bytes_per_s,
-                        hw.transfer_overhead_s,
-                        hw.chunk_bytes,
-                        preempt,
-                        cache=c,
-                        fifo=fifo,
-                    )
-                )
+        sliced = lanes > 1 or slices > 1
+        self.links: list[SimLink] = [
+            LaneLink(bps, overhead, lanes, slices, cache=c, fifo=fifo)
+            if sliced
+            else SimLink(bps, overhead, hw.chunk_bytes, preempt, cache=c, fifo=fifo)
+            for c in caches
+        ]
         # the closed form of on-demand loads (demand_loads) is a single server's
-        self.closed_form_demand = lanes == 1 and slices == 1
+        self.closed_form_demand = not sliced
         self.transfers: list[TransferRecord] = []
         self.clock_s = 0.0
         self.busy_compute_s = 0.0

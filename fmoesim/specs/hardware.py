@@ -113,6 +113,7 @@ class HardwareSpec:
                 raise ConfigError(f"{prefix}.{key}", value, "must be an integer >= 1")
         if not isinstance(self.measured, Mapping):
             raise ConfigError(f"{prefix}.measured", self.measured, "must be a mapping")
+        lanes = self.link_lanes > 1 or self.transfer_slices > 1
         for name, table in self.measured.items():  # a model's, the link's: name -> number
             if not isinstance(table, Mapping):
                 raise ConfigError(
@@ -135,7 +136,6 @@ class HardwareSpec:
                         )
                     )
                     raise ConfigError(f"{prefix}.measured.{name}.{k}", table[k], what)
-            lanes = self.link_lanes > 1 or self.transfer_slices > 1
             if name != "link" and lanes and table.get("host_link_depth", 0):
                 raise ConfigError(
                     f"{prefix}.measured.{name}.host_link_depth",
