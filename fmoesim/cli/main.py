@@ -644,6 +644,8 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
     inputs = [
         resolve_path(spec.workload.path or "") if spec.workload.kind == "trace" else None,
         spec.serving.arrivals_csv if spec.serving.arrivals == "csv" else None,
+        # a synthetic trace's lengths and arrivals from a file: its bytes count too
+        spec.workload.synthetic.arrivals_csv if spec.workload.kind == "synthetic" else None,
     ]
     versions = {"code_version": code_version(), "input_digest": input_digest(inputs)}
     cfg_hash, cfg_json = config_key(resolved, versions)
@@ -822,14 +824,22 @@ def _trace_path(spec: RunSpec) -> Path:
         path = resolve_path(w.path or "")
         _check_trace_dir(w.path or "", path)
         return path
-    from fmoesim.workload.synthetic import generate, read_azure_csv
+    from fmoesim.atomic import atomic_file
+    from fmoesim.workload.synthetic import generate, generator_digest, read_azure_csv
 
     path = synthetic_trace_path(spec.model, w)
-    if not (path / "trace.json").is_file():
+    # the generator's code digest, beside the folder: a trace cached by other code (an
+    # older checkout) is made again, not read as if today's generator had made it
+    stamp = path.with_name(path.name + ".generator")
+    code = generator_digest()
+    cached = (path / "trace.json").is_file() and stamp.is_file() and stamp.read_text() == code
+    if not cached:
         if w.synthetic.arrivals_csv:  # a bad file is one line, before the progress line
             read_azure_csv(w.synthetic.arrivals_csv, limit=w.synthetic.num_requests)
         print(f"generating synthetic trace -> {path}", file=sys.stderr)
         generate(spec.model, w.synthetic, path, overwrite=True, progress=spec.progress)
+        with atomic_file(stamp) as tmp:
+            tmp.write_text(code)
     return path
 
 

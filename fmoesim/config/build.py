@@ -533,14 +533,20 @@ def simulate_spec(
 
 
 def synthetic_trace_path(model: ModelSpec, workload: WorkloadConfig) -> Path:
-    """Cache location of the synthetic trace for ``model`` and the workload's knobs."""
+    """Cache location of the synthetic trace for ``model`` and the workload's knobs, and
+    the contents of the arrival file they name, if any (so an edited file is another
+    trace, not the old one again)."""
     import hashlib
     import json
     from dataclasses import asdict
 
-    key = json.dumps(
-        {"model": asdict(model), "synthetic": asdict(workload.synthetic)}, sort_keys=True
-    )
+    from fmoesim.workload.synthetic import arrivals_digest
+
+    parts: dict[str, Any] = {"model": asdict(model), "synthetic": asdict(workload.synthetic)}
+    csv = arrivals_digest(workload.synthetic)
+    if csv is not None:
+        parts["arrivals_sha256"] = csv
+    key = json.dumps(parts, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     from fmoesim.config.schema import PROJECT_ROOT
 

@@ -81,6 +81,10 @@ from fmoesim.trace.writer import TraceWriter
 
 GENERATOR = "fmoesim.workload.synthetic/1"
 
+#: the modules (under the ``fmoesim`` package) whose code decides a generated trace's
+#: bytes: a cached trace made by other code is made again (:func:`generator_digest`)
+GENERATOR_SOURCES = ("workload/synthetic.py", "trace/writer.py", "trace/schema.py")
+
 
 @dataclass
 class SyntheticConfig:
@@ -645,6 +649,32 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     np.exp(z, out=z)
     z /= z.sum(axis=1, keepdims=True)
     return z
+
+
+def generator_digest() -> str:
+    """16 hex digits of SHA-256 over the code of :data:`GENERATOR_SOURCES` (paths and
+    contents): equal digests, equal bytes for the same model, knobs and arrival file."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for rel in GENERATOR_SOURCES:
+        h.update(rel.encode())
+        h.update((root / rel).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def arrivals_digest(cfg: SyntheticConfig) -> str | None:
+    """16 hex digits of SHA-256 over the bytes of ``cfg.arrivals_csv``; None without one
+    or where it cannot be read (reading it then fails with its own one-line error)."""
+    import hashlib
+
+    if not cfg.arrivals_csv:
+        return None
+    try:
+        return hashlib.sha256(Path(cfg.arrivals_csv).read_bytes()).hexdigest()[:16]
+    except OSError:
+        return None
 
 
 def generate(
