@@ -788,7 +788,7 @@ def _check_inputs(spec: RunSpec, seen: dict[str, Any]) -> None:
     keeps each file's manifest or ``True`` across the points, so each is read once."""
     from fmoesim.engine.simulate import check_manifest_shape
     from fmoesim.trace.schema import MANIFEST, TraceManifest
-    from fmoesim.workload.synthetic import read_azure_csv
+    from fmoesim.workload.synthetic import read_arrivals
 
     w = spec.workload
     if w.kind == "trace":
@@ -806,7 +806,7 @@ def _check_inputs(spec: RunSpec, seen: dict[str, Any]) -> None:
         csvs.append((spec.serving.arrivals_csv, None))
     for csv, limit in csvs:
         if csv and f"csv:{csv}:{limit}" not in seen:
-            read_azure_csv(csv, limit=limit)
+            read_arrivals(csv, limit=limit)
             seen[f"csv:{csv}:{limit}"] = True
 
 
@@ -825,7 +825,7 @@ def _trace_path(spec: RunSpec) -> Path:
         _check_trace_dir(w.path or "", path)
         return path
     from fmoesim.atomic import atomic_file
-    from fmoesim.workload.synthetic import generate, generator_digest, read_azure_csv
+    from fmoesim.workload.synthetic import generate, generator_digest, read_arrivals
 
     path = synthetic_trace_path(spec.model, w)
     # the generator's code digest, beside the folder: a trace cached by other code (an
@@ -835,7 +835,7 @@ def _trace_path(spec: RunSpec) -> Path:
     cached = (path / "trace.json").is_file() and stamp.is_file() and stamp.read_text() == code
     if not cached:
         if w.synthetic.arrivals_csv:  # a bad file is one line, before the progress line
-            read_azure_csv(w.synthetic.arrivals_csv, limit=w.synthetic.num_requests)
+            read_arrivals(w.synthetic.arrivals_csv, limit=w.synthetic.num_requests)
         print(f"generating synthetic trace -> {path}", file=sys.stderr)
         generate(spec.model, w.synthetic, path, overwrite=True, progress=spec.progress)
         with atomic_file(stamp) as tmp:

@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument(
         "--arrivals",
         default=None,
-        help="Azure-format CSV (TIMESTAMP,ContextTokens,GeneratedTokens; TIMESTAMP: ISO 8601 "
-        "date-times or numbers of seconds)",
+        help="arrival log for lengths and arrival times: an Azure-format CSV "
+        "(TIMESTAMP,ContextTokens,GeneratedTokens; TIMESTAMP: ISO 8601 date-times or numbers "
+        "of seconds) or a Mooncake .jsonl trace (timestamp in ms, input_length, output_length)",
     )
     syn.add_argument("--rate", type=float, default=None, help="Poisson arrival rate (req/s)")
     syn.add_argument(

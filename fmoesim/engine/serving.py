@@ -23,9 +23,10 @@ class ServingConfig:
 
     ``mode="online"``: requests arrive at their arrival times (``arrivals``: ``"trace"``
     = the trace's ``arrival_s``; ``"poisson"`` = a Poisson process of ``rate_rps``
-    drawn from the run's seed; ``"csv"`` = the timestamps of an Azure-format CSV
-    ``arrivals_csv``, in order: ISO 8601 date-times or numbers of seconds, relative to
-    its first row, :func:`fmoesim.workload.synthetic.read_azure_csv`) and wait in a FCFS
+    drawn from the run's seed; ``"csv"`` = the times of the arrival log
+    ``arrivals_csv``, in order, relative to its first row: an Azure-format CSV, ISO 8601
+    date-times or numbers of seconds, or a Mooncake ``.jsonl`` trace, milliseconds,
+    :func:`fmoesim.workload.synthetic.read_arrivals`) and wait in a FCFS
     queue.  At each iteration boundary the scheduler admits queued requests that have
     arrived while fewer than ``max_batch_size`` are running and runs their prefill as one
     iteration (prefill-first, like vLLM's default); otherwise it runs one decode
@@ -141,10 +142,10 @@ def arrival_times_s(
     if serving.arrivals == "poisson":
         gaps = rng.exponential(1.0 / serving.rate_rps, size=num_requests)
         return np.cumsum(gaps) - gaps[0]  # the first request arrives at 0
-    from fmoesim.workload.synthetic import read_azure_csv
+    from fmoesim.workload.synthetic import read_arrivals
 
     assert serving.arrivals_csv is not None
-    lengths = read_azure_csv(serving.arrivals_csv)
+    lengths = read_arrivals(serving.arrivals_csv)
     assert lengths.arrival_s is not None
     if len(lengths.arrival_s) < num_requests:
         raise ConfigError(

@@ -56,8 +56,10 @@ layers with ``spec_noise``.  Embeddings are computed as for a decoder-only model
 prompt positions, then the output positions).
 
 Lengths: prompt and output token counts from log-normal distributions (clipped), or
-from an Azure-format arrival CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``).
-Arrivals: none (static batches), a Poisson process of ``arrival_rate_rps``, or the CSV.
+from an arrival log (``arrivals_csv``: an Azure-format CSV,
+``TIMESTAMP,ContextTokens,GeneratedTokens``, or a Mooncake JSON lines trace,
+:func:`read_arrivals`), clipped the same way.  Arrivals: none (static batches), a
+Poisson process of ``arrival_rate_rps``, or the log.
 
 Every request draws from its own child of ``SeedSequence(seed)``, so the same seed
 gives the same bytes, and request ``r`` does not change when more requests are added.
@@ -311,6 +313,80 @@ def read_azure_csv(path: str | os.PathLike[str], limit: int | None = None) -> _L
     return _Lengths(prompt=out[0], output=out[1], arrival_s=arrival)
 
 
+def read_mooncake_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> _Lengths:
+    """Read a Mooncake request trace (JSON lines, as kvcache-ai/Mooncake publishes its
+    traces: ``{"timestamp": ms, "input_length": n, "output_length": m, ...}``), its first
+    ``limit`` rows if given.
+
+    ``timestamp`` is milliseconds (a finite number >= 0), rows sorted by it; arrival
+    times are seconds since the first row.  ``input_length`` and ``output_length`` are
+    positive integers of at most ``2**31 - 1``; other keys (``hash_ids``) are ignored.
+    Raises :class:`FmoesimError` naming the file, the row (lines counted from 1) and the
+    rule on a malformed file.
+    """
+    import itertools
+    import json
+
+    p = Path(path)
+    if not p.is_file():
+        what = "a directory, not a JSON lines file" if p.is_dir() else "arrival file not found"
+        raise FmoesimError(f"{p}: {what}")
+    rule = 'rule: one JSON object a line, {"timestamp": ms, "input_length": n, "output_length": m}'
+    times: list[float] = []
+    cols: dict[str, list[int]] = {"input_length": [], "output_length": []}
+    try:
+        with p.open(encoding="utf-8") as f:
+            for row, line in enumerate(itertools.islice(f, limit), start=1):
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    obj = None
+                if not isinstance(obj, dict):
+                    raise FmoesimError(f"{p} row {row}: not a JSON object ({rule})")
+                t = obj.get("timestamp")
+                if isinstance(t, bool) or not isinstance(t, (int, float)):
+                    raise FmoesimError(
+                        f"{p} row {row}: timestamp = {t!r} (rule: a number of milliseconds)"
+                    )
+                if not (math.isfinite(t) and t >= 0):
+                    raise FmoesimError(
+                        f"{p} row {row}: timestamp = {t!r} (rule: milliseconds, finite and >= 0)"
+                    )
+                if times and t / 1000.0 < times[-1]:
+                    raise FmoesimError(
+                        f"{p} row {row}: timestamp goes backwards (rule: rows sorted by time)"
+                    )
+                times.append(t / 1000.0)
+                for key, vals in cols.items():
+                    v = obj.get(key)
+                    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_TOKENS:
+                        raise FmoesimError(
+                            f"{p} row {row}: {key} = {v!r} (rule: a positive integer at most "
+                            f"{MAX_TOKENS})"
+                        )
+                    vals.append(v)
+    except UnicodeDecodeError as exc:
+        raise FmoesimError(f"{p}: not UTF-8 text ({exc.reason}; {rule})") from None
+    if not times:
+        raise FmoesimError(f"{p}: no rows (rule: at least one request)")
+    arrival = np.asarray(times, dtype=np.float64)
+    return _Lengths(
+        prompt=np.asarray(cols["input_length"], dtype=np.int64),
+        output=np.asarray(cols["output_length"], dtype=np.int64),
+        arrival_s=arrival - arrival[0],
+    )
+
+
+def read_arrivals(path: str | os.PathLike[str], limit: int | None = None) -> _Lengths:
+    """Read an arrival log, its first ``limit`` rows if given: a Mooncake trace
+    (``.jsonl``: :func:`read_mooncake_jsonl`) or an Azure LLM inference trace (any other
+    name: :func:`read_azure_csv`).  Prompt and output lengths per request, arrival times
+    in seconds since the first request."""
+    if Path(path).suffix.lower() == ".jsonl":
+        return read_mooncake_jsonl(path, limit)
+    return read_azure_csv(path, limit)
+
+
 class SyntheticWorkload:
     """The generative model of the module docstring, for one model shape and config."""
 
@@ -339,7 +415,7 @@ class SyntheticWorkload:
         """
         cfg, R = self.cfg, self.cfg.num_requests
         if cfg.arrivals_csv:
-            lens = read_azure_csv(cfg.arrivals_csv, limit=R)
+            lens = read_arrivals(cfg.arrivals_csv, limit=R)
             if len(lens.prompt) < R:
                 raise ConfigError(
                     "workload.synthetic.num_requests",

@@ -1,0 +1,175 @@
+"""Arrival logs from two loggers: Azure's LLM inference CSVs and Mooncake's JSON lines
+traces, read by hand-made examples, their bad inputs, and the real public files where
+``../shared/data/arrivals`` holds them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fmoesim.engine.serving import ServingConfig, arrival_times_s
+from fmoesim.errors import FmoesimError
+from fmoesim.workload.synthetic import read_arrivals, read_azure_csv, read_mooncake_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+REAL = ROOT.parent / "shared" / "data" / "arrivals"
+
+# three requests as Mooncake writes them (milliseconds from the trace's start)
+MOONCAKE = [
+    {"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2]},
+    {"timestamp": 250, "input_length": 7322, "output_length": 490, "hash_ids": [0, 3]},
+    {"timestamp": 4000, "input_length": 912, "output_length": 3, "hash_ids": []},
+]
+
+
+def _jsonl(path: Path, rows: list[dict] | list[str]) -> Path:
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_read_mooncake_jsonl(tmp_path: Path) -> None:
+    """Red if milliseconds are read as seconds, lengths are swapped, or ``limit`` reads
+    more rows than asked."""
+    p = _jsonl(tmp_path / "m.jsonl", MOONCAKE)
+    lens = read_mooncake_jsonl(p)
+    assert lens.prompt.tolist() == [6758, 7322, 912]
+    assert lens.output.tolist() == [500, 490, 3]
+    assert lens.arrival_s.tolist() == [0.0, 0.25, 4.0]
+    assert read_mooncake_jsonl(p, limit=2).arrival_s.tolist() == [0.0, 0.25]
+    # a trace cut from the middle of a longer one: times count from its first row
+    late = [{**r, "timestamp": r["timestamp"] + 60_000} for r in MOONCAKE]
+    assert read_mooncake_jsonl(_jsonl(tmp_path / "late.jsonl", late)).arrival_s.tolist() == [
+        0.0,
+        0.25,
+        4.0,
+    ]
+
+
+def test_read_arrivals_picks_the_format_from_the_name(tmp_path: Path) -> None:
+    """Red if a ``.jsonl`` file goes to the CSV reader (or a CSV to the JSON one)."""
+    m = _jsonl(tmp_path / "m.JSONL", MOONCAKE)
+    assert read_arrivals(m).prompt.tolist() == [6758, 7322, 912]
+    a = tmp_path / "a.csv"
+    a.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,5,3\n0.25,7,2\n")
+    assert read_arrivals(a).prompt.tolist() == [5, 7]
+    assert read_arrivals(a, limit=1).arrival_s.tolist() == [0.0]
+
+
+def test_online_serving_takes_arrival_times_from_a_mooncake_trace(tmp_path: Path) -> None:
+    """Red if ``serving.arrivals=csv`` reads only Azure's format: the same times in
+    either file give the same arrivals."""
+    m = _jsonl(tmp_path / "m.jsonl", MOONCAKE)
+    a = tmp_path / "a.csv"
+    a.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,1,1\n0.25,1,1\n4,1,1\n")
+    rng = np.random.default_rng(0)
+    got = {}
+    for f in (m, a):
+        cfg = ServingConfig(mode="online", arrivals="csv", arrivals_csv=str(f)).validate()
+        got[f.suffix] = arrival_times_s(cfg, np.zeros(3), [1, 2], rng).tolist()
+    assert got[".jsonl"] == got[".csv"] == [0.0, 0.25]
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        (["{not json"], " row 1: not a JSON object (rule: one JSON object a line"),
+        ([MOONCAKE[0], "[1, 2]"], " row 2: not a JSON object"),
+        ([MOONCAKE[0], ""], " row 2: not a JSON object"),  # a blank line
+        ([{**MOONCAKE[0], "timestamp": "0"}], " row 1: timestamp = '0' (rule: a number of milli"),
+        ([{**MOONCAKE[0], "timestamp": True}], " row 1: timestamp = True (rule: a number of"),
+        ([{"input_length": 5, "output_length": 2}], " row 1: timestamp = None (rule: a number"),
+        ([{**MOONCAKE[0], "timestamp": -1}], " row 1: timestamp = -1 (rule: milliseconds, finite"),
+        (
+            [MOONCAKE[1], MOONCAKE[0]],
+            " row 2: timestamp goes backwards (rule: rows sorted by time)",
+        ),
+        (
+            [{**MOONCAKE[0], "output_length": 0}],
+            " row 1: output_length = 0 (rule: a positive integer at most 2147483647)",
+        ),
+        ([{**MOONCAKE[0], "input_length": 2.5}], " row 1: input_length = 2.5 (rule: a positive"),
+        ([{**MOONCAKE[0], "input_length": 2**31}], " row 1: input_length = 2147483648 (rule"),
+        ([{"timestamp": 0, "output_length": 3}], " row 1: input_length = None (rule: a positive"),
+        ([], ": no rows (rule: at least one request)"),
+    ],
+    ids=[
+        "not_json",
+        "not_an_object",
+        "blank_line",
+        "text_time",
+        "bool_time",
+        "no_time",
+        "negative_time",
+        "backwards",
+        "zero_output",
+        "fractional_input",
+        "too_long",
+        "no_input",
+        "empty",
+    ],
+)
+def test_read_mooncake_jsonl_rejects(tmp_path: Path, rows: list, expected: str) -> None:
+    """Red if a malformed row is read, or its one line misses the file, row or rule."""
+    p = _jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(FmoesimError) as info:
+        read_mooncake_jsonl(p)
+    assert str(info.value).startswith(str(p) + expected), str(info.value)
+
+
+def test_read_mooncake_jsonl_names_a_missing_file_or_bad_bytes(tmp_path: Path) -> None:
+    """Red if a missing file, a folder or non-UTF-8 bytes escape as a traceback."""
+    with pytest.raises(FmoesimError, match="nope.jsonl: arrival file not found"):
+        read_arrivals(tmp_path / "nope.jsonl")
+    (tmp_path / "d.jsonl").mkdir()
+    with pytest.raises(FmoesimError, match="d.jsonl: a directory, not a JSON lines file"):
+        read_arrivals(tmp_path / "d.jsonl")
+    (tmp_path / "b.jsonl").write_bytes(b'{"timestamp": 0}\xff\n')
+    with pytest.raises(FmoesimError, match="b.jsonl: not UTF-8 text"):
+        read_arrivals(tmp_path / "b.jsonl")
+
+
+@pytest.mark.skipif(not REAL.is_dir(), reason="../shared/data (arrival traces) is absent")
+@pytest.mark.parametrize(
+    ("name", "rows", "last_s", "prompt_median", "output_median"),
+    [
+        # Azure/AzurePublicDataset AzureLLMInferenceTrace_{code,conv}.csv (2023-11-16)
+        ("azure_llm_2023_code.csv", 8819, 3435.948056, 1469, 13),
+        ("azure_llm_2023_conv.csv", 19366, 3501.721937, 1020, 129),
+        # kvcache-ai/Mooncake FAST25-release/traces/conversation_trace.jsonl
+        ("mooncake_conversation_trace.jsonl", 12031, 3536.999, 6909, 350),
+    ],
+)
+def test_the_real_arrival_logs_read_whole(
+    name: str, rows: int, last_s: float, prompt_median: int, output_median: int
+) -> None:
+    """Red if a real file's rows are dropped or misread: the counts are the files'
+    published ones (8,819, 19,366 and 12,031 requests), the spans about an hour, the
+    medians as the files give them."""
+    lens = read_arrivals(REAL / name)
+    assert len(lens.prompt) == len(lens.output) == len(lens.arrival_s) == rows
+    assert lens.arrival_s[0] == 0.0 and lens.arrival_s[-1] == pytest.approx(last_s, abs=1e-6)
+    assert np.median(lens.prompt) == prompt_median and np.median(lens.output) == output_median
+    if name.endswith(".csv"):  # the dispatcher gives what the Azure reader gives
+        np.testing.assert_array_equal(read_azure_csv(REAL / name).arrival_s, lens.arrival_s)
+
+
+def test_a_synthetic_trace_takes_lengths_and_arrivals_from_a_mooncake_trace(tmp_path: Path):
+    """Red if the generator reads only Azure's format for its lengths, or leaves a
+    Mooncake prompt (thousands of tokens) unclipped by ``prompt_tokens_max``."""
+    from fmoesim.config.build import load_preset
+    from fmoesim.specs.model import ModelSpec
+    from fmoesim.trace.reader import read_trace
+    from fmoesim.workload.synthetic import SyntheticConfig, generate
+
+    m = _jsonl(tmp_path / "m.jsonl", MOONCAKE)
+    model = load_preset("model", "olmoe-1b-7b", ModelSpec)
+    cfg = SyntheticConfig(num_requests=3, arrivals_csv=str(m), prompt_tokens_max=1000,
+                          output_tokens_max=8)  # fmt: skip
+    tr = read_trace(generate(model, cfg, tmp_path / "t"))
+    assert tr.prompt_tokens.tolist() == [1000, 1000, 912]
+    assert tr.output_tokens.tolist() == [8, 8, 3]
+    assert tr.arrival_s.tolist() == [0.0, 0.25, 4.0]
