@@ -427,7 +427,9 @@ def test_latency_figures_read_timed_runs_only(tmp_path):
 
 
 def test_online_figure_names_its_arrivals():
-    """Fig. 10 serves online: its caption says where the arrival times came from."""
+    """Fig. 10 serves online: its caption says where the arrival times came from. Red if
+    the caption of a synthetic trace made from an arrival log says only "the trace's
+    times" (hiding the log), or names the log for a recorded trace."""
     rows = pd.DataFrame(fake_rows("fmoe-fig10"))
     online = {"mode": "online", "arrivals": "csv", "arrivals_csv": "traces/.cache/az.csv"}
     rows["config_json"] = [
@@ -436,6 +438,25 @@ def test_online_figure_names_its_arrivals():
     drawing = draw_figure("fmoe-fig10", rows)
     assert drawing.setting.endswith(", online serving, arrivals from traces/.cache/az.csv")
     assert "online" not in draw_figure("fmoe-fig11", _fig11_rows()).setting
+    # the preset's own setting: a synthetic trace takes lengths and times from a log
+    online = {"mode": "online", "arrivals": "trace"}
+    workload = {"kind": "synthetic", "synthetic": {"arrivals_csv": "traces/.cache/a.csv"}}
+    rows["config_json"] = [
+        json.dumps(json.loads(c) | {"serving": online, "workload": workload})
+        for c in rows.config_json
+    ]
+    drawing = draw_figure("fmoe-fig10", rows)
+    assert drawing.setting.endswith(
+        ", online serving, lengths and arrivals from traces/.cache/a.csv"
+    )
+    # a recorded trace's own times say so (no log named)
+    workload = {"kind": "trace", "synthetic": {"arrivals_csv": "traces/.cache/a.csv"}}
+    rows["config_json"] = [
+        json.dumps(json.loads(c) | {"workload": workload}) for c in rows.config_json
+    ]
+    assert draw_figure("fmoe-fig10", rows).setting.endswith(
+        ", online serving, arrivals at the trace's times"
+    )
 
 
 def test_the_figure_list_is_aligned(capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,7 +31,7 @@ from fmoesim.errors import ArgumentParser, FmoesimError, counted, run_or_exit
 PROG = "fmoesim-plot"
 STORE = "results/store"  # the default --store
 OUT = "results/figures"  # the default --out
-AZURE_CSV = "traces/.cache/azure-synthetic.csv"
+AZURE_CSV = "traces/.cache/azure-conv-sample.csv"
 
 
 def write_azure_synthetic(path: Path, num_requests: int = 64, seed: int = 0) -> Path:
@@ -68,10 +68,14 @@ def write_azure_synthetic(path: Path, num_requests: int = 64, seed: int = 0) -> 
 
 
 def prepare_inputs(experiment: str, root: Path) -> None:
-    """Write the generated input an experiment reads when it is missing: fmoe-fig10's
-    synthetic Azure-format arrivals (:data:`AZURE_CSV`, :func:`write_azure_synthetic`)."""
-    if experiment == "fmoe-fig10" and not (root / AZURE_CSV).is_file():
-        write_azure_synthetic(root / AZURE_CSV)
+    """Write the generated input an experiment reads, where it is missing or holds other
+    bytes: fmoe-fig10's arrival log, 64 requests as fMoE §6.3 samples them from Azure's
+    conversation trace (:data:`AZURE_CSV`,
+    :func:`fmoesim.workload.arrival_samples.write_azure_conv_sample`)."""
+    if experiment == "fmoe-fig10":
+        from fmoesim.workload.arrival_samples import write_azure_conv_sample
+
+        write_azure_conv_sample(root / AZURE_CSV, num_requests=64, seed=0)
 
 
 def _run_point(point: list[str]) -> tuple[str, bool]:

@@ -889,8 +889,9 @@ class Drawing:
 
 def arrivals_note(df: Any) -> str:
     """How requests arrived in the rows' runs when they served online (``serving.mode``):
-    the trace's arrival times, Poisson arrivals at a rate, or an Azure-format CSV named
-    by path; empty for static batches."""
+    the trace's arrival times (with the arrival log a synthetic trace took its lengths
+    and times from, if any), Poisson arrivals at a rate, or an arrival log named by path;
+    empty for static batches."""
     notes = []
     rates: list[Any] = []
     for _, r in df.iterrows():
@@ -902,6 +903,10 @@ def arrivals_note(df: Any) -> str:
         elif kind == "poisson":
             rates.append(_cfg_get(r, "serving.rate_rps", "?"))
             continue
+        elif (log := _cfg_get(r, "workload.synthetic.arrivals_csv", None)) and _cfg_get(
+            r, "workload.kind", "trace"
+        ) == "synthetic":
+            note = f"lengths and arrivals from {_short(str(log))}"
         else:
             note = "arrivals at the trace's times"
         notes.append(note)

@@ -1,0 +1,84 @@
+"""Arrival logs that stand in for a real one that the project may not ship.
+
+fMoE §6.3 drives its online experiment with "64 requests randomly sampled" from the Azure
+LLM inference traces, each request with the input and output lengths its row gives. The
+traces are public (Azure/AzurePublicDataset, CC-BY-4.0) but not in this repository, so
+:func:`write_azure_conv_sample` writes an Azure-format CSV of the same shape from
+statistics of the 2023 conversation trace (``AzureLLMInferenceTrace_conv.csv``: 19,366
+requests between 2023-11-16 18:15 and about 19:14 UTC), measured once and quoted below:
+
+- lengths: 31 percentiles of ``ContextTokens`` and ``GeneratedTokens`` (every 5th, and
+  finer in both tails; numpy's linear percentiles of the whole file, rounded); a request
+  draws each length independently (their logarithms correlate at 0.09 in the file) by
+  inverse transform, interpolating log-lengths between the percentiles;
+- arrival times: ``n`` requests drawn at random from a trace whose arrivals spread
+  evenly over its 3,501.7 s (its gaps' coefficient of variation is 1.09, near a Poisson
+  process's 1) arrive at ``n`` uniform times over that span, sorted, counted from the
+  first.
+
+It is not the trace: the numbers of one request are not a real request's, and the
+lengths' joint law is assumed independent. Pass the real file with ``arrivals_csv=`` to
+use it instead.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+#: the percentiles (in %) the tables below give, finer in both tails
+PERCENTILES = (
+    0, 1, 2, 3, 4, 5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 55, 60, 65, 70, 75, 80, 85, 90,
+    95, 96, 97, 98, 99, 99.5, 99.9, 100,
+)  # fmt: skip
+#: AzureLLMInferenceTrace_conv.csv (2023): ContextTokens at :data:`PERCENTILES`
+CONV_PROMPT_TOKENS = (
+    2, 29, 91, 161, 181, 181, 207, 372, 387, 396, 403, 414, 703, 984, 1020, 1045, 1071,
+    1097, 1130, 1189, 1315, 1876, 2734, 4083, 4086, 4090, 4098, 4142, 4831, 6179, 14050,
+)  # fmt: skip
+#: the same for GeneratedTokens
+CONV_OUTPUT_TOKENS = (
+    7, 16, 24, 32, 38, 41, 54, 67, 77, 85, 91, 96, 103, 113, 129, 151, 177, 217, 384, 395,
+    400, 411, 424, 451, 468, 509, 540, 601, 643, 954, 1000,
+)  # fmt: skip
+#: seconds from the file's first request to its last
+CONV_SPAN_S = 3501.721937
+
+
+def _draw(lengths: tuple[int, ...], u: np.ndarray) -> np.ndarray:
+    """Lengths ``(n,)`` at the uniform draws ``u`` ``(n,)``: log-lengths interpolated
+    between ``lengths`` at :data:`PERCENTILES`, rounded to whole tokens."""
+    q = np.asarray(PERCENTILES, dtype=np.float64) / 100.0  # (31,)
+    log_len = np.interp(u, q, np.log(np.asarray(lengths, dtype=np.float64)))
+    return np.rint(np.exp(log_len)).astype(np.int64)
+
+
+def azure_conv_sample(num_requests: int = 64, seed: int = 0) -> str:
+    """The CSV text (``TIMESTAMP,ContextTokens,GeneratedTokens``, seconds) of
+    ``num_requests`` requests drawn as the module docstring says, from ``seed``."""
+    if not isinstance(num_requests, int) or num_requests < 1:
+        raise ValueError(f"num_requests = {num_requests!r} (rule: an integer >= 1)")
+    rng = np.random.default_rng(seed)
+    times = np.sort(rng.uniform(0.0, CONV_SPAN_S, num_requests))  # (n,)
+    times -= times[0]
+    prompt = _draw(CONV_PROMPT_TOKENS, rng.uniform(size=num_requests))
+    output = _draw(CONV_OUTPUT_TOKENS, rng.uniform(size=num_requests))
+    rows = [f"{t:.3f},{p},{o}" for t, p, o in zip(times, prompt, output, strict=True)]
+    return "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n"
+
+
+def write_azure_conv_sample(
+    path: str | os.PathLike[str], num_requests: int = 64, seed: int = 0
+) -> Path:
+    """Write :func:`azure_conv_sample` to ``path`` (atomically), unless the file holds
+    those bytes already; return the path."""
+    from fmoesim.atomic import atomic_file
+
+    p = Path(path)
+    text = azure_conv_sample(num_requests, seed)
+    if not (p.is_file() and p.read_text() == text):
+        with atomic_file(p) as tmp:
+            tmp.write_text(text)
+    return p
