@@ -76,24 +76,24 @@ def test_online_serving_takes_arrival_times_from_a_mooncake_trace(tmp_path: Path
 @pytest.mark.parametrize(
     ("rows", "expected"),
     [
-        (["{not json"], " row 1: not a JSON object (rule: one JSON object a line"),
-        ([MOONCAKE[0], "[1, 2]"], " row 2: not a JSON object"),
-        ([MOONCAKE[0], ""], " row 2: not a JSON object"),  # a blank line
-        ([{**MOONCAKE[0], "timestamp": "0"}], " row 1: timestamp = '0' (rule: a number of milli"),
-        ([{**MOONCAKE[0], "timestamp": True}], " row 1: timestamp = True (rule: a number of"),
-        ([{"input_length": 5, "output_length": 2}], " row 1: timestamp = None (rule: a number"),
-        ([{**MOONCAKE[0], "timestamp": -1}], " row 1: timestamp = -1 (rule: milliseconds, finite"),
+        (["{not json"], " line 1: not a JSON object (rule: one JSON object a line"),
+        ([MOONCAKE[0], "[1, 2]"], " line 2: not a JSON object"),
+        ([MOONCAKE[0], ""], " line 2: not a JSON object"),  # a blank line
+        ([{**MOONCAKE[0], "timestamp": "0"}], " line 1: timestamp = '0' (rule: a number of milli"),
+        ([{**MOONCAKE[0], "timestamp": True}], " line 1: timestamp = True (rule: a number of"),
+        ([{"input_length": 5, "output_length": 2}], " line 1: timestamp = None (rule: a number"),
+        ([{**MOONCAKE[0], "timestamp": -1}], " line 1: timestamp = -1 (rule: milliseconds, finite"),
         (
             [MOONCAKE[1], MOONCAKE[0]],
-            " row 2: timestamp goes backwards (rule: rows sorted by time)",
+            " line 2: timestamp goes backwards (rule: lines sorted by time)",
         ),
         (
             [{**MOONCAKE[0], "output_length": 0}],
-            " row 1: output_length = 0 (rule: a positive integer at most 2147483647)",
+            " line 1: output_length = 0 (rule: a positive integer at most 2147483647)",
         ),
-        ([{**MOONCAKE[0], "input_length": 2.5}], " row 1: input_length = 2.5 (rule: a positive"),
-        ([{**MOONCAKE[0], "input_length": 2**31}], " row 1: input_length = 2147483648 (rule"),
-        ([{"timestamp": 0, "output_length": 3}], " row 1: input_length = None (rule: a positive"),
+        ([{**MOONCAKE[0], "input_length": 2.5}], " line 1: input_length = 2.5 (rule: a positive"),
+        ([{**MOONCAKE[0], "input_length": 2**31}], " line 1: input_length = 2147483648 (rule"),
+        ([{"timestamp": 0, "output_length": 3}], " line 1: input_length = None (rule: a positive"),
         ([], ": no rows (rule: at least one request)"),
     ],
     ids=[
@@ -113,7 +113,8 @@ def test_online_serving_takes_arrival_times_from_a_mooncake_trace(tmp_path: Path
     ],
 )
 def test_read_mooncake_jsonl_rejects(tmp_path: Path, rows: list, expected: str) -> None:
-    """Red if a malformed row is read, or its one line misses the file, row or rule."""
+    """Red if a malformed line is read, or the error misses the file, line or rule (a
+    JSON-lines file counts lines, as docs/usage.md says)."""
     p = _jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(FmoesimError) as info:
         read_mooncake_jsonl(p)

@@ -193,3 +193,67 @@ def test_code_version_covers_the_simulator_not_the_reporting(
             base = now
     finally:
         store.code_version.cache_clear()
+
+
+def _external_policy(folder: Path, body: str = "") -> Path:
+    """A policy package kept outside the repository (``mypol``, an LFU under another
+    name) and its preset in ``folder/conf/policy/my-lfu.yaml``; returns the conf folder."""
+    pkg = folder / "src" / "mypol"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mine.py").write_text(
+        "from policies.lfu import LFU\n\n\nclass MyLFU(LFU):\n    name = 'my-lfu'\n" + body
+    )
+    conf = folder / "conf" / "policy"
+    conf.mkdir(parents=True, exist_ok=True)
+    (conf / "my-lfu.yaml").write_text("_target_: mypol.mine.MyLFU\n")
+    return folder / "conf"
+
+
+def test_policy_code_version_covers_a_policy_kept_outside(tmp_path, monkeypatch):
+    """Red if the project's own policies get a digest of their own (every stored hash
+    would change), or an outside policy's digest misses an edit or depends on where
+    the package lies."""
+    from fmoesim.results.store import policy_code_version
+
+    assert policy_code_version("policies.lfu.LFU") is None
+    assert policy_code_version("fmoesim.engine.runner.Runner") is None
+    assert policy_code_version("nosuchpackage.x.Y") is None
+    _external_policy(tmp_path / "a")
+    _external_policy(tmp_path / "b")
+    monkeypatch.syspath_prepend(str(tmp_path / "a" / "src"))
+    first = policy_code_version("mypol.mine.MyLFU")
+    assert first is not None and len(first) == 12
+    monkeypatch.syspath_prepend(str(tmp_path / "b" / "src"))  # the same code elsewhere
+    assert policy_code_version("mypol.mine.MyLFU") == first
+    _external_policy(tmp_path / "b", body="    # an edit\n")
+    assert policy_code_version("mypol.mine.MyLFU") != first
+
+
+def test_a_sweep_reruns_an_outside_policy_after_its_code_changed(tmp_path):
+    """Red if a policy kept outside the repository (docs/development.md) is left out of
+    a run's hash: after an edit of its module, a sweep would answer "done already" with
+    the results of the old code."""
+    import os
+
+    conf = _external_policy(tmp_path)
+    trace = tmp_path / "seq"
+    write_sequence_trace(trace, ROUTES)
+    args = [
+        sys.executable, "-m", "fmoesim.cli.main", *tiny_overrides(trace, tmp_path / "out"),
+        f"hydra.searchpath=[file://{conf}]", "policy=my-lfu", "output.write=false",
+        "store.skip_done=true",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "src")}
+
+    def go() -> str:
+        p = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+        assert p.returncode == 0, p.stderr
+        return p.stdout
+
+    assert "done already" not in go()
+    assert "done already" in go()  # the same code: skipped
+    _external_policy(tmp_path, body="    # an edit\n")
+    assert "done already" not in go()
+    rows = load_results(tmp_path / "out" / "store")
+    assert len(rows) == 2 and rows["policy_code_version"].nunique() == 2

@@ -635,7 +635,13 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
     import fmoesim
     from fmoesim.config.build import simulate_spec
     from fmoesim.engine.simulate import GB
-    from fmoesim.results.store import ResultsStore, code_version, config_key, input_digest
+    from fmoesim.results.store import (
+        ResultsStore,
+        code_version,
+        config_key,
+        input_digest,
+        policy_code_version,
+    )
     from fmoesim.trace.reader import read_trace
 
     spec = build_run(cfg)
@@ -648,6 +654,10 @@ def run_config(cfg: Any, multirun: bool = False) -> dict[str, Any]:
         spec.workload.synthetic.arrivals_csv if spec.workload.kind == "synthetic" else None,
     ]
     versions = {"code_version": code_version(), "input_digest": input_digest(inputs)}
+    # a policy kept outside the repository: its code is part of the run too
+    own_code = policy_code_version(str(cfg.policy.get("_target_", "")))
+    if own_code is not None:
+        versions["policy_code_version"] = own_code
     cfg_hash, cfg_json = config_key(resolved, versions)
     store = ResultsStore(check_dir("store.dir", cfg.store.dir)) if cfg.store.enabled else None
     skip = cfg.store.skip_done if cfg.store.skip_done is not None else multirun

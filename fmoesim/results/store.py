@@ -72,6 +72,43 @@ def code_version() -> str:
     return h.hexdigest()[:12]
 
 
+def policy_code_version(target: str) -> str | None:
+    """12 hex digits of SHA-256 over the Python sources (paths and contents) of the
+    top-level package, or lone module, that holds a policy's ``_target_`` (dotted
+    ``module.Class``), when it lies outside the project's ``fmoesim/`` and ``policies/``:
+    a policy kept outside the repository is code a run depends on that
+    :func:`code_version` does not cover.  None for the project's own policies and for a
+    module that cannot be found (the run then fails on its own).  Found without importing
+    the module."""
+    import importlib.util
+
+    from fmoesim.config.schema import PROJECT_ROOT
+
+    top = target.split(".")[0]
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:  # a package (a namespace package too)
+        roots = [Path(p) for p in spec.submodule_search_locations]
+        files = [(f.relative_to(r).as_posix(), f) for r in roots for f in r.rglob("*.py")]
+    elif spec.origin and spec.origin.endswith(".py"):
+        roots = [Path(spec.origin).parent]
+        files = [(Path(spec.origin).name, Path(spec.origin))]
+    else:
+        return None
+    own = [(PROJECT_ROOT / d).resolve() for d in ("fmoesim", "policies")]
+    if all(r.resolve() in own for r in roots):
+        return None
+    h = hashlib.sha256()
+    for rel, f in sorted(files):
+        h.update(rel.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def input_digest(paths: Sequence[str | os.PathLike[str] | None]) -> str:
     """12 hex digits over the input files a config names by path: a trace directory
     (its ``trace.json`` and every file's size) or a file (its bytes); missing paths

@@ -318,11 +318,11 @@ def read_mooncake_jsonl(path: str | os.PathLike[str], limit: int | None = None) 
     traces: ``{"timestamp": ms, "input_length": n, "output_length": m, ...}``), its first
     ``limit`` rows if given.
 
-    ``timestamp`` is milliseconds (a finite number >= 0), rows sorted by it; arrival
+    ``timestamp`` is milliseconds (a finite number >= 0), lines sorted by it; arrival
     times are seconds since the first row.  ``input_length`` and ``output_length`` are
     positive integers of at most ``2**31 - 1``; other keys (``hash_ids``) are ignored.
-    Raises :class:`FmoesimError` naming the file, the row (lines counted from 1) and the
-    rule on a malformed file.
+    Raises :class:`FmoesimError` naming the file, the line (counted from 1) and the rule
+    on a malformed file.
     """
     import itertools
     import json
@@ -342,26 +342,26 @@ def read_mooncake_jsonl(path: str | os.PathLike[str], limit: int | None = None) 
                 except ValueError:
                     obj = None
                 if not isinstance(obj, dict):
-                    raise FmoesimError(f"{p} row {row}: not a JSON object ({rule})")
+                    raise FmoesimError(f"{p} line {row}: not a JSON object ({rule})")
                 t = obj.get("timestamp")
                 if isinstance(t, bool) or not isinstance(t, (int, float)):
                     raise FmoesimError(
-                        f"{p} row {row}: timestamp = {t!r} (rule: a number of milliseconds)"
+                        f"{p} line {row}: timestamp = {t!r} (rule: a number of milliseconds)"
                     )
                 if not (math.isfinite(t) and t >= 0):
                     raise FmoesimError(
-                        f"{p} row {row}: timestamp = {t!r} (rule: milliseconds, finite and >= 0)"
+                        f"{p} line {row}: timestamp = {t!r} (rule: milliseconds, finite and >= 0)"
                     )
                 if times and t / 1000.0 < times[-1]:
                     raise FmoesimError(
-                        f"{p} row {row}: timestamp goes backwards (rule: rows sorted by time)"
+                        f"{p} line {row}: timestamp goes backwards (rule: lines sorted by time)"
                     )
                 times.append(t / 1000.0)
                 for key, vals in cols.items():
                     v = obj.get(key)
                     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_TOKENS:
                         raise FmoesimError(
-                            f"{p} row {row}: {key} = {v!r} (rule: a positive integer at most "
+                            f"{p} line {row}: {key} = {v!r} (rule: a positive integer at most "
                             f"{MAX_TOKENS})"
                         )
                     vals.append(v)
