@@ -8,6 +8,7 @@ tests/test_engine_timing.py).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -160,6 +161,42 @@ def test_poisson_arrivals_deterministic_with_mean_gap():
     assert a[0] == 0.0 and (np.diff(a) > 0).all()
     # mean of n - 1 exponential gaps: sd = (1 / rate) / sqrt(n - 1) ~ 0.7 % of the mean
     assert np.diff(a).mean() == pytest.approx(1 / rate, rel=0.05)
+
+
+@pytest.mark.parametrize("cv", [0.5, 1.0, 4.0])
+def test_gamma_arrivals_have_the_rate_and_the_burstiness_asked_for(cv):
+    """Red if the gamma's shape and scale are mixed up (the mean gap would be off by a
+    factor cv**2) or the CV is not the one asked for: 40,000 gaps give back the mean
+    within 5% and the coefficient of variation within 10%."""
+    n, rate = 40_000, 4.0
+    cfg = online(arrivals="gamma", rate_rps=rate, arrival_cv=cv).validate()
+    nan = np.full(n, np.nan)
+    a = arrival_times_s(cfg, nan, n, np.random.default_rng(7))
+    np.testing.assert_array_equal(a, arrival_times_s(cfg, nan, n, np.random.default_rng(7)))
+    gaps = np.diff(a)
+    assert a[0] == 0.0 and (gaps >= 0).all()
+    assert gaps.mean() == pytest.approx(1 / rate, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.1)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"arrivals": "gamma", "arrival_cv": 0.0}, "'serving.arrival_cv' = 0.0: must be > 0"),
+        ({"arrivals": "gamma", "arrival_cv": float("inf")}, "arrival_cv' = inf: must be a finite"),
+        ({"arrivals": "gamma", "rate_rps": 0.0}, "'serving.rate_rps' = 0.0: must be > 0"),
+        ({"arrivals": "poisson", "arrival_cv": 2.0}, "arrival_cv' = 2.0: is read with gamma"),
+        ({"arrivals": "bursty"}, "must be 'trace', 'poisson', 'gamma' or 'csv'"),
+    ],
+    ids=["zero_cv", "inf_cv", "zero_rate", "cv_without_gamma", "unknown"],
+)
+def test_gamma_arrivals_refuse_a_bad_knob(kw, message):
+    """Red if a CV that is not a positive number is drawn from (numpy would fail or
+    return NaN gaps), or a CV set without gamma arrivals is silently not read."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        online(**kw).validate()
+    with pytest.raises(ConfigError, match="arrival_cv' = 3.0: is read with gamma"):
+        ServingConfig(arrival_cv=3.0).validate()  # static batches read no arrivals
 
 
 def test_poisson_run_is_deterministic_for_a_seed(tmp_path):

@@ -429,7 +429,8 @@ def test_latency_figures_read_timed_runs_only(tmp_path):
 def test_online_figure_names_its_arrivals():
     """Fig. 10 serves online: its caption says where the arrival times came from. Red if
     the caption of a synthetic trace made from an arrival log says only "the trace's
-    times" (hiding the log), or names the log for a recorded trace."""
+    times" (hiding the log), names the log for a recorded trace, or leaves out gamma
+    arrivals' rate or burstiness."""
     rows = pd.DataFrame(fake_rows("fmoe-fig10"))
     online = {"mode": "online", "arrivals": "csv", "arrivals_csv": "traces/.cache/az.csv"}
     rows["config_json"] = [
@@ -449,6 +450,18 @@ def test_online_figure_names_its_arrivals():
     assert drawing.setting.endswith(
         ", online serving, lengths and arrivals from traces/.cache/a.csv"
     )
+    # gamma arrivals: the rate and the burstiness
+    online = {"mode": "online", "arrivals": "gamma", "rate_rps": 0.5, "arrival_cv": 4.0}
+    rows["config_json"] = [
+        json.dumps(json.loads(c) | {"serving": online}) for c in rows.config_json
+    ]
+    assert draw_figure("fmoe-fig10", rows).setting.endswith(
+        ", online serving, gamma arrivals at 0.5 requests/s (gaps' CV 4.0)"
+    )
+    online = {"mode": "online", "arrivals": "trace"}
+    rows["config_json"] = [
+        json.dumps(json.loads(c) | {"serving": online}) for c in rows.config_json
+    ]
     # a recorded trace's own times say so (no log named)
     workload = {"kind": "trace", "synthetic": {"arrivals_csv": "traces/.cache/a.csv"}}
     rows["config_json"] = [

@@ -23,9 +23,12 @@ class ServingConfig:
 
     ``mode="online"``: requests arrive at their arrival times (``arrivals``: ``"trace"``
     = the trace's ``arrival_s``; ``"poisson"`` = a Poisson process of ``rate_rps``
-    drawn from the run's seed; ``"csv"`` = the times of the arrival log
-    ``arrivals_csv``, in order, relative to its first row: an Azure-format CSV, ISO 8601
-    date-times or numbers of seconds, or a Mooncake ``.jsonl`` trace, milliseconds,
+    drawn from the run's seed; ``"gamma"`` = a renewal process whose gaps are gamma
+    distributed with mean ``1 / rate_rps`` and coefficient of variation ``arrival_cv``
+    (1: as bursty as Poisson arrivals; above 1, burstier), drawn from the run's seed;
+    ``"csv"`` = the times of the arrival log ``arrivals_csv``, in order, relative to its
+    first row: an Azure-format CSV, ISO 8601 date-times or numbers of seconds, or a
+    Mooncake ``.jsonl`` trace, milliseconds,
     :func:`fmoesim.workload.synthetic.read_arrivals`) and wait in a FCFS
     queue.  At each iteration boundary the scheduler admits queued requests that have
     arrived while fewer than ``max_batch_size`` are running and runs their prefill as one
@@ -45,6 +48,7 @@ class ServingConfig:
     max_requests: int | None = None
     arrivals: str = "trace"
     rate_rps: float = 1.0
+    arrival_cv: float = 1.0
     arrivals_csv: str | None = None
     held_in_fraction: float = 0.0
 
@@ -63,9 +67,20 @@ class ServingConfig:
         f = self.held_in_fraction
         if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0 <= f < 1):
             raise ConfigError(f"{prefix}.held_in_fraction", f, "must be a number in [0, 1)")
-        if self.arrivals not in ("trace", "poisson", "csv"):
+        if self.arrivals not in ("trace", "poisson", "gamma", "csv"):
             raise ConfigError(
-                f"{prefix}.arrivals", self.arrivals, "must be 'trace', 'poisson' or 'csv'"
+                f"{prefix}.arrivals", self.arrivals, "must be 'trace', 'poisson', 'gamma' or 'csv'"
+            )
+        cv = self.arrival_cv
+        if not (isinstance(cv, (int, float)) and not isinstance(cv, bool) and math.isfinite(cv)):
+            raise ConfigError(f"{prefix}.arrival_cv", cv, "must be a finite number")
+        if cv <= 0:
+            raise ConfigError(f"{prefix}.arrival_cv", cv, "must be > 0")
+        if cv != 1 and not (self.mode == "online" and self.arrivals == "gamma"):
+            raise ConfigError(
+                f"{prefix}.arrival_cv",
+                cv,
+                "is read with gamma arrivals only (serving.mode=online serving.arrivals=gamma)",
             )
         if self.mode == "static":  # static batching serves from time 0: no arrivals
             why = "is read in online serving only (serving.mode=online)"
@@ -73,7 +88,7 @@ class ServingConfig:
                 raise ConfigError(f"{prefix}.arrivals", self.arrivals, why)
             if self.arrivals_csv is not None:
                 raise ConfigError(f"{prefix}.arrivals_csv", self.arrivals_csv, why)
-        if self.mode == "online" and self.arrivals == "poisson":
+        if self.mode == "online" and self.arrivals in ("poisson", "gamma"):
             if not (isinstance(self.rate_rps, (int, float)) and math.isfinite(self.rate_rps)):
                 raise ConfigError(f"{prefix}.rate_rps", self.rate_rps, "must be a finite number")
             if self.rate_rps <= 0:
@@ -121,7 +136,7 @@ def arrival_times_s(
     """Arrival time (s) of each served request (positions ``served``, or the first
     ``served`` for an int) in online mode, in the order of ``served``.
 
-    ``"trace"`` reads the served requests' own arrivals; ``"poisson"`` and ``"csv"``
+    ``"trace"`` reads the served requests' own arrivals; ``"poisson"``, ``"gamma"`` and ``"csv"``
     give the i-th served request the i-th time.  Reads the CSV for ``arrivals="csv"``
     (the only I/O here).  Raises a one-line error naming the file or key when the
     source cannot cover every request.
@@ -142,6 +157,10 @@ def arrival_times_s(
     if serving.arrivals == "poisson":
         gaps = rng.exponential(1.0 / serving.rate_rps, size=num_requests)
         return np.cumsum(gaps) - gaps[0]  # the first request arrives at 0
+    if serving.arrivals == "gamma":
+        shape = 1.0 / serving.arrival_cv**2  # a gamma's CV is 1 / sqrt(shape)
+        gaps = rng.gamma(shape, 1.0 / (serving.rate_rps * shape), size=num_requests)
+        return np.cumsum(gaps) - gaps[0]
     from fmoesim.workload.synthetic import read_arrivals
 
     assert serving.arrivals_csv is not None

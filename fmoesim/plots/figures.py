@@ -890,10 +890,12 @@ class Drawing:
 def arrivals_note(df: Any) -> str:
     """How requests arrived in the rows' runs when they served online (``serving.mode``):
     the trace's arrival times (with the arrival log a synthetic trace took its lengths
-    and times from, if any), Poisson arrivals at a rate, or an arrival log named by path;
-    empty for static batches."""
+    and times from, if any), Poisson or gamma arrivals at a rate (gamma: with its gaps'
+    coefficient of variation), or an arrival log named by path; empty for static
+    batches."""
     notes = []
     rates: list[Any] = []
+    gamma: dict[Any, list[Any]] = {}  # the gaps' coefficient of variation -> rates
     for _, r in df.iterrows():
         if _cfg_get(r, "serving.mode", "static") != "online":
             continue
@@ -903,6 +905,10 @@ def arrivals_note(df: Any) -> str:
         elif kind == "poisson":
             rates.append(_cfg_get(r, "serving.rate_rps", "?"))
             continue
+        elif kind == "gamma":
+            cv = _cfg_get(r, "serving.arrival_cv", "?")
+            gamma.setdefault(cv, []).append(_cfg_get(r, "serving.rate_rps", "?"))
+            continue
         elif (log := _cfg_get(r, "workload.synthetic.arrivals_csv", None)) and _cfg_get(
             r, "workload.kind", "trace"
         ) == "synthetic":
@@ -910,9 +916,15 @@ def arrivals_note(df: Any) -> str:
         else:
             note = "arrivals at the trace's times"
         notes.append(note)
+
+    def ascending(values: list[Any]) -> str:
+        ordered = sorted(set(values), key=lambda v: (not isinstance(v, int | float), v))
+        return ", ".join(map(str, ordered))
+
     if rates:  # one note for every swept rate, in ascending order
-        ordered = sorted(set(rates), key=lambda v: (not isinstance(v, int | float), v))
-        notes.append(f"Poisson arrivals at {', '.join(map(str, ordered))} requests/s")
+        notes.append(f"Poisson arrivals at {ascending(rates)} requests/s")
+    for cv, at in gamma.items():
+        notes.append(f"gamma arrivals at {ascending(at)} requests/s (gaps' CV {cv})")
     return "online serving, " + "; ".join(dict.fromkeys(notes)) if notes else ""
 
 
