@@ -174,3 +174,76 @@ def test_a_synthetic_trace_takes_lengths_and_arrivals_from_a_mooncake_trace(tmp_
     assert tr.prompt_tokens.tolist() == [1000, 1000, 912]
     assert tr.output_tokens.tolist() == [8, 8, 3]
     assert tr.arrival_s.tolist() == [0.0, 0.25, 4.0]
+
+
+def test_arrival_summary_by_hand():
+    """Red if the rate counts requests instead of gaps, the CV uses another spread, or a
+    percentile is taken of the wrong column. By hand: arrivals 0, 1, 3 s: 2 gaps over
+    3 s, so 0.667 requests/s; gaps 1 and 2, mean 1.5, population sd 0.5, CV 1/3."""
+    from fmoesim.workload.arrival_samples import arrival_summary
+
+    s = arrival_summary(np.array([10, 20, 30]), np.array([1, 2, 9]), np.array([0.0, 1.0, 3.0]))
+    assert s["requests"] == 3 and s["span_s"] == 3.0
+    assert s["rate_rps"] == pytest.approx(2 / 3) and s["gap_mean_s"] == 1.5
+    assert s["gap_cv"] == pytest.approx(1 / 3)
+    assert s["prompt"] == {"mean": 20.0, "p50": 20.0, "p90": 28.0, "p99": 29.8, "max": 30}
+    assert s["output"]["max"] == 9 and s["output"]["p50"] == 2.0
+    one = arrival_summary(np.array([5]), np.array([1]), np.array([0.0]))
+    assert np.isnan(one["rate_rps"]) and np.isnan(one["gap_cv"])
+
+
+def test_fmoesim_trace_arrivals_prints_the_log_s_traffic(tmp_path: Path):
+    """Red if the report's numbers are not the summary's, the gamma settings it suggests
+    do not compose into a run, or a bad --limit or file escapes as a traceback."""
+    import subprocess
+    import sys
+
+    p = _jsonl(tmp_path / "m.jsonl", MOONCAKE)
+
+    def trace(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "fmoesim.cli.trace_cli", "arrivals", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+    out = trace(str(p))
+    assert out.returncode == 0, out.stderr
+    # 3 requests over 4 s: 0.5 requests/s; gaps 0.25 and 3.75: mean 2, sd 1.75, CV 0.875
+    assert out.stdout.splitlines() == [
+        f"{p} (Mooncake JSON lines): 3 requests over 4.0 s",
+        "rate           0.5 requests/s",
+        "gaps           mean 2 s, coefficient of variation 0.875",
+        "prompt tokens  mean 4,997, p50 6,758, p90 7,209, p99 7,311, max 7,322",
+        "output tokens  mean 331, p50 490, p90 498, p99 500, max 500",
+        "as gamma arrivals: serving.mode=online serving.arrivals=gamma serving.rate_rps=0.5 "
+        "serving.arrival_cv=0.875",
+    ]
+    from fmoesim.cli.main import compose_config
+    from fmoesim.config.build import build_run
+
+    suggested = out.stdout.splitlines()[-1].removeprefix("as gamma arrivals: ").split()
+    assert build_run(compose_config(suggested)).serving.arrival_cv == 0.875
+    one = trace(str(p), "--limit", "1")
+    assert "rate           n/a (every request arrives at once)" in one.stdout
+    assert "as gamma" not in one.stdout
+    bad = trace(str(p), "--limit", "0")
+    assert bad.returncode == 2 and bad.stderr.strip().endswith(
+        "'--limit' = 0: must be an integer >= 1"
+    ), bad.stderr
+    missing = trace(str(tmp_path / "none.csv"))
+    assert missing.returncode == 2 and "none.csv: arrival CSV not found" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(not REAL.is_dir(), reason="../shared/data (arrival traces) is absent")
+def test_the_real_logs_burstiness_as_docs_usage_quotes_it():
+    """Red if docs/usage.md's coefficients of variation (1.09, 13.2, 3.03) and rates are
+    not what the real logs give."""
+    from fmoesim.workload.arrival_samples import arrival_summary
+
+    for name, rate, cv in (
+        ("azure_llm_2023_conv.csv", 5.53, 1.09),
+        ("azure_llm_2023_code.csv", 2.57, 13.2),
+        ("mooncake_conversation_trace.jsonl", 3.40, 3.03),
+    ):
+        lens = read_arrivals(REAL / name)
+        s = arrival_summary(lens.prompt, lens.output, lens.arrival_s)
+        assert round(s["rate_rps"], 2) == rate and float(f"{s['gap_cv']:.3g}") == cv

@@ -56,6 +56,7 @@ DOCS_RUN = {
         "fmoesim --cfg job",
         "fmoesim serving.mode=online serving.arrivals=csv"
         " serving.arrivals_csv=examples/arrivals.csv serving.max_batch_size=4",
+        "fmoesim-trace arrivals examples/arrivals.csv",
         "fmoesim output.access_log=true output.name=lru-with-accesses",
         "fmoesim cache.budget_gb=-1",
         "fmoesim-min-budget --target-tpot-ms 300,400 policy=lfu serving.max_requests=4",

@@ -7,6 +7,7 @@ Examples::
     fmoesim-trace synth --model qwen1.5-moe-a2.7b --requests 64 --seed 1 out/qwen-synth
     fmoesim-trace synth --model mixtral-8x7b --set skew=2.0 --set locality=0.8 out/skewed
     fmoesim-trace synth --model mixtral-8x7b --arrivals azure_code.csv out/azure
+    fmoesim-trace arrivals azure_code.csv
     fmoesim-trace import table route.csv out/real --model qwen3-30b-a3b --top-k 6
     fmoesim-trace import vllm-routed-experts routed.npz out/vllm --model qwen3-30b-a3b
     fmoesim-trace import vllm-routes routes.jsonl out/real --model mixtral-8x7b
@@ -73,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         "validate", help="check every rule of the trace format (tokens.parquet included)"
     )
     val.add_argument("path")
+    arr = sub.add_parser(
+        "arrivals",
+        help="summarise an arrival log (Azure CSV or Mooncake .jsonl): rate, burstiness, lengths",
+    )
+    arr.add_argument("path", help="the arrival log")
+    arr.add_argument("--limit", type=int, default=None, help="read its first N requests only")
     syn = sub.add_parser("synth", help="generate a synthetic trace (fmoesim/workload/synthetic.py)")
     syn.add_argument("out", help="destination trace directory")
     syn.add_argument(
@@ -146,6 +153,43 @@ def _mapping(text: str) -> dict[str, str]:
     return out
 
 
+def format_arrivals(path: str, limit: int | None = None) -> str:
+    """``fmoesim-trace arrivals``' report on the arrival log ``path`` (its first
+    ``limit`` requests if given): requests, span, rate, the gaps' burstiness, the
+    lengths, and the gamma arrivals that follow its rate and burstiness."""
+    import math
+    from pathlib import Path
+
+    from fmoesim.workload.arrival_samples import arrival_summary
+    from fmoesim.workload.synthetic import read_arrivals
+
+    if limit is not None and limit < 1:
+        raise ConfigError("--limit", limit, "must be an integer >= 1")
+    lens = read_arrivals(path, limit)
+    assert lens.arrival_s is not None
+    s = arrival_summary(lens.prompt, lens.output, lens.arrival_s)
+    kind = "Mooncake JSON lines" if Path(path).suffix.lower() == ".jsonl" else "Azure CSV"
+    lines = [f"{path} ({kind}): {counted(s['requests'], 'request')} over {s['span_s']:,.1f} s"]
+    if math.isnan(s["rate_rps"]):
+        lines.append("rate           n/a (every request arrives at once)")
+    else:
+        lines.append(f"rate           {s['rate_rps']:.4g} requests/s")
+        cv = "n/a" if math.isnan(s["gap_cv"]) else f"{s['gap_cv']:.3g}"
+        lines.append(f"gaps           mean {s['gap_mean_s']:.4g} s, coefficient of variation {cv}")
+    for name in ("prompt", "output"):
+        q = s[name]
+        lines.append(
+            f"{name} tokens  mean {q['mean']:,.0f}, p50 {q['p50']:,.0f}, p90 {q['p90']:,.0f}, "
+            f"p99 {q['p99']:,.0f}, max {q['max']:,}"
+        )
+    if not (math.isnan(s["rate_rps"]) or math.isnan(s["gap_cv"])):
+        lines.append(
+            "as gamma arrivals: serving.mode=online serving.arrivals=gamma "
+            f"serving.rate_rps={s['rate_rps']:.4g} serving.arrival_cv={s['gap_cv']:.3g}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point of ``fmoesim-trace`` (exit contract: :mod:`fmoesim.errors`)."""
     run_or_exit(PROG, lambda: _run(build_parser().parse_args(argv)))
@@ -165,6 +209,8 @@ def _run(args: argparse.Namespace) -> None:
             f"{counted(t.num_iterations, 'iteration')}, "
             f"{t.num_layers} layers x {t.num_experts} experts)"
         )
+    elif args.cmd == "arrivals":
+        print(format_arrivals(args.path, args.limit))
     elif args.cmd == "import":
         from fmoesim.config.build import load_preset
         from fmoesim.specs.model import ModelSpec

@@ -1,4 +1,5 @@
-"""Arrival logs that stand in for a real one that the project may not ship.
+"""Arrival logs: what one says of its traffic (:func:`arrival_summary`), and a stand-in
+for a real one that the project may not ship (:func:`write_azure_conv_sample`).
 
 fMoE §6.3 drives its online experiment with "64 requests randomly sampled" from the Azure
 LLM inference traces, each request with the input and output lengths its row gives. The
@@ -23,8 +24,10 @@ use it instead.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -82,3 +85,36 @@ def write_azure_conv_sample(
         with atomic_file(p) as tmp:
             tmp.write_text(text)
     return p
+
+
+def arrival_summary(
+    prompt: np.ndarray, output: np.ndarray, arrival_s: np.ndarray
+) -> dict[str, Any]:
+    """What an arrival log says of its traffic, from its requests' prompt and output
+    lengths ``(n,)`` and arrival times ``(n,)`` (seconds, sorted): ``requests``,
+    ``span_s`` (first to last arrival), ``rate_rps`` (``(n - 1) / span_s``), the gaps'
+    ``gap_mean_s`` and coefficient of variation ``gap_cv`` (NaN where there are no gaps
+    or no time between them), and per length (``prompt``, ``output``) its ``mean``, ``p50``,
+    ``p90``, ``p99`` and ``max``.  ``rate_rps`` and ``gap_cv`` are the two knobs of gamma
+    arrivals (``serving.arrivals=gamma``) that follow the log's rate and burstiness."""
+    n = len(arrival_s)
+    gaps = np.diff(arrival_s)  # (n - 1,)
+    span = float(arrival_s[-1] - arrival_s[0]) if n else 0.0
+    mean_gap = float(gaps.mean()) if len(gaps) else math.nan
+    out: dict[str, Any] = {
+        "requests": n,
+        "span_s": span,
+        "rate_rps": (n - 1) / span if span > 0 else math.nan,
+        "gap_mean_s": mean_gap,
+        "gap_cv": float(gaps.std() / mean_gap) if len(gaps) > 1 and mean_gap > 0 else math.nan,
+    }
+    for name, v in (("prompt", prompt), ("output", output)):
+        p50, p90, p99 = np.percentile(v, [50, 90, 99])
+        out[name] = {
+            "mean": float(v.mean()),
+            "p50": float(p50),
+            "p90": float(p90),
+            "p99": float(p99),
+            "max": int(v.max()),
+        }
+    return out
