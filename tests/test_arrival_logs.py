@@ -76,13 +76,17 @@ def test_online_serving_takes_arrival_times_from_a_mooncake_trace(tmp_path: Path
 @pytest.mark.parametrize(
     ("rows", "expected"),
     [
-        (["{not json"], " line 1: not a JSON object (rule: one JSON object a line"),
-        ([MOONCAKE[0], "[1, 2]"], " line 2: not a JSON object"),
-        ([MOONCAKE[0], ""], " line 2: not a JSON object"),  # a blank line
+        (["{not json"], " line 1: not JSON (Expecting property name enclosed in double quotes"),
+        ([MOONCAKE[0], "[1, 2]"], " line 2: not a JSON object (rule: one JSON object a line"),
+        ([MOONCAKE[0], "", "{"], " line 3: not JSON ("),  # a blank line is counted
         ([{**MOONCAKE[0], "timestamp": "0"}], " line 1: timestamp = '0' (rule: a number of milli"),
         ([{**MOONCAKE[0], "timestamp": True}], " line 1: timestamp = True (rule: a number of"),
         ([{"input_length": 5, "output_length": 2}], " line 1: timestamp = None (rule: a number"),
         ([{**MOONCAKE[0], "timestamp": -1}], " line 1: timestamp = -1 (rule: milliseconds, finite"),
+        (  # json reads it as an int that no float holds: one line, not an OverflowError
+            ['{"timestamp": 1' + "0" * 400 + ', "input_length": 1, "output_length": 1}'],
+            " line 1: timestamp = 1000000000000000000000000000000000000... (rule: milliseconds",
+        ),
         (
             [MOONCAKE[1], MOONCAKE[0]],
             " line 2: timestamp goes backwards (rule: lines sorted by time)",
@@ -99,11 +103,12 @@ def test_online_serving_takes_arrival_times_from_a_mooncake_trace(tmp_path: Path
     ids=[
         "not_json",
         "not_an_object",
-        "blank_line",
+        "after_a_blank_line",
         "text_time",
         "bool_time",
         "no_time",
         "negative_time",
+        "huge_time",
         "backwards",
         "zero_output",
         "fractional_input",
@@ -119,6 +124,17 @@ def test_read_mooncake_jsonl_rejects(tmp_path: Path, rows: list, expected: str) 
     with pytest.raises(FmoesimError) as info:
         read_mooncake_jsonl(p)
     assert str(info.value).startswith(str(p) + expected), str(info.value)
+
+
+def test_read_mooncake_jsonl_skips_what_the_csv_reader_skips(tmp_path: Path) -> None:
+    """Red if a byte-order mark or a blank line (a trailing one too) is refused where the
+    CSV reader reads past it, or ``limit`` counts lines instead of requests."""
+    text = "\n".join(json.dumps(r) for r in MOONCAKE)
+    p = tmp_path / "m.jsonl"
+    p.write_bytes(("\ufeff" + text.replace("\n", "\r\n\r\n", 1) + "\n\n").encode())
+    lens = read_mooncake_jsonl(p)
+    assert lens.prompt.tolist() == [6758, 7322, 912]
+    assert read_mooncake_jsonl(p, limit=2).output.tolist() == [500, 490]
 
 
 def test_read_mooncake_jsonl_names_a_missing_file_or_bad_bytes(tmp_path: Path) -> None:

@@ -57,31 +57,78 @@ def test_an_edited_arrival_file_makes_another_trace(cache_root, tmp_path):
     assert tr.prompt_tokens.tolist() == [9, 6] and tr.output_tokens.tolist() == [4, 5]
 
 
-def test_a_trace_cached_by_other_generator_code_is_made_again(cache_root, tmp_path, capsys):
+def test_a_trace_cached_by_other_generator_code_is_made_again(cache_root, capsys):
     """Red if a cached trace is read whatever code made it: after an update of the
-    generator (another stamp beside the folder) the old trace would be served as if the
-    current generator had made it."""
-    from fmoesim.workload.synthetic import generator_digest
+    generator (another ``source["code"]`` in its manifest, or none, as before the field
+    existed) the old trace would be served as if the current generator had made it."""
+    import json
+
+    from fmoesim.workload.synthetic import GENERATOR_CODE
 
     spec = build_run(compose_config([*SMALL, "workload.synthetic.num_requests=2"]))
     path = _trace_path(spec)
-    stamp = path.with_name(path.name + ".generator")
-    assert stamp.read_text() == generator_digest()
+    assert read_trace(path).manifest.source["code"] == GENERATOR_CODE
     assert "generating synthetic trace" in capsys.readouterr().err
     assert _trace_path(spec) == path  # the same code: read from the cache
     assert "generating" not in capsys.readouterr().err
-    stamp.write_text("0123456789abcdef")  # made by other code
-    assert _trace_path(spec) == path
-    assert "generating synthetic trace" in capsys.readouterr().err
-    assert stamp.read_text() == generator_digest()
-    stamp.unlink()  # a cache from before the stamps: made again too
-    _trace_path(spec)
-    assert "generating synthetic trace" in capsys.readouterr().err
+    manifest = path / "trace.json"
+    for other in ("0123456789abcdef", None):  # made by other code; made before the field
+        raw = json.loads(manifest.read_text())
+        if other is None:
+            del raw["source"]["code"]
+        else:
+            raw["source"]["code"] = other
+        manifest.write_text(json.dumps(raw))
+        assert _trace_path(spec) == path
+        assert "generating synthetic trace" in capsys.readouterr().err
+        assert read_trace(path).manifest.source["code"] == GENERATOR_CODE
+
+
+def test_the_manifest_names_the_code_that_ran_not_the_files_on_disk(tmp_path, monkeypatch):
+    """Red if the code digest is read from the files when a trace is written: a process
+    that loaded the generator before an edit would label its trace with the edited
+    code, and a process running the edit would then reuse it."""
+    import fmoesim.workload.synthetic as synthetic
+    from fmoesim.config.build import load_preset
+    from fmoesim.specs.model import ModelSpec
+
+    monkeypatch.setattr(synthetic, "GENERATOR_CODE", "loaded-before-edit")
+    model = load_preset("model", "olmoe-1b-7b", ModelSpec)
+    path = synthetic.generate(model, synthetic.SyntheticConfig(num_requests=1), tmp_path / "t")
+    assert read_trace(path).manifest.source["code"] == "loaded-before-edit"
+
+
+def test_sweep_workers_make_a_missing_trace_once(cache_root, tmp_path):
+    """Red if the workers of a parallel sweep each make the same missing trace at once
+    (each replaced the folder the others were reading or writing): with the lock, one
+    makes it and the others find it made."""
+    import subprocess
+    import sys
+
+    overrides = [*SMALL, "workload.synthetic.num_requests=3"]
+    script = (
+        "import sys; from pathlib import Path; import fmoesim.config.schema as s; "
+        f"s.PROJECT_ROOT = Path({str(cache_root)!r}); "
+        "from fmoesim.cli.main import _trace_path, compose_config; "
+        "from fmoesim.config.build import build_run; "
+        f"print(_trace_path(build_run(compose_config({overrides!r}))))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
+    assert sum("generating synthetic trace" in e for _, e in outs) == 1, [e for _, e in outs]
+    assert len({o.strip() for o, _ in outs}) == 1
+    read_trace(outs[0][0].strip())  # whole
 
 
 def test_generator_digest_follows_the_code(monkeypatch, tmp_path):
     """Red if the digest misses one of the generator's modules (an edit of the trace
-    writer would then leave stale traces in the cache)."""
+    writer would then leave stale traces in the cache) or numpy's version (its random
+    streams)."""
     import fmoesim.workload.synthetic as synthetic
 
     before = synthetic.generator_digest()
@@ -91,6 +138,10 @@ def test_generator_digest_follows_the_code(monkeypatch, tmp_path):
         (pkg / rel).write_bytes((Path(synthetic.__file__).parents[1] / rel).read_bytes())
     monkeypatch.setattr(synthetic, "__file__", str(pkg / "workload" / "synthetic.py"))
     assert synthetic.generator_digest() == before
+    monkeypatch.setattr(synthetic.np, "__version__", "0.0.1")
+    assert synthetic.generator_digest() != before
+    monkeypatch.undo()
+    monkeypatch.setattr(synthetic, "__file__", str(pkg / "workload" / "synthetic.py"))
     writer = pkg / "trace" / "writer.py"
     writer.write_text(writer.read_text() + "\n# an edit\n")
     assert synthetic.generator_digest() != before

@@ -17,7 +17,7 @@ from fmoesim.specs import ModelSpec
 from fmoesim.trace import Trace, read_trace
 from fmoesim.trace import schema as S
 from fmoesim.workload import SyntheticConfig, SyntheticWorkload, generate, read_azure_csv
-from fmoesim.workload.synthetic import GENERATOR
+from fmoesim.workload.synthetic import GENERATOR, GENERATOR_CODE
 
 MODEL = ModelSpec(
     name="tiny-moe",
@@ -128,6 +128,7 @@ def test_generated_trace_is_valid_and_consistent(tmp_path: Path) -> None:
     assert m.source == {
         "kind": "synthetic",
         "generator": GENERATOR,
+        "code": GENERATOR_CODE,
         "params": dataclasses.asdict(dataclasses.replace(BASE, seed=5)),
         "seed": 5,
     }

@@ -25,7 +25,7 @@ import sys
 import time
 import typing
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -834,23 +834,52 @@ def _trace_path(spec: RunSpec) -> Path:
         path = resolve_path(w.path or "")
         _check_trace_dir(w.path or "", path)
         return path
-    from fmoesim.atomic import atomic_file
-    from fmoesim.workload.synthetic import generate, generator_digest, read_arrivals
+    from fmoesim.workload.synthetic import generate, read_arrivals
 
     path = synthetic_trace_path(spec.model, w)
-    # the generator's code digest, beside the folder: a trace cached by other code (an
-    # older checkout) is made again, not read as if today's generator had made it
-    stamp = path.with_name(path.name + ".generator")
-    code = generator_digest()
-    cached = (path / "trace.json").is_file() and stamp.is_file() and stamp.read_text() == code
-    if not cached:
-        if w.synthetic.arrivals_csv:  # a bad file is one line, before the progress line
-            read_arrivals(w.synthetic.arrivals_csv, limit=w.synthetic.num_requests)
-        print(f"generating synthetic trace -> {path}", file=sys.stderr)
-        generate(spec.model, w.synthetic, path, overwrite=True, progress=spec.progress)
-        with atomic_file(stamp) as tmp:
-            tmp.write_text(code)
+    if _cached_by_this_code(path):
+        return path
+    # one process makes it; the others wait, then find it made (sweep workers share it)
+    with _trace_lock(path):
+        if not _cached_by_this_code(path):
+            if w.synthetic.arrivals_csv:  # a bad file is one line, before the progress line
+                read_arrivals(w.synthetic.arrivals_csv, limit=w.synthetic.num_requests)
+            print(f"generating synthetic trace -> {path}", file=sys.stderr)
+            generate(spec.model, w.synthetic, path, overwrite=True, progress=spec.progress)
     return path
+
+
+def _cached_by_this_code(path: Path) -> bool:
+    """Whether ``path`` holds a synthetic trace made by the generator code this process
+    runs (its manifest's ``source["code"]``): a trace cached by other code (an older
+    checkout, another numpy) is made again, not read as if this code had made it."""
+    import json
+
+    from fmoesim.workload.synthetic import GENERATOR_CODE
+
+    try:
+        source = json.loads((path / "trace.json").read_text()).get("source", {})
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(source, dict) and source.get("code") == GENERATOR_CODE
+
+
+@contextmanager
+def _trace_lock(path: Path) -> typing.Iterator[None]:
+    """An exclusive lock on ``<path>.lock`` beside the cached trace ``path`` (POSIX
+    ``flock``; none where the platform has no ``fcntl``), held while the trace is made."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _timed(row: dict[str, Any]) -> bool:

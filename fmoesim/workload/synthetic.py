@@ -84,7 +84,7 @@ from fmoesim.trace.writer import TraceWriter
 GENERATOR = "fmoesim.workload.synthetic/1"
 
 #: the modules (under the ``fmoesim`` package) whose code decides a generated trace's
-#: bytes: a cached trace made by other code is made again (:func:`generator_digest`)
+#: bytes, with numpy's version (its random streams): :func:`generator_digest`
 GENERATOR_SOURCES = ("workload/synthetic.py", "trace/writer.py", "trace/schema.py")
 
 
@@ -321,10 +321,11 @@ def read_mooncake_jsonl(path: str | os.PathLike[str], limit: int | None = None) 
     ``timestamp`` is milliseconds (a finite number >= 0), lines sorted by it; arrival
     times are seconds since the first row.  ``input_length`` and ``output_length`` are
     positive integers of at most ``2**31 - 1``; other keys (``hash_ids``) are ignored.
+    Blank lines and a byte-order mark are skipped, as the CSV reader skips them; ``limit``
+    counts requests.
     Raises :class:`FmoesimError` naming the file, the line (counted from 1) and the rule
     on a malformed file.
     """
-    import itertools
     import json
 
     p = Path(path)
@@ -335,22 +336,34 @@ def read_mooncake_jsonl(path: str | os.PathLike[str], limit: int | None = None) 
     times: list[float] = []
     cols: dict[str, list[int]] = {"input_length": [], "output_length": []}
     try:
-        with p.open(encoding="utf-8") as f:
-            for row, line in enumerate(itertools.islice(f, limit), start=1):
+        # utf-8-sig: a byte-order mark is not part of the first line
+        with p.open(encoding="utf-8-sig") as f:
+            for row, line in enumerate(f, start=1):
+                if len(times) == limit:
+                    break
+                if not line.strip():
+                    continue  # a blank line (a trailing one too) holds no request
                 try:
                     obj = json.loads(line)
-                except ValueError:
-                    obj = None
+                except ValueError as exc:
+                    why = str(exc).splitlines()[0]
+                    raise FmoesimError(f"{p} line {row}: not JSON ({why}; {rule})") from None
                 if not isinstance(obj, dict):
                     raise FmoesimError(f"{p} line {row}: not a JSON object ({rule})")
                 t = obj.get("timestamp")
                 if isinstance(t, bool) or not isinstance(t, (int, float)):
                     raise FmoesimError(
-                        f"{p} line {row}: timestamp = {t!r} (rule: a number of milliseconds)"
+                        f"{p} line {row}: timestamp = {_short_repr(t)} (rule: a number of "
+                        "milliseconds)"
                     )
+                try:
+                    t = float(t)  # an integer too large for a float: not finite
+                except OverflowError:
+                    t = math.inf
                 if not (math.isfinite(t) and t >= 0):
                     raise FmoesimError(
-                        f"{p} line {row}: timestamp = {t!r} (rule: milliseconds, finite and >= 0)"
+                        f"{p} line {row}: timestamp = {_short_repr(obj['timestamp'])} (rule: "
+                        "milliseconds, finite and >= 0)"
                     )
                 if times and t / 1000.0 < times[-1]:
                     raise FmoesimError(
@@ -361,8 +374,8 @@ def read_mooncake_jsonl(path: str | os.PathLike[str], limit: int | None = None) 
                     v = obj.get(key)
                     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_TOKENS:
                         raise FmoesimError(
-                            f"{p} line {row}: {key} = {v!r} (rule: a positive integer at most "
-                            f"{MAX_TOKENS})"
+                            f"{p} line {row}: {key} = {_short_repr(v)} (rule: a positive integer "
+                            f"at most {MAX_TOKENS})"
                         )
                     vals.append(v)
     except UnicodeDecodeError as exc:
@@ -375,6 +388,13 @@ def read_mooncake_jsonl(path: str | os.PathLike[str], limit: int | None = None) 
         output=np.asarray(cols["output_length"], dtype=np.int64),
         arrival_s=arrival - arrival[0],
     )
+
+
+def _short_repr(value: object, width: int = 40) -> str:
+    """``repr(value)``, cut to ``width`` characters with an ellipsis (a number of a
+    thousand digits stays one readable line)."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def read_arrivals(path: str | os.PathLike[str], limit: int | None = None) -> _Lengths:
@@ -662,6 +682,7 @@ class SyntheticWorkload:
             source={
                 "kind": "synthetic",
                 "generator": GENERATOR,
+                "code": GENERATOR_CODE,
                 "params": params,
                 "seed": cfg.seed,
             },
@@ -729,7 +750,8 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 def generator_digest() -> str:
     """16 hex digits of SHA-256 over the code of :data:`GENERATOR_SOURCES` (paths and
-    contents): equal digests, equal bytes for the same model, knobs and arrival file."""
+    contents, as the files are now) and numpy's version: equal digests, equal bytes for
+    the same model, knobs and arrival file."""
     import hashlib
 
     root = Path(__file__).resolve().parents[1]
@@ -737,7 +759,14 @@ def generator_digest() -> str:
     for rel in GENERATOR_SOURCES:
         h.update(rel.encode())
         h.update((root / rel).read_bytes())
+    h.update(np.__version__.encode())
     return h.hexdigest()[:16]
+
+
+#: :func:`generator_digest` of the code this process loaded (taken at import, so an
+#: edit of the files afterwards does not relabel what the loaded code makes); every
+#: generated trace's manifest carries it as ``source["code"]``
+GENERATOR_CODE = generator_digest()
 
 
 def arrivals_digest(cfg: SyntheticConfig) -> str | None:
