@@ -263,3 +263,61 @@ def test_the_real_logs_burstiness_as_docs_usage_quotes_it():
         lens = read_arrivals(REAL / name)
         s = arrival_summary(lens.prompt, lens.output, lens.arrival_s)
         assert round(s["rate_rps"], 2) == rate and float(f"{s['gap_cv']:.3g}") == cv
+
+
+def test_sample_arrivals_draws_rows_of_the_log_in_time_order():
+    """Red if the sample invents requests, pairs one request's prompt with another's
+    output, leaves time order, or does not start at 0 (the way §6.3's 64 requests would
+    be drawn from the real Azure file)."""
+    from fmoesim.workload.arrival_samples import sample_arrivals
+
+    n = 200
+    prompt = np.arange(1, n + 1) * 10  # request i: prompt 10 (i + 1), output i + 1
+    output = np.arange(1, n + 1)
+    arrival = np.cumsum(np.full(n, 0.5))  # 0.5, 1.0, ...
+    text = sample_arrivals(prompt, output, arrival, 20, seed=3)
+    assert text == sample_arrivals(prompt, output, arrival, 20, seed=3)
+    assert text != sample_arrivals(prompt, output, arrival, 20, seed=4)
+    rows = [line.split(",") for line in text.splitlines()[1:]]
+    assert len(rows) == 20
+    t = [float(r[0]) for r in rows]
+    got = [(int(r[1]), int(r[2])) for r in rows]
+    assert t[0] == 0.0 and t == sorted(t) and len(set(got)) == 20
+    assert all(p == 10 * o for p, o in got)  # each row one request of the log
+    first = got[0][1] - 1  # the first drawn request's index
+    assert t == [(o - 1 - first) * 0.5 for _, o in got]
+    with pytest.raises(ValueError, match="from 1 to the log's 200 requests"):
+        sample_arrivals(prompt, output, arrival, 201)
+
+
+def test_fmoesim_trace_arrivals_writes_a_sample(tmp_path: Path):
+    """Red if --sample writes over a file without --force, writes anything on a refused
+    call, or its file is not one the readers take."""
+    import subprocess
+    import sys
+
+    def trace(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "fmoesim.cli.trace_cli", "arrivals", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+    out = tmp_path / "s.csv"
+    ok = trace("examples/arrivals.csv", "--sample", "8", "--seed", "1", "--out", str(out))
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith(f"{out} (Azure CSV): 8 requests over ")
+    assert len(read_arrivals(out).prompt) == 8
+    first = out.read_text()
+    again = trace("examples/arrivals.csv", "--sample", "8", "--seed", "2", "--out", str(out))
+    assert again.returncode == 2 and "s.csv: exists (--force replaces it)" in again.stderr
+    assert out.read_text() == first
+    forced = trace("examples/arrivals.csv", "--sample", "8", "--seed", "2", "--out", str(out),
+                   "--force")  # fmt: skip
+    assert forced.returncode == 0 and out.read_text() != first
+    for args, message in (
+        (["--sample", "33", "--out", str(tmp_path / "a.csv")], "more than the 32 requests of"),
+        (["--sample", "0", "--out", str(tmp_path / "a.csv")], "'--sample' = 0: must be"),
+        (["--out", str(tmp_path / "a.csv")], "'--sample' = None: is needed with --out"),
+        (["--sample", "4"], "'--out' = None: is needed with --sample"),
+    ):
+        bad = trace("examples/arrivals.csv", *args)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.csv"]

@@ -140,6 +140,11 @@ NOT_RUN = [
     ),
     (r"^fmoesim-profile --device cuda ", "needs a CUDA GPU"),
     (
+        r"^fmoesim-trace arrivals AzureLLMInferenceTrace_conv\.csv ",
+        "needs Azure's trace, which the repository does not ship; tests/test_arrival_logs.py "
+        "runs --sample on examples/arrivals.csv",
+    ),
+    (
         r"^python -m fmoesim\.validation\.engine_log LOG\.csv ",
         "needs an engine's route log and metrics; tests/test_layer_sizes.py runs both "
         "comparisons on a hand-built log and on the BigMoeOnEdge one",

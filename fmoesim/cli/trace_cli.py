@@ -8,6 +8,7 @@ Examples::
     fmoesim-trace synth --model mixtral-8x7b --set skew=2.0 --set locality=0.8 out/skewed
     fmoesim-trace synth --model mixtral-8x7b --arrivals azure_code.csv out/azure
     fmoesim-trace arrivals azure_code.csv
+    fmoesim-trace arrivals azure_conv.csv --sample 64 --out azure-conv-64.csv
     fmoesim-trace import table route.csv out/real --model qwen3-30b-a3b --top-k 6
     fmoesim-trace import vllm-routed-experts routed.npz out/vllm --model qwen3-30b-a3b
     fmoesim-trace import vllm-routes routes.jsonl out/real --model mixtral-8x7b
@@ -80,6 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     arr.add_argument("path", help="the arrival log")
     arr.add_argument("--limit", type=int, default=None, help="read its first N requests only")
+    arr.add_argument(
+        "--sample",
+        type=int,
+        default=None,
+        metavar="N",
+        help="write N requests drawn at random (kept in time order) to --out, as an Azure-format "
+        "CSV, and report on them",
+    )
+    arr.add_argument("--seed", type=int, default=0, help="the draw's seed for --sample (0)")
+    arr.add_argument("--out", default=None, help="the CSV --sample writes")
+    arr.add_argument("--force", action="store_true", help="replace an existing --out file")
     syn = sub.add_parser("synth", help="generate a synthetic trace (fmoesim/workload/synthetic.py)")
     syn.add_argument("out", help="destination trace directory")
     syn.add_argument(
@@ -153,6 +165,38 @@ def _mapping(text: str) -> dict[str, str]:
     return out
 
 
+def _write_sample(args: argparse.Namespace) -> str:
+    """``fmoesim-trace arrivals --sample N --out FILE``: write the sample (atomically;
+    an existing file only with ``--force``) and return its path."""
+    from pathlib import Path
+
+    from fmoesim.atomic import atomic_file
+    from fmoesim.workload.arrival_samples import sample_arrivals
+    from fmoesim.workload.synthetic import read_arrivals
+
+    if args.sample is None or args.out is None:
+        given, missing = ("--out", "--sample") if args.sample is None else ("--sample", "--out")
+        raise ConfigError(missing, None, f"is needed with {given}")
+    if args.sample < 1:
+        raise ConfigError("--sample", args.sample, "must be an integer >= 1")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError("--limit", args.limit, "must be an integer >= 1")
+    out = Path(args.out)
+    if out.exists() and not (args.force and out.is_file()):
+        what = "exists (--force replaces it)" if out.is_file() else "exists and is not a file"
+        raise FmoesimError(f"{out}: {what}")
+    lens = read_arrivals(args.path, args.limit)
+    assert lens.arrival_s is not None
+    if args.sample > len(lens.arrival_s):
+        raise ConfigError(
+            "--sample", args.sample, f"more than the {len(lens.arrival_s)} requests of {args.path}"
+        )
+    text = sample_arrivals(lens.prompt, lens.output, lens.arrival_s, args.sample, args.seed)
+    with atomic_file(out) as tmp:
+        tmp.write_text(text)
+    return str(out)
+
+
 def format_arrivals(path: str, limit: int | None = None) -> str:
     """``fmoesim-trace arrivals``' report on the arrival log ``path`` (its first
     ``limit`` requests if given): requests, span, rate, the gaps' burstiness, the
@@ -210,7 +254,10 @@ def _run(args: argparse.Namespace) -> None:
             f"{t.num_layers} layers x {t.num_experts} experts)"
         )
     elif args.cmd == "arrivals":
-        print(format_arrivals(args.path, args.limit))
+        path = args.path
+        if args.sample is not None or args.out is not None:
+            path = _write_sample(args)
+        print(format_arrivals(path, None if path != args.path else args.limit))
     elif args.cmd == "import":
         from fmoesim.config.build import load_preset
         from fmoesim.specs.model import ModelSpec

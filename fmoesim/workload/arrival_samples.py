@@ -1,5 +1,6 @@
-"""Arrival logs: what one says of its traffic (:func:`arrival_summary`), and a stand-in
-for a real one that the project may not ship (:func:`write_azure_conv_sample`).
+"""Arrival logs: what one says of its traffic (:func:`arrival_summary`), a random sample
+of one (:func:`sample_arrivals`), and a stand-in for a real one that the project may not
+ship (:func:`write_azure_conv_sample`).
 
 fMoE §6.3 drives its online experiment with "64 requests randomly sampled" from the Azure
 LLM inference traces, each request with the input and output lengths its row gives. The
@@ -118,3 +119,19 @@ def arrival_summary(
             "max": int(v.max()),
         }
     return out
+
+
+def sample_arrivals(
+    prompt: np.ndarray, output: np.ndarray, arrival_s: np.ndarray, n: int, seed: int = 0
+) -> str:
+    """The Azure-format CSV text (``TIMESTAMP`` in seconds from the first drawn request,
+    to the microsecond) of ``n`` requests drawn at random without replacement from a log's
+    prompt and output lengths ``(N,)`` and arrival times ``(N,)``, kept in time order:
+    the way fMoE §6.3 samples 64 requests from the Azure traces."""
+    total = len(arrival_s)
+    if not isinstance(n, int) or not 1 <= n <= total:
+        raise ValueError(f"n = {n!r} (rule: an integer from 1 to the log's {total} requests)")
+    idx = np.sort(np.random.default_rng(seed).choice(total, size=n, replace=False))  # (n,)
+    times = arrival_s[idx] - arrival_s[idx[0]]
+    rows = [f"{t:.6f},{p},{o}" for t, p, o in zip(times, prompt[idx], output[idx], strict=True)]
+    return "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n"
