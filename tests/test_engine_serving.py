@@ -344,3 +344,23 @@ def test_cli_writes_layer_transfer_and_access_tables(tmp_path):
     assert len(accesses) == summary["accesses"] == 12
     assert accesses["expert"].tolist() == [e for route in ROUTES for e in route]
     assert np.bincount(accesses["outcome"], minlength=3).tolist() == [5, 0, 7]
+
+
+def test_readme_s_burstiness_example_holds():
+    """Red if README.md's online-serving example no longer says what the simulator gives:
+    on the bundled trace at 0.01 requests/s, LRU's mean TTFT with gamma gaps of CV 1 and
+    of CV 4 (3.2 s and 120 s)."""
+    from fmoesim.cli.main import compose_config, run_config
+
+    ttft = {}
+    for cv in (1, 4):
+        row = run_config(
+            compose_config(
+                ["serving.mode=online", "serving.arrivals=gamma", "serving.rate_rps=0.01",
+                 f"serving.arrival_cv={cv}", "serving.max_batch_size=4", "output.write=false",
+                 "store.enabled=false", "progress=false", "output.verbose=false"]
+            )
+        )  # fmt: skip
+        ttft[cv] = row["ttft_mean_s"]
+    assert (round(ttft[1], 1), round(ttft[4])) == (3.2, 120), ttft
+    assert "from 3.2 s to 120 s" in " ".join((ROOT / "README.md").read_text().split())
