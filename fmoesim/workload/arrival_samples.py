@@ -19,8 +19,9 @@ requests between 2023-11-16 18:15 and about 19:14 UTC), measured once and quoted
   first.
 
 It is not the trace: the numbers of one request are not a real request's, and the
-lengths' joint law is assumed independent. Pass the real file with ``arrivals_csv=`` to
-use it instead.
+lengths' joint law is assumed independent. To use the real file, draw the requests from
+it (:func:`sample_arrivals`, ``fmoesim-trace arrivals FILE --sample 64 --out OUT``) and
+pass ``OUT`` with ``arrivals_csv=``.
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ def sample_arrivals(
 ) -> str:
     """The Azure-format CSV text (``TIMESTAMP`` in seconds from the first drawn request,
     to the microsecond) of ``n`` requests drawn at random without replacement from a log's
-    prompt and output lengths ``(N,)`` and arrival times ``(N,)``, kept in time order:
-    the way fMoE §6.3 samples 64 requests from the Azure traces."""
+    prompt and output lengths ``(N,)`` and arrival times ``(N,)``, kept in time order (fMoE
+    §6.3 samples its 64 requests from the Azure traces "randomly"; that they keep their
+    order in time is assumed here)."""
     total = len(arrival_s)
     if not isinstance(n, int) or not 1 <= n <= total:
         raise ValueError(f"n = {n!r} (rule: an integer from 1 to the log's {total} requests)")

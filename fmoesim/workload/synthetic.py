@@ -316,10 +316,10 @@ def read_azure_csv(path: str | os.PathLike[str], limit: int | None = None) -> _L
 def read_mooncake_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> _Lengths:
     """Read a Mooncake request trace (JSON lines, as kvcache-ai/Mooncake publishes its
     traces: ``{"timestamp": ms, "input_length": n, "output_length": m, ...}``), its first
-    ``limit`` rows if given.
+    ``limit`` requests if given.
 
     ``timestamp`` is milliseconds (a finite number >= 0), lines sorted by it; arrival
-    times are seconds since the first row.  ``input_length`` and ``output_length`` are
+    times are seconds since the first request.  ``input_length`` and ``output_length`` are
     positive integers of at most ``2**31 - 1``; other keys (``hash_ids``) are ignored.
     Blank lines and a byte-order mark are skipped, as the CSV reader skips them; ``limit``
     counts requests.
@@ -398,7 +398,7 @@ def _short_repr(value: object, width: int = 40) -> str:
 
 
 def read_arrivals(path: str | os.PathLike[str], limit: int | None = None) -> _Lengths:
-    """Read an arrival log, its first ``limit`` rows if given: a Mooncake trace
+    """Read an arrival log, its first ``limit`` requests if given: a Mooncake trace
     (``.jsonl``: :func:`read_mooncake_jsonl`) or an Azure LLM inference trace (any other
     name: :func:`read_azure_csv`).  Prompt and output lengths per request, arrival times
     in seconds since the first request."""
