@@ -26,11 +26,17 @@ def _azure(path: Path, lengths: list[tuple[int, int]]) -> Path:
 
 @pytest.fixture
 def cache_root(tmp_path, monkeypatch):
-    """``PROJECT_ROOT`` (where ``traces/.cache`` lives) moved into ``tmp_path``."""
+    """``PROJECT_ROOT`` (where ``traces/.cache`` lives) moved into ``tmp_path``; the code
+    version cached meanwhile (over the moved root) is forgotten afterwards, so later
+    tests hash the real sources."""
     import fmoesim.config.schema as schema
+    from fmoesim.results.store import code_version
 
+    code_version.cache_clear()
     monkeypatch.setattr(schema, "PROJECT_ROOT", tmp_path)
-    return tmp_path
+    yield tmp_path
+    monkeypatch.undo()
+    code_version.cache_clear()
 
 
 def _spec(csv: Path, *extra: str):

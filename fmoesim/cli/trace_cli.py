@@ -179,8 +179,6 @@ def _write_sample(args: argparse.Namespace) -> str:
         raise ConfigError(missing, None, f"is needed with {given}")
     if args.sample < 1:
         raise ConfigError("--sample", args.sample, "must be an integer >= 1")
-    if args.limit is not None and args.limit < 1:
-        raise ConfigError("--limit", args.limit, "must be an integer >= 1")
     out = Path(args.out)
     if out.exists() and not (args.force and out.is_file()):
         what = "exists (--force replaces it)" if out.is_file() else "exists and is not a file"
@@ -207,8 +205,6 @@ def format_arrivals(path: str, limit: int | None = None) -> str:
     from fmoesim.workload.arrival_samples import arrival_summary
     from fmoesim.workload.synthetic import read_arrivals
 
-    if limit is not None and limit < 1:
-        raise ConfigError("--limit", limit, "must be an integer >= 1")
     lens = read_arrivals(path, limit)
     assert lens.arrival_s is not None
     s = arrival_summary(lens.prompt, lens.output, lens.arrival_s)
@@ -254,10 +250,12 @@ def _run(args: argparse.Namespace) -> None:
             f"{t.num_layers} layers x {t.num_experts} experts)"
         )
     elif args.cmd == "arrivals":
-        path = args.path
-        if args.sample is not None or args.out is not None:
-            path = _write_sample(args)
-        print(format_arrivals(path, None if path != args.path else args.limit))
+        if args.limit is not None and args.limit < 1:
+            raise ConfigError("--limit", args.limit, "must be an integer >= 1")
+        if args.sample is None and args.out is None:
+            print(format_arrivals(args.path, args.limit))
+        else:  # the report is the sample's
+            print(format_arrivals(_write_sample(args)))
     elif args.cmd == "import":
         from fmoesim.config.build import load_preset
         from fmoesim.specs.model import ModelSpec

@@ -61,14 +61,22 @@ def code_version() -> str:
     that only report on stored runs (:data:`REPORTING_ONLY`) are left out."""
     from fmoesim.config.schema import PROJECT_ROOT
 
+    files = [
+        (rel, f)
+        for pkg in ("fmoesim", "policies")
+        for f in (PROJECT_ROOT / pkg).rglob("*.py")
+        if not (rel := f.relative_to(PROJECT_ROOT).as_posix()).startswith(REPORTING_ONLY)
+    ]
+    return _sources_digest(files)
+
+
+def _sources_digest(files: Sequence[tuple[str, Path]]) -> str:
+    """12 hex digits of SHA-256 over ``files`` (name, path) in name order: each name and
+    the file's bytes."""
     h = hashlib.sha256()
-    for pkg in ("fmoesim", "policies"):
-        for f in sorted((PROJECT_ROOT / pkg).rglob("*.py")):
-            rel = f.relative_to(PROJECT_ROOT).as_posix()
-            if rel.startswith(REPORTING_ONLY):
-                continue
-            h.update(rel.encode())
-            h.update(f.read_bytes())
+    for rel, f in sorted(files):
+        h.update(rel.encode())
+        h.update(f.read_bytes())
     return h.hexdigest()[:12]
 
 
@@ -102,11 +110,7 @@ def policy_code_version(target: str) -> str | None:
     own = [(PROJECT_ROOT / d).resolve() for d in ("fmoesim", "policies")]
     if all(r.resolve() in own for r in roots):
         return None
-    h = hashlib.sha256()
-    for rel, f in sorted(files):
-        h.update(rel.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()[:12]
+    return _sources_digest(files)
 
 
 def input_digest(paths: Sequence[str | os.PathLike[str] | None]) -> str:

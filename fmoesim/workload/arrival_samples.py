@@ -52,6 +52,13 @@ CONV_OUTPUT_TOKENS = (
 CONV_SPAN_S = 3501.721937
 
 
+def _azure_csv(times_s: np.ndarray, prompt: np.ndarray, output: np.ndarray, places: int) -> str:
+    """Azure-format CSV text of requests arriving at ``times_s`` ``(n,)`` (seconds, to
+    ``places`` decimals) with lengths ``prompt`` and ``output`` ``(n,)``."""
+    rows = [f"{t:.{places}f},{p},{o}" for t, p, o in zip(times_s, prompt, output, strict=True)]
+    return "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n"
+
+
 def _draw(lengths: tuple[int, ...], u: np.ndarray) -> np.ndarray:
     """Lengths ``(n,)`` at the uniform draws ``u`` ``(n,)``: log-lengths interpolated
     between ``lengths`` at :data:`PERCENTILES`, rounded to whole tokens."""
@@ -70,8 +77,7 @@ def azure_conv_sample(num_requests: int = 64, seed: int = 0) -> str:
     times -= times[0]
     prompt = _draw(CONV_PROMPT_TOKENS, rng.uniform(size=num_requests))
     output = _draw(CONV_OUTPUT_TOKENS, rng.uniform(size=num_requests))
-    rows = [f"{t:.3f},{p},{o}" for t, p, o in zip(times, prompt, output, strict=True)]
-    return "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n"
+    return _azure_csv(times, prompt, output, places=3)
 
 
 def write_azure_conv_sample(
@@ -134,6 +140,4 @@ def sample_arrivals(
     if not isinstance(n, int) or not 1 <= n <= total:
         raise ValueError(f"n = {n!r} (rule: an integer from 1 to the log's {total} requests)")
     idx = np.sort(np.random.default_rng(seed).choice(total, size=n, replace=False))  # (n,)
-    times = arrival_s[idx] - arrival_s[idx[0]]
-    rows = [f"{t:.6f},{p},{o}" for t, p, o in zip(times, prompt[idx], output[idx], strict=True)]
-    return "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n"
+    return _azure_csv(arrival_s[idx] - arrival_s[idx[0]], prompt[idx], output[idx], places=6)
