@@ -45,17 +45,25 @@ def routing_knobs() -> dict:
 
 @pytest.mark.skipif(not REAL.is_dir(), reason="../shared/data (real Mixtral routing) is absent")
 def test_calibrated_preset_matches_real_mixtral_lru_and_lfu(tmp_path):
+    real, syn = _curves_within_5_points(routing_knobs(), tmp_path)
+    assert abs(reuse_probability(syn) - reuse_probability(real)) < 0.05
+
+
+def _curves_within_5_points(knobs: dict, tmp_path: Path) -> tuple:
+    """The real Mixtral trace and a 16-request sample of ``knobs``, after checking that
+    the sample's LRU and LFU hit rates are within 5 points of the real ones at every
+    per-layer capacity 1..7."""
     model = load_preset("model", "mixtral-8x7b", ModelSpec)
     hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
     real = read_trace(import_vllm_routes(REAL, tmp_path / "real", model)[0])
     tokens = int(np.median(real.output_tokens))
-    syn = synthetic_like(model, routing_knobs(), tmp_path / "syn", 16, tokens, seed=0)
+    syn = synthetic_like(model, knobs, tmp_path / "syn", 16, tokens, seed=0)
     want, got = hit_curves(real, model, hw), hit_curves(syn, model, hw)
     for p in ("lru", "lfu"):
         assert len(got[p]) == 7
         diff = 100 * np.abs(np.asarray(got[p]) - np.asarray(want[p]))
         assert diff.max() <= 5.0, (p, diff.round(1).tolist())
-    assert abs(reuse_probability(syn) - reuse_probability(real)) < 0.05
+    return real, syn
 
 
 def test_statistics_by_hand(tmp_path):
@@ -200,3 +208,72 @@ def test_a_bad_source_is_one_line_before_the_fit(tmp_path, argv, said):
         f"python -m fmoesim.workload.calibrate: error: {said}"
     ), lines
     assert not (tmp_path / "cal").exists()
+
+
+PATHS_PRESET = Path(CONF_DIR) / "workload" / "routing-mixtral-8x7b-paths.yaml"
+CALIBRATION = ROOT / "traces" / "calibration.md"
+
+
+def paths_knobs() -> dict:
+    """The routing knobs of the paths preset."""
+    syn = OmegaConf.to_container(OmegaConf.load(PATHS_PRESET).synthetic)
+    assert isinstance(syn, dict)
+    return {k: v for k, v in syn.items() if k not in ("num_requests", "seed")}
+
+
+def test_fit_paths_scores_the_worst_of_the_curves_and_the_paths(tmp_path):
+    """Red if a point's score is not the worst of its curve error and its two path
+    errors (in points), if the held knobs or depth_share are not the ones it ran with,
+    or if the fit misses the knobs the stand-in for real routing was made with (token
+    types that carry its paths, against none)."""
+    from fmoesim.validation.real_routing import path_predictability
+    from fmoesim.workload.calibrate import PATH_DISTANCE, PATH_FIXED, fit_paths
+
+    model = load_preset("model", "mixtral-8x7b", ModelSpec)
+    hw = load_preset("hardware", "rtx3090-pcie4", HardwareSpec)
+    knobs = {**PATH_FIXED, "depth_share": 0.5, "locality": 0.5, "token_types": 16,
+             "type_zipf": 0.0, "cross_layer": 0.0}  # fmt: skip
+    real = synthetic_like(model, {**knobs, "type_share": 0.9}, tmp_path / "r", 3, 24, seed=5)
+    grid = {"type_share": (0.0, 0.9), "locality": (0.5,), "token_types": (16,),
+            "type_zipf": (0.0,), "cross_layer": (0.0,)}  # fmt: skip
+    ranked = fit_paths(real, model, hw, 0.5, grid=grid, num_requests=4)
+    assert [c.knobs["type_share"] for c in ranked] == [0.9, 0.0]
+    near_r, pop_r = path_predictability(real, PATH_DISTANCE)
+    for c in ranked:
+        assert {k: c.knobs[k] for k in knobs} == knobs
+        want = 100 * max(abs(c.nearest - near_r), abs(c.popularity - pop_r))
+        assert c.max_error_points == pytest.approx(max(c.curve_error_points, want))
+    assert ranked[1].nearest - ranked[1].popularity < ranked[0].nearest - ranked[0].popularity
+
+
+def test_paths_preset_holds_the_committed_fit():
+    """Red if the paths preset's knobs drift from the best point of the committed path
+    fit (traces/calibration.md), or if they lose their token types."""
+    text = CALIBRATION.read_text()
+    best = text.split("### Paths across layers", 1)[1].split("Best: `", 1)[1].split("`", 1)[0]
+    fitted = {k: float(v) for k, v in (kv.split(": ") for kv in best.split(", "))}
+    got = paths_knobs()
+    assert set(got) == set(fitted)
+    assert {k: float(v) for k, v in got.items()} == fitted
+    assert got["type_share"] > 0
+
+
+@pytest.mark.skipif(not REAL.is_dir(), reason="../shared/data (real Mixtral routing) is absent")
+def test_paths_preset_matches_real_mixtral_curves_and_paths(tmp_path):
+    """Red if the paths preset stops matching real Mixtral routing: LRU and LFU hit
+    rates within 5 points at every C, and path predictability (nearest path and
+    popularity, three layers ahead, on as many requests as the real logs) within 5
+    points, where the curve-only preset misses the nearest path's gap to popularity by
+    more than 10."""
+    from fmoesim.validation.real_routing import path_predictability
+
+    model = load_preset("model", "mixtral-8x7b", ModelSpec)
+    real, _ = _curves_within_5_points(paths_knobs(), tmp_path)
+    tokens = int(np.median(real.output_tokens))
+    few = synthetic_like(model, paths_knobs(), tmp_path / "few", real.num_requests, tokens, 0)
+    near_r, pop_r = path_predictability(real)
+    near, pop = path_predictability(few)
+    assert abs(near - near_r) <= 0.05 and abs(pop - pop_r) <= 0.05, (near, pop, near_r, pop_r)
+    old = synthetic_like(model, routing_knobs(), tmp_path / "old", real.num_requests, tokens, 0)
+    near_o, pop_o = path_predictability(old)
+    assert (near_r - pop_r) - (near_o - pop_o) > 0.10

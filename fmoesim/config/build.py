@@ -540,9 +540,10 @@ def synthetic_trace_path(model: ModelSpec, workload: WorkloadConfig) -> Path:
     import json
     from dataclasses import asdict
 
-    from fmoesim.workload.synthetic import arrivals_digest
+    from fmoesim.workload.synthetic import arrivals_digest, synthetic_params
 
-    parts: dict[str, Any] = {"model": asdict(model), "synthetic": asdict(workload.synthetic)}
+    synthetic = synthetic_params(workload.synthetic)
+    parts: dict[str, Any] = {"model": asdict(model), "synthetic": synthetic}
     csv = arrivals_digest(workload.synthetic)
     if csv is not None:
         parts["arrivals_sha256"] = csv

@@ -13,7 +13,11 @@ worst point; it also reports next-token reuse and per-layer frequency skew.  The
 knobs go into ``conf/workload/routing-mixtral-8x7b.yaml``.  Qwen3-30B-A3B's heat
 Gini fits ``skew`` (``routing-qwen3-30b-a3b.yaml``); Qwen1.5-MoE-A2.7B's transition
 matrix fits ``skew`` and ``locality`` to its top-1 frequency Gini and top-1 stickiness
-(``routing-qwen1.5-moe-a2.7b.yaml``).  The report with its plot is written atomically
+(``routing-qwen1.5-moe-a2.7b.yaml``).  A second Mixtral fit (:func:`fit_paths`) adds the
+workload model's token types and matches the hit-rate curves and how predictable a
+token's experts three layers on are from other requests' tokens (path predictability,
+:mod:`fmoesim.validation.real_routing`) together
+(``routing-mixtral-8x7b-paths.yaml``).  The report with its plot is written atomically
 (temp file, then rename).
 """
 
@@ -35,6 +39,7 @@ from fmoesim.config.schema import PROJECT_ROOT
 from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
 from fmoesim.specs import HardwareSpec, ModelSpec
 from fmoesim.trace.reader import Trace
+from fmoesim.validation.real_routing import PATH_DISTANCE
 
 PROG = "python -m fmoesim.workload.calibrate"
 #: where the real data of the committed calibration lie (never copied into the project)
@@ -47,6 +52,21 @@ GRID: dict[str, Sequence[float]] = {
     "request_jitter": (0.0,),
 }
 POLICIES = ("lru", "lfu")
+#: The grid of the path fit (:func:`fit_paths`): the routing knobs with the workload
+#: model's token types.
+PATH_GRID: dict[str, Sequence[float]] = {
+    "locality": (0.4, 0.55, 0.7),
+    "noise": (1.5, 2.0),
+    "cross_layer": (0.0, 0.5),
+    "type_share": (0.4, 0.55, 0.7),
+    "token_types": (64, 256),
+    "type_zipf": (0.0, 1.0),
+}
+#: Knobs the path fit holds: no popularity profile shared by all requests (the real
+#: logs' popularity, 27.3%, is near uniform routing's 25%: the token types' own
+#: preferences are all the popularity they leave room for), no per-request jitter (the
+#: fit above finds none)
+PATH_FIXED: dict[str, float] = {"skew": 0.0, "request_jitter": 0.0}
 
 
 def hit_curves(trace: Trace, model: ModelSpec, hardware: HardwareSpec) -> dict[str, list[float]]:
@@ -388,6 +408,57 @@ def fit(
     return sorted(out, key=lambda c: c.max_error_points)
 
 
+@dataclass
+class PathCandidate:
+    """One grid point of the path fit: its knobs, its worst error in points over the
+    hit-rate curves and the two path statistics, and each of them."""
+
+    knobs: dict[str, float]
+    max_error_points: float
+    curve_error_points: float
+    nearest: float
+    popularity: float
+
+
+def fit_paths(
+    real: Trace,
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    depth_share: float,
+    grid: dict[str, Sequence[float]] | None = None,
+    num_requests: int = 16,
+    seed: int = 0,
+) -> list[PathCandidate]:
+    """Every point of ``grid`` (with :data:`PATH_FIXED` and ``depth_share``), best first:
+    the worst error in points over the LRU and LFU hit-rate curves (on ``num_requests``
+    requests, as :func:`fit`) and the two statistics of
+    :func:`fmoesim.validation.real_routing.path_predictability` at
+    :data:`PATH_DISTANCE` (on as many requests as the real trace has, the first of the
+    same sample: the statistic depends on how many other tokens there are to match)."""
+    from fmoesim.validation.real_routing import path_predictability
+
+    grid = PATH_GRID if grid is None else grid
+    target = hit_curves(real, model, hardware)
+    near_t, pop_t = path_predictability(real, PATH_DISTANCE)
+    tokens = int(np.median(real.output_tokens))
+    out = []
+    keys = list(grid)
+    with tempfile.TemporaryDirectory() as tmp:
+        for values in itertools.product(*(grid[k] for k in keys)):
+            knobs = {**PATH_FIXED, "depth_share": depth_share}
+            knobs.update(zip(keys, values, strict=True))
+            if "token_types" in knobs:
+                knobs["token_types"] = int(knobs["token_types"])
+            tr = synthetic_like(model, knobs, Path(tmp) / "t", num_requests, tokens, seed)
+            c = hit_curves(tr, model, hardware)
+            curve = max(abs(a - b) for p in POLICIES for a, b in zip(c[p], target[p], strict=True))
+            few = synthetic_like(model, knobs, Path(tmp) / "few", real.num_requests, tokens, seed)
+            near, pop = path_predictability(few, PATH_DISTANCE)
+            worst = 100 * max(curve, abs(near - near_t), abs(pop - pop_t))
+            out.append(PathCandidate(knobs, worst, 100 * curve, near, pop))
+    return sorted(out, key=lambda c: c.max_error_points)
+
+
 def qwen3_stats(path: Path) -> dict[str, float]:
     """Per-layer heat skew (Gini, max/mean) and the mean lift of the 20 most frequent
     within-layer pairs, from the Qwen3-30B-A3B co-activation aggregates."""
@@ -486,6 +557,7 @@ def main(argv: list[str] | None = None) -> None:
         depth = _depth(real, model, best.knobs)
         fitted = synthetic_like(model, best.knobs, Path(tmp) / "fitted", 16, 144, seed=0)
         sticky = top1_stickiness(fitted)
+        paths = _paths(real, model, hw, {**best.knobs, "depth_share": depth["share"]}, tmp)
     out = Path(args.out)
     plot = out.with_suffix(".png")
     if q is not None:
@@ -499,7 +571,7 @@ def main(argv: list[str] | None = None) -> None:
     q15 = _qwen15(q15_path)
     text = _report(
         args.real, real, dropped, target, stats, ranked, plot.name, q, trans, sticky, q15,
-        depth,
+        depth, paths,
     )  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     _plot(target, best, plot)
@@ -524,6 +596,98 @@ def _depth(real: Trace, model: ModelSpec, knobs: dict[str, float]) -> dict[str, 
             out[key] = depth_profile(tr, distances)
             out[f"{key}_mean"] = depth_dependence(tr)
     return out
+
+
+def _paths(
+    real: Trace, model: ModelSpec, hardware: HardwareSpec, fitted: dict[str, float], tmp: str
+) -> dict[str, Any]:
+    """The path fit (:func:`fit_paths`) with what the report shows beside it: the path
+    statistics of the real trace and of the ``fitted`` knobs (the fit above), and the
+    next-token reuse and layer dependence of the best path knobs."""
+    from fmoesim.validation.real_routing import path_predictability
+
+    tokens = int(np.median(real.output_tokens))
+    ranked = fit_paths(real, model, hardware, fitted["depth_share"])
+    best = ranked[0]
+    few = synthetic_like(model, fitted, Path(tmp) / "few", real.num_requests, tokens, 0)
+    many = synthetic_like(model, best.knobs, Path(tmp) / "paths", 16, tokens, 0)
+    return {
+        "ranked": ranked,
+        "real": path_predictability(real, PATH_DISTANCE),
+        "fitted": path_predictability(few, PATH_DISTANCE),
+        "real_stats": (reuse_probability(real), depth_dependence(real)),
+        "best_stats": (reuse_probability(many), depth_dependence(many)),
+        "best_curves": hit_curves(many, model, hardware),
+        "target": hit_curves(real, model, hardware),
+    }
+
+
+def _paths_section(d: dict[str, Any]) -> list[str]:
+    """The report's section on the path fit (:func:`_paths`)."""
+    ranked: list[PathCandidate] = d["ranked"]
+    best = ranked[0]
+    (near_r, pop_r), (near_f, pop_f) = d["real"], d["fitted"]
+    (reuse_r, dep_r), (reuse_b, dep_b) = d["real_stats"], d["best_stats"]
+    lines = [
+        "",
+        "### Paths across layers",
+        "",
+        f"Path predictability, {PATH_DISTANCE} layers ahead (fMoE's prefetch distance; "
+        "`path_predictability` in `fmoesim.validation.real_routing`): the share of a "
+        f"token's experts {PATH_DISTANCE} layers on that the nearest token of another "
+        "request (the most experts in common so far) routes to (*nearest path*), against "
+        "the share among the other requests' most popular experts there (*popularity*); "
+        "a synthetic sample has as many requests as the real logs. The knobs "
+        "above match the hit-rate curves but not this: real routing's paths are "
+        "predictable from other requests' tokens, theirs are not.",
+        "",
+        "| | nearest path | popularity | path - popularity (points) |",
+        "|---|---|---|---|",
+        f"| real | {100 * near_r:.1f} | {100 * pop_r:.1f} | {100 * (near_r - pop_r):.1f} |",
+        f"| fitted above | {100 * near_f:.1f} | {100 * pop_f:.1f} | {100 * (near_f - pop_f):.1f} |",
+        f"| fitted with token types | {100 * best.nearest:.1f} | {100 * best.popularity:.1f} "
+        f"| {100 * (best.nearest - best.popularity):.1f} |",
+        "",
+        "The workload model's token types (`type_share`, `token_types`, `type_zipf`: tokens "
+        "of one type follow much the same path in every request) give paths that "
+        "structure. The grid below holds "
+        + ", ".join(f"`{k}: {v}`" for k, v in PATH_FIXED.items())
+        + f" and `depth_share: {best.knobs['depth_share']}` (fitted above) and scores each "
+        "point by its worst error, in points, over the LRU and LFU curves and the two path "
+        f"statistics. Best: `{_knobs_text(best.knobs)}`, worst error "
+        f"{best.max_error_points:.1f} points (curves {best.curve_error_points:.1f}). "
+        "They are the routing knobs of `conf/workload/routing-mixtral-8x7b-paths.yaml`. "
+        f"Next-token reuse {reuse_b:.3f} (real {reuse_r:.3f}); dependence 2-6 layers "
+        f"apart {dep_b:.3f} (real {dep_r:.3f}; neither is in the score).",
+        "",
+        "| C | " + " | ".join(str(c) for c in range(1, len(d["target"]["lru"]) + 1)) + " |",
+        "|---|" + "---|" * len(d["target"]["lru"]),
+    ]
+    for p in POLICIES:
+        for name, curves in (("real", d["target"]), ("with token types", d["best_curves"])):
+            lines.append(
+                f"| {p.upper()} {name} | " + " | ".join(f"{100 * x:.1f}" for x in curves[p]) + " |"
+            )
+    lines += [
+        "",
+        "Grid (the 12 best of "
+        f"{len(ranked)}; errors in points, the path statistics' as measured minus real):",
+        "",
+        "| knobs | worst | curves | nearest path | popularity |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| `{_knobs_text({k: c.knobs[k] for k in PATH_GRID})}` | {c.max_error_points:.1f} "
+        f"| {c.curve_error_points:.1f} | {100 * (c.nearest - near_r):+.1f} "
+        f"| {100 * (c.popularity - pop_r):+.1f} |"
+        for c in ranked[:12]
+    ]
+    return lines
+
+
+def _knobs_text(knobs: dict[str, float]) -> str:
+    """``knobs`` as ``k: v`` pairs, integers without a point."""
+    return ", ".join(f"{k}: {v:g}" for k, v in knobs.items())
 
 
 def _depth_section(d: dict[str, Any]) -> list[str]:
@@ -684,6 +848,7 @@ def _report(
     sticky: float,
     qwen15: dict[str, Any] | str | None = None,
     depth: dict[str, Any] | None = None,
+    paths: dict[str, Any] | None = None,
 ) -> str:
     best = ranked[0]
     reuse, (g, mm), dep = stats
@@ -738,6 +903,8 @@ def _report(
         "|---|---|---|",
     ]
     lines += [f"| `{c.knobs}` | {c.max_error_points:.1f} | {c.reuse:.3f} |" for c in ranked]
+    if paths is not None:
+        lines += _paths_section(paths)
     lines += ["", "## Qwen3-30B-A3B (co-activation aggregates)", ""]
     if qwen3 is None:
         lines.append("Skipped: no co-activation aggregates given (`--qwen3`).")

@@ -6,8 +6,9 @@ For request ``r`` of semantic topic ``t``, token position ``n`` and MoE layer ``
 router logits over the ``E`` experts are::
 
     x[n, l] = base[t, l] + jitter[r, l]
-              + noise * (sqrt(1 - depth_share) * u[n, l] + sqrt(depth_share) * Q[l] @ z[n])
+              + noise * (sqrt(1 - type_share) * v[n, l] + sqrt(type_share) * W[w[n], l])
               + cross_layer * C[l] @ sel[n, l-1] / sqrt(k)
+    v[n, l] = sqrt(1 - depth_share) * u[n, l] + sqrt(depth_share) * Q[l] @ z[n]
 
 - ``base[t, l] = skew * (sqrt(1 - topic_share) * G[l] + sqrt(topic_share) * T[t, l])`` with
   ``G, T ~ N(0, I)``: each layer has a popularity profile shared by all requests (``G``)
@@ -25,6 +26,17 @@ router logits over the ``E`` experts are::
   ``traces/calibration.md``).
   ``depth_share`` is its share of the noise variance; as ``Q[l] @ z[n]`` has the law of
   ``u[n, l]``, each layer's routing alone has the same law whatever ``depth_share``.
+- ``w[n]`` is the token's type, drawn for each position from ``token_types`` types with
+  frequencies ``P(w) ~ 1 / (w + 1)^type_zipf`` (1: Zipf's law of word frequencies; 0:
+  every type equally frequent), the same for every request; ``W[w, l] ~ N(0, I)`` is a
+  fixed logit profile per type and layer, and ``v[n, l]`` the noise of the terms above.
+  A token's type decides a share ``type_share`` of the noise variance at every layer,
+  so tokens of one type, in any request, follow much the same path across the layers,
+  as a real router's choices depend on the token itself: a token's experts at the first
+  layers then tell which of other requests' tokens its later experts will match (what
+  fMoE's trajectory search exploits; path predictability in
+  :mod:`fmoesim.validation.real_routing`).  ``type_share = 0`` (the default) leaves the
+  model as it is without types, draws included.
 - ``C[l]`` is a fixed random ``E x E`` matrix and ``sel[n, l-1]`` the 0/1 vector of the
   experts chosen at the previous layer: the expert chosen at layer ``l-1`` shifts the
   odds at layer ``l`` (cross-layer correlation, the "trajectory" fMoE searches on).
@@ -47,7 +59,8 @@ Encoder-decoder models (``model.encoder_layers = n > 0``): the encoder layers
 ``0..n-1`` route the ``P`` prompt positions, all in iteration 0; the decoder layers
 ``n..L-1`` route ``O`` positions, one per iteration (the decoder's start token at iteration
 0, then each output token but the last).  The encoder's positions and the decoder's have
-token states ``z`` of their own (children 0 and 1 of the request's seed), and the first
+token states ``z`` of their own (children 0 and 1 of the request's seed), and token types
+of their own where ``type_share > 0`` (children 2 and 3), and the first
 decoder layer has no cross-layer term (nothing links it to the encoder's last layer).
 Speculative probabilities: none for the encoder's first layer; the other encoder layers
 have them at iteration 0 only; the decoder's first layer is predicted as layer 0 of a
@@ -104,6 +117,9 @@ class SyntheticConfig:
     noise: float = 1.0
     cross_layer: float = 1.0
     depth_share: float = 0.0
+    type_share: float = 0.0
+    token_types: int = 1024
+    type_zipf: float = 1.0
     temperature: float = 1.0
     spec_noise: float = 0.6
     spec_noise_first_layer: float = 1.2
@@ -128,6 +144,7 @@ class SyntheticConfig:
             "prompt_tokens_max",
             "output_tokens_median",
             "output_tokens_max",
+            "token_types",
         )
         for key in positive_int:
             v = getattr(self, key)
@@ -148,6 +165,7 @@ class SyntheticConfig:
             "cross_layer",
             "spec_noise",
             "spec_noise_first_layer",
+            "type_zipf",
             "prompt_tokens_sigma",
             "output_tokens_sigma",
         ):
@@ -158,6 +176,8 @@ class SyntheticConfig:
             raise ConfigError(f"{prefix}.topic_share", self.topic_share, "must be in [0, 1]")
         if not (isinstance(self.depth_share, (int, float)) and 0 <= self.depth_share <= 1):
             raise ConfigError(f"{prefix}.depth_share", self.depth_share, "must be in [0, 1]")
+        if not (isinstance(self.type_share, (int, float)) and 0 <= self.type_share <= 1):
+            raise ConfigError(f"{prefix}.type_share", self.type_share, "must be in [0, 1]")
         if not (isinstance(self.locality, (int, float)) and 0 <= self.locality < 1):
             raise ConfigError(f"{prefix}.locality", self.locality, "must be in [0, 1)")
         if not (isinstance(self.temperature, (int, float)) and 0 < self.temperature < math.inf):
@@ -185,6 +205,25 @@ class SyntheticConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"{prefix}.seed", self.seed, "must be an integer >= 0")
         return self
+
+
+#: the most logits the token types' profiles may hold (``token_types x L x E``; 2 GB)
+MAX_TYPE_LOGITS = 2**28
+#: knobs that only matter with ``type_share > 0``: left out of :func:`synthetic_params`
+#: without it
+TYPE_KNOBS = ("type_share", "token_types", "type_zipf")
+
+
+def synthetic_params(cfg: SyntheticConfig) -> dict[str, object]:
+    """The knobs of ``cfg`` as a trace's manifest and the trace cache's key record them:
+    every field, less :data:`TYPE_KNOBS` where ``type_share`` is 0, so a trace made
+    without token types keeps the manifest and the cache name it had before the model
+    had them."""
+    params = dataclasses.asdict(cfg)
+    if not cfg.type_share:
+        for key in TYPE_KNOBS:
+            del params[key]
+    return params
 
 
 def _ar1(eps: np.ndarray, rho: float) -> np.ndarray:
@@ -425,6 +464,20 @@ class SyntheticWorkload:
         self.centroids = rng.standard_normal((cfg.num_topics, D)) / math.sqrt(max(D, 1))  # (T, D)
         # drawn last, so the draws above do not depend on depth_share
         self.rotation = _rotations(rng, L, E) if cfg.depth_share else None  # (L, E, E)
+        # and these after it, so nothing above depends on type_share
+        self.type_logits: np.ndarray | None = None  # (V, L, E) W of the module docstring
+        self.type_freq: np.ndarray | None = None  # (V,) P(w)
+        if cfg.type_share:
+            if cfg.token_types * L * E > MAX_TYPE_LOGITS:
+                raise ConfigError(
+                    "workload.synthetic.token_types",
+                    cfg.token_types,
+                    f"token_types x layers x experts ({L} x {E}) must be at most "
+                    f"{MAX_TYPE_LOGITS:,} (the types' logit profiles, 8 bytes each)",
+                )
+            self.type_logits = rng.standard_normal((cfg.token_types, L, E))
+            zipf = 1.0 / np.arange(1, cfg.token_types + 1) ** cfg.type_zipf
+            self.type_freq = zipf / zipf.sum()
 
     # -- lengths and arrivals ----------------------------------------------------------
     def lengths(self) -> _Lengths:
@@ -531,6 +584,14 @@ class SyntheticWorkload:
         eps_z[0] /= math.sqrt(1 - rho * rho)
         return _ar1(eps_z, rho)
 
+    def _token_types(self, seed: np.random.SeedSequence, stream: int, T: int) -> np.ndarray | None:
+        """The type ``w (T,)`` of each of ``T`` token positions, from child ``stream`` of
+        the request's seed; None when ``type_share`` is 0."""
+        if self.type_freq is None:
+            return None
+        rng = np.random.default_rng(_child(seed, stream))
+        return rng.choice(len(self.type_freq), size=T, p=self.type_freq)
+
     def _logits(
         self,
         rng: np.random.Generator,
@@ -540,9 +601,11 @@ class SyntheticWorkload:
         z: np.ndarray | None,
         prev_sel: np.ndarray | None,
         T: int,
+        types: np.ndarray | None = None,
     ) -> np.ndarray:
         """Router logits ``x (T, E)`` of ``T`` token positions at ``layer`` (module
-        docstring), ``prev_sel (T, E)`` the experts chosen at the layer before."""
+        docstring), ``prev_sel (T, E)`` the experts chosen at the layer before, ``types
+        (T,)`` the positions' token types (None without them)."""
         cfg, E = self.cfg, self.model.num_experts
         rho, h = cfg.locality, cfg.depth_share
         eps = rng.standard_normal((T, E))
@@ -551,6 +614,10 @@ class SyntheticWorkload:
         if z is not None:
             assert self.rotation is not None
             u = math.sqrt(1 - h) * u + math.sqrt(h) * (z @ self.rotation[layer].T)
+        if types is not None:
+            assert self.type_logits is not None
+            g = cfg.type_share
+            u = math.sqrt(1 - g) * u + math.sqrt(g) * self.type_logits[types, layer]
         x = self.base[topic, layer] + jitter[layer] + cfg.noise * u
         if prev_sel is not None and cfg.cross_layer:
             x += cfg.cross_layer * (prev_sel @ self.cross[layer])
@@ -583,8 +650,9 @@ class SyntheticWorkload:
         spec = np.full((output, L, E), np.nan)
         prev_sel: np.ndarray | None = None  # (T, E) 0/1 experts chosen at layer l-1
         z = self._token_state(seed, 0, T)  # (T, E) the token state shared by all layers
+        types = self._token_types(seed, _TYPE_STREAM, T)  # (T,) or None
         for layer in range(L):
-            x = self._logits(rng, topic, layer, jitter, z, prev_sel, T)
+            x = self._logits(rng, topic, layer, jitter, z, prev_sel, T, types)
             p = _softmax(x / cfg.temperature)  # (T, E)
             sel = self._select(p)
             np.add.at(counts[:, layer, :], it_of_pos, sel.astype(np.int32))
@@ -629,13 +697,18 @@ class SyntheticWorkload:
         spec = np.full((output, L, E), np.nan)
         z_enc = self._token_state(seed, 0, prompt)  # (P, E)
         z_dec = self._token_state(seed, _DECODER_STREAM, output)  # (O, E)
+        types_enc = self._token_types(seed, _TYPE_STREAM, prompt)  # (P,) or None
+        types_dec = self._token_types(seed, _TYPE_STREAM + 1, output)  # (O,) or None
         prev_sel: np.ndarray | None = None
         for layer in range(L):
             encoder = layer < n
             if layer == n:
                 prev_sel = None  # no cross-layer link from the encoder to the decoder
             T = prompt if encoder else output
-            x = self._logits(rng, topic, layer, jitter, z_enc if encoder else z_dec, prev_sel, T)
+            x = self._logits(
+                rng, topic, layer, jitter, z_enc if encoder else z_dec, prev_sel, T,
+                types_enc if encoder else types_dec,
+            )  # fmt: skip
             p = _softmax(x / cfg.temperature)  # (T, E)
             sel = self._select(p)
             # speculative prediction of this layer, made one layer early; nothing precedes
@@ -674,7 +747,7 @@ class SyntheticWorkload:
         """Generate the whole trace into ``path`` (streaming, atomic)."""
         cfg, m = self.cfg, self.model
         lens = self.lengths()
-        params = dataclasses.asdict(cfg)
+        params = synthetic_params(cfg)
         first_layers = 2 if m.encoder_layers else 1
         manifest = TraceManifest(
             model=TraceModel.of(m),
@@ -724,6 +797,9 @@ class SyntheticWorkload:
 #: child of a request's seed that draws the decoder's token state (encoder-decoder
 #: models; child 0 draws the encoder's, or the decoder-only model's)
 _DECODER_STREAM = 1
+#: the child of a request's seed that draws its token types (the next one: an
+#: encoder-decoder model's decoder positions)
+_TYPE_STREAM = 2
 
 
 def _rotations(rng: np.random.Generator, L: int, E: int) -> np.ndarray:
