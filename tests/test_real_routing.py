@@ -19,7 +19,7 @@ from fmoesim.trace import read_trace
 from fmoesim.trace.importers import import_vllm_routes
 from fmoesim.trace.table import write_routed
 from fmoesim.validation import real_routing as rr
-from fmoesim.validation.engine_log import _policy
+from fmoesim.validation.engine_log import policy_from_preset
 from tests.tiny import small_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,4 +223,4 @@ def test_committed_report_matches_a_rerun(tmp_path: Path) -> None:
 def test_every_default_policy_decides_on_routed_experts_only() -> None:
     """Red if a policy of the default list needs a speculative prediction (it would run
     without its input on both sides and its row would say nothing)."""
-    assert not [p for p in rr.POLICIES if getattr(_policy(p), "uses_spec", False)]
+    assert not [p for p in rr.POLICIES if getattr(policy_from_preset(p), "uses_spec", False)]

@@ -85,7 +85,7 @@ def compare(
         tpath, _ = import_table(path, Path(tmp) / "t", model, top_k=top_k)
         trace = read_trace(tpath)
         run_model = model_for_trace(dataclasses.replace(model, top_k=trace.top_k), trace)
-        pol = _policy(policy)
+        pol = policy_from_preset(policy)
         res = simulate(trace, run_model, hw, pol, budget_bytes, timing=False, access_log=True)
     acc = res.accesses
     assert acc is not None
@@ -388,7 +388,7 @@ def compare_timing(
         return recorded[0]
 
     simulate(
-        trace, run_model, hw, _policy(policy), budget_bytes, timing=True, fast=False,
+        trace, run_model, hw, policy_from_preset(policy), budget_bytes, timing=True, fast=False,
         make_backend=make,
     )  # fmt: skip
     be = recorded[0]
@@ -438,7 +438,7 @@ class _TokenRecorder(SimBackend):
         self._stall, self._n_transfers, self._busy = 0.0, len(self.transfers), self.busy_compute_s
 
 
-def _policy(name: str) -> Any:
+def policy_from_preset(name: str) -> Any:
     """A fresh policy object from ``conf/policy/<name>.yaml``."""
     from hydra.utils import instantiate
     from omegaconf import DictConfig, OmegaConf

@@ -266,13 +266,13 @@ def run_all(
     """Every policy at every total budget on every trace, timed, static batches of one,
     each policy a fresh object from its preset."""
     from fmoesim.engine.simulate import simulate
-    from fmoesim.validation.engine_log import _policy
+    from fmoesim.validation.engine_log import policy_from_preset
 
     rows = []
     for (workload, samples), gb in itertools.product(traces.items(), budgets_gb):
         for (seed, trace), name in itertools.product(samples, policies):
             per_gpu = int(gb * 1e9 / hardware.num_gpus)
-            s = simulate(trace, model, hardware, _policy(name), per_gpu).summary
+            s = simulate(trace, model, hardware, policy_from_preset(name), per_gpu).summary
             rows.append(
                 Row(workload, seed, name, gb, 1e3 * s["tpot_mean_s"], s["hit_rate"],
                     s["late_rate"])
@@ -432,10 +432,10 @@ def main(argv: list[str] | None = None) -> None:
         raise FmoesimError(f"--seeds {args.seeds}: must be at least 1")
     policies = [p for p in args.policies.split(",") if p]
     check_preset_names("policy", policies, "--policies")
-    from fmoesim.validation.engine_log import _policy
+    from fmoesim.validation.engine_log import policy_from_preset
 
     for p in policies:
-        if getattr(_policy(p), "uses_spec", False):
+        if getattr(policy_from_preset(p), "uses_spec", False):
             raise FmoesimError(
                 f"--policies {p}: needs a speculative prediction, which top-k route logs "
                 "do not have (rule: policies that decide on routed experts only)"
