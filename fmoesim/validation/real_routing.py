@@ -43,7 +43,7 @@ import dataclasses
 import itertools
 import math
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,23 +162,14 @@ def path_predictability(trace: Trace, distance: int = 3) -> tuple[float, float]:
     at ``l + distance``.  Each is a mean over tokens, then over layers.  Their gap is what
     a token's path across layers tells beyond popularity: what fMoE's trajectory search
     over stored maps (fMoE §4.2) can exploit, from a trace's routed experts alone."""
-    c = (trace.counts > 0).astype(np.float32)  # (N, L, E)
-    N, L, E = c.shape
     K = trace.top_k
     req = trace.iter_request  # (N,)
     same = req[:, None] == req[None, :]  # (N, N)
-    if distance < 1 or distance >= L:
-        raise ValueError(f"distance must be in [1, {L}), got {distance}")
     if bool(same.all()):
         raise FmoesimError(f"{trace.path}: path predictability needs two requests or more")
     nearest, popular = [], []
-    overlap = np.zeros((N, N), dtype=np.float32)  # (N, N) experts in common, layers 0..l
-    for layer in range(L - distance):
-        overlap += c[:, layer] @ c[:, layer].T
-        s = np.where(same, -1.0, overlap)  # (N, N) other requests only
-        nn = s.argmax(axis=1)  # (N,)
-        ahead = c[:, layer + distance]  # (N, E)
-        nearest.append(float((ahead * ahead[nn]).sum(axis=1).mean() / K))
+    for ahead, share in _nearest_paths(trace, ~same, distance):
+        nearest.append(float(share.mean()))
         shares = []
         for r in np.unique(req):
             mine = req == r
@@ -188,6 +179,26 @@ def path_predictability(trace: Trace, distance: int = 3) -> tuple[float, float]:
     return float(np.mean(nearest)), float(np.mean(popular))
 
 
+def _nearest_paths(
+    trace: Trace, allowed: np.ndarray, distance: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """For each layer ``l`` with ``l + distance < L``: the tokens' routed experts at
+    ``l + distance`` ``(N, E)`` (0/1) and, per token, the share of them its nearest
+    token routes to there too ``(N,)``, the nearest being the one among ``allowed (N,
+    N)`` (row: the token, column: a candidate) with the most experts in common over
+    layers ``0..l``, the first on a tie (token 0 where a row allows none)."""
+    c = (trace.counts > 0).astype(np.float32)  # (N, L, E)
+    N, L, _ = c.shape
+    if distance < 1 or distance >= L:
+        raise ValueError(f"distance must be in [1, {L}), got {distance}")
+    overlap = np.zeros((N, N), dtype=np.float32)  # (N, N) experts in common, layers 0..l
+    for layer in range(L - distance):
+        overlap += c[:, layer] @ c[:, layer].T
+        nn = np.where(allowed, overlap, -1.0).argmax(axis=1)  # (N,)
+        ahead = c[:, layer + distance]  # (N, E)
+        yield ahead, (ahead * ahead[nn]).sum(axis=1) / trace.top_k
+
+
 def own_path_predictability(trace: Trace, distance: int = 3, gap: int = 2) -> float:
     """:func:`path_predictability`'s nearest path within a token's own request: the
     nearest is among the request's tokens at least ``gap`` positions earlier (``gap =
@@ -195,23 +206,13 @@ def own_path_predictability(trace: Trace, distance: int = 3, gap: int = 2) -> fl
     none are left out.  How much a request repeats its own paths, as text repeats its
     words: what a policy that learns from the request being served (fMoE's online map
     store) can exploit beyond other requests."""
-    c = (trace.counts > 0).astype(np.float32)  # (N, L, E)
-    N, L, _ = c.shape
-    if distance < 1 or distance >= L:
-        raise ValueError(f"distance must be in [1, {L}), got {distance}")
     req = trace.iter_request  # (N,)
-    pos = np.arange(N)
+    pos = np.arange(len(req))
     ok = (req[:, None] == req[None, :]) & (pos[None, :] <= pos[:, None] - gap)  # (N, N)
     has = ok.any(axis=1)  # (N,)
     if not has.any():
         raise FmoesimError(f"{trace.path}: no token has a token {gap} or more positions before it")
-    shares = []
-    overlap = np.zeros((N, N), dtype=np.float32)  # (N, N) experts in common, layers 0..l
-    for layer in range(L - distance):
-        overlap += c[:, layer] @ c[:, layer].T
-        nn = np.where(ok, overlap, -1.0).argmax(axis=1)  # (N,)
-        ahead = c[:, layer + distance]  # (N, E)
-        shares.append(float((ahead * ahead[nn]).sum(axis=1)[has].mean() / trace.top_k))
+    shares = [float(share[has].mean()) for _, share in _nearest_paths(trace, ok, distance)]
     return float(np.mean(shares))
 
 
@@ -243,8 +244,9 @@ def flipped_pairs(
 
 @dataclass(frozen=True)
 class Row:
-    """One run: the workload (``real``, ``fitted`` or ``default``), the sample's seed
-    (-1 for the real logs), the policy, the total budget and what the run measured."""
+    """One run: the workload (``real`` or a key of :data:`WORKLOADS`), the sample's seed
+    (-1 for the real logs), the policy, the total budget and what the report shows of
+    the run."""
 
     workload: str
     seed: int
@@ -252,7 +254,6 @@ class Row:
     budget_gb: float
     tpot_ms: float
     hit_rate: float
-    late_rate: float
 
 
 def run_all(
@@ -273,10 +274,7 @@ def run_all(
         for (seed, trace), name in itertools.product(samples, policies):
             per_gpu = int(gb * 1e9 / hardware.num_gpus)
             s = simulate(trace, model, hardware, policy_from_preset(name), per_gpu).summary
-            rows.append(
-                Row(workload, seed, name, gb, 1e3 * s["tpot_mean_s"], s["hit_rate"],
-                    s["late_rate"])
-            )  # fmt: skip
+            rows.append(Row(workload, seed, name, gb, 1e3 * s["tpot_mean_s"], s["hit_rate"]))
             if progress is not None:
                 progress(f"{workload} seed {seed} {gb:g} GB {name}: TPOT {rows[-1].tpot_ms:.1f} ms")
     return rows

@@ -557,7 +557,8 @@ def main(argv: list[str] | None = None) -> None:
         depth = _depth(real, model, best.knobs)
         fitted = synthetic_like(model, best.knobs, Path(tmp) / "fitted", 16, 144, seed=0)
         sticky = top1_stickiness(fitted)
-        paths = _paths(real, model, hw, {**best.knobs, "depth_share": depth["share"]}, tmp)
+        fitted_knobs = {**best.knobs, "depth_share": depth["share"]}
+        paths = _paths(real, model, hw, fitted_knobs, target, tmp)
     out = Path(args.out)
     plot = out.with_suffix(".png")
     if q is not None:
@@ -599,11 +600,17 @@ def _depth(real: Trace, model: ModelSpec, knobs: dict[str, float]) -> dict[str, 
 
 
 def _paths(
-    real: Trace, model: ModelSpec, hardware: HardwareSpec, fitted: dict[str, float], tmp: str
+    real: Trace,
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    fitted: dict[str, float],
+    target: dict[str, list[float]],
+    tmp: str,
 ) -> dict[str, Any]:
     """The path fit (:func:`fit_paths`) with what the report shows beside it: the path
-    statistics of the real trace and of the ``fitted`` knobs (the fit above), and the
-    next-token reuse and layer dependence of the best path knobs."""
+    statistics of the real trace and of the ``fitted`` knobs (the fit above), the real
+    trace's hit-rate curves ``target`` (:func:`hit_curves`, already computed) with the
+    best path knobs', and their next-token reuse and layer dependence."""
     from fmoesim.validation.real_routing import path_predictability
 
     tokens = int(np.median(real.output_tokens))
@@ -618,7 +625,7 @@ def _paths(
         "real_stats": (reuse_probability(real), depth_dependence(real)),
         "best_stats": (reuse_probability(many), depth_dependence(many)),
         "best_curves": hit_curves(many, model, hardware),
-        "target": hit_curves(real, model, hardware),
+        "target": target,
     }
 
 
