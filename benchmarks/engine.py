@@ -23,12 +23,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
-
 from benchmarks._cli import build_line, parser, positive_int
-from fmoesim.config.build import check_preset_names, load_preset, preset_names
-from fmoesim.config.schema import CONF_DIR, PROJECT_ROOT
+from fmoesim.config.build import check_preset_names, load_preset, policy_from_preset, preset_names
+from fmoesim.config.schema import PROJECT_ROOT
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import simulate
 from fmoesim.errors import names_of, run_or_exit
@@ -38,10 +35,6 @@ from fmoesim.workload.synthetic import SyntheticConfig, generate
 from policies.lru import LRU
 
 GB = 1e9
-
-
-def _policy(name: str) -> Any:
-    return instantiate(OmegaConf.load(CONF_DIR / "policy" / f"{name}.yaml"))
 
 
 def _best(repeat: int, make_policy: Any, *args: Any, **kw: Any) -> dict[str, Any]:
@@ -69,8 +62,8 @@ def per_policy(repeat: int, names: list[str] | None = None) -> list[str]:
     for _ in range(repeat):
         for name in names:
             budget = int(24 * GB)
-            timed[name].append(simulate(trace, model, hw, _policy(name), budget).summary)
-            r = simulate(trace, model, hw, _policy(name), budget, timing=False)
+            timed[name].append(simulate(trace, model, hw, policy_from_preset(name), budget).summary)
+            r = simulate(trace, model, hw, policy_from_preset(name), budget, timing=False)
             hit_only[name].append(r.summary)
     rows = [
         "| policy | hit | late | hit (hit-only mode) | TPOT (ms) | modelled s | wall s "

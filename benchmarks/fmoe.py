@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks._cli import build_line, parser, positive_int
-from benchmarks.fmoe_digests import _policy, qwen3_setting
-from fmoesim.config.build import check_preset_names, load_preset
+from benchmarks.fmoe_digests import qwen3_setting
+from fmoesim.config.build import check_preset_names, load_preset, policy_from_preset
 from fmoesim.config.schema import PROJECT_ROOT
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import simulate
@@ -174,7 +174,8 @@ def speed(repeat: int, policy: str = "fmoe") -> None:
         ]  # fmt: skip
         for name, trace, model, budget, target in cases:
             runs = [
-                simulate(trace, model, hw, _policy(policy), budget).summary for _ in range(repeat)
+                simulate(trace, model, hw, policy_from_preset(policy), budget).summary
+                for _ in range(repeat)
             ]
             walls = sorted(r["wall_s"] for r in runs)
             sim_s = runs[0]["simulated_s"]

@@ -28,12 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from benchmarks._cli import build_line, parser
 from fmoesim.atomic import atomic_file, check_file_destination
-from fmoesim.config.build import check_preset_names, load_preset
+from fmoesim.config.build import check_preset_names, load_preset, policy_from_preset
 from fmoesim.config.schema import CONF_DIR, PROJECT_ROOT
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import simulate
@@ -64,10 +62,6 @@ def _h(obj: Any) -> str:
 
     feed(obj)
     return h.hexdigest()[:16]
-
-
-def _policy(name: str) -> Any:
-    return instantiate(OmegaConf.load(CONF_DIR / "policy" / f"{name}.yaml"))
 
 
 def qwen3_setting(workdir: Path) -> tuple[Any, ModelSpec, int]:
@@ -120,7 +114,7 @@ def runs(workdir: Path, policy: str = "fmoe") -> Iterator[tuple[str, dict[str, A
     qt, qm, qb = qwen3_setting(workdir)
     cases.append(("qwen3-quarter", qt, qm, pol, qb, {}))
     for name, tr, model, pol, budget, kw in cases:
-        policy = _policy(pol)
+        policy = policy_from_preset(pol)
         r = simulate(tr, model, hw, policy, int(budget), **({"access_log": True} | kw))
         summary = {k: v for k, v in r.summary.items() if k not in _WALL}
         d = {

@@ -222,11 +222,11 @@ def paths_knobs() -> dict:
 
 
 def test_fit_paths_scores_the_worst_of_the_curves_and_the_paths(tmp_path):
-    """Red if a point's score is not the worst of its curve error and its two path
-    errors (in points), if the held knobs or depth_share are not the ones it ran with,
-    or if the fit misses the knobs the stand-in for real routing was made with (token
-    types that carry its paths, against none)."""
-    from fmoesim.validation.real_routing import path_predictability
+    """Red if a point's score is not the worst of its curve error and its three path
+    errors (in points; the own-request one included), if the held knobs or depth_share
+    are not the ones it ran with, or if the fit misses the knobs the stand-in for real
+    routing was made with (token types that carry its paths, against none)."""
+    from fmoesim.validation.real_routing import own_path_predictability, path_predictability
     from fmoesim.workload.calibrate import PATH_DISTANCE, PATH_FIXED, fit_paths
 
     model = load_preset("model", "mixtral-8x7b", ModelSpec)
@@ -239,9 +239,11 @@ def test_fit_paths_scores_the_worst_of_the_curves_and_the_paths(tmp_path):
     ranked = fit_paths(real, model, hw, 0.5, grid=grid, num_requests=4)
     assert [c.knobs["type_share"] for c in ranked] == [0.9, 0.0]
     near_r, pop_r = path_predictability(real, PATH_DISTANCE)
+    own_r = own_path_predictability(real, PATH_DISTANCE)
     for c in ranked:
         assert {k: c.knobs[k] for k in knobs} == knobs
-        want = 100 * max(abs(c.nearest - near_r), abs(c.popularity - pop_r))
+        paths = (c.nearest - near_r, c.popularity - pop_r, c.own - own_r)
+        want = 100 * max(abs(x) for x in paths)
         assert c.max_error_points == pytest.approx(max(c.curve_error_points, want))
     assert ranked[1].nearest - ranked[1].popularity < ranked[0].nearest - ranked[0].popularity
 
@@ -261,11 +263,11 @@ def test_paths_preset_holds_the_committed_fit():
 @pytest.mark.skipif(not REAL.is_dir(), reason="../shared/data (real Mixtral routing) is absent")
 def test_paths_preset_matches_real_mixtral_curves_and_paths(tmp_path):
     """Red if the paths preset stops matching real Mixtral routing: LRU and LFU hit
-    rates within 5 points at every C, and path predictability (nearest path and
-    popularity, three layers ahead, on as many requests as the real logs) within 5
-    points, where the curve-only preset misses the nearest path's gap to popularity by
-    more than 10."""
-    from fmoesim.validation.real_routing import path_predictability
+    rates within 5 points at every C, and path predictability (nearest path,
+    popularity and own request, three layers ahead, on as many requests as the real
+    logs) within 5 points, where the curve-only preset misses the nearest path's gap to
+    popularity and the own-request share by more than 10."""
+    from fmoesim.validation.real_routing import own_path_predictability, path_predictability
 
     model = load_preset("model", "mixtral-8x7b", ModelSpec)
     real, _ = _curves_within_5_points(paths_knobs(), tmp_path)
@@ -274,6 +276,9 @@ def test_paths_preset_matches_real_mixtral_curves_and_paths(tmp_path):
     near_r, pop_r = path_predictability(real)
     near, pop = path_predictability(few)
     assert abs(near - near_r) <= 0.05 and abs(pop - pop_r) <= 0.05, (near, pop, near_r, pop_r)
+    own_r, own = own_path_predictability(real), own_path_predictability(few)
+    assert abs(own - own_r) <= 0.05, (own, own_r)
     old = synthetic_like(model, routing_knobs(), tmp_path / "old", real.num_requests, tokens, 0)
     near_o, pop_o = path_predictability(old)
     assert (near_r - pop_r) - (near_o - pop_o) > 0.10
+    assert own_r - own_path_predictability(old) > 0.10

@@ -453,10 +453,13 @@ GOLDEN_KNOBS: dict[str, dict[str, Any]] = {
         "embedding_dim": 0,
         "shift_at": 3,
     },
+    # token types, neither their request context nor repeats
+    "types": {"type_share": 0.5, "token_types": 16, "type_zipf": 0.5},
 }
 
 #: digests of the decoder-only traces (requests' arrays, files, statistics), computed by
-#: ``_golden_digests`` on commit a93f4eb, whose generator knows no encoder
+#: ``_golden_digests`` on commit a93f4eb, whose generator knows no encoder ("types": on
+#: commit 482f2db, whose generator knows no type_context or type_repeat)
 GOLDEN = {
     "plain": (
         "c979749ab1a970926a76265bf17da0f077f1d124e70c19d267749d36417e0a69",
@@ -472,6 +475,11 @@ GOLDEN = {
         "b949f52684d76261e32f6ddb502d169b0bb4a73c78cda252e8845dc131c60772",
         "2081b7bc3778d7ca4172bae63621415c19d1dafbc7b0a088703e965767b903bc",
         "148adfb584237c9cd0a17332a75ce62facea19ffdabc91908d17eb6fa21b8d44",
+    ),
+    "types": (
+        "5e7b48504ea75224665ccfc2d93d082bd93e963a3b4ee6620dffd15259e99445",
+        "5a9e01e8cccf4b698756c344d8c3336dbd276517ee8925b54014c2f6b2fdecbd",
+        "ec050373f15fe724dff52c085d66edcd58eea039e31f18fa86e9ca3bed6c619e",
     ),
 }
 
@@ -490,7 +498,8 @@ def _golden_digests(tmp: Path) -> dict[str, tuple[str, str, str]]:
 
 
 def test_decoder_only_synthetic_traces_are_unchanged(tmp_path: Path) -> None:
-    # red if: the decoder-only generator draws other numbers or in another order, the
-    # writer or the manifest writes other values (e.g. an encoder_layers key), or the
-    # statistics of decoder-only traces change
+    # red if: the decoder-only generator draws other numbers or in another order (token
+    # types' context or repeats drawn at 0 included), the writer or the manifest writes
+    # other values (e.g. an encoder_layers key, or a type knob at 0), or the statistics
+    # of decoder-only traces change
     assert _golden_digests(tmp_path) == GOLDEN

@@ -17,12 +17,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hydra.utils import instantiate
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from omegaconf import OmegaConf
 
-from fmoesim.config.schema import CONF_DIR
+from fmoesim.config.build import policy_from_preset
 from fmoesim.engine.compute import ComputeModel
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.sim import SimBackend
@@ -54,7 +52,7 @@ SYNC = ["mixtral-offloading-sync", "moe-infinity-sync"]
 
 
 def make_policy(name: str) -> Policy:
-    policy = instantiate(OmegaConf.load(CONF_DIR / "policy" / f"{name}.yaml"))
+    policy = policy_from_preset(name)
     assert isinstance(policy, Policy)
     return policy
 

@@ -24,11 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
-from fmoesim.config.build import preset_names
-from fmoesim.config.schema import CONF_DIR
+from fmoesim.config.build import policy_from_preset, preset_names
 from fmoesim.engine.serving import ServingConfig
 from fmoesim.engine.simulate import RunResult, simulate
 from fmoesim.errors import ConfigError
@@ -65,7 +62,7 @@ def trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:
 
 
 def make_policy(name: str) -> Policy:
-    policy = instantiate(OmegaConf.load(CONF_DIR / "policy" / f"{name}.yaml"))
+    policy = policy_from_preset(name)
     assert isinstance(policy, Policy)
     return policy
 

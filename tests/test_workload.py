@@ -21,6 +21,7 @@ from fmoesim.workload.synthetic import (
     GENERATOR,
     GENERATOR_CODE,
     TYPE_KNOBS,
+    _child,
     synthetic_params,
 )
 
@@ -301,6 +302,104 @@ def test_type_share_zero_draws_nothing_more(tmp_path: Path) -> None:
     assert b.manifest.source["params"]["token_types"] == 7
 
 
+def test_type_repeat_one_gives_every_position_the_first_type() -> None:
+    """With ``type_repeat = 1`` every position after the first copies an earlier one, so
+    all take position 0's type; at 0 the types are the plain draws.  Red if a repeat
+    copies a later position's type (the draw is not in [0, n)) or a repeat of a repeat
+    copies the type it was drawn with instead of its final one."""
+    cfg = dataclasses.replace(BASE, type_share=0.5, token_types=50, type_zipf=0.0)
+    seed = np.random.SeedSequence(5)
+    plain = SyntheticWorkload(MODEL, cfg)._token_types(seed, 2, 200)
+    assert plain is not None and len(set(plain.tolist())) > 30
+    wl = SyntheticWorkload(MODEL, dataclasses.replace(cfg, type_repeat=1.0))
+    every = wl._token_types(seed, 2, 200)
+    assert every is not None
+    assert (every == plain[0]).all()
+
+
+def test_type_repeat_reuses_earlier_types_at_its_rate() -> None:
+    """With 1,000 equally frequent types a fresh draw almost never meets an earlier
+    position's type (about n / 1000), so the share of positions whose type appeared
+    before is about ``type_repeat`` plus that; ``type_repeat = 0`` keeps the draws of a
+    trace made before the knob existed.  Red if the repeat probability is applied
+    twice, inverted, or the extra draws are taken when it is 0 (the types would change
+    for every earlier trace with token types)."""
+    cfg = dataclasses.replace(BASE, type_share=0.5, token_types=1000, type_zipf=0.0)
+    seeds = np.random.SeedSequence(9).spawn(40)
+    base = SyntheticWorkload(MODEL, cfg)
+    rep = SyntheticWorkload(MODEL, dataclasses.replace(cfg, type_repeat=0.3))
+    seen, fresh_seen, n = 0, 0, 0
+    for s in seeds:
+        w0, w1 = base._token_types(s, 2, 50), base._token_types(s, 2, 50)
+        assert w0 is not None and w1 is not None
+        np.testing.assert_array_equal(w0, w1)
+        np.testing.assert_array_equal(
+            w0, np.random.default_rng(_child(s, 2)).choice(1000, size=50, p=base.type_freq)
+        )
+        w = rep._token_types(s, 2, 50)
+        assert w is not None
+        seen += sum(w[i] in w[:i] for i in range(1, 50))
+        fresh_seen += sum(w0[i] in w0[:i] for i in range(1, 50))
+        n += 49
+    assert fresh_seen / n < 0.05
+    assert 0.27 < seen / n < 0.36, seen / n
+
+
+@pytest.mark.parametrize("knob", ["type_repeat", "type_context"])
+def test_type_extras_enter_the_manifest_only_when_set(knob: str) -> None:
+    """Red if ``type_repeat`` or ``type_context`` at 0 changes the manifest (and the
+    trace cache's name) of a trace made with token types, or a positive value is left
+    out of it."""
+    cfg = dataclasses.replace(BASE, type_share=0.5)
+    assert knob not in synthetic_params(cfg)
+    assert "type_share" in synthetic_params(cfg)
+    assert synthetic_params(dataclasses.replace(cfg, **{knob: 0.2}))[knob] == 0.2
+    assert knob not in synthetic_params(dataclasses.replace(BASE, **{knob: 0.2}))
+
+
+def test_type_context_makes_a_type_route_alike_within_a_request_only() -> None:
+    """With the whole noise from the token's type and the whole type profile the
+    request's own (``type_share = type_context = 1``, nothing else moving the logits),
+    two positions of one type in one request route to the same experts at every layer,
+    and the same type in two requests does not.  Red if the request's part is drawn per
+    position (positions of one type would differ within a request) or once for all
+    requests (they would match across requests)."""
+    cfg = dataclasses.replace(
+        BASE, type_share=1.0, type_context=1.0, token_types=4, type_zipf=0.0, skew=0.0,
+        request_jitter=0.0, cross_layer=0.0,
+    )  # fmt: skip
+    wl = SyntheticWorkload(MODEL, cfg)
+    children = np.random.SeedSequence(4).spawn(2)
+    first: dict[int, list[np.ndarray]] = {}
+    for r in range(2):
+        counts = wl.request(r, 1, 30, children[r])["counts"]  # (O, L, E)
+        types = wl._token_types(children[r], 2, 30)
+        assert types is not None
+        for w in range(4):
+            where = np.flatnonzero(types == w)
+            assert len(where) >= 2, (r, w)
+            for n in where[1:]:
+                np.testing.assert_array_equal(counts[n], counts[where[0]])
+            first.setdefault(w, []).append(counts[where[0]])
+    for w, (a, b) in first.items():
+        assert not np.array_equal(a, b), w
+
+
+def test_type_repeat_makes_paths_predictable_within_a_request(tmp_path: Path) -> None:
+    """Red if repeated types do not carry over to routing: a token's experts three
+    layers on are better predicted by the nearest earlier token of its own request with
+    repeats than without (at seeds 0-2: 0.29-0.30 without, 0.43-0.45 with)."""
+    from fmoesim.validation.real_routing import own_path_predictability
+
+    model = dataclasses.replace(MODEL, num_layers=8, num_experts=8)
+    knobs = dict(skew=0.0, locality=0.25, noise=2.0, request_jitter=0.0, type_share=0.9)
+    knobs.update(prompt_tokens_median=1, prompt_tokens_max=1, output_tokens_median=64)
+    knobs.update(num_requests=4, token_types=256, type_zipf=0.0)
+    flat = own_path_predictability(_gen(tmp_path, "flat", model, **knobs))
+    rep = own_path_predictability(_gen(tmp_path, "rep", model, type_repeat=0.5, **knobs))
+    assert rep - flat > 0.1, (flat, rep)
+
+
 def test_token_types_too_many_for_memory_are_one_config_error() -> None:
     """Red if a vocabulary of types whose profiles would not fit in memory is allocated
     (a MemoryError after a long wait) instead of refused, naming the knob."""
@@ -485,6 +584,9 @@ def test_generate_from_azure_csv(tmp_path: Path) -> None:
         ({"depth_share": -0.1}, "depth_share"),
         ({"type_share": 1.5}, "type_share"),
         ({"type_share": -0.1}, "type_share"),
+        ({"type_repeat": 1.5}, "type_repeat"),
+        ({"type_repeat": -0.1}, "type_repeat"),
+        ({"type_context": 2.0}, "type_context"),
         ({"token_types": 0}, "token_types"),
         ({"type_zipf": -1.0}, "type_zipf"),
         ({"locality": 1.0}, "locality"),

@@ -260,6 +260,21 @@ def _policy_preset(name: str, folders: tuple[Path, ...] = ()) -> dict[str, Any]:
     return {}
 
 
+def policy_from_preset(name: str) -> Any:
+    """A fresh policy object from ``conf/policy/<name>.yaml`` (its ``defaults`` list
+    left out), outside a Hydra run: for scripts, benchmarks and checks that build
+    policies by preset name."""
+    from hydra.utils import instantiate
+
+    path = CONF_DIR / "policy" / f"{name}.yaml"
+    if not is_plain_name(name) or not path.is_file():
+        raise ConfigError("--policy", name, "names a preset of conf/policy/")
+    raw = OmegaConf.load(path)
+    assert isinstance(raw, DictConfig)
+    raw.pop("defaults", None)
+    return instantiate(raw)
+
+
 def _policy_keys(container: Any) -> dict[str, Any]:
     """A policy config's keys and values (its ``defaults`` list left out)."""
     return {str(k): v for k, v in container.items() if str(k) != "defaults"}

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from fmoesim.config.build import policy_from_preset
 from fmoesim.engine.compute import ComputeModel
 from fmoesim.engine.sim import SimBackend
 from fmoesim.errors import ArgumentParser, FmoesimError, run_or_exit
@@ -436,23 +437,6 @@ class _TokenRecorder(SimBackend):
         self.read_bytes.append(sum(r.moved_bytes for r in new))
         self.compute_s.append(self.busy_compute_s - self._busy)
         self._stall, self._n_transfers, self._busy = 0.0, len(self.transfers), self.busy_compute_s
-
-
-def policy_from_preset(name: str) -> Any:
-    """A fresh policy object from ``conf/policy/<name>.yaml``."""
-    from hydra.utils import instantiate
-    from omegaconf import DictConfig, OmegaConf
-
-    from fmoesim.config.schema import CONF_DIR
-    from fmoesim.errors import ConfigError
-
-    path = CONF_DIR / "policy" / f"{name}.yaml"
-    if not path.is_file():
-        raise ConfigError("--policy", name, "names a preset of conf/policy/")
-    raw = OmegaConf.load(path)
-    assert isinstance(raw, DictConfig)
-    raw.pop("defaults", None)
-    return instantiate(raw)
 
 
 def format_report(results: list[PhaseResult]) -> str:

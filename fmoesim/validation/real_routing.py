@@ -266,8 +266,8 @@ def run_all(
 ) -> list[Row]:
     """Every policy at every total budget on every trace, timed, static batches of one,
     each policy a fresh object from its preset."""
+    from fmoesim.config.build import policy_from_preset
     from fmoesim.engine.simulate import simulate
-    from fmoesim.validation.engine_log import policy_from_preset
 
     rows = []
     for (workload, samples), gb in itertools.product(traces.items(), budgets_gb):
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
         raise FmoesimError(f"--seeds {args.seeds}: must be at least 1")
     policies = [p for p in args.policies.split(",") if p]
     check_preset_names("policy", policies, "--policies")
-    from fmoesim.validation.engine_log import policy_from_preset
+    from fmoesim.config.build import policy_from_preset
 
     for p in policies:
         if getattr(policy_from_preset(p), "uses_spec", False):

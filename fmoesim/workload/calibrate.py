@@ -53,12 +53,18 @@ GRID: dict[str, Sequence[float]] = {
 }
 POLICIES = ("lru", "lfu")
 #: The grid of the path fit (:func:`fit_paths`): the routing knobs with the workload
-#: model's token types.
+#: model's token types.  ``noise`` and ``cross_layer`` are single values, the best of a
+#: wider grid (1.5 or 2, 0 or 0.5, locality 0.4-0.7, type_share 0.4-0.7) scored without
+#: the own-request statistic; the rest spans both that grid's best point (no context,
+#: no repeats, 64 types, type_zipf 0) and the region where the own-request statistic
+#: is met.
 PATH_GRID: dict[str, Sequence[float]] = {
-    "locality": (0.4, 0.55, 0.7),
-    "noise": (1.5, 2.0),
-    "cross_layer": (0.0, 0.5),
-    "type_share": (0.4, 0.55, 0.7),
+    "locality": (0.55, 0.7),
+    "noise": (2.0,),
+    "cross_layer": (0.5,),
+    "type_share": (0.55, 0.85),
+    "type_context": (0.0, 0.3),
+    "type_repeat": (0.0, 0.5),
     "token_types": (64, 256),
     "type_zipf": (0.0, 1.0),
 }
@@ -411,13 +417,14 @@ def fit(
 @dataclass
 class PathCandidate:
     """One grid point of the path fit: its knobs, its worst error in points over the
-    hit-rate curves and the two path statistics, and each of them."""
+    hit-rate curves and the three path statistics, and each of them."""
 
     knobs: dict[str, float]
     max_error_points: float
     curve_error_points: float
     nearest: float
     popularity: float
+    own: float
 
 
 def fit_paths(
@@ -431,15 +438,17 @@ def fit_paths(
 ) -> list[PathCandidate]:
     """Every point of ``grid`` (with :data:`PATH_FIXED` and ``depth_share``), best first:
     the worst error in points over the LRU and LFU hit-rate curves (on ``num_requests``
-    requests, as :func:`fit`) and the two statistics of
-    :func:`fmoesim.validation.real_routing.path_predictability` at
+    requests, as :func:`fit`), the two statistics of
+    :func:`fmoesim.validation.real_routing.path_predictability` and
+    :func:`~fmoesim.validation.real_routing.own_path_predictability`, at
     :data:`PATH_DISTANCE` (on as many requests as the real trace has, the first of the
-    same sample: the statistic depends on how many other tokens there are to match)."""
-    from fmoesim.validation.real_routing import path_predictability
+    same sample: the statistics depend on how many other tokens there are to match)."""
+    from fmoesim.validation.real_routing import own_path_predictability, path_predictability
 
     grid = PATH_GRID if grid is None else grid
     target = hit_curves(real, model, hardware)
     near_t, pop_t = path_predictability(real, PATH_DISTANCE)
+    own_t = own_path_predictability(real, PATH_DISTANCE)
     tokens = int(np.median(real.output_tokens))
     out = []
     keys = list(grid)
@@ -454,8 +463,9 @@ def fit_paths(
             curve = max(abs(a - b) for p in POLICIES for a, b in zip(c[p], target[p], strict=True))
             few = synthetic_like(model, knobs, Path(tmp) / "few", real.num_requests, tokens, seed)
             near, pop = path_predictability(few, PATH_DISTANCE)
-            worst = 100 * max(curve, abs(near - near_t), abs(pop - pop_t))
-            out.append(PathCandidate(knobs, worst, 100 * curve, near, pop))
+            own = own_path_predictability(few, PATH_DISTANCE)
+            worst = 100 * max(curve, abs(near - near_t), abs(pop - pop_t), abs(own - own_t))
+            out.append(PathCandidate(knobs, worst, 100 * curve, near, pop, own))
     return sorted(out, key=lambda c: c.max_error_points)
 
 
@@ -607,11 +617,11 @@ def _paths(
     target: dict[str, list[float]],
     tmp: str,
 ) -> dict[str, Any]:
-    """The path fit (:func:`fit_paths`) with what the report shows beside it: the path
-    statistics of the real trace and of the ``fitted`` knobs (the fit above), the real
-    trace's hit-rate curves ``target`` (:func:`hit_curves`, already computed) with the
-    best path knobs', and their next-token reuse and layer dependence."""
-    from fmoesim.validation.real_routing import path_predictability
+    """The path fit (:func:`fit_paths`) with what the report shows beside it: the three
+    path statistics (:func:`_path_stats`) of the real trace and of the ``fitted`` knobs
+    (the fit above), the real trace's hit-rate curves ``target`` (:func:`hit_curves`,
+    already computed) with the best path knobs', and their next-token reuse and layer
+    dependence."""
 
     tokens = int(np.median(real.output_tokens))
     ranked = fit_paths(real, model, hardware, fitted["depth_share"])
@@ -620,8 +630,8 @@ def _paths(
     many = synthetic_like(model, best.knobs, Path(tmp) / "paths", 16, tokens, 0)
     return {
         "ranked": ranked,
-        "real": path_predictability(real, PATH_DISTANCE),
-        "fitted": path_predictability(few, PATH_DISTANCE),
+        "real": _path_stats(real),
+        "fitted": _path_stats(few),
         "real_stats": (reuse_probability(real), depth_dependence(real)),
         "best_stats": (reuse_probability(many), depth_dependence(many)),
         "best_curves": hit_curves(many, model, hardware),
@@ -629,39 +639,56 @@ def _paths(
     }
 
 
+def _path_stats(trace: Trace) -> tuple[float, float, float]:
+    """Nearest path, popularity and own-request nearest path of ``trace`` at
+    :data:`PATH_DISTANCE` (:mod:`fmoesim.validation.real_routing`)."""
+    from fmoesim.validation.real_routing import own_path_predictability, path_predictability
+
+    near, pop = path_predictability(trace, PATH_DISTANCE)
+    return near, pop, own_path_predictability(trace, PATH_DISTANCE)
+
+
 def _paths_section(d: dict[str, Any]) -> list[str]:
     """The report's section on the path fit (:func:`_paths`)."""
     ranked: list[PathCandidate] = d["ranked"]
     best = ranked[0]
-    (near_r, pop_r), (near_f, pop_f) = d["real"], d["fitted"]
+    (near_r, pop_r, own_r), (near_f, pop_f, own_f) = d["real"], d["fitted"]
     (reuse_r, dep_r), (reuse_b, dep_b) = d["real_stats"], d["best_stats"]
     lines = [
         "",
         "### Paths across layers",
         "",
         f"Path predictability, {PATH_DISTANCE} layers ahead (fMoE's prefetch distance; "
-        "`path_predictability` in `fmoesim.validation.real_routing`): the share of a "
-        f"token's experts {PATH_DISTANCE} layers on that the nearest token of another "
-        "request (the most experts in common so far) routes to (*nearest path*), against "
-        "the share among the other requests' most popular experts there (*popularity*); "
-        "a synthetic sample has as many requests as the real logs. The knobs "
-        "above match the hit-rate curves but not this: real routing's paths are "
-        "predictable from other requests' tokens, theirs are not.",
+        "`path_predictability` and `own_path_predictability` in "
+        "`fmoesim.validation.real_routing`): the share of a token's experts "
+        f"{PATH_DISTANCE} layers on that the nearest token of another request (the most "
+        "experts in common so far) routes to (*nearest path*), against the share among "
+        "the other requests' most popular experts there (*popularity*), and the share the "
+        "nearest earlier token of its own request, 2 or more positions back, routes to "
+        "(*own request*); a synthetic sample has as many requests as the real logs. The "
+        "knobs above match the hit-rate curves but not this: real routing's paths are "
+        "predictable from other requests' tokens and more so from the request's own, "
+        "theirs are not.",
         "",
-        "| | nearest path | popularity | path - popularity (points) |",
-        "|---|---|---|---|",
-        f"| real | {100 * near_r:.1f} | {100 * pop_r:.1f} | {100 * (near_r - pop_r):.1f} |",
-        f"| fitted above | {100 * near_f:.1f} | {100 * pop_f:.1f} | {100 * (near_f - pop_f):.1f} |",
+        "| | nearest path | popularity | own request | path - popularity (points) |",
+        "|---|---|---|---|---|",
+        f"| real | {100 * near_r:.1f} | {100 * pop_r:.1f} | {100 * own_r:.1f} "
+        f"| {100 * (near_r - pop_r):.1f} |",
+        f"| fitted above | {100 * near_f:.1f} | {100 * pop_f:.1f} | {100 * own_f:.1f} "
+        f"| {100 * (near_f - pop_f):.1f} |",
         f"| fitted with token types | {100 * best.nearest:.1f} | {100 * best.popularity:.1f} "
-        f"| {100 * (best.nearest - best.popularity):.1f} |",
+        f"| {100 * best.own:.1f} | {100 * (best.nearest - best.popularity):.1f} |",
         "",
-        "The workload model's token types (`type_share`, `token_types`, `type_zipf`: tokens "
-        "of one type follow much the same path in every request) give paths that "
-        "structure. The grid below holds "
+        "The workload model's token types give paths that structure: `type_share`, "
+        "`token_types`, `type_zipf` (tokens of one type follow much the same path in "
+        "every request), `type_context` (the share of a type's profile that is the "
+        "request's own: a type routes more alike within a request than across requests) "
+        "and `type_repeat` (the chance that a position repeats an earlier position's "
+        "type). The grid below holds "
         + ", ".join(f"`{k}: {v}`" for k, v in PATH_FIXED.items())
         + f" and `depth_share: {best.knobs['depth_share']}` (fitted above) and scores each "
-        "point by its worst error, in points, over the LRU and LFU curves and the two path "
-        f"statistics. Best: `{_knobs_text(best.knobs)}`, worst error "
+        "point by its worst error, in points, over the LRU and LFU curves and the three "
+        f"path statistics. Best: `{_knobs_text(best.knobs)}`, worst error "
         f"{best.max_error_points:.1f} points (curves {best.curve_error_points:.1f}). "
         "They are the routing knobs of `conf/workload/routing-mixtral-8x7b-paths.yaml`. "
         f"Next-token reuse {reuse_b:.3f} (real {reuse_r:.3f}); dependence 2-6 layers "
@@ -677,16 +704,17 @@ def _paths_section(d: dict[str, Any]) -> list[str]:
             )
     lines += [
         "",
-        "Grid (the 12 best of "
-        f"{len(ranked)}; errors in points, the path statistics' as measured minus real):",
+        f"Grid (the 12 best of {len(ranked)}, by the knobs it varies; errors in points, "
+        "the path statistics' as measured minus real):",
         "",
-        "| knobs | worst | curves | nearest path | popularity |",
-        "|---|---|---|---|---|",
+        "| knobs | worst | curves | nearest path | popularity | own request |",
+        "|---|---|---|---|---|---|",
     ]
+    varied = [k for k in PATH_GRID if len(PATH_GRID[k]) > 1]
     lines += [
-        f"| `{_knobs_text({k: c.knobs[k] for k in PATH_GRID})}` | {c.max_error_points:.1f} "
+        f"| `{_knobs_text({k: c.knobs[k] for k in varied})}` | {c.max_error_points:.1f} "
         f"| {c.curve_error_points:.1f} | {100 * (c.nearest - near_r):+.1f} "
-        f"| {100 * (c.popularity - pop_r):+.1f} |"
+        f"| {100 * (c.popularity - pop_r):+.1f} | {100 * (c.own - own_r):+.1f} |"
         for c in ranked[:12]
     ]
     return lines

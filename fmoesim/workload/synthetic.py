@@ -37,6 +37,16 @@ router logits over the ``E`` experts are::
   fMoE's trajectory search exploits; path predictability in
   :mod:`fmoesim.validation.real_routing`).  ``type_share = 0`` (the default) leaves the
   model as it is without types, draws included.
+- ``type_context``: the share of a type's profile that is the request's own, ``W[w, l]``
+  becoming ``sqrt(1 - type_context) * W[w, l] + sqrt(type_context) * V[r, w, l]`` with
+  ``V[r, w, l] ~ N(0, I)`` drawn per request, as a word's meaning leans on its context:
+  a type's tokens route more alike within a request than across requests (real routing
+  predicts a token's later experts from an earlier token of its own request better than
+  from another request's; :func:`fmoesim.validation.real_routing.own_path_predictability`).
+  0 (the default) draws nothing more.
+- ``type_repeat``: the chance that a position takes the type of an earlier position of
+  its request (drawn uniformly), as text repeats its own words beyond their frequency
+  in the language; 0 (the default) draws nothing more.
 - ``C[l]`` is a fixed random ``E x E`` matrix and ``sel[n, l-1]`` the 0/1 vector of the
   experts chosen at the previous layer: the expert chosen at layer ``l-1`` shifts the
   odds at layer ``l`` (cross-layer correlation, the "trajectory" fMoE searches on).
@@ -60,8 +70,9 @@ Encoder-decoder models (``model.encoder_layers = n > 0``): the encoder layers
 ``n..L-1`` route ``O`` positions, one per iteration (the decoder's start token at iteration
 0, then each output token but the last).  The encoder's positions and the decoder's have
 token states ``z`` of their own (children 0 and 1 of the request's seed), and token types
-of their own where ``type_share > 0`` (children 2 and 3), and the first
-decoder layer has no cross-layer term (nothing links it to the encoder's last layer).
+of their own where ``type_share > 0`` (children 2 and 3; the request's own part of their
+profiles, children 4 and 5), and the first decoder layer has no cross-layer term
+(nothing links it to the encoder's last layer).
 Speculative probabilities: none for the encoder's first layer; the other encoder layers
 have them at iteration 0 only; the decoder's first layer is predicted as layer 0 of a
 decoder-only model (``spec_noise_first_layer``, null at iteration 0), the other decoder
@@ -120,6 +131,8 @@ class SyntheticConfig:
     type_share: float = 0.0
     token_types: int = 1024
     type_zipf: float = 1.0
+    type_context: float = 0.0
+    type_repeat: float = 0.0
     temperature: float = 1.0
     spec_noise: float = 0.6
     spec_noise_first_layer: float = 1.2
@@ -178,6 +191,10 @@ class SyntheticConfig:
             raise ConfigError(f"{prefix}.depth_share", self.depth_share, "must be in [0, 1]")
         if not (isinstance(self.type_share, (int, float)) and 0 <= self.type_share <= 1):
             raise ConfigError(f"{prefix}.type_share", self.type_share, "must be in [0, 1]")
+        if not (isinstance(self.type_context, (int, float)) and 0 <= self.type_context <= 1):
+            raise ConfigError(f"{prefix}.type_context", self.type_context, "must be in [0, 1]")
+        if not (isinstance(self.type_repeat, (int, float)) and 0 <= self.type_repeat <= 1):
+            raise ConfigError(f"{prefix}.type_repeat", self.type_repeat, "must be in [0, 1]")
         if not (isinstance(self.locality, (int, float)) and 0 <= self.locality < 1):
             raise ConfigError(f"{prefix}.locality", self.locality, "must be in [0, 1)")
         if not (isinstance(self.temperature, (int, float)) and 0 < self.temperature < math.inf):
@@ -211,18 +228,25 @@ class SyntheticConfig:
 MAX_TYPE_LOGITS = 2**28
 #: knobs that only matter with ``type_share > 0``: left out of :func:`synthetic_params`
 #: without it
-TYPE_KNOBS = ("type_share", "token_types", "type_zipf")
+TYPE_KNOBS = ("type_share", "token_types", "type_zipf", "type_context", "type_repeat")
+#: type knobs whose 0 leaves the model as it was without them: left out of
+#: :func:`synthetic_params` at 0
+TYPE_EXTRAS = ("type_context", "type_repeat")
 
 
 def synthetic_params(cfg: SyntheticConfig) -> dict[str, object]:
     """The knobs of ``cfg`` as a trace's manifest and the trace cache's key record them:
-    every field, less :data:`TYPE_KNOBS` where ``type_share`` is 0, so a trace made
-    without token types keeps the manifest and the cache name it had before the model
-    had them."""
+    every field, less :data:`TYPE_KNOBS` where ``type_share`` is 0 and less each of
+    :data:`TYPE_EXTRAS` where it is 0, so a trace made without token types, or without
+    those, keeps the manifest and the cache name it had before the model had them."""
     params = dataclasses.asdict(cfg)
     if not cfg.type_share:
         for key in TYPE_KNOBS:
             del params[key]
+    else:
+        for key in TYPE_EXTRAS:
+            if not params[key]:
+                del params[key]
     return params
 
 
@@ -238,6 +262,17 @@ def _ar1(eps: np.ndarray, rho: float) -> np.ndarray:
         row += rho * prev
         prev = row
     return u
+
+
+@dataclass
+class _Types:
+    """A request's token types: ``w (T,)`` per position; with ``type_context > 0``,
+    ``inv (T,)`` each position's index among the request's types and ``own (U, L, E)``
+    the request's own part of each type's profile."""
+
+    w: np.ndarray
+    inv: np.ndarray | None
+    own: np.ndarray | None
 
 
 @dataclass
@@ -586,11 +621,48 @@ class SyntheticWorkload:
 
     def _token_types(self, seed: np.random.SeedSequence, stream: int, T: int) -> np.ndarray | None:
         """The type ``w (T,)`` of each of ``T`` token positions, from child ``stream`` of
-        the request's seed; None when ``type_share`` is 0."""
+        the request's seed; None when ``type_share`` is 0.  With ``type_repeat = r > 0``
+        each position after the first, with probability ``r``, takes the type of an
+        earlier position of the same request, drawn uniformly (drawn after the types, so
+        ``r = 0`` draws nothing more)."""
         if self.type_freq is None:
             return None
         rng = np.random.default_rng(_child(seed, stream))
-        return rng.choice(len(self.type_freq), size=T, p=self.type_freq)
+        w = rng.choice(len(self.type_freq), size=T, p=self.type_freq)  # (T,)
+        r = self.cfg.type_repeat
+        if r and T > 1:
+            repeat = rng.random(T) < r  # (T,) which positions repeat
+            source = np.floor(rng.random(T) * np.arange(T)).astype(np.int64)  # (T,) in [0, n)
+            for n in np.flatnonzero(repeat[1:]) + 1:
+                w[n] = w[source[n]]  # in order: a repeat of a repeat copies the final type
+        return w
+
+    def _types(self, seed: np.random.SeedSequence, stream: int, T: int) -> _Types | None:
+        """The token types of ``T`` positions (:meth:`_token_types`, child ``stream``)
+        with, where ``type_context > 0``, the request's own profile ``V (U, L, E)`` of
+        each of the ``U`` types it holds (child ``stream + 2``, in the order of the type
+        numbers); None when ``type_share`` is 0."""
+        w = self._token_types(seed, stream, T)
+        if w is None:
+            return None
+        if not self.cfg.type_context:
+            return _Types(w, None, None)
+        held, inv = np.unique(w, return_inverse=True)  # (U,), (T,)
+        rng = np.random.default_rng(_child(seed, stream + 2))
+        shape = (len(held), self.model.num_layers, self.model.num_experts)
+        return _Types(w, inv, rng.standard_normal(shape))
+
+    def _type_rows(self, types: _Types, layer: int) -> np.ndarray:
+        """The type profiles ``(T, E)`` of the positions of ``types`` at ``layer``: ``W[w,
+        l]``, or ``sqrt(1 - c) W[w, l] + sqrt(c) V[r, w, l]`` with the request's own part
+        at ``c = type_context``."""
+        assert self.type_logits is not None
+        rows = self.type_logits[types.w, layer]  # (T, E)
+        if types.own is None:
+            return rows
+        assert types.inv is not None
+        c = self.cfg.type_context
+        return math.sqrt(1 - c) * rows + math.sqrt(c) * types.own[types.inv, layer]
 
     def _logits(
         self,
@@ -601,11 +673,11 @@ class SyntheticWorkload:
         z: np.ndarray | None,
         prev_sel: np.ndarray | None,
         T: int,
-        types: np.ndarray | None = None,
+        types: _Types | None = None,
     ) -> np.ndarray:
         """Router logits ``x (T, E)`` of ``T`` token positions at ``layer`` (module
         docstring), ``prev_sel (T, E)`` the experts chosen at the layer before, ``types
-        (T,)`` the positions' token types (None without them)."""
+        (T,)`` the positions' token types (:meth:`_types`; None without them)."""
         cfg, E = self.cfg, self.model.num_experts
         rho, h = cfg.locality, cfg.depth_share
         eps = rng.standard_normal((T, E))
@@ -617,7 +689,7 @@ class SyntheticWorkload:
         if types is not None:
             assert self.type_logits is not None
             g = cfg.type_share
-            u = math.sqrt(1 - g) * u + math.sqrt(g) * self.type_logits[types, layer]
+            u = math.sqrt(1 - g) * u + math.sqrt(g) * self._type_rows(types, layer)
         x = self.base[topic, layer] + jitter[layer] + cfg.noise * u
         if prev_sel is not None and cfg.cross_layer:
             x += cfg.cross_layer * (prev_sel @ self.cross[layer])
@@ -650,7 +722,7 @@ class SyntheticWorkload:
         spec = np.full((output, L, E), np.nan)
         prev_sel: np.ndarray | None = None  # (T, E) 0/1 experts chosen at layer l-1
         z = self._token_state(seed, 0, T)  # (T, E) the token state shared by all layers
-        types = self._token_types(seed, _TYPE_STREAM, T)  # (T,) or None
+        types = self._types(seed, _TYPE_STREAM, T)  # (T,) types or None
         for layer in range(L):
             x = self._logits(rng, topic, layer, jitter, z, prev_sel, T, types)
             p = _softmax(x / cfg.temperature)  # (T, E)
@@ -697,8 +769,8 @@ class SyntheticWorkload:
         spec = np.full((output, L, E), np.nan)
         z_enc = self._token_state(seed, 0, prompt)  # (P, E)
         z_dec = self._token_state(seed, _DECODER_STREAM, output)  # (O, E)
-        types_enc = self._token_types(seed, _TYPE_STREAM, prompt)  # (P,) or None
-        types_dec = self._token_types(seed, _TYPE_STREAM + 1, output)  # (O,) or None
+        types_enc = self._types(seed, _TYPE_STREAM, prompt)  # (P,) types or None
+        types_dec = self._types(seed, _TYPE_STREAM + 1, output)  # (O,) types or None
         prev_sel: np.ndarray | None = None
         for layer in range(L):
             encoder = layer < n
@@ -798,7 +870,8 @@ class SyntheticWorkload:
 #: models; child 0 draws the encoder's, or the decoder-only model's)
 _DECODER_STREAM = 1
 #: the child of a request's seed that draws its token types (the next one: an
-#: encoder-decoder model's decoder positions)
+#: encoder-decoder model's decoder positions; two on, the request's own part of their
+#: profiles)
 _TYPE_STREAM = 2
 
 
