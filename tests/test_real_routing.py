@@ -230,9 +230,8 @@ def test_every_default_policy_decides_on_routed_experts_only() -> None:
 def test_paths_workload_gives_fmoe_the_real_logs_tpot(tmp_path: Path) -> None:
     """Red if the workload fitted to the real logs' paths (routing statistics only)
     stops giving fMoE the TPOT it has on the real logs: one sample (seed 0) within 4%
-    at 24 GB (measured: +2.1%; without the types' request context and repeats, fitted
-    to the paths across requests only: +9.9%, five samples' mean), where the workload
-    fitted to the hit-rate curves alone is over 10% slower (+13.3%)."""
+    at 24 GB (measured: +2.1%), where the workload fitted to the hit-rate curves alone
+    is over 10% slower (+13.3%)."""
     hw = load_preset("hardware", rr.HARDWARE, HardwareSpec)
     path, _ = import_vllm_routes(REAL, tmp_path / "real", MIXTRAL)
     real = read_trace(path)

@@ -304,9 +304,9 @@ def test_type_share_zero_draws_nothing_more(tmp_path: Path) -> None:
 
 def test_type_repeat_one_gives_every_position_the_first_type() -> None:
     """With ``type_repeat = 1`` every position after the first copies an earlier one, so
-    all take position 0's type; at 0 the types are the plain draws.  Red if a repeat
-    copies a later position's type (the draw is not in [0, n)) or a repeat of a repeat
-    copies the type it was drawn with instead of its final one."""
+    all take position 0's type, the first of the plain draws.  Red if a repeat copies a
+    later position's type (the draw is not in [0, n)) or a repeat of a repeat copies the
+    type it was drawn with instead of its final one."""
     cfg = dataclasses.replace(BASE, type_share=0.5, token_types=50, type_zipf=0.0)
     seed = np.random.SeedSequence(5)
     plain = SyntheticWorkload(MODEL, cfg)._token_types(seed, 2, 200)
