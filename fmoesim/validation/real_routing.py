@@ -216,6 +216,13 @@ def own_path_predictability(trace: Trace, distance: int = 3, gap: int = 2) -> fl
     return float(np.mean(shares))
 
 
+def path_stats(trace: Trace, distance: int = 3) -> tuple[float, float, float]:
+    """:func:`path_predictability`'s nearest path and popularity, and
+    :func:`own_path_predictability`, of ``trace`` at ``distance``."""
+    near, pop = path_predictability(trace, distance)
+    return near, pop, own_path_predictability(trace, distance)
+
+
 def kendall_tau(a: Mapping[str, float], b: Mapping[str, float]) -> float:
     """Kendall's tau-a of two scores of the same keys: (concordant - discordant pairs)
     over all pairs; a pair tied in either counts as neither.  NaN with fewer than two
@@ -460,11 +467,7 @@ def main(argv: list[str] | None = None) -> None:
                                      Path(tmp) / f"{w}-{s}"))
                 for s in range(args.seeds)
             ]  # fmt: skip
-        paths = {
-            w: [(*path_predictability(t, PATH_DISTANCE), own_path_predictability(t, PATH_DISTANCE))
-                for _, t in ts]
-            for w, ts in traces.items()
-        }  # fmt: skip
+        paths = {w: [path_stats(t, PATH_DISTANCE) for _, t in ts] for w, ts in traces.items()}
         rows = run_all(traces, model, hw, policies, budgets, progress=print)
     setting = (
         f"`model={MODEL}` on `hardware={HARDWARE}` (six RTX 3090s, experts round-robin), "

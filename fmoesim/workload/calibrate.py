@@ -443,12 +443,11 @@ def fit_paths(
     :func:`~fmoesim.validation.real_routing.own_path_predictability`, at
     :data:`PATH_DISTANCE` (on as many requests as the real trace has, the first of the
     same sample: the statistics depend on how many other tokens there are to match)."""
-    from fmoesim.validation.real_routing import own_path_predictability, path_predictability
+    from fmoesim.validation.real_routing import path_stats
 
     grid = PATH_GRID if grid is None else grid
     target = hit_curves(real, model, hardware)
-    near_t, pop_t = path_predictability(real, PATH_DISTANCE)
-    own_t = own_path_predictability(real, PATH_DISTANCE)
+    near_t, pop_t, own_t = path_stats(real, PATH_DISTANCE)
     tokens = int(np.median(real.output_tokens))
     out = []
     keys = list(grid)
@@ -462,8 +461,7 @@ def fit_paths(
             c = hit_curves(tr, model, hardware)
             curve = max(abs(a - b) for p in POLICIES for a, b in zip(c[p], target[p], strict=True))
             few = synthetic_like(model, knobs, Path(tmp) / "few", real.num_requests, tokens, seed)
-            near, pop = path_predictability(few, PATH_DISTANCE)
-            own = own_path_predictability(few, PATH_DISTANCE)
+            near, pop, own = path_stats(few, PATH_DISTANCE)
             worst = 100 * max(curve, abs(near - near_t), abs(pop - pop_t), abs(own - own_t))
             out.append(PathCandidate(knobs, worst, 100 * curve, near, pop, own))
     return sorted(out, key=lambda c: c.max_error_points)
@@ -618,10 +616,11 @@ def _paths(
     tmp: str,
 ) -> dict[str, Any]:
     """The path fit (:func:`fit_paths`) with what the report shows beside it: the three
-    path statistics (:func:`_path_stats`) of the real trace and of the ``fitted`` knobs
-    (the fit above), the real trace's hit-rate curves ``target`` (:func:`hit_curves`,
-    already computed) with the best path knobs', and their next-token reuse and layer
-    dependence."""
+    path statistics (:func:`~fmoesim.validation.real_routing.path_stats`) of the real
+    trace and of the ``fitted`` knobs (the fit above), the real trace's hit-rate curves
+    ``target`` (:func:`hit_curves`, already computed) with the best path knobs', and
+    their next-token reuse and layer dependence."""
+    from fmoesim.validation.real_routing import path_stats
 
     tokens = int(np.median(real.output_tokens))
     ranked = fit_paths(real, model, hardware, fitted["depth_share"])
@@ -630,22 +629,13 @@ def _paths(
     many = synthetic_like(model, best.knobs, Path(tmp) / "paths", 16, tokens, 0)
     return {
         "ranked": ranked,
-        "real": _path_stats(real),
-        "fitted": _path_stats(few),
+        "real": path_stats(real, PATH_DISTANCE),
+        "fitted": path_stats(few, PATH_DISTANCE),
         "real_stats": (reuse_probability(real), depth_dependence(real)),
         "best_stats": (reuse_probability(many), depth_dependence(many)),
         "best_curves": hit_curves(many, model, hardware),
         "target": target,
     }
-
-
-def _path_stats(trace: Trace) -> tuple[float, float, float]:
-    """Nearest path, popularity and own-request nearest path of ``trace`` at
-    :data:`PATH_DISTANCE` (:mod:`fmoesim.validation.real_routing`)."""
-    from fmoesim.validation.real_routing import own_path_predictability, path_predictability
-
-    near, pop = path_predictability(trace, PATH_DISTANCE)
-    return near, pop, own_path_predictability(trace, PATH_DISTANCE)
 
 
 def _paths_section(d: dict[str, Any]) -> list[str]:
