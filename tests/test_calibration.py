@@ -1,5 +1,6 @@
-"""The calibrated Mixtral preset against the real Mixtral routing:
-LRU and LFU hit rates at every per-layer capacity 1..7 within 5 points."""
+"""The calibrated Mixtral presets against the real Mixtral routing: the curve-only preset's
+LRU and LFU hit rates at every per-layer capacity 1..7 within 5 points, and the paths
+preset's (routing-mixtral-8x7b) curves and path statistics."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from tests.tiny import small_model, write_sequence_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT.parent / "shared" / "data" / "routing" / "mixtral-8x7b-vllm-top2"
-PRESET = Path(CONF_DIR) / "workload" / "routing-mixtral-8x7b.yaml"
+PRESET = Path(CONF_DIR) / "workload" / "routing-mixtral-8x7b-curves.yaml"
 
 
 def routing_knobs() -> dict:
@@ -210,7 +211,7 @@ def test_a_bad_source_is_one_line_before_the_fit(tmp_path, argv, said):
     assert not (tmp_path / "cal").exists()
 
 
-PATHS_PRESET = Path(CONF_DIR) / "workload" / "routing-mixtral-8x7b-paths.yaml"
+PATHS_PRESET = Path(CONF_DIR) / "workload" / "routing-mixtral-8x7b.yaml"
 CALIBRATION = ROOT / "traces" / "calibration.md"
 
 

@@ -154,9 +154,9 @@ def test_command_writes_the_report(tmp_path: Path) -> None:
     assert re.search(r"^\| lru \| [\d.]+ \| [\d.]+ \([\d.]+ to [\d.]+\) \|", text, re.M)
     assert re.search(r"^\| lfu \| ", text, re.M)
     assert re.search(r"^\| real \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \| [\d.]+ \|$", text, re.M)
-    assert "`workload=routing-mixtral-8x7b` (fitted)" in text
+    assert "`workload=routing-mixtral-8x7b-curves` (curves)" in text
     assert "`workload=synthetic` (default)" in text
-    assert "`workload=routing-mixtral-8x7b-paths` (paths)" in text
+    assert "`workload=routing-mixtral-8x7b` (paths)" in text
 
 
 @pytest.mark.parametrize(
@@ -237,10 +237,10 @@ def test_paths_workload_gives_fmoe_the_real_logs_tpot(tmp_path: Path) -> None:
     real = read_trace(path)
     tokens = int(np.median(real.output_tokens))
     traces = {"real": [(-1, real)]}
-    for w in ("fitted", "paths"):
+    for w in ("curves", "paths"):
         t = rr.synthetic_sample(MIXTRAL, rr.WORKLOADS[w], real.num_requests, tokens, 0,
                                 tmp_path / w)  # fmt: skip
         traces[w] = [(0, t)]
     rows = {r.workload: r.tpot_ms for r in rr.run_all(traces, MIXTRAL, hw, ["fmoe"], [24.0])}
     assert abs(rows["paths"] / rows["real"] - 1) < 0.04, rows
-    assert rows["fitted"] / rows["real"] - 1 > 0.10, rows
+    assert rows["curves"] / rows["real"] - 1 > 0.10, rows

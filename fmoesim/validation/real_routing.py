@@ -5,13 +5,14 @@ Run ``python -m fmoesim.validation.real_routing`` (``--real DIR --out FILE``).
 
 The scoreboards (docs/reproduction.md) compare policies on synthetic routing whose knobs
 are fitted to real Mixtral-8x7B routing (``conf/workload/routing-mixtral-8x7b.yaml``,
-traces/calibration.md).  The fit matches LRU's and LFU's hit-rate curves and a few
-statistics; this check asks the question the scoreboards rely on: run the policies on
-the real route logs themselves and on samples of the fitted workload, timed, and see
-whether each orders the policies the same way.  Beside the fitted workload run the
-workload fitted to the paths across layers too (``routing-mixtral-8x7b-paths``, with
-token types) and the default workload model (the ``synthetic`` preset's knobs, more
-skewed and local than real routing) as the uncalibrated reference.
+traces/calibration.md).  The fit matches LRU's and LFU's hit-rate curves and how
+predictable a token's later experts are from its first ones; this check asks the
+question the scoreboards rely on: run the policies on the real route logs themselves
+and on samples of the fitted workload, timed, and see whether each orders the policies
+the same way.  Beside it run the workload fitted to the hit-rate curves only
+(``routing-mixtral-8x7b-curves``, no token types) and the default workload model (the
+``synthetic`` preset's knobs, more skewed and local than real routing) as the
+uncalibrated reference.
 
 Both kinds of trace are compared in the view the real logs allow: one token per
 iteration (the real logs do not say where a prompt ends), the routed top-k experts, no
@@ -66,11 +67,11 @@ HARDWARE = "fmoe-testbed"
 #: (conf/experiment/fmoe-fig9.yaml), 48 GB twice that
 BUDGETS_GB = (24.0, 48.0)
 #: the workload presets whose routing knobs the synthetic samples take: fitted to the
-#: real logs' hit-rate curves, fitted to those and their paths across layers (token
-#: types), and the default (chosen, not fitted)
+#: real logs' hit-rate curves only, fitted to those and their paths across layers (token
+#: types; the scoreboards' Mixtral workload), and the default (chosen, not fitted)
 WORKLOADS = {
-    "fitted": "routing-mixtral-8x7b",
-    "paths": "routing-mixtral-8x7b-paths",
+    "curves": "routing-mixtral-8x7b-curves",
+    "paths": "routing-mixtral-8x7b",
     "default": "synthetic",
 }
 #: policy presets compared: every preset whose decisions need only routed experts,

@@ -10,15 +10,15 @@ searches a grid of the workload model's routing knobs (``skew``, ``locality``,
 ``noise``, ``request_jitter``) for the one whose per-layer LRU and LFU hit-rate curves
 (a cache of C experts in every layer, C = 1..E-1) are closest to the real trace's in the
 worst point; it also reports next-token reuse and per-layer frequency skew.  The fitted
-knobs go into ``conf/workload/routing-mixtral-8x7b.yaml``.  Qwen3-30B-A3B's heat
+knobs go into ``conf/workload/routing-mixtral-8x7b-curves.yaml``.  Qwen3-30B-A3B's heat
 Gini fits ``skew`` (``routing-qwen3-30b-a3b.yaml``); Qwen1.5-MoE-A2.7B's transition
 matrix fits ``skew`` and ``locality`` to its top-1 frequency Gini and top-1 stickiness
 (``routing-qwen1.5-moe-a2.7b.yaml``).  A second Mixtral fit (:func:`fit_paths`) adds the
 workload model's token types and matches the hit-rate curves and how predictable a
 token's experts three layers on are from other requests' tokens (path predictability,
 :mod:`fmoesim.validation.real_routing`) together
-(``routing-mixtral-8x7b-paths.yaml``).  The report with its plot is written atomically
-(temp file, then rename).
+(``routing-mixtral-8x7b.yaml``, the scoreboards' Mixtral workload).  The report with
+its plot is written atomically (temp file, then rename).
 """
 
 from __future__ import annotations
@@ -680,7 +680,7 @@ def _paths_section(d: dict[str, Any]) -> list[str]:
         "point by its worst error, in points, over the LRU and LFU curves and the three "
         f"path statistics. Best: `{_knobs_text(best.knobs)}`, worst error "
         f"{best.max_error_points:.1f} points (curves {best.curve_error_points:.1f}). "
-        "They are the routing knobs of `conf/workload/routing-mixtral-8x7b-paths.yaml`. "
+        "They are the routing knobs of `conf/workload/routing-mixtral-8x7b.yaml`. "
         f"Next-token reuse {reuse_b:.3f} (real {reuse_r:.3f}); dependence 2-6 layers "
         f"apart {dep_b:.3f} (real {dep_r:.3f}; neither is in the score).",
         "",
@@ -916,7 +916,7 @@ def _report(
         "",
         f"Fitted knobs: `{best.knobs}` (worst point {best.max_error_points:.1f} points; the "
         "acceptance bound is 5). They are the routing knobs of "
-        "`conf/workload/routing-mixtral-8x7b.yaml`.",
+        "`conf/workload/routing-mixtral-8x7b-curves.yaml`.",
     ]
     if depth is not None:
         lines += _depth_section(depth)
