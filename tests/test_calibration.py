@@ -114,6 +114,25 @@ def test_depth_statistics_by_hand():
     assert depth_profile(tr, [2]) == pytest.approx([0.0])
 
 
+def test_bundled_trace_is_the_curve_only_presets_trace(tmp_path):
+    """Red if traces/default stops being the trace workload=routing-mixtral-8x7b-curves
+    generates (traces/README.md says byte for byte): a knob of the preset edited, or the
+    generator's draws changed, without the bundled trace following."""
+    import json
+
+    from fmoesim.workload.synthetic import SyntheticConfig, generate
+
+    syn = OmegaConf.to_container(OmegaConf.load(PRESET).synthetic)
+    assert isinstance(syn, dict)
+    model = load_preset("model", "mixtral-8x7b", ModelSpec)
+    generate(model, SyntheticConfig(**syn), tmp_path / "t")  # type: ignore[arg-type]
+    bundled = ROOT / "traces" / "default"
+    for name in ("requests.parquet", "iterations.parquet", "routing.parquet"):
+        assert (tmp_path / "t" / name).read_bytes() == (bundled / name).read_bytes(), name
+    params = json.loads((bundled / "trace.json").read_text())["source"]["params"]
+    assert {k: params[k] for k in syn} == syn
+
+
 @pytest.mark.skipif(not REAL.is_dir(), reason="../shared/data (real Mixtral routing) is absent")
 def test_calibrated_preset_keeps_real_mixtral_dependence_across_layers(tmp_path):
     """Red if the preset's depth_share drifts from the fit (or the knob stops linking
