@@ -34,6 +34,14 @@ report also gives each workload's path statistics (:func:`path_predictability`,
 other requests and in the token's own, predict a token's experts a few layers on, which
 is what a policy matching stored paths (fMoE) lives on.
 
+Last, it runs MoE-Infinity's §7.2 setting (:data:`BLOCKING_EXPERIMENT`: caching off, its
+testbed; :func:`run_blocking`) on the real logs and on the samples of the scoreboards'
+workload, with the policies of its Tables 2 and 4 (among them the ablations of its own
+design, which the first part leaves out), and gives each one's GPU blocking time against
+on-demand fetching's and vanilla prefetching's (:func:`blocking_section`): whether a
+comparison of those tables that fails on the synthetic workload fails on real routing
+too.
+
 The report is written atomically (a temporary file, then a rename); bad input is one
 line naming the file and the broken rule.
 """
@@ -82,6 +90,17 @@ POLICIES = (
 )  # fmt: skip
 #: seeds of the synthetic samples of each workload
 SEEDS = 5
+#: MoE-Infinity's §7.2 setting (caching off, Table 5's 39 Mixtral buffer slots, its
+#: testbed, half of the requests building the EAMC): the preset the blocking-time section
+#: runs, on the real logs and on the samples of :data:`BLOCKING_WORKLOAD`
+BLOCKING_EXPERIMENT = "moe-infinity-tab2-3"
+BLOCKING_WORKLOAD = "paths"
+#: the policies of MoE-Infinity's Tables 2 and 4 (on-demand fetching is lru with caching
+#: off), in the tables' order
+BLOCKING_POLICIES = (
+    "lru", "dependency", "brainstorm", "moe-infinity-vanilla", "moe-infinity-tracing",
+    "moe-infinity-multi-layer", "moe-infinity",
+)  # fmt: skip
 #: the distance of :func:`path_predictability` in the report: fMoE's prefetch distance
 #: d = 3 (fMoE §6.1, conf/policy/fmoe.yaml)
 PATH_DISTANCE = 3
@@ -288,6 +307,78 @@ def run_all(
     return rows
 
 
+@dataclass(frozen=True)
+class Blocking:
+    """One run of :data:`BLOCKING_EXPERIMENT`: the workload (``real`` or a key of
+    :data:`WORKLOADS`), the sample's seed (-1 for the real logs), the policy and its GPU
+    blocking time."""
+
+    workload: str
+    seed: int
+    policy: str
+    stall_s: float
+
+
+def run_blocking(
+    traces: Mapping[str, Sequence[tuple[int, Trace]]],
+    policies: Sequence[str] = BLOCKING_POLICIES,
+    progress: Callable[[str], None] | None = None,
+) -> list[Blocking]:
+    """Every policy in :data:`BLOCKING_EXPERIMENT`'s setting on every trace (its preset
+    with ``workload=trace`` on the trace's directory, nothing stored)."""
+    from fmoesim.cli.main import compose_config, run_config
+
+    rows = []
+    for workload, samples in traces.items():
+        for (seed, trace), name in itertools.product(samples, policies):
+            cfg = compose_config([f"experiment={BLOCKING_EXPERIMENT}", f"policy={name}",
+                                  "workload=trace", f"workload.path={trace.path}",
+                                  "store.enabled=false", "output.write=false"])  # fmt: skip
+            s = run_config(cfg, multirun=True)
+            rows.append(Blocking(workload, seed, name, float(s["stall_s"])))
+            if progress is not None:
+                progress(f"{workload} seed {seed} {name}: blocking {rows[-1].stall_s:.2f} s")
+    return rows
+
+
+def blocking_section(rows: Sequence[Blocking]) -> list[str]:
+    """The report's lines on :data:`BLOCKING_EXPERIMENT`: per policy its blocking time
+    against on-demand fetching's (``lru``, Table 2's 100%) and, where the run has it,
+    against vanilla prefetching's (Table 4's 100%), on the real logs and on the samples
+    (mean with the range).  Empty without rows."""
+    if not rows:
+        return []
+    policies = list(dict.fromkeys(r.policy for r in rows))
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    runs: dict[str, dict[int, dict[str, float]]] = {}
+    for r in rows:
+        runs.setdefault(r.workload, {}).setdefault(r.seed, {})[r.policy] = r.stall_s
+    bases = [b for b in ("lru", "moe-infinity-vanilla") if b in policies]
+    lines = [
+        "",
+        "## Blocking time in MoE-Infinity's setting",
+        "",
+        f"`experiment={BLOCKING_EXPERIMENT}` (MoE-Infinity §7.2: caching off, Table 5's 39 "
+        "Mixtral buffer slots, its testbed; half of the requests build the EAMC and the "
+        "others are served) with `workload=trace` on the real logs and on each sample: GPU "
+        "blocking time in percent of on-demand fetching's (`lru`, Table 2's 100%) and of "
+        "vanilla prefetching's (Table 4's 100%); a synthetic workload's cell is the mean of "
+        "its samples with their range.",
+        "",
+        "| policy | " + " | ".join(
+            f"{w}: % of {'on-demand' if b == 'lru' else 'vanilla'}" for b in bases
+            for w in workloads) + " |",
+        "|---|" + "---|" * (len(bases) * len(workloads)),
+    ]  # fmt: skip
+    for p in policies:
+        cells = []
+        for b, w in itertools.product(bases, workloads):
+            pct = [100 * s[p] / s[b] for s in runs[w].values() if s[b] > 0]
+            cells.append(_spread(pct, 0) if w != "real" else f"{pct[0]:.0f}")
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _scores(rows: Sequence[Row], workload: str, gb: float, attr: str) -> list[dict[str, float]]:
     """Per sample of ``workload`` at ``gb``: policy -> ``attr``, samples by seed."""
     by_seed: dict[int, dict[str, float]] = {}
@@ -303,6 +394,7 @@ def report(
     real: Trace,
     setting: str,
     paths: Mapping[str, Sequence[tuple[float, float, float]]],
+    blocking: Sequence[Blocking] = (),
 ) -> str:
     """The Markdown report: the agreement of the orders, each workload's
     :func:`path_predictability` and :func:`own_path_predictability` (``paths``: per
@@ -390,6 +482,7 @@ def report(
                 _spread([100 * s[p] for s in _scores(rows, w, gb, "hit_rate")], 1) for w in synth
             ]
             lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    lines += blocking_section(blocking)
     lines.append("")
     return "\n".join(lines)
 
@@ -427,6 +520,12 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated policy presets (default: %(default)s)",
     )
     ap.add_argument(
+        "--blocking-policies",
+        default=",".join(BLOCKING_POLICIES),
+        help=f"comma-separated policy presets run in {BLOCKING_EXPERIMENT}'s setting, "
+        "lru among them; empty: no such section (default: %(default)s)",
+    )
+    ap.add_argument(
         "--budgets-gb",
         default=",".join(f"{b:g}" for b in BUDGETS_GB),
         help="comma-separated total expert budgets in GB (default: %(default)s)",
@@ -438,12 +537,20 @@ def main(argv: list[str] | None = None) -> None:
         raise FmoesimError(f"--seeds {args.seeds}: must be at least 1")
     policies = [p for p in args.policies.split(",") if p]
     check_preset_names("policy", policies, "--policies")
+    blocking_policies = [p for p in args.blocking_policies.split(",") if p]
+    check_preset_names("policy", blocking_policies, "--blocking-policies")
+    if blocking_policies and "lru" not in blocking_policies:
+        raise FmoesimError(
+            f"--blocking-policies {args.blocking_policies}: must hold lru (on-demand "
+            "fetching, Table 2's 100%)"
+        )
     from fmoesim.config.build import policy_from_preset
 
-    for p in policies:
+    for p in dict.fromkeys([*policies, *blocking_policies]):
         if getattr(policy_from_preset(p), "uses_spec", False):
+            flag = "--policies" if p in policies else "--blocking-policies"
             raise FmoesimError(
-                f"--policies {p}: needs a speculative prediction, which top-k route logs "
+                f"{flag} {p}: needs a speculative prediction, which top-k route logs "
                 "do not have (rule: policies that decide on routed experts only)"
             )
     budgets = []
@@ -470,13 +577,16 @@ def main(argv: list[str] | None = None) -> None:
             ]  # fmt: skip
         paths = {w: [path_stats(t, PATH_DISTANCE) for _, t in ts] for w, ts in traces.items()}
         rows = run_all(traces, model, hw, policies, budgets, progress=print)
+        blocking = run_blocking(
+            {w: traces[w] for w in ("real", BLOCKING_WORKLOAD)}, blocking_policies, print
+        )
     setting = (
         f"`model={MODEL}` on `hardware={HARDWARE}` (six RTX 3090s, experts round-robin), "
         f"static batches of one, an empty map store, total expert budgets of "
         + ", ".join(f"{b:g}" for b in budgets)
         + " GB"
     )
-    text = report(rows, args.real, real, setting, paths)
+    text = report(rows, args.real, real, setting, paths, blocking)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(out) as tmp_path:
