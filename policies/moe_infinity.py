@@ -292,6 +292,10 @@ class MoEInfinity(Policy):
     still queued is re-ranked (the engine moves it to its new priority); queued
     prefetches that fall out of the top-K, or whose layer has passed unrouted, are
     cancelled.  An empty collection (a cold start) predicts nothing.
+    The public code (TorchMoE/MoE-Infinity, April 2024) queues every expert from the
+    current layer on in score order with no top-K and matches on the layers not yet run
+    (``docs/policies.md``); here §5.1's top-K and §4.2's matching over the layers seen,
+    because the claims checked are the paper's.
 
     Caching (§5.2, Fig. 8).  paper: slots hold experts being fetched and cache used ones;
     the victim is the cached expert with the lowest priority from the request-level
