@@ -259,6 +259,7 @@ def load_eamcs(
 
 
 PHASES = ("prefill", "decode")
+MATCH_ON = ("iteration", "request")  # MoEInfinity.match_on: §5.1's, the public code's
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it
@@ -293,9 +294,19 @@ class MoEInfinity(Policy):
     prefetches that fall out of the top-K, or whose layer has passed unrouted, are
     cancelled.  An empty collection (a cold start) predicts nothing.
     The public code (TorchMoE/MoE-Infinity, April 2024) queues every expert from the
-    current layer on in score order with no top-K and matches on the layers not yet run
-    (``docs/policies.md``); here §5.1's top-K and §4.2's matching over the layers seen,
-    because the claims checked are the paper's.
+    current layer on in score order with no top-K (``docs/policies.md``); here §5.1's
+    top-K, because the claims checked are the paper's.
+
+    Matching (``match_on``).  paper (§5.1, Fig. 7): the iteration-level EAM, matched over
+    the layers it has run.  here: that by default (``"iteration"``).  ``"request"`` is
+    the public code's ``find_most_similar``, for comparison: the request-level EAM of the
+    batch's requests (their earlier iterations, both phases) against each stored EAM of
+    the phase's collection over the layers after the current one, scored by the sum of
+    the per-layer cosines (a layer with no counts on either side scores 0), the best
+    ``num_matched`` with a score above 0 aggregated as in Fig. 7.  Where those layers
+    hold no counts (a request's first iteration) it matches as ``"iteration"`` does: the
+    public code ties every stored EAM there and takes the first.  It costs one
+    ``(L - l - 1, C, E)`` product a gate instead of one ``(C, E)``.
 
     Caching (§5.2, Fig. 8).  paper: slots hold experts being fetched and cache used ones;
     the victim is the cached expert with the lowest priority from the request-level
@@ -360,8 +371,12 @@ class MoEInfinity(Policy):
         eamc_path: str | None = None,
         label: str | None = None,
         synchronous: bool = False,
+        match_on: str = "iteration",
     ) -> None:
         self.synchronous = bool(synchronous)
+        if match_on not in MATCH_ON:
+            raise ValueError(f"match_on must be one of {', '.join(MATCH_ON)}, got {match_on!r}")
+        self.match_on = str(match_on)
         if label is not None:
             self.name = str(label)  # type: ignore[misc]  # an ablation's name in results
         if int(eamc_capacity) < 1:
@@ -415,6 +430,11 @@ class MoEInfinity(Policy):
         self._batch: BatchInfo | None = None
         self._iter = np.zeros((0, L, E), dtype=np.int64)  # (B, L, E) this iteration
         self._query: EAMCQuery | None = None
+        # match_on="request": the batch's request-level EAM and norms, set per iteration
+        self._req_eam = np.zeros((L, E))  # (L, E)
+        self._req_norm = np.zeros(L)  # (L,)
+        self._stored = np.zeros((L, 0, E))  # (L, C, E) the collection's EAMs
+        self._stored_norm = np.zeros((L, 0))  # (L, C)
         self._uniform = np.full((L, E), 1.0 / E)
         prox = 1.0 - (np.arange(L)[None, :] - np.arange(L)[:, None]) / L  # (l, i)
         self._prox = prox if self.layer_proximity else np.ones((L, L))
@@ -454,6 +474,8 @@ class MoEInfinity(Policy):
         self._rebuild_heaps()
         phase = "prefill" if batch.prefill else "decode"
         self._query = self.eamcs[phase].query() if self.request_level_tracing else None
+        if self.match_on == "request" and self.request_level_tracing:
+            self._start_request_match(self.eamcs[phase], batch)
 
     def on_iteration_end(self, batch: BatchInfo) -> None:
         """Add the iteration's per-request EAMs to the request-level EAMs."""
@@ -468,6 +490,34 @@ class MoEInfinity(Policy):
             for phase in PHASES:
                 self.eamcs[phase].add(eams[phase])
 
+    def _start_request_match(self, eamc: EAMC, batch: BatchInfo) -> None:
+        """``match_on="request"``: the batch's request-level EAM ``(L, E)`` (earlier
+        iterations, both phases) with each row's norm, and the stored EAMs' row norms."""
+        req = np.zeros((self._L, self._E))
+        for rid in batch.request_ids:
+            eams = self._req[rid]
+            req += eams["prefill"] + eams["decode"]
+        self._req_eam = req
+        self._req_norm = np.sqrt((req**2).sum(axis=1))  # (L,)
+        stored = eamc._eams[:, : eamc.size].astype(np.float64)  # (L, C, E)
+        self._stored = stored
+        self._stored_norm = np.sqrt((stored**2).sum(axis=2))  # (L, C)
+
+    def _request_match(self, layer: int) -> list[int] | None:
+        """Slots of the best ``num_matched`` stored EAMs by the sum of per-layer cosines
+        with the request-level EAM over the layers after ``layer``, best first, ties to
+        the lower slot; None where the request's EAM has no counts there."""
+        rows = slice(layer + 1, self._L)
+        qn = self._req_norm[rows]  # (F,)
+        if not qn.any():
+            return None
+        stored, sn = self._stored[rows], self._stored_norm[rows]  # (F, C, E), (F, C)
+        dots = np.einsum("fce,fe->fc", stored, self._req_eam[rows])  # (F, C)
+        den = sn * qn[:, None]
+        score = np.divide(dots, den, out=np.zeros_like(dots), where=den > 0).sum(axis=0)
+        order = np.argsort(-score, kind="stable")[: self.num_matched]  # (k,)
+        return [int(i) for i in order if score[i] > 0]
+
     # -- prefetch ---------------------------------------------------------------------
     def predict(self, layer: int) -> np.ndarray:
         """Activation probabilities ``(L, E)`` for the layers after ``layer`` (Fig. 7
@@ -476,7 +526,9 @@ class MoEInfinity(Policy):
             return self._uniform
         q = self._query
         assert q is not None
-        slots = q.top(self.num_matched)
+        slots = self._request_match(layer) if self.match_on == "request" else None
+        if slots is None:
+            slots = q.top(self.num_matched)
         if not slots:
             return np.zeros((self._L, self._E))
         matched = q.eamc._eams[:, slots].transpose(1, 0, 2)  # (k, L, E)

@@ -196,6 +196,38 @@ def test_switches_shape_the_prefetch():
     assert list(empty.on_gate(0, _gate(0, [1, 0])).prefetch) == []
 
 
+# the request used expert 2 at every layer; its collection holds an EAM of each expert
+ALL_E1 = [[4, 0], [4, 0], [4, 0], [4, 0]]
+ALL_E2 = [[0, 4], [0, 4], [0, 4], [0, 4]]
+
+
+def _second_iteration_prefetch(match_on: str) -> tuple[list[int], list[int]]:
+    """The next-layer prefetches at layer 1's gate (routed to E[1,1]) of a request's first
+    decode iteration and, after one that routed E[l,2] at every layer, of its second."""
+    p = _primed(M42, {"decode": [ALL_E1, ALL_E2]}, 8, multi_layer=False, match_on=match_on)
+    first = [x.key for x in p.on_gate(0, _gate(0, [1, 0])).prefetch]
+    for layer in range(1, 4):
+        p.on_gate(layer, _gate(layer, [0, 1]))
+    batch = BatchInfo(0, (0,), (0,), 1, False)
+    p.on_iteration_end(batch)
+    p.on_iteration_start(BatchInfo(1, (0,), (0,), 1, False))
+    return first, [x.key for x in p.on_gate(0, _gate(0, [1, 0])).prefetch]
+
+
+def test_request_matching_is_the_public_codes():
+    """``match_on="request"`` matches the request's earlier iterations over the layers
+    still to run: after an iteration on expert 2 everywhere, a token routed to E[1,1]
+    matches ALL_E2 (layers 2-4 of the request: expert 2) and prefetches E[2,2], where
+    §5.1's iteration EAM (layer 1 only: expert 1) matches ALL_E1 and prefetches E[2,1].
+    In the first iteration the request has no earlier counts and both match as §5.1.
+    Red if request matching ignores the request's earlier iterations (it would match as
+    §5.1), or predicts nothing where they hold no counts instead of falling back."""
+    assert _second_iteration_prefetch("iteration") == ([e(2, 1)], [e(2, 1)])
+    assert _second_iteration_prefetch("request") == ([e(2, 1)], [e(2, 2)])
+    with pytest.raises(ValueError, match="match_on must be one of iteration, request"):
+        MoEInfinity(match_on="bogus")
+
+
 def test_top_k_is_the_free_slots_and_losers_are_cancelled():
     """3 slots, the current layer's expert holds one: the top-2 predictions are loaded;
     at the next gate, a queued prediction that left the top-K is cancelled (case iii)
