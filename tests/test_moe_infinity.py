@@ -196,14 +196,14 @@ def test_switches_shape_the_prefetch():
     assert list(empty.on_gate(0, _gate(0, [1, 0])).prefetch) == []
 
 
-# the request used expert 2 at every layer; its collection holds an EAM of each expert
+# a collection of two decode EAMs: expert 1 at every layer, expert 2 at every layer
 ALL_E1 = [[4, 0], [4, 0], [4, 0], [4, 0]]
 ALL_E2 = [[0, 4], [0, 4], [0, 4], [0, 4]]
 
 
 def _second_iteration_prefetch(match_on: str) -> tuple[list[int], list[int]]:
     """The next-layer prefetches at layer 1's gate (routed to E[1,1]) of a request's first
-    decode iteration and, after one that routed E[l,2] at every layer, of its second."""
+    decode iteration, which then routes E[l,2] at layers 2-4, and of its second."""
     p = _primed(M42, {"decode": [ALL_E1, ALL_E2]}, 8, multi_layer=False, match_on=match_on)
     first = [x.key for x in p.on_gate(0, _gate(0, [1, 0])).prefetch]
     for layer in range(1, 4):
