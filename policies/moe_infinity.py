@@ -305,8 +305,9 @@ class MoEInfinity(Policy):
     the per-layer cosines (a layer with no counts on either side scores 0), the best
     ``num_matched`` with a score above 0 aggregated as in Fig. 7.  Where those layers
     hold no counts (a request's first iteration) it matches as ``"iteration"`` does: the
-    public code ties every stored EAM there and takes the first.  It costs one
-    ``(L - l - 1, C, E)`` product a gate instead of one ``(C, E)``.
+    public code ties every stored EAM there and takes the first.  It costs a float64
+    copy of the collection per iteration and one ``(L - l - 1, C, E)`` product a gate,
+    where ``"iteration"`` costs one ``(C, E)`` product a gate.
 
     Caching (§5.2, Fig. 8).  paper: slots hold experts being fetched and cache used ones;
     the victim is the cached expert with the lowest priority from the request-level
