@@ -387,9 +387,10 @@ class FMoE(Policy):
     (``prefill_k=tokens``): a prefill iteration's layer activates up to K experts per
     prompt token, so its minimum is ``min(J, K * prompt tokens)`` (the layers that see
     the prompt: every layer, or an encoder-decoder's encoder), because a map is the
-    iteration's mean and eq. 8 bounds the experts the iteration needs; the authors'
-    first artifact selects per prompt token and prefetches the union, which this
-    approximates from the mean map.  ``prefill_k=top_k``: K at prefill too.
+    iteration's mean and eq. 8 bounds the experts the iteration needs.  The authors'
+    public code (FineMoE-EuroSys26) searches and selects per prompt token instead, and
+    each search clears what the previous one queued, so what stays queued is the last
+    token's picks (``docs/policies.md``).  ``prefill_k=top_k``: K at prefill too.
 
     Asynchronous matching (§4.3).  paper: matching and prefetching run in another
     thread, off the critical path.  here: each decision's prefetches are held back by
