@@ -417,8 +417,11 @@ class MoEInfinity(Policy):
         self._req: dict[int, dict[str, np.ndarray]] = {}  # request -> phase -> (L, E) counts
         self._layer_w = 2.0 - np.arange(L) / L if self.initial_layer_priority else np.ones(L)
         self._cprio: list[float] = [0.0] * (L * E)  # cache priority per key
-        self._protected: dict[int, float] = {}  # key -> prefetch priority v (max cache prio)
+        # the protected keys (max cache priority), with their prefetch priorities v in
+        # _prot_val (perf: a re-ranking updates hundreds of values by one array store)
+        self._protected: set[int] = set()
         self._prot_mask = np.zeros(L * E, dtype=bool)  # (L E,) the keys of _protected
+        self._prot_val = np.zeros(L * E)  # (L E,) v of the protected keys (else stale)
         self._in: set[int] = set()  # keys admitted and not evicted (the policy's mirror)
         self._in_mask = np.zeros(L * E, dtype=bool)  # (L E,) the same, as a mask
         self._used = [0] * ctx.num_gpus  # len(_in) per GPU
@@ -538,9 +541,10 @@ class MoEInfinity(Policy):
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """Trace the gate, reset priorities (cases ii, iii), re-rank the prefetches.
 
-        perf: the protections are a dict (per-key checks) and a mask beside it, so the
-        passes over every protected key (cases ii and iii, the re-ranking) are array
-        operations; cancellations come in ascending key order."""
+        perf: the protections are a set (per-key checks) with a mask and an array of
+        their priorities beside it, so the passes over every protected key (cases ii and
+        iii, the re-ranking) are array operations; cancellations come in ascending key
+        order."""
         L, E = self._L, self._E
         counts = gate.counts
         rc = gate.request_counts
@@ -576,7 +580,8 @@ class MoEInfinity(Policy):
         load = was_k | ~in_k
         keep = was_k | in_k
         kept = keys[keep]
-        self._protected.update(zip(kept.tolist(), vals[keep].tolist(), strict=True))
+        self._protected.update(keys[keep & ~was_k].tolist())
+        self._prot_val[kept] = vals[keep]
         pmask[kept] = True
         prefetch = self._admit(keys[load], vals[load], routed)
         if not prefetch and not cancel:
@@ -588,10 +593,14 @@ class MoEInfinity(Policy):
         again; returned as a list (to cancel)."""
         out = keys.tolist()
         if out:
-            protected = self._protected
+            # perf: _unprotected inlined (tens of keys a gate)
+            protected, inbuf, heaps = self._protected, self._in, self._heaps
+            cprio, adm, E, N = self._cprio, self._admitted, self._E, self._N
+            push = heapq.heappush
             for key in out:
-                del protected[key]
-                self._unprotected(key)
+                protected.remove(key)
+                if key in inbuf:
+                    push(heaps[(key % E) % N], (cprio[key], adm[key], key))
             self._prot_mask[keys] = False
         return out
 
@@ -706,17 +715,19 @@ class MoEInfinity(Policy):
                         continue
                     aside.append(heapq.heappop(h))
                     seen.add(aside[-1][2])
-                protected[key] = p
+                protected.add(key)
                 pmask[key] = True
                 take[i] = True
             for item in aside:
                 heapq.heappush(heaps[(item[2] % E) % N], item)
+        self._prot_val[keys[take]] = vals[take]
         return PrefetchBatch(keys[take].tolist(), (1.0 - vals[take]).tolist())
 
     # -- cache ------------------------------------------------------------------------
     def on_access(self, key: int, outcome: Outcome) -> None:
         """Case (i): a used expert's priority goes back to its request-level count."""
-        if self._protected.pop(key, None) is not None:
+        if key in self._protected:
+            self._protected.remove(key)
             self._prot_mask[key] = False
             self._unprotected(key)
 
@@ -754,7 +765,8 @@ class MoEInfinity(Policy):
         self._in.remove(key)
         self._in_mask[key] = False
         self._used[(key % self._E) % self._N] -= 1
-        if self._protected.pop(key, None) is not None:
+        if key in self._protected:
+            self._protected.remove(key)
             self._prot_mask[key] = False
 
     def victim(self, candidates: Collection[int], incoming: int) -> int:
@@ -786,17 +798,18 @@ class MoEInfinity(Policy):
 
     def _victim_scan(self, candidates: Collection[int]) -> int:
         """:meth:`victim` by a scan of every candidate (the reference)."""
-        protected, cprio = self._protected, self._cprio
+        protected, cprio, pval = self._protected, self._cprio, self._prot_val
         best, best_p = -1, INF
         spare, spare_p = -1, INF
         for key in candidates:  # admission order: strict < keeps the oldest on ties
-            v = protected.get(key)
-            if v is None:
+            if key not in protected:
                 p = cprio[key]
                 if p < best_p:
                     best, best_p = key, p
-            elif v < spare_p:
-                spare, spare_p = key, v
+            else:
+                v = float(pval[key])
+                if v < spare_p:
+                    spare, spare_p = key, v
         if best >= 0:
             return best
         if spare >= 0:

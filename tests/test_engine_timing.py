@@ -745,9 +745,11 @@ def test_a_queued_prefetch_takes_its_new_priority_at_the_next_gate(tmp_path, bat
 
 def test_a_backend_without_records_of_its_own_reranks_by_key():
     """A backend that moves transfers by key (the replay's) gets a re-ranking of a cache
-    entry's record as :meth:`Backend.reprioritize` of that record's key; an entry with no
+    entry's record as :meth:`Backend.reprioritize` of that record's key, directly or
+    through :meth:`Backend.reprioritizer` (the runner's batch path); an entry with no
     record (None) moves nothing.  Red if the default drops re-rankings (the replay's
-    queue would keep every prefetch at its first priority) or passes the wrong key."""
+    queue would keep every prefetch at its first priority) or passes the wrong key or
+    GPU."""
     moved: list[tuple[int, int, float]] = []
 
     class ByKey(sim_engine.InstantBackend):
@@ -757,7 +759,8 @@ def test_a_backend_without_records_of_its_own_reranks_by_key():
     be = ByKey([])
     be.reprioritize_record(1, TransferRecord(7, 1, SIZE, "prefetch", 0.3, 0.0), 0.05)
     be.reprioritize_record(0, None, 0.5)
-    assert moved == [(1, 7, 0.05)]
+    be.reprioritizer(2)(TransferRecord(9, 2, SIZE, "prefetch", 0.3, 0.0), 0.7)
+    assert moved == [(1, 7, 0.05), (2, 9, 0.7)]
 
 
 # -- 3. a prefetch for the next layer overlaps compute -------------------------------------

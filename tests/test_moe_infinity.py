@@ -243,6 +243,23 @@ def test_top_k_is_the_free_slots_and_losers_are_cancelled():
     assert e(2, 1) not in p._protected
 
 
+def test_with_every_candidate_protected_the_least_important_prediction_goes():
+    """Layer 0's gate of the Fig. 7 collection (3 slots, one held by the routed
+    expert) protects E[2,1] at 1 x 0.75 (both EAMs put layer 1's token on it; proximity
+    1 - 1/4) and E[3,2] at 3/4 x 0.5 = 0.375.  With both in the buffer and no other
+    candidate, the victim is E[3,2], the lower prediction, whatever the candidates'
+    order and the incoming key.  Red if the fallback reads a stale or missing priority
+    (a tie at 0 gives the oldest, E[2,1]) or takes a protected key for an unprotected
+    one."""
+    p = _primed(M42, {"decode": [FIG7_A, FIG7_B]}, 3, num_matched=2)
+    acts = p.on_gate(0, _gate(0, [1, 0]))
+    assert [x.key for x in acts.prefetch] == [e(2, 1), e(3, 2)]
+    for k in (e(2, 1), e(3, 2)):
+        p.on_insert(k)
+    assert p.victim([e(2, 1), e(3, 2)], -1) == e(3, 2)
+    assert p.victim([e(3, 2), e(2, 1)], e(4, 1)) == e(3, 2)
+
+
 def test_cache_priority_from_the_request_eam_with_initial_layer_boost():
     """Request-level prefill EAM [[1,2],[0,3],[0,3]] (Fig. 8): frequencies per row
     [1/3, 2/3], [0, 1], [0, 1]; the initial-layer weights 2 - l/3 = 2, 5/3, 4/3."""
@@ -454,6 +471,11 @@ def test_a_queued_prefetch_takes_its_new_priority():
 
 
 # -- the fast paths against their references -------------------------------------------
+def _protections(pol: MoEInfinity) -> dict[int, float]:
+    """The protected keys of ``pol`` with their prefetch priorities."""
+    return {k: float(pol._prot_val[k]) for k in pol._protected}
+
+
 def _admit_by_rebuilt_heap(
     pol: MoEInfinity, new: list[tuple[int, float]], routed: set[int]
 ) -> tuple[list[tuple[int, float]], dict[int, float]]:
@@ -463,7 +485,7 @@ def _admit_by_rebuilt_heap(
     import heapq
 
     E, N = pol._E, pol._N
-    protected = dict(pol._protected)
+    protected = _protections(pol)
     free = [pol._slots - u for u in pol._used]
     for k in routed:
         if k not in pol._in:
@@ -514,7 +536,7 @@ class CheckedFastPaths(MoEInfinity):
         want, protected = _admit_by_rebuilt_heap(self, new, routed)
         got = super()._admit(keys, vals, routed)
         assert [(p.key, p.priority) for p in got] == want
-        assert self._protected == protected
+        assert _protections(self) == protected
         assert set(np.flatnonzero(self._prot_mask).tolist()) == set(protected)
         CheckedFastPaths.calls += 1
         return got

@@ -597,7 +597,7 @@ class Runner:
                 why = key_problem(bad[0], self.max_key)
                 self._bad(aborted, f"PrefetchBatch: {why}")
             get = caches[0].entries.get
-            rerank = be.reprioritize_record
+            rerank = be.reprioritizer(0)
             for key, priority in zip(keys, prefetch.priorities, strict=True):
                 ent = get(key)
                 if ent is not None and ent.resident:
@@ -607,8 +607,8 @@ class Runner:
                     self._bad(aborted, f"PrefetchBatch: key {key}: {why}")
                 if ent is None:
                     self._prefetch(0, key, priority, "prefetch", delay)
-                else:  # a queued prefetch takes the latest priority
-                    rerank(0, ent.record, priority)
+                elif ent.record is not None:  # a queued prefetch takes the latest priority
+                    rerank(ent.record, priority)
             return
         for p in prefetch:
             key = p.key
