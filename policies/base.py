@@ -485,31 +485,47 @@ class PrefetchBatch(Sequence[Prefetch]):
     """Prefetches given as two lists, ``keys`` and ``priorities`` (reason
     ``"prefetch"``): the sequence ``[Prefetch(k, p) for k, p in zip(keys, priorities)]``,
     in that order, for a policy that re-ranks hundreds of predictions a layer step.
+    ``keys`` and ``priorities`` may instead be two 1-D numpy arrays (integer keys
+    ``(n,)``, float priorities ``(n,)``); iterating or indexing gives Python numbers
+    all the same.
 
     perf: the Runner reads the two lists (no object per prefetch, no property calls);
-    iterating or indexing builds :class:`Prefetch` objects, for everything else."""
+    given arrays on one GPU, it passes over the keys resident when the batch arrives
+    without looking at each (:meth:`fmoesim.engine.runner.Runner.apply`).  Iterating
+    or indexing builds :class:`Prefetch` objects, for everything else."""
 
     __slots__ = ("keys", "priorities")
 
-    def __init__(self, keys: list[int], priorities: list[float]) -> None:
+    def __init__(self, keys: Any, priorities: Any) -> None:
         if len(keys) != len(priorities):
             raise ValueError(f"{len(keys)} keys but {len(priorities)} priorities")
         self.keys = keys
         self.priorities = priorities
 
+    def _lists(self) -> tuple[list[Any], list[Any]]:
+        """``keys`` and ``priorities`` as lists of Python numbers."""
+        keys, prios = self.keys, self.priorities
+        return (
+            keys.tolist() if isinstance(keys, np.ndarray) else keys,
+            prios.tolist() if isinstance(prios, np.ndarray) else prios,
+        )
+
     def __len__(self) -> int:
         return len(self.keys)
 
     def __getitem__(self, i: Any) -> Any:
+        keys, prios = self._lists()
         if isinstance(i, slice):
-            return [Prefetch(k, p) for k, p in zip(self.keys[i], self.priorities[i], strict=True)]
-        return Prefetch(self.keys[i], self.priorities[i])
+            return [Prefetch(k, p) for k, p in zip(keys[i], prios[i], strict=True)]
+        return Prefetch(keys[i], prios[i])
 
     def __iter__(self) -> Iterator[Prefetch]:
-        return (Prefetch(k, p) for k, p in zip(self.keys, self.priorities, strict=True))
+        keys, prios = self._lists()
+        return (Prefetch(k, p) for k, p in zip(keys, prios, strict=True))
 
     def __repr__(self) -> str:
-        return f"PrefetchBatch(keys={self.keys!r}, priorities={self.priorities!r})"
+        keys, prios = self._lists()
+        return f"PrefetchBatch(keys={keys!r}, priorities={prios!r})"
 
 
 @dataclass

@@ -663,7 +663,7 @@ class MoEInfinity(Policy):
         "start their prefetching into the slots that exhibit lower priorities").
 
         perf: the re-ranked keys pass as a mask; only the loads are looked at one by
-        one, and the result goes to the runner as two lists (:class:`PrefetchBatch`)."""
+        one, and the result goes to the runner as two arrays (:class:`PrefetchBatch`)."""
         E, N, protected, cprio = self._E, self._N, self._protected, self._cprio
         inbuf, adm, heaps = self._in, self._admitted, self._heaps
         take = self._in_mask[keys]  # (n,) re-ranked, then also the loads admitted
@@ -721,7 +721,7 @@ class MoEInfinity(Policy):
             for item in aside:
                 heapq.heappush(heaps[(item[2] % E) % N], item)
         self._prot_val[keys[take]] = vals[take]
-        return PrefetchBatch(keys[take].tolist(), (1.0 - vals[take]).tolist())
+        return PrefetchBatch(keys[take], 1.0 - vals[take])
 
     # -- cache ------------------------------------------------------------------------
     def on_access(self, key: int, outcome: Outcome) -> None:

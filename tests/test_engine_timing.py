@@ -8,6 +8,7 @@ over an idle link takes ``t_x = overhead + size / bandwidth``; compute times are
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -702,14 +703,24 @@ def test_cancelled_prefetches_leave_the_queue() -> None:
     assert lk.done == [10_000]
 
 
+def _batch(keys: list[int], prios: list[float], form: str) -> Any:
+    """``keys`` and ``priorities`` as a :class:`PrefetchBatch` of lists or of arrays, or
+    as :class:`Prefetch` objects (``form``)."""
+    if form == "lists":
+        return PrefetchBatch(keys, prios)
+    if form == "arrays":
+        return PrefetchBatch(np.array(keys), np.array(prios))
+    return [Prefetch(k, p) for k, p in zip(keys, prios, strict=True)]
+
+
 class _Rerank(LRU):
     """LRU that prefetches keys 9, 10, 11 at step 0 (priorities 0.1 < 0.2 < 0.3, so 9
-    first) and gives 10 and 11 new priorities (0.5 and 0.05) at step 1, as a
-    :class:`PrefetchBatch` or as :class:`Prefetch` objects."""
+    first) and gives 10 and 11 new priorities (0.5 and 0.05) at step 1, with key 0,
+    resident by then, ahead of them, in the form ``batch`` (:func:`_batch`)."""
 
     name = "rerank"
 
-    def __init__(self, batch: bool, rerank: bool) -> None:
+    def __init__(self, batch: str, rerank: bool) -> None:
         super().__init__()
         self.batch, self.rerank = batch, rerank
 
@@ -717,22 +728,21 @@ class _Rerank(LRU):
         if gate.step == 0:
             keys, prios = [9, 10, 11], [0.1, 0.2, 0.3]
         elif gate.step == 1 and self.rerank:
-            keys, prios = [10, 11], [0.5, 0.05]
+            keys, prios = [0, 10, 11], [0.9, 0.5, 0.05]
         else:
             return NO_ACTIONS
-        if self.batch:
-            return Actions(prefetch=PrefetchBatch(keys, prios))
-        return Actions(prefetch=[Prefetch(k, p) for k, p in zip(keys, prios, strict=True)])
+        return Actions(prefetch=_batch(keys, prios, self.batch))
 
 
-@pytest.mark.parametrize("batch", [True, False], ids=["batch", "objects"])
+@pytest.mark.parametrize("batch", ["lists", "arrays", "objects"])
 @pytest.mark.parametrize("rerank", [True, False])
 def test_a_queued_prefetch_takes_its_new_priority_at_the_next_gate(tmp_path, batch, rerank):
     """Three prefetches queue on a link 100x slower than a layer's compute: 9 starts, 10
-    and 11 wait.  Re-ranked at the next gate (11 before 10), they start in the new order
-    on both of the runner's paths (a batch of keys, Prefetch objects); without it, in
-    the old one.  Red if the runner's re-ranking is dropped or goes to the wrong transfer
-    on either path (the queue order stays 10, 11)."""
+    and 11 wait.  Re-ranked at the next gate (11 before 10; resident key 0 first), they
+    start in the new order on each of the runner's paths (a batch of lists or of arrays,
+    Prefetch objects); without it, in the old one.  Red if the runner's re-ranking is
+    dropped or goes to the wrong transfer on any path, or if the arrays' pass over the
+    resident keys drops the others (the queue order stays 10, 11)."""
     model = small_model(4, 4, 1)
     hw = replace(TINY_HW, pcie_gbps=0.1)  # 60 ms a 6 MB expert
     tr = write_trace(tmp_path / "t", model, [Req(0, 1, [[[0], [0], [0], [0]]])])
@@ -741,6 +751,40 @@ def test_a_queued_prefetch_takes_its_new_priority_at_the_next_gate(tmp_path, bat
     assert set(starts) == {9, 10, 11}
     assert starts[9] < min(starts[10], starts[11])
     assert (starts[11] < starts[10]) == rerank
+
+
+class _EvictsALaterKey(LRU):
+    """LRU that, at step 1, asks for key 9 (absent) and then key 0 (resident) in one
+    batch, in the form ``batch`` (:func:`_batch`)."""
+
+    name = "evicts-a-later-key"
+
+    def __init__(self, batch: str) -> None:
+        super().__init__()
+        self.batch = batch
+
+    def on_gate(self, layer, gate):
+        if gate.step != 1:
+            return NO_ACTIONS
+        return Actions(prefetch=_batch([9, 0], [0.1, 0.2], self.batch))
+
+
+@pytest.mark.parametrize("batch", ["lists", "arrays", "objects"])
+def test_a_batch_key_evicted_by_an_earlier_load_is_loaded_at_its_turn(tmp_path, batch):
+    """Room for two experts: at layer 1's gate key 0 is resident and key 4 on its way;
+    loading key 9 evicts key 0 (the least recent), so key 0 comes up absent at its turn
+    and is asked for again, and dropped, as nothing else can leave.  The same on every
+    path.  Red if a batch of arrays passes over key 0 because it was resident when the
+    batch arrived (no drop)."""
+    model = small_model(4, 4, 1)
+    tr = write_trace(tmp_path / "t", model, [Req(0, 1, [[[0], [0], [0], [0]]])])
+    r = simulate(tr, model, TINY_HW, _EvictsALaterKey(batch), 2 * SIZE)
+    assert [(t.key, t.reason) for t in r.transfers][:3] == [
+        (0, "on_demand"),
+        (4, "on_demand"),
+        (9, "prefetch"),
+    ]
+    assert r.summary["prefetch_dropped"] == 1
 
 
 def test_a_backend_without_records_of_its_own_reranks_by_key():

@@ -159,6 +159,11 @@ def test_invariants(trace: Trace, name: str, setting: str) -> None:
     # every transfer landed (the run lets in-flight prefetches finish)
     for c in r.caches:
         assert all(e.resident for e in c.entries.values())
+        # the residency array a batch of arrays turns on follows the entries, and no
+        # eviction log is left on
+        if c.resident_mask is not None:
+            assert set(np.flatnonzero(c.resident_mask).tolist()) == set(c.entries)
+        assert c.evicted_log is None
     # an admission order (LRU, FIFO and the prefetchers built on them) holds exactly the
     # cached keys: its on_insert relies on never being told of a key it already holds
     # (DeepSpeed-Inference keeps the fetched, never-used experts of its whole-layer

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from omegaconf import OmegaConf
@@ -54,6 +55,15 @@ class Bad(LRU):
                 prefetch=PrefetchBatch([NEVER - 1, NEVER], [1.0, math.nan])
             ),
             "batch-range": lambda: Actions(prefetch=PrefetchBatch([NEVER, 99], [1.0, 2.0])),
+            "array-nan": lambda: Actions(
+                prefetch=PrefetchBatch(np.array([NEVER - 1, NEVER]), np.array([1.0, math.nan]))
+            ),
+            "array-range": lambda: Actions(
+                prefetch=PrefetchBatch(np.array([NEVER, 99]), np.array([1.0, 2.0]))
+            ),
+            "array-float": lambda: Actions(
+                prefetch=PrefetchBatch(np.array([6.0, 7.0]), np.array([1.0, 2.0]))
+            ),
             "delay": lambda: Actions(prefetch=[Prefetch(NEVER)], delay_s=math.nan),
             "abort": lambda: Actions(abort=[1.5]),
         }
@@ -92,6 +102,13 @@ def seq_trace(tmp_path):
         ("generator-nan", "Actions.prefetch: key 6: priority nan (rule: a priority is a"),
         ("batch-nan", "on_gate: PrefetchBatch: key 6: priority nan (rule: a priority is a finite"),
         ("batch-range", "on_gate: PrefetchBatch: key 99 (rule: a key is an integer in [0, 8))"),
+        ("array-nan", "on_gate: PrefetchBatch: key 6: priority nan (rule: a priority is a finite"),
+        ("array-range", "on_gate: PrefetchBatch: key 99 (rule: a key is an integer in [0, 8))"),
+        (
+            "array-float",
+            "on_gate: PrefetchBatch: keys of dtype float64 and shape (2,) (rule: keys are a "
+            "1-D array of integers, or a list)",
+        ),
         ("delay", "on_gate: Actions.delay_s = nan (rule: a finite number of seconds)"),
         ("abort", "on_gate: Actions.abort[0]: key 1.5 is float (rule: a key is an integer)"),
         ("victim", "victim: chose 1000000 on GPU 0, not one of the candidates (rule:"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 from mypy_extensions import mypyc_attr
 
 from fmoesim.errors import PolicyError
@@ -119,6 +120,20 @@ class ExpertCache:
         self.evicted_bytes = 0
         self.cancelled = 0
         self.wasted_bytes = 0  # prefetched bytes evicted before any use
+        # (num_keys,) bool, True where the key is resident; None until track_residency
+        self.resident_mask: Any = None
+        # the keys evicted while this is a list (None: not logged)
+        self.evicted_log: list[int] | None = None
+
+    def track_residency(self, num_keys: int) -> None:
+        """Keep :attr:`resident_mask`, a ``(num_keys,)`` bool array of the resident keys,
+        up to date from now on (perf: a caller classifies hundreds of keys by one array
+        index instead of a dict look-up each)."""
+        mask = np.zeros(num_keys, dtype=bool)  # (num_keys,)
+        for key, e in self.entries.items():
+            if e.resident:
+                mask[key] = True
+        self.resident_mask = mask
 
     def outcome(self, key: int) -> Outcome:
         """HIT if ``key`` is resident, LATE if its transfer is in flight, else MISS."""
@@ -237,6 +252,8 @@ class ExpertCache:
         """The transfer of ``key`` finished: it is resident now."""
         e = self.entries[key]
         e.resident = True
+        if self.resident_mask is not None:
+            self.resident_mask[key] = True
         if not e.pins:
             self.evictable[key] = None
             if self.group_of is not None:
@@ -245,6 +262,8 @@ class ExpertCache:
     def evict(self, key: int) -> None:
         """Remove a resident, unpinned entry and free its bytes."""
         e = self._remove(key)
+        if self.evicted_log is not None:
+            self.evicted_log.append(key)
         self.evictions += 1
         self.evicted_bytes += e.size_bytes
         if not e.used and e.reason == "prefetch":
@@ -258,6 +277,8 @@ class ExpertCache:
             raise RuntimeError(f"cannot evict expert {key} on GPU {self.gpu}: in flight or pinned")
         del self.entries[key]
         del self.evictable[key]
+        if self.resident_mask is not None:
+            self.resident_mask[key] = False
         self.used_bytes -= e.size_bytes
         if self.group_of is not None:
             g = e.group

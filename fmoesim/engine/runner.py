@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from numbers import Integral
 from typing import Any, Final
 
@@ -242,6 +242,10 @@ class Runner:
             and backend.closed_form_demand
             and closed_form_applies(policy, model, caches)
         )
+        # a PrefetchBatch of arrays (_batch_arrays): each key's position in it, -1 for
+        # keys not in it (max_key,), and which positions were passed over (n,)
+        self._batch_pos = np.zeros(0, dtype=np.int64)
+        self._batch_skip = np.zeros(0, dtype=bool)
         self.log: dict[str, list[Any]] | None = None
         if access_log:
             self.log = {
@@ -590,25 +594,17 @@ class Runner:
         if not -_INF < delay < _INF:  # NaN too
             self._bad(aborted, f"Actions.delay_s = {delay!r} (rule: a finite number of seconds)")
         if type(prefetch) is PrefetchBatch and N == 1:
-            # perf: a re-ranking policy's batch on one GPU: two lists, no Prefetch objects
+            # perf: a re-ranking policy's batch on one GPU: two lists (or arrays), no
+            # Prefetch objects
             keys = prefetch.keys
+            if type(keys) is np.ndarray:
+                self._batch_arrays(keys, prefetch.priorities, delay, aborted)
+                return
             bad = [k for k in (min(keys), max(keys)) if not 0 <= k < self.max_key]
             if bad:
                 why = key_problem(bad[0], self.max_key)
                 self._bad(aborted, f"PrefetchBatch: {why}")
-            get = caches[0].entries.get
-            rerank = be.reprioritizer(0)
-            for key, priority in zip(keys, prefetch.priorities, strict=True):
-                ent = get(key)
-                if ent is not None and ent.resident:
-                    continue
-                if not -_INF < priority < _INF:  # NaN too: it would unsort the link's queue
-                    why = priority_problem(priority)
-                    self._bad(aborted, f"PrefetchBatch: key {key}: {why}")
-                if ent is None:
-                    self._prefetch(0, key, priority, "prefetch", delay)
-                elif ent.record is not None:  # a queued prefetch takes the latest priority
-                    rerank(ent.record, priority)
+            self._batch_loop(keys, prefetch.priorities, range(len(keys)), delay, aborted)
             return
         for p in prefetch:
             key = p.key
@@ -627,6 +623,86 @@ class Runner:
                 self._prefetch(g, key, priority, p.reason, delay)
             else:  # a queued prefetch takes the latest priority
                 be.reprioritize_record(g, ent.record, priority)
+
+    def _batch_loop(
+        self,
+        keys: Sequence[int],
+        priorities: Sequence[float],
+        positions: Iterable[int],
+        delay: float,
+        aborted: bool,
+    ) -> int:
+        """A :class:`PrefetchBatch` on one GPU, key by key in its order (``positions``:
+        each key's place in the batch): a resident key is passed over, an absent one
+        loaded, a queued one re-ranked.  While the cache logs its evictions
+        (:meth:`_batch_arrays`), it stops after a load that evicted a key the batch
+        holds later and that was passed over as resident, and returns that load's
+        position; -1 when done."""
+        cache = self.caches[0]
+        get, log = cache.entries.get, cache.evicted_log
+        rerank = self.backend.reprioritizer(0)
+        for at, key, priority in zip(positions, keys, priorities, strict=True):
+            ent = get(key)
+            if ent is not None and ent.resident:
+                continue
+            if not -_INF < priority < _INF:  # NaN too: it would unsort the link's queue
+                why = priority_problem(priority)
+                self._bad(aborted, f"PrefetchBatch: key {key}: {why}")
+            if ent is None:
+                self._prefetch(0, key, priority, "prefetch", delay)
+                if log:  # the load evicted: a key passed over ahead of it?
+                    pos, skip = self._batch_pos, self._batch_skip
+                    for k in log:
+                        p = pos[k]
+                        if p > at and skip[p]:
+                            return at
+                    log.clear()
+            elif ent.record is not None:  # a queued prefetch takes the latest priority
+                rerank(ent.record, priority)
+        return -1
+
+    def _batch_arrays(self, keys: np.ndarray, priorities: Any, delay: float, aborted: bool) -> None:
+        """A :class:`PrefetchBatch` of arrays on one GPU, as :meth:`_batch_loop` takes
+        the lists, with the keys resident when it arrives (most of a re-ranking) passed
+        over by one array index.  A load that evicts such a key before its turn would
+        make the key-by-key loop load it again then: after such a load the rest of the
+        batch goes key by key (``keys`` ``(n,)`` integers, ``priorities`` ``(n,)``)."""
+        if keys.ndim != 1 or keys.dtype.kind not in "iu":
+            self._bad(
+                aborted,
+                f"PrefetchBatch: keys of dtype {keys.dtype} and shape {keys.shape} (rule: "
+                "keys are a 1-D array of integers, or a list)",
+            )
+        bad = [k for k in (int(keys.min()), int(keys.max())) if not 0 <= k < self.max_key]
+        if bad:
+            why = key_problem(bad[0], self.max_key)
+            self._bad(aborted, f"PrefetchBatch: {why}")
+        cache, n = self.caches[0], len(keys)
+        prios = np.asarray(priorities)  # (n,)
+        if cache.resident_mask is None:
+            cache.track_residency(self.max_key)
+        if len(self._batch_pos) != self.max_key:
+            self._batch_pos = np.full(self.max_key, -1, dtype=np.int64)
+        skip = cache.resident_mask[keys]  # (n,) resident now
+        if not skip.any():
+            self._batch_loop(keys.tolist(), prios.tolist(), range(n), delay, aborted)
+            return
+        live = np.flatnonzero(~skip)  # (m,) positions looked at
+        self._batch_pos[keys] = np.arange(n)
+        self._batch_skip = skip
+        cache.evicted_log = []
+        try:
+            at = self._batch_loop(
+                keys[live].tolist(), prios[live].tolist(), live.tolist(), delay, aborted
+            )
+        finally:
+            cache.evicted_log = None
+            self._batch_pos[keys] = -1
+        if at >= 0:
+            rest = slice(at + 1, None)
+            self._batch_loop(
+                keys[rest].tolist(), prios[rest].tolist(), range(at + 1, n), delay, aborted
+            )
 
     def _prefetch(self, g: int, key: int, priority: float, reason: str, delay: float) -> None:
         """Load ``key``, absent from GPU ``g``'s cache, as a prefetch (or count it dropped
