@@ -514,10 +514,14 @@ class PrefetchBatch(Sequence[Prefetch]):
         return len(self.keys)
 
     def __getitem__(self, i: Any) -> Any:
-        keys, prios = self._lists()
         if isinstance(i, slice):
+            keys, prios = self._lists()
             return [Prefetch(k, p) for k, p in zip(keys[i], prios[i], strict=True)]
-        return Prefetch(keys[i], prios[i])
+        k, p = self.keys[i], self.priorities[i]  # one element, not the arrays converted
+        return Prefetch(
+            k.item() if isinstance(k, np.generic) else k,
+            p.item() if isinstance(p, np.generic) else p,
+        )
 
     def __iter__(self) -> Iterator[Prefetch]:
         keys, prios = self._lists()

@@ -713,6 +713,20 @@ def _batch(keys: list[int], prios: list[float], form: str) -> Any:
     return [Prefetch(k, p) for k, p in zip(keys, prios, strict=True)]
 
 
+def test_a_batch_of_arrays_reads_as_python_numbers():
+    """Iterating, indexing and slicing a :class:`PrefetchBatch` of arrays gives the
+    Prefetch objects a batch of lists gives, of Python ints and floats.  Red if numpy
+    scalars leak out (a compiled Prefetch refuses them, and the engine's dicts and logs
+    would hold numpy ints)."""
+    for batch in (
+        PrefetchBatch(np.array([3, 5]), np.array([0.5, 0.25])),
+        _batch([3, 5], [0.5, 0.25], "lists"),
+    ):
+        for got in (list(batch), [batch[0], batch[1]], batch[0:2], list(reversed(batch))[::-1]):
+            assert [(x.key, x.priority) for x in got] == [(3, 0.5), (5, 0.25)]
+            assert {(type(x.key), type(x.priority)) for x in got} == {(int, float)}
+
+
 class _Rerank(LRU):
     """LRU that prefetches keys 9, 10, 11 at step 0 (priorities 0.1 < 0.2 < 0.3, so 9
     first) and gives 10 and 11 new priorities (0.5 and 0.05) at step 1, with key 0,

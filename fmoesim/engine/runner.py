@@ -243,9 +243,8 @@ class Runner:
             and closed_form_applies(policy, model, caches)
         )
         # a PrefetchBatch of arrays (_batch_arrays): each key's position in it, -1 for
-        # keys not in it (max_key,), and which positions were passed over (n,)
+        # keys not in it (max_key,)
         self._batch_pos = np.zeros(0, dtype=np.int64)
-        self._batch_skip = np.zeros(0, dtype=bool)
         self.log: dict[str, list[Any]] | None = None
         if access_log:
             self.log = {
@@ -600,10 +599,7 @@ class Runner:
             if type(keys) is np.ndarray:
                 self._batch_arrays(keys, prefetch.priorities, delay, aborted)
                 return
-            bad = [k for k in (min(keys), max(keys)) if not 0 <= k < self.max_key]
-            if bad:
-                why = key_problem(bad[0], self.max_key)
-                self._bad(aborted, f"PrefetchBatch: {why}")
+            self._batch_ends(min(keys), max(keys), aborted)
             self._batch_loop(keys, prefetch.priorities, range(len(keys)), delay, aborted)
             return
         for p in prefetch:
@@ -624,6 +620,13 @@ class Runner:
             else:  # a queued prefetch takes the latest priority
                 be.reprioritize_record(g, ent.record, priority)
 
+    def _batch_ends(self, lo: Any, hi: Any, aborted: bool) -> None:
+        """Check a :class:`PrefetchBatch`'s smallest and largest keys."""
+        bad = [k for k in (lo, hi) if not 0 <= k < self.max_key]
+        if bad:
+            why = key_problem(bad[0], self.max_key)
+            self._bad(aborted, f"PrefetchBatch: {why}")
+
     def _batch_loop(
         self,
         keys: Sequence[int],
@@ -631,13 +634,14 @@ class Runner:
         positions: Iterable[int],
         delay: float,
         aborted: bool,
+        skipped: np.ndarray | None = None,
     ) -> int:
         """A :class:`PrefetchBatch` on one GPU, key by key in its order (``positions``:
         each key's place in the batch): a resident key is passed over, an absent one
-        loaded, a queued one re-ranked.  While the cache logs its evictions
-        (:meth:`_batch_arrays`), it stops after a load that evicted a key the batch
-        holds later and that was passed over as resident, and returns that load's
-        position; -1 when done."""
+        loaded, a queued one re-ranked.  With ``skipped`` ``(n,)``, the positions
+        passed over before the loop (:meth:`_batch_arrays`, while the cache logs its
+        evictions), it stops after a load that evicted a key the batch holds at a
+        skipped position further on, and returns that load's position; -1 when done."""
         cache = self.caches[0]
         get, log = cache.entries.get, cache.evicted_log
         rerank = self.backend.reprioritizer(0)
@@ -650,11 +654,11 @@ class Runner:
                 self._bad(aborted, f"PrefetchBatch: key {key}: {why}")
             if ent is None:
                 self._prefetch(0, key, priority, "prefetch", delay)
-                if log:  # the load evicted: a key passed over ahead of it?
-                    pos, skip = self._batch_pos, self._batch_skip
+                if log and skipped is not None:  # it evicted: a skipped key ahead of it?
+                    pos = self._batch_pos
                     for k in log:
                         p = pos[k]
-                        if p > at and skip[p]:
+                        if p > at and skipped[p]:
                             return at
                     log.clear()
             elif ent.record is not None:  # a queued prefetch takes the latest priority
@@ -673,10 +677,7 @@ class Runner:
                 f"PrefetchBatch: keys of dtype {keys.dtype} and shape {keys.shape} (rule: "
                 "keys are a 1-D array of integers, or a list)",
             )
-        bad = [k for k in (int(keys.min()), int(keys.max())) if not 0 <= k < self.max_key]
-        if bad:
-            why = key_problem(bad[0], self.max_key)
-            self._bad(aborted, f"PrefetchBatch: {why}")
+        self._batch_ends(int(keys.min()), int(keys.max()), aborted)
         cache, n = self.caches[0], len(keys)
         prios = np.asarray(priorities)  # (n,)
         if cache.resident_mask is None:
@@ -689,11 +690,10 @@ class Runner:
             return
         live = np.flatnonzero(~skip)  # (m,) positions looked at
         self._batch_pos[keys] = np.arange(n)
-        self._batch_skip = skip
         cache.evicted_log = []
         try:
             at = self._batch_loop(
-                keys[live].tolist(), prios[live].tolist(), live.tolist(), delay, aborted
+                keys[live].tolist(), prios[live].tolist(), live.tolist(), delay, aborted, skip
             )
         finally:
             cache.evicted_log = None
