@@ -244,7 +244,7 @@ class Runner:
         )
         # a PrefetchBatch of arrays (_batch_arrays): each key's position in it, -1 for
         # keys not in it (max_key,)
-        self._batch_pos = np.zeros(0, dtype=np.int64)
+        self._batch_pos = np.full(self.max_key, -1, dtype=np.int64)
         self.log: dict[str, list[Any]] | None = None
         if access_log:
             self.log = {
@@ -682,8 +682,6 @@ class Runner:
         prios = np.asarray(priorities)  # (n,)
         if cache.resident_mask is None:
             cache.track_residency(self.max_key)
-        if len(self._batch_pos) != self.max_key:
-            self._batch_pos = np.full(self.max_key, -1, dtype=np.int64)
         skip = cache.resident_mask[keys]  # (n,) resident now
         if not skip.any():
             self._batch_loop(keys.tolist(), prios.tolist(), range(n), delay, aborted)
