@@ -5,7 +5,9 @@ build``) compiles the modules in :data:`MODULES` with mypyc, from the same sourc
 into extension modules next to them, which Python then imports instead of the
 ``.py`` files: the same decisions and the same modelled times (``tests/
 test_compiled.py``), 1.3x to 6x as fast (docs/performance.md).  ``make pure`` removes
-them again; ``python fmoesim/_compiled.py status`` says which build is active.  A build
+them again; ``python fmoesim/_compiled.py status`` says which build is active;
+``python fmoesim/_compiled.py run -- COMMAND...`` runs a command on a build made for it
+and removed after it (``make reproduce``).  A build
 is for the Python that ran it (its extensions carry that Python's tag, such as
 ``cpython-311``), and only an interpreter that imports :mod:`fmoesim` from this tree
 uses it: the build says so where the one running it does not.
@@ -31,6 +33,7 @@ import subprocess
 import sys
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
+from typing import TextIO
 
 #: The repository (or install) root that holds ``fmoesim/`` and ``policies/``.
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,20 +190,65 @@ def clean(root: Path = ROOT) -> list[Path]:
     return removed
 
 
-def build(root: Path = ROOT) -> None:
-    """Compile :data:`MODULES` in place with mypyc and record their sources' hashes.
+def build(root: Path = ROOT, log: TextIO | None = None) -> None:
+    """Compile :data:`MODULES` in place with mypyc and record their sources' hashes
+    (mypyc's and the compiler's messages to ``log``, else to this process's output).
 
     The old build is removed first, and the manifest is written (temp file, then
     rename) only after mypyc succeeded, so an interrupted build is refused at import.
     """
     clean(root)
     hashes = {m: _sha256(root / m) for m in MODULES}
-    subprocess.run([sys.executable, "-c", _SETUP, *MODULES], cwd=root, check=True)
+    subprocess.run(
+        [sys.executable, "-c", _SETUP, *MODULES], cwd=root, check=True, stdout=log, stderr=log
+    )
     if any(_sha256(root / m) != h for m, h in hashes.items()):
         raise SystemExit("a source changed while it was being compiled; build again")
     tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(hashes, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, root / MANIFEST)
+
+
+def run_compiled(command: list[str], root: Path = ROOT) -> int:
+    """Run ``command`` (an argv) on the compiled build and leave the tree as it was; its
+    exit status.
+
+    A tree without compiled files (of any Python) is built for the run and made pure
+    again after it, whatever the command's outcome (an interrupt too); mypyc's messages
+    go to ``build/mypyc.log``.  A tree built for this Python is used as it is.  Any
+    other tree (a stale or partial build, one of another Python), and a build this
+    Python would not import, runs as it is, after a note.  Where the build fails (no C
+    compiler, no mypy), the command runs on the sources after a note naming the log:
+    the results are the same either way (``tests/test_compiled.py``), only slower.
+    """
+    made = False
+    note = unused_build_note(root)
+    if note is not None:
+        print(f"{note}; the runs take the sources", file=sys.stderr)
+    elif not built_files(root):
+        log = root / "build" / "mypyc.log"
+        log.parent.mkdir(exist_ok=True)
+        print(
+            f"compiling {len(MODULES)} modules with mypyc for these runs (log: {log})", flush=True
+        )
+        try:
+            with log.open("w") as out:
+                build(root, log=out)
+            made = True
+        except (subprocess.CalledProcessError, SystemExit):
+            clean(root)
+            print(
+                f"note: the compiled build failed (its messages: {log}); the runs take the "
+                "sources, with the same results, about 1.5-2x slower",
+                file=sys.stderr,
+            )
+    elif compiled_modules(root) != list(MODULES):
+        print("note: the tree holds another build (`make pure` removes it)", file=sys.stderr)
+    try:
+        return subprocess.run(command).returncode
+    finally:
+        if made:
+            clean(root)
 
 
 def unused_build_note(root: Path = ROOT) -> str | None:
@@ -224,10 +272,15 @@ def _python() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``build`` | ``pure`` | ``status``."""
+    """``build`` | ``pure`` | ``status`` | ``run -- COMMAND...``."""
     args = sys.argv[1:] if argv is None else argv
+    if args[:2] == ["run", "--"] and len(args) > 2:
+        return run_compiled(args[2:])
     if args not in (["build"], ["pure"], ["status"]):
-        print("usage: python fmoesim/_compiled.py build|pure|status", file=sys.stderr)
+        print(
+            "usage: python fmoesim/_compiled.py build|pure|status|run -- COMMAND...",
+            file=sys.stderr,
+        )
         return 2
     if args == ["build"]:
         try:

@@ -250,3 +250,100 @@ def test_a_build_this_python_will_not_use_is_noted(tmp_path: Path) -> None:
     assert note is not None
     assert f"imports fmoesim from {ROOT}, not from {tmp_path}" in note
     assert f"pip install -e {tmp_path}" in note
+
+
+#: a command that exits 0 when ``argv[1]`` holds compiled files and 3 when it does not
+SEES_BUILD = (
+    "import pathlib, sys; sys.exit(0 if list(pathlib.Path(sys.argv[1]).rglob('*"
+    + SUFFIX
+    + "')) else 3)"
+)
+
+
+def _run_here(monkeypatch: pytest.MonkeyPatch, root: Path, build=None) -> list[Path]:  # type: ignore[no-untyped-def]
+    """Point :func:`_compiled.run_compiled` at ``root`` as if this Python imported it,
+    with ``build`` (default: :func:`fake_build`) for mypyc; the roots it built."""
+    built: list[Path] = []
+
+    def fake(where: Path, log=None) -> None:  # type: ignore[no-untyped-def]
+        built.append(where)
+        (build or (lambda r: fake_build(r)))(where)
+
+    monkeypatch.setattr(_compiled, "build", fake)
+    monkeypatch.setattr(_compiled, "unused_build_note", lambda r=None: None)
+    return built
+
+
+def test_a_run_on_a_pure_tree_builds_for_it_and_leaves_it_pure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Red if ``run`` (``make reproduce``) runs the command without building first (it
+    exits 3 on a tree with no compiled files), leaves the build behind (later edits
+    of a source would then be refused at import), or loses the command's exit status."""
+    copy_sources(tmp_path)
+    built = _run_here(monkeypatch, tmp_path)
+    assert _compiled.run_compiled([sys.executable, "-c", SEES_BUILD, str(tmp_path)], tmp_path) == 0
+    assert built == [tmp_path]
+    assert _compiled.built_files(tmp_path) == [] and not (tmp_path / MANIFEST).exists()
+    failing = [sys.executable, "-c", "import sys; sys.exit(7)"]
+    assert _compiled.run_compiled(failing, tmp_path) == 7
+    assert _compiled.built_files(tmp_path) == []
+
+
+def test_an_interrupted_run_leaves_the_tree_pure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Red if Ctrl-C during the runs leaves the build made for them behind."""
+    copy_sources(tmp_path)
+    _run_here(monkeypatch, tmp_path)
+
+    def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        assert _compiled.built_files(tmp_path)  # the command starts on the build
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_compiled.subprocess, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _compiled.run_compiled(["anything"], tmp_path)
+    assert _compiled.built_files(tmp_path) == []
+
+
+def test_a_failed_build_runs_the_command_on_the_sources_after_a_note(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Red if a machine without a C compiler (mypyc fails) gets no runs at all, a
+    traceback, no word of the slower build, or the failed build's leftovers."""
+    copy_sources(tmp_path)
+
+    def no_compiler(root: Path) -> None:
+        (root / "policies/lru.py").with_suffix(SUFFIX).write_bytes(b"")  # half a build
+        raise subprocess.CalledProcessError(1, "gcc")
+
+    _run_here(monkeypatch, tmp_path, no_compiler)
+    assert _compiled.run_compiled([sys.executable, "-c", SEES_BUILD, str(tmp_path)], tmp_path) == 3
+    err = capsys.readouterr().err
+    assert f"note: the compiled build failed (its messages: {tmp_path / 'build/mypyc.log'})" in err
+    assert "the runs take the sources" in err
+    assert _compiled.built_files(tmp_path) == []
+
+
+def test_a_compiled_tree_is_used_and_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Red if ``run`` rebuilds a tree the user compiled (a minute for nothing) or removes
+    that build after the runs."""
+    copy_sources(tmp_path)
+    fake_build(tmp_path)
+    built = _run_here(monkeypatch, tmp_path)
+    assert _compiled.run_compiled([sys.executable, "-c", SEES_BUILD, str(tmp_path)], tmp_path) == 0
+    assert built == []
+    assert _compiled.compiled_modules(tmp_path) == list(MODULES)
+    assert (tmp_path / MANIFEST).exists()
+
+
+def test_run_in_a_tree_this_python_does_not_import_builds_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Red if ``run`` compiles a tree whose build the command's Python would not import
+    (a minute for nothing, and a build left for another environment) or says nothing."""
+    copy_sources(tmp_path)
+    assert _compiled.run_compiled([sys.executable, "-c", SEES_BUILD, str(tmp_path)], tmp_path) == 3
+    assert f"not from {tmp_path}" in capsys.readouterr().err
+    assert _compiled.built_files(tmp_path) == []

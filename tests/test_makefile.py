@@ -121,3 +121,22 @@ def test_another_active_environment_is_named(tmp_path: Path) -> None:
     assert not [
         line for line in dry_run("compiled", f"VENV={env}", active=str(env)) if "note" in line
     ]
+
+
+def test_reproduce_runs_on_a_build_made_for_it_unless_told_pure(tmp_path: Path) -> None:
+    """Red if ``make reproduce`` runs the scoreboard's runs straight on the sources (1.5x
+    to 2x slower) or without the dev extra mypyc needs; or if ``REPRODUCE_BUILD=pure``
+    still builds, or a misspelt value is taken for one of the two."""
+    env = environment(tmp_path / "env", ".fmoesim-base", ".fmoesim-plot")
+    lines = dry_run("reproduce", f"VENV={env}")
+    assert f"{env}/bin/python -m pip install --quiet -e '.[dev]'" in lines
+    assert lines[-1] == (
+        f"{env}/bin/python fmoesim/_compiled.py run -- {env}/bin/fmoesim-reproduce all --run "
+        "--jobs 2 --docs docs/reproduction.md"
+    )
+    assert dry_run("reproduce", f"VENV={env}", "REPRODUCE_BUILD=pure") == [
+        f"{env}/bin/fmoesim-reproduce all --run --jobs 2 --docs docs/reproduction.md"
+    ]
+    with pytest.raises(subprocess.CalledProcessError) as err:
+        dry_run("reproduce", f"VENV={env}", "REPRODUCE_BUILD=fast")
+    assert "REPRODUCE_BUILD=fast: must be compiled or pure" in err.value.stderr
