@@ -214,12 +214,14 @@ def run_compiled(command: list[str], root: Path = ROOT) -> int:
     exit status.
 
     A tree without compiled files (of any Python) is built for the run and made pure
-    again after it, whatever the command's outcome (an interrupt too); mypyc's messages
-    go to ``build/mypyc.log``.  A tree built for this Python is used as it is.  Any
-    other tree (a stale or partial build, one of another Python), and a build this
-    Python would not import, runs as it is, after a note.  Where the build fails (no C
-    compiler, no mypy), the command runs on the sources after a note naming the log:
-    the results are the same either way (``tests/test_compiled.py``), only slower.
+    again after it, whatever the command's outcome (an interrupt of the build or of the
+    command too); mypyc's messages go to ``build/mypyc.log``.  A tree built for this
+    Python is used as it is (a stale build stops the command at its import, with the
+    line that says how to fix it).  A tree holding a partial build or one of another
+    Python, and a tree this Python would not import, runs as it is, after a note.
+    Where the build fails (no C compiler, no mypy), the command runs on the sources
+    after a note naming the log: the results are the same either way
+    (``tests/test_compiled.py``), only slower.
     """
     made = False
     note = unused_build_note(root)
@@ -242,6 +244,9 @@ def run_compiled(command: list[str], root: Path = ROOT) -> int:
                 "sources, with the same results, about 1.5-2x slower",
                 file=sys.stderr,
             )
+        except BaseException:  # an interrupt: nothing of the build stays behind
+            clean(root)
+            raise
     elif compiled_modules(root) != list(MODULES):
         print("note: the tree holds another build (`make pure` removes it)", file=sys.stderr)
     try:

@@ -293,8 +293,19 @@ def test_a_run_on_a_pure_tree_builds_for_it_and_leaves_it_pure(
 def test_an_interrupted_run_leaves_the_tree_pure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Red if Ctrl-C during the runs leaves the build made for them behind."""
+    """Red if Ctrl-C during the build or during the runs leaves the build (or the part
+    of it made so far) behind: the next import would refuse it."""
     copy_sources(tmp_path)
+
+    def interrupted_build(root: Path) -> None:
+        (root / "policies/lru.py").with_suffix(SUFFIX).write_bytes(b"")  # half a build
+        raise KeyboardInterrupt
+
+    _run_here(monkeypatch, tmp_path, interrupted_build)
+    with pytest.raises(KeyboardInterrupt):
+        _compiled.run_compiled(["anything"], tmp_path)
+    assert _compiled.built_files(tmp_path) == []
+
     _run_here(monkeypatch, tmp_path)
 
     def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
