@@ -71,7 +71,7 @@ figures: $(PLOT)
 
 ## Score the papers' claims (results/reproduction/) and refresh docs/reproduction.md.
 ## The runs take a compiled build made for them and removed after them (the same
-## results, 1.5x to 2x faster; a tree already compiled stays so), or the sources where
+## results, about 1.6x faster; a tree already compiled stays so), or the sources where
 ## mypyc cannot build; REPRODUCE_BUILD=pure runs the sources.
 REPRODUCE_BUILD ?= compiled
 ifeq ($(filter $(REPRODUCE_BUILD),compiled pure),)

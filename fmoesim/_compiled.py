@@ -241,7 +241,7 @@ def run_compiled(command: list[str], root: Path = ROOT) -> int:
             clean(root)
             print(
                 f"note: the compiled build failed (its messages: {log}); the runs take the "
-                "sources, with the same results, about 1.5-2x slower",
+                "sources, with the same results, about 1.6x slower",
                 file=sys.stderr,
             )
         except BaseException:  # an interrupt: nothing of the build stays behind

@@ -267,7 +267,7 @@ def _run_here(monkeypatch: pytest.MonkeyPatch, root: Path, build=None) -> list[P
 
     def fake(where: Path, log=None) -> None:  # type: ignore[no-untyped-def]
         built.append(where)
-        (build or (lambda r: fake_build(r)))(where)
+        (build or fake_build)(where)
 
     monkeypatch.setattr(_compiled, "build", fake)
     monkeypatch.setattr(_compiled, "unused_build_note", lambda r=None: None)

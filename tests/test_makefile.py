@@ -124,8 +124,8 @@ def test_another_active_environment_is_named(tmp_path: Path) -> None:
 
 
 def test_reproduce_runs_on_a_build_made_for_it_unless_told_pure(tmp_path: Path) -> None:
-    """Red if ``make reproduce`` runs the scoreboard's runs straight on the sources (1.5x
-    to 2x slower) or without the dev extra mypyc needs; or if ``REPRODUCE_BUILD=pure``
+    """Red if ``make reproduce`` runs the scoreboard's runs straight on the sources (about
+    1.6x slower) or without the dev extra mypyc needs; or if ``REPRODUCE_BUILD=pure``
     still builds, or a misspelt value is taken for one of the two."""
     env = environment(tmp_path / "env", ".fmoesim-base", ".fmoesim-plot")
     lines = dry_run("reproduce", f"VENV={env}")
