@@ -65,20 +65,24 @@ lint: $(DEV)
 	$(BIN)/ruff check fmoesim policies replay tests benchmarks examples notebooks
 	$(BIN)/ruff format --check fmoesim policies replay tests benchmarks examples
 
+## The simulation runs of `make figures` and `make reproduce` take a compiled build made
+## for them and removed after them (the same results, about 1.6x faster; a tree already
+## compiled stays so), or the sources where mypyc cannot build; RUNS_BUILD=pure runs
+## the sources.
+RUNS_BUILD ?= compiled
+ifeq ($(filter $(RUNS_BUILD),compiled pure),)
+$(error RUNS_BUILD=$(RUNS_BUILD): must be compiled or pure)
+endif
+RUNS_DEPS := $(PLOT) $(if $(filter compiled,$(RUNS_BUILD)),$(BUILD))
+RUNS_WITH := $(if $(filter compiled,$(RUNS_BUILD)),$(BIN)/python fmoesim/_compiled.py run --)
+
 ## Regenerate every paper figure and table (results/figures/) from the bundled traces.
-figures: $(PLOT)
-	$(BIN)/fmoesim-plot all --run --jobs 2
+figures: $(RUNS_DEPS)
+	$(RUNS_WITH) $(BIN)/fmoesim-plot all --run --jobs 2
 
 ## Score the papers' claims (results/reproduction/) and refresh docs/reproduction.md.
-## The runs take a compiled build made for them and removed after them (the same
-## results, about 1.6x faster; a tree already compiled stays so), or the sources where
-## mypyc cannot build; REPRODUCE_BUILD=pure runs the sources.
-REPRODUCE_BUILD ?= compiled
-ifeq ($(filter $(REPRODUCE_BUILD),compiled pure),)
-$(error REPRODUCE_BUILD=$(REPRODUCE_BUILD): must be compiled or pure)
-endif
-reproduce: $(PLOT) $(if $(filter compiled,$(REPRODUCE_BUILD)),$(BUILD))
-	$(if $(filter compiled,$(REPRODUCE_BUILD)),$(BIN)/python fmoesim/_compiled.py run --) $(BIN)/fmoesim-reproduce all --run --jobs 2 --docs docs/reproduction.md
+reproduce: $(RUNS_DEPS)
+	$(RUNS_WITH) $(BIN)/fmoesim-reproduce all --run --jobs 2 --docs docs/reproduction.md
 
 bench: $(BASE)
 	$(BIN)/python -m benchmarks.engine

@@ -123,20 +123,24 @@ def test_another_active_environment_is_named(tmp_path: Path) -> None:
     ]
 
 
-def test_reproduce_runs_on_a_build_made_for_it_unless_told_pure(tmp_path: Path) -> None:
-    """Red if ``make reproduce`` runs the scoreboard's runs straight on the sources (about
-    1.6x slower) or without the dev extra mypyc needs; or if ``REPRODUCE_BUILD=pure``
-    still builds, or a misspelt value is taken for one of the two."""
+@pytest.mark.parametrize(
+    ("target", "command"),
+    [
+        ("reproduce", "fmoesim-reproduce all --run --jobs 2 --docs docs/reproduction.md"),
+        ("figures", "fmoesim-plot all --run --jobs 2"),
+    ],
+)
+def test_runs_take_a_build_made_for_them_unless_told_pure(
+    tmp_path: Path, target: str, command: str
+) -> None:
+    """Red if ``make reproduce`` or ``make figures`` runs its simulations straight on the
+    sources (about 1.6x slower) or without the dev extra mypyc needs; or if
+    ``RUNS_BUILD=pure`` still builds, or a misspelt value is taken for one of the two."""
     env = environment(tmp_path / "env", ".fmoesim-base", ".fmoesim-plot")
-    lines = dry_run("reproduce", f"VENV={env}")
+    lines = dry_run(target, f"VENV={env}")
     assert f"{env}/bin/python -m pip install --quiet -e '.[dev]'" in lines
-    assert lines[-1] == (
-        f"{env}/bin/python fmoesim/_compiled.py run -- {env}/bin/fmoesim-reproduce all --run "
-        "--jobs 2 --docs docs/reproduction.md"
-    )
-    assert dry_run("reproduce", f"VENV={env}", "REPRODUCE_BUILD=pure") == [
-        f"{env}/bin/fmoesim-reproduce all --run --jobs 2 --docs docs/reproduction.md"
-    ]
+    assert lines[-1] == f"{env}/bin/python fmoesim/_compiled.py run -- {env}/bin/{command}"
+    assert dry_run(target, f"VENV={env}", "RUNS_BUILD=pure") == [f"{env}/bin/{command}"]
     with pytest.raises(subprocess.CalledProcessError) as err:
-        dry_run("reproduce", f"VENV={env}", "REPRODUCE_BUILD=fast")
-    assert "REPRODUCE_BUILD=fast: must be compiled or pure" in err.value.stderr
+        dry_run(target, f"VENV={env}", "RUNS_BUILD=fast")
+    assert "RUNS_BUILD=fast: must be compiled or pure" in err.value.stderr
