@@ -439,6 +439,21 @@ def test_bound_by_hand() -> None:
     assert (s.fmoesim_value, s.holds) == (150.0, NO)
 
 
+def test_derived_metric_by_hand() -> None:
+    """Red when ``used_traffic_share`` is not the used share of the bytes moved (150 of 200
+    used: 75%, over a 68% bound with ratio 75/68), when the scorer does not form it from
+    the stored columns, or when a store without them is not named in one line."""
+    row = {"policy": "fmoe", "model.name": "m", "pcie_bytes": 200.0}
+    df = store_rows("fmoe-fig9", [{**row, "unused_prefetch_bytes": 50.0}])
+    share = dict(kind="at_least", metric="used_traffic_share", paper_value=68.0, unit="%",
+                 scale=100.0, b={}, direction="higher")  # fmt: skip
+    s = score_claim(claim(**share), df)
+    assert (s.fmoesim_value, s.holds, s.ratio) == (75.0, YES, pytest.approx(75 / 68))
+    s = score_claim(claim(**share), store_rows("fmoe-fig9", [row]))
+    assert s.fmoesim_value is None
+    assert "no column unused_prefetch_bytes (used_traffic_share)" in s.detail
+
+
 def test_model_statistic_by_hand() -> None:
     """Red when a model claim's share leaves out or double-counts a part of the model, or
     rounds otherwise than the paper: Mixtral-8x7B by hand from its config.json, 32 x 8
@@ -1228,6 +1243,8 @@ NOT_AT_SMALL_SCALE = {
     "moepic:fig7-tpot-mixtral-vs-moe-infinity": _UNCONFIGURED,
     "moepic:fig7-tpot-mixtral-vs-mixtral-offloading": _UNCONFIGURED,
     "moepic:fig7-tpot-mixtral-vs-adapmoe": _UNCONFIGURED,
+    "moepic:tab3-cca-most-critical-ttft": "MoEpic's configurator runs every 5,000 tokens: "
+    "3 requests process fewer, so w/o CCA runs as MoEpic does, at the same TTFT",
     "moepic:fig7-moepic-fastest-tpot": _UNCONFIGURED + " (the fastest at 1 of 4 budgets)",
     "moepic:fig7-moepic-fastest-tpot-qwen": "MoEpic leads Pre-gated MoE by 1.1-3.5 ms over 96 "
     "requests, configured every 5,000 tokens; 3 requests never reach a configuration, and "

@@ -60,7 +60,8 @@ same unit as the paper's number.  The kinds:
 A metric that is a per-layer list column (``layer_hit_rate``, ``layer_stall_s``,
 ``layer_spec_recall``) is reduced to one number per run first, by ``layers`` for side A
 and ``b_layers`` (else ``layers``) for side B (:func:`reduce_layers`), for ``relative``,
-``every_point`` and the bounds.
+``every_point`` and the bounds.  A metric of :data:`DERIVED` (``used_traffic_share``: the
+share of the bytes moved that the GPU used) is formed from each run's stored columns.
 
 A claim with ``per`` (a swept key, such as ``model`` for a paper's number "across three
 models") is scored for each value of that key on its own rows, then combined:
@@ -85,7 +86,7 @@ paper number.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,18 @@ def reduce_layers(values: Any, how: str) -> float:
     return aggregate(v.tolist(), "mean" if how == "middle" else how)
 
 
+def _used_share(pcie_bytes: float, unused_prefetch_bytes: float) -> float:
+    """The share of the bytes moved over the link that the GPU used (NaN when none moved)."""
+    return 1.0 - unused_prefetch_bytes / pcie_bytes if pcie_bytes > 0 else math.nan
+
+
+#: metrics a claim may read that the store does not hold, each formed from a run's stored
+#: columns when the claim is scored: name -> (columns, function of their values)
+DERIVED: dict[str, tuple[tuple[str, ...], Callable[..., float]]] = {
+    "used_traffic_share": (("pcie_bytes", "unused_prefetch_bytes"), _used_share),
+}
+
+
 def side_value(
     df: Any,
     flt: Filter | tuple[Filter, ...],
@@ -198,9 +211,16 @@ def side_value(
     """The metric of the rows matching ``flt`` (each a per-layer list reduced by
     ``layers``, :func:`reduce_layers`), aggregated by ``agg``."""
     rows = select(df, flt)
-    if metric not in rows.columns:
+    derived = DERIVED.get(metric)
+    if derived is not None and metric not in rows.columns:
+        columns, formula = derived
+        missing = [c for c in columns if c not in rows.columns]
+        if missing:
+            raise FmoesimError(f"{what}: the store's rows have no column {missing[0]} ({metric})")
+        values = [formula(*(float(row[c]) for c in columns)) for _, row in rows.iterrows()]
+    elif metric not in rows.columns:
         raise FmoesimError(f"{what}: the store's rows have no column {metric}")
-    if layers is None:
+    elif layers is None:
         values = [float(v) for v in rows[metric]]
     else:
         values = [reduce_layers(v, layers) for v in rows[metric]]
