@@ -20,7 +20,14 @@ import yaml
 
 from fmoesim.config.build import preset_names
 from fmoesim.config.schema import CONF_DIR
-from fmoesim.plots.figures import FIGURES, draw_figure, min_budgets, render
+from fmoesim.plots.figures import (
+    FIGURES,
+    draw_figure,
+    experiment_rows,
+    min_budgets,
+    render,
+    sweep_params,
+)
 from fmoesim.plots.run import draw_run, plot_run, run_caption
 from fmoesim.plots.style import POLICY_COLORS, POLICY_MARKS, policy_color, policy_marks
 
@@ -110,6 +117,18 @@ def test_every_figure_renders_with_a_synthetic_caption(tmp_path, store_df, name)
     assert f"fmoesim-plot {name} --run" in md
     assert md.count("|") > 6  # the numbers as a table
     assert not list(tmp_path.glob(".*"))  # no temp file left
+
+
+def test_rows_and_caption_follow_the_presets_model_order(store_df):
+    """Red when a figure's rows or its caption list the models in the store's order (its
+    files' hashes, which move with every code change) instead of the preset's sweep
+    order: the committed figures would change at each redraw."""
+    rows = store_df[store_df["experiment"] == "fmoe-fig16"]
+    swept = sweep_params("fmoe-fig16")["model"]
+    for shuffled in (rows, rows.iloc[::-1], rows.sample(frac=1.0, random_state=3)):
+        df, _ = experiment_rows(shuffled, "fmoe-fig16", timed=False)
+        assert list(dict.fromkeys(df["model"])) == swept
+        assert draw_figure("fmoe-fig16", shuffled).setting.startswith(", ".join(swept) + " on ")
 
 
 def test_every_preset_policy_has_its_own_colour():

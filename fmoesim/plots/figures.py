@@ -954,9 +954,10 @@ def experiment_rows(
 ) -> tuple[Any, int]:
     """The rows of ``experiment`` in the store's DataFrame ``results`` that a figure or a
     claim reads: from the running code version, one per sweep point, timed ones only when
-    ``timed`` (a reader of latencies), sorted in the preset's policy order.  Returns them
-    and how many hit-rate-only rows were left out.  ``what`` names the reader in errors
-    (default ``experiment <name>``), ``verb`` what it does with latencies."""
+    ``timed`` (a reader of latencies), sorted in the preset's policy order, then its model
+    order.  Returns them and how many hit-rate-only rows were left out.  ``what`` names
+    the reader in errors (default ``experiment <name>``), ``verb`` what it does with
+    latencies."""
     what = what or f"experiment {experiment}"
     df = results[results["experiment"] == experiment] if len(results) else results
     if len(df) == 0:
@@ -976,10 +977,16 @@ def experiment_rows(
                 f"run: fmoesim -m experiment={experiment} engine.timing=true"
             )
     df = _points(df, experiment)
-    order = {p: i for i, p in enumerate(sweep_params(experiment).get("policy", []))}
+    swept = sweep_params(experiment)
+    order = {p: i for i, p in enumerate(swept.get("policy", []))}
     df = df.assign(_o=[order.get(p, len(order)) for p in df.policy])
-    df = df.sort_values(["_o", "policy"], kind="stable").drop(columns="_o").reset_index(drop=True)
-    return df, untimed
+    keys = ["_o", "policy"]
+    if "model" in df.columns:  # then the preset's model order (the store's is its hashes')
+        models = {m: i for i, m in enumerate(swept.get("model", []))}
+        df = df.assign(_m=[models.get(m, len(models)) for m in df.model])
+        keys.append("_m")
+    df = df.sort_values(keys, kind="stable").drop(columns=keys[:1] + keys[2:])
+    return df.reset_index(drop=True), untimed
 
 
 def draw_figure(name: str, results: Any) -> Drawing:
