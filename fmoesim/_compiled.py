@@ -7,7 +7,7 @@ into extension modules next to them, which Python then imports instead of the
 test_compiled.py``), 1.3x to 6x as fast (docs/performance.md).  ``make pure`` removes
 them again; ``python fmoesim/_compiled.py status`` says which build is active;
 ``python fmoesim/_compiled.py run -- COMMAND...`` runs a command on a build made for it
-and removed after it (``make reproduce``).  A build
+and removed after it (``make reproduce``, ``make figures``).  A build
 is for the Python that ran it (its extensions carry that Python's tag, such as
 ``cpython-311``), and only an interpreter that imports :mod:`fmoesim` from this tree
 uses it: the build says so where the one running it does not.

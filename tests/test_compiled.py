@@ -277,9 +277,10 @@ def _run_here(monkeypatch: pytest.MonkeyPatch, root: Path, build=None) -> list[P
 def test_a_run_on_a_pure_tree_builds_for_it_and_leaves_it_pure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Red if ``run`` (``make reproduce``) runs the command without building first (it
-    exits 3 on a tree with no compiled files), leaves the build behind (later edits
-    of a source would then be refused at import), or loses the command's exit status."""
+    """Red if ``run`` (``make reproduce``, ``make figures``) runs the command without
+    building first (it exits 3 on a tree with no compiled files), leaves the build behind
+    (later edits of a source would then be refused at import), or loses the command's
+    exit status."""
     copy_sources(tmp_path)
     built = _run_here(monkeypatch, tmp_path)
     assert _compiled.run_compiled([sys.executable, "-c", SEES_BUILD, str(tmp_path)], tmp_path) == 0
