@@ -79,7 +79,9 @@ class AdapMoE(MixtralOffloading):
     ``capacity // L``, because every layer must still get slots and ``top_k`` each would
     exceed the budget.  Layer 0 is prefetched at the last layer's gate from the previous
     token's last hidden state (``first_layer_spec=True``; MoEpic §3.2 says it follows
-    AdapMoE in this).  Everything else as :class:`MixtralOffloading`.
+    AdapMoE in this).  No guess in a prefill pass (``prefill_guesses=False``): its
+    public code guesses only in a step of one token.  Everything else as
+    :class:`MixtralOffloading`.
     """
 
     name = "adapmoe"
@@ -90,8 +92,13 @@ class AdapMoE(MixtralOffloading):
         warmup_iterations: int = 64,
         replan_iterations: int | None = None,
         first_layer_spec: bool = True,
+        prefill_guesses: bool = False,
     ) -> None:
-        super().__init__(prefetch_experts=prefetch_experts, first_layer_spec=first_layer_spec)
+        super().__init__(
+            prefetch_experts=prefetch_experts,
+            first_layer_spec=first_layer_spec,
+            prefill_guesses=prefill_guesses,
+        )
         if int(warmup_iterations) < 1:
             raise ValueError(f"warmup_iterations must be >= 1, got {warmup_iterations}")
         if replan_iterations is not None and int(replan_iterations) < 1:

@@ -7,7 +7,15 @@ from collections.abc import Collection, Sequence
 from mypy_extensions import mypyc_attr
 
 from policies._prefetching import LayerGuard, PrefetchTable, top_spec
-from policies.base import NO_ACTIONS, Actions, GateView, Outcome, Policy, PolicyContext
+from policies.base import (
+    NO_ACTIONS,
+    Actions,
+    BatchInfo,
+    GateView,
+    Outcome,
+    Policy,
+    PolicyContext,
+)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -27,7 +35,7 @@ class MixtralOffloading(Policy, LayerGuard):
     ``gate.spec_next`` are prefetched, most probable first, where ``n`` =
     ``prefetch_experts`` or, if ``None``, the number of distinct experts layer ``l``
     routed to (never below ``top_k``): top-k for one decode token, and as many as a
-    batch or prefill needs, because a batch needs the union of its tokens' top-k; ``n``
+    batch needs, because a batch needs the union of its tokens' top-k; ``n``
     is capped by the layer's quota and the room next to the current layer's experts.
     A prefetch request counts as a use of an expert already cached (moves it to the
     MRU end of its layer), so one predicted expert is not evicted to make room for
@@ -38,6 +46,19 @@ class MixtralOffloading(Policy, LayerGuard):
     (the public code has no speculation at all); ``first_layer_spec=True`` prefetches it
     at the last layer's gate from the prediction the engine gives there (the previous
     token's last hidden state fed to router 0, as AdapMoE does).
+
+    Prefill.  paper: MoEpic §4.2 (``002``) reads Mixtral-Offloading, AdapMoE and
+    MoE-Infinity in a prefill as "only incur[ring] the cost of loading non-cached
+    experts"; the Mixtral-Offloading report does not say how it guesses in a prefill
+    (its public code has no speculation at all); AdapMoE's public code guesses only in
+    a step of one token (``src/custom_layers.py``, ``hidden_states.shape[0] == 1``).
+    here: no guess during a prefill pass (:attr:`BatchInfo.prefill`) of more tokens than
+    requests, the first-layer guess at its last gate included, so a prefill loads what
+    its gates route and its cache keeps the experts it holds; a prefill of one-token
+    prompts computes as a decode step and guesses as one, and every decode pass
+    guesses, whatever its batch.  ``prefill_guesses=True`` guesses in a prefill too
+    (``n`` then is the union of the prompt's routed experts, whose guesses take the
+    cache slots of experts the prefill needs next).
 
     Synchronous prefetching.  paper: fMoE (``000``) §4.3 counts Mixtral-Offloading among
     the systems that "predict and prefetch experts synchronously during inference", and
@@ -63,11 +84,14 @@ class MixtralOffloading(Policy, LayerGuard):
         first_layer_spec: bool = False,
         synchronous: bool = False,
         label: str | None = None,
+        prefill_guesses: bool = False,
     ) -> None:
         if label is not None:
             self.name = str(label)  # type: ignore[misc]  # a variant's name in results
         self.first_layer_spec = bool(first_layer_spec)
         self.synchronous = bool(synchronous)
+        self.prefill_guesses = bool(prefill_guesses)
+        self._guessing = True  # whether the current pass guesses (not a prefill)
         for knob, v in (("prefetch_experts", prefetch_experts), ("layer_slots", layer_slots)):
             if v is not None and int(v) < 1:
                 raise ValueError(f"{knob} must be >= 1 or None, got {v}")
@@ -95,6 +119,14 @@ class MixtralOffloading(Policy, LayerGuard):
         # per layer and GPU (capacity_experts is one GPU's); the quotas are the whole model's
         slots = self.layer_slots or ctx.capacity_experts // self._L
         self._set_quotas([slots * self._G] * self._L)
+        self._guessing = True
+
+    def on_iteration_start(self, batch: BatchInfo) -> None:
+        """A prefill of prompts longer than one token makes no guesses unless
+        ``prefill_guesses``."""
+        self._guessing = (
+            self.prefill_guesses or not batch.prefill or batch.num_tokens <= len(batch.request_ids)
+        )
 
     def _set_quotas(self, per_layer_slots: Sequence[int]) -> None:
         """Install per-layer slot quotas (of the whole model, as AdapMoE's plan gives them;
@@ -128,8 +160,11 @@ class MixtralOffloading(Policy, LayerGuard):
         return [base + e for e in top_spec(gate, n)]
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
-        """Prefetch the speculative top experts of the next layer."""
+        """Prefetch the speculative top experts of the next layer (none in a prefill
+        unless ``prefill_guesses``)."""
         self._guard(layer, gate.counts_list)
+        if not self._guessing:
+            return NO_ACTIONS
         keys = self._predict(layer, gate)
         if not keys:
             return NO_ACTIONS

@@ -519,6 +519,65 @@ def test_mixtral_engine_run_with_perfect_speculation(tmp_path):
     assert s["unused_prefetch_bytes"] == 0
 
 
+@pytest.mark.parametrize("cls", [MixtralOffloading, AdapMoE])
+def test_mixtral_guesses_in_no_prefill_of_several_tokens(cls: type[MixtralOffloading]) -> None:
+    """Red if a prefill pass of prompts longer than one token guesses (MoEpic §4.2 has
+    these baselines load only non-cached experts in a prefill), if a decode pass or a
+    one-token prefill stops guessing, or if ``prefill_guesses=True`` does not restore
+    the guess of the prefill's routed union."""
+    spec = [0.1, 0.2, 0.3, 0.4]
+    passes = {
+        "prefill, 2 prompts of 3 tokens": (BatchInfo(0, (0, 1), (0, 0), 6, True), []),
+        "prefill, 2 one-token prompts": (BatchInfo(0, (0, 1), (0, 0), 2, True), [7, 6, 5, 4]),
+        "decode, 2 requests": (BatchInfo(1, (0, 1), (1, 1), 2, False), [7, 6, 5, 4]),
+    }
+    for prefill_guesses in (False, True):
+        p = cls(prefill_guesses=prefill_guesses)
+        p.reset(context(M34K2, 12))
+        for what, (batch, want) in passes.items():
+            p.on_iteration_start(batch)
+            got = [k for k, _ in pf(p.on_gate(0, gate(0, [3, 2, 1, 1], spec)))]
+            assert got == ([7, 6, 5, 4] if prefill_guesses else want), what
+            # the last layer's guess of layer 0 (AdapMoE's first_layer_spec) follows suit
+            last = pf(p.on_gate(2, gate(2, [3, 2, 1, 1], spec)))
+            assert (last != []) == (cls is AdapMoE and (prefill_guesses or bool(want))), what
+
+
+def test_mixtral_prefill_keeps_the_experts_it_needs(tmp_path):
+    """3 layers x 4 experts, top-2, 6 slots (2 per layer), a next-step link.
+
+    Request 0, a one-token prompt routing experts 0, 1 at every layer with the right
+    guesses: layer 0 misses 0, 1; the guesses 4, 5 and 8, 9 hit.  Request 1, a prompt of
+    two tokens routing 0, 1 at every layer whose guesses say 2, 3: without guessing in
+    the prefill all six accesses hit and nothing is evicted.  With ``prefill_guesses``
+    layer 0's guess 6, 7 evicts layer 1's 4, 5, which then miss and evict 6, 7 again;
+    layer 1's guess 10, 11 does the same to 8, 9.  Red if a multi-token prefill guesses
+    by default, or if the knob does not bring the guesses back.
+    """
+    wrong = np.zeros((3, 4))
+    wrong[:, 2:] = 0.5
+    route = [(0, 1), (0, 1), (0, 1)]
+    req0 = [Iteration([route], one_hot_spec(M34K2, [route], first=True))]
+    req1 = [Iteration([route, route], wrong)]
+    tr = read_trace(write_trace(tmp_path / "t", M34K2, [req0, req1], with_spec=True))
+    got = {}
+    for prefill_guesses in (False, True):
+        policy = recording(MixtralOffloading)(prefill_guesses=prefill_guesses)
+        r = simulate(
+            tr,
+            M34K2,
+            TINY_HW,
+            policy,
+            6 * M34K2.expert_size_bytes,
+            timing=False,
+            landing="next_step",
+        )
+        s = r.summary
+        got[prefill_guesses] = ((s["hits"], s["late"], s["misses"]), policy.evicted)
+    assert got[False] == ((10, 0, 2), [])
+    assert got[True] == ((6, 0, 6), [4, 5, 6, 7, 8, 9, 10, 11])
+
+
 # -- AdapMoE -----------------------------------------------------------------------------
 MISS = np.array([[9, 6, 4, 2, 0], [9, 1, 0, 0, 0], [9, 3, 1, 0, 0]])
 
