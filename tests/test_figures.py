@@ -352,7 +352,8 @@ def _legend_clear_of_data(fig) -> list:
 #: the figures with a legend (the others name their series on the x axis)
 WITH_LEGEND = {"fmoe-fig4", "fmoe-fig10", "fmoe-fig11", "fmoe-fig13", "fmoe-fig14a",
                "fmoe-fig14b", "fmoe-fig16", "moe-infinity-fig9", "moe-infinity-fig9-gpu-rich",
-               "moe-infinity-fig11", "moe-infinity-fig12", "moe-infinity-tab7",
+               "moe-infinity-fig11", "moe-infinity-fig11-nllb", "moe-infinity-fig12",
+               "moe-infinity-tab7", "moe-infinity-tab7-nllb", "moe-infinity-tab7-arctic",
                "moe-infinity-tab5", "moe-infinity-tab5-switch", "moe-infinity-tab5-nllb",
                "moe-infinity-fig9-switch", "moe-infinity-fig9-nllb", "moe-infinity-fig12-nllb",
                "moe-infinity-tab5-arctic", "moepic-fig2b", "moepic-fig4", "moepic-fig7",

@@ -1259,6 +1259,10 @@ NOT_AT_SMALL_SCALE = {
     "size from 4 on, so batches 4 to 64 are one point, where dependency leads",
     "moe-infinity:tab7-recovery": "the shift comes after 48 requests; 3-request runs have "
     "none, so no recovery is measured",
+    "moe-infinity:tab7-recovery-nllb": "the shift comes after 48 requests; 3-request runs "
+    "have none, so no recovery is measured",
+    "moe-infinity:tab7-recovery-arctic": "the shift comes after 48 requests; 3-request runs "
+    "have none, so no recovery is measured",
 }
 
 

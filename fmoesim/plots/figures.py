@@ -793,6 +793,11 @@ FIGURES: dict[str, Figure] = {
     "moe-infinity-fig11": Figure(
         "moe-infinity-fig11", "MoE-Infinity Fig. 11: Switch, latency against GPUs", mi_fig11
     ),
+    "moe-infinity-fig11-nllb": Figure(
+        "moe-infinity-fig11-nllb",
+        "MoE-Infinity Fig. 11: NLLB-MoE, latency against GPUs",
+        mi_fig11,
+    ),
     "moe-infinity-fig12": Figure(
         "moe-infinity-fig12", "MoE-Infinity Fig. 12: prefill throughput", mi_fig12
     ),
@@ -801,6 +806,16 @@ FIGURES: dict[str, Figure] = {
     ),
     "moe-infinity-tab7": Figure(
         "moe-infinity-tab7", "MoE-Infinity Table 7: latency after a task shift", mi_tab7
+    ),
+    "moe-infinity-tab7-nllb": Figure(
+        "moe-infinity-tab7-nllb",
+        "MoE-Infinity Table 7: NLLB-MoE, latency after a task shift",
+        mi_tab7,
+    ),
+    "moe-infinity-tab7-arctic": Figure(
+        "moe-infinity-tab7-arctic",
+        "MoE-Infinity Table 7: Arctic, latency after a task shift",
+        mi_tab7,
     ),
     "moe-infinity-fig13": Figure(
         "moe-infinity-fig13", "MoE-Infinity Fig. 13: EAMC capacity", mi_fig13
