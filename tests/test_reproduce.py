@@ -454,6 +454,25 @@ def test_derived_metric_by_hand() -> None:
     assert "no column unused_prefetch_bytes (used_traffic_share)" in s.detail
 
 
+def test_stall_per_iteration_by_hand() -> None:
+    """Red when ``stall_per_iteration_s`` is not the stall over the iterations (10.8 s
+    over 400 iterations: 27 ms; 1.8 s over 40: 45 ms), when a bound over several models does
+    not read the highest (45 ms over a 30 ms bound fails, ratio 1.5), or when a run of no
+    iteration is not named as missing."""
+    rows = [{"policy": "fmoe", "model.name": "m1", "stall_s": 10.8, "iterations": 400},
+            {"policy": "fmoe", "model.name": "m2", "stall_s": 1.8, "iterations": 40}]  # fmt: skip
+    bound = dict(kind="at_most", metric="stall_per_iteration_s", paper_value=0.03, unit="s",
+                 b={}, direction="lower")  # fmt: skip
+    df = store_rows("fmoe-fig9", rows)
+    s = score_claim(claim(a={"policy": "fmoe", "model": "m1"}, **bound), df)
+    assert (s.fmoesim_value, s.holds) == (pytest.approx(0.027), YES)
+    s = score_claim(claim(a={"policy": "fmoe"}, a_agg="max", **bound), df)
+    assert (s.fmoesim_value, s.holds, s.ratio) == (pytest.approx(0.045), NO, pytest.approx(1.5))
+    idle = store_rows("fmoe-fig9", [{**rows[0], "stall_s": 0.0, "iterations": 0}])
+    s = score_claim(claim(a={"policy": "fmoe"}, **bound), idle)
+    assert s.fmoesim_value is None and "stall_per_iteration_s is missing" in s.detail
+
+
 def test_model_statistic_by_hand() -> None:
     """Red when a model claim's share leaves out or double-counts a part of the model, or
     rounds otherwise than the paper: Mixtral-8x7B by hand from its config.json, 32 x 8

@@ -61,7 +61,8 @@ A metric that is a per-layer list column (``layer_hit_rate``, ``layer_stall_s``,
 ``layer_spec_recall``) is reduced to one number per run first, by ``layers`` for side A
 and ``b_layers`` (else ``layers``) for side B (:func:`reduce_layers`), for ``relative``,
 ``every_point`` and the bounds.  A metric of :data:`DERIVED` (``used_traffic_share``: the
-share of the bytes moved that the GPU used) is formed from each run's stored columns.
+share of the bytes moved that the GPU used; ``stall_per_iteration_s``: the GPU's wait for
+transfers per iteration) is formed from each run's stored columns.
 
 A claim with ``per`` (a swept key, such as ``model`` for a paper's number "across three
 models") is scored for each value of that key on its own rows, then combined:
@@ -193,10 +194,17 @@ def _used_share(pcie_bytes: float, unused_prefetch_bytes: float) -> float:
     return 1.0 - unused_prefetch_bytes / pcie_bytes if pcie_bytes > 0 else math.nan
 
 
+def _stall_per_iteration(stall_s: float, iterations: float) -> float:
+    """Seconds the GPU waited for transfers, per iteration of the run (prefills
+    included; NaN for a run of no iteration)."""
+    return stall_s / iterations if iterations > 0 else math.nan
+
+
 #: metrics a claim may read that the store does not hold, each formed from a run's stored
 #: columns when the claim is scored: name -> (columns, function of their values)
 DERIVED: dict[str, tuple[tuple[str, ...], Callable[..., float]]] = {
     "used_traffic_share": (("pcie_bytes", "unused_prefetch_bytes"), _used_share),
+    "stall_per_iteration_s": (("stall_s", "iterations"), _stall_per_iteration),
 }
 
 
