@@ -51,6 +51,9 @@ def test_qwen15_stats_by_hand(tmp_path):
     assert q["top1_gini"] == pytest.approx((1 / 2 + 2 / 15) / 2)
     assert q["top1_max_over_mean"] == pytest.approx((3 / (4 / 3) + 2 / (5 / 3)) / 2)
     assert q["tokens_per_layer"] == 4.5
+    # independent tokens at the row shares: (3/4)^2 + (1/4)^2 = 0.625 and 0.4^2 + 0.2^2 +
+    # 0.4^2 = 0.36, averaged.  Red if the shares were the columns' or pooled over layers.
+    assert q["top1_independent_stickiness"] == pytest.approx((0.625 + 0.36) / 2)
 
 
 @pytest.mark.skipif(not MATRIX.is_file(), reason="../shared/data (Qwen1.5-MoE matrix) is absent")
