@@ -795,11 +795,17 @@ def _transitions(folder: Path) -> dict[str, tuple[float, int]] | str:
     return {f.name.split("_")[0]: transition_stickiness(f) for f in files}
 
 
-def _qwen15(path: Path) -> dict[str, Any] | str:
-    """Qwen1.5-MoE-A2.7B's real top-1 statistics (:func:`qwen15_stats`), the knobs that
-    :func:`fit_top1` fits to them, and the synthetic statistics at those knobs, on the
-    fit's trace (32 requests of 128 one-token iterations) and on one of about the real
-    token count (80 requests); why not, without torch or the file."""
+def _top1_fit(
+    path: Path,
+    model_name: str,
+    sizes: dict[str, int],
+    fixed: dict[str, float] | None = None,
+    skew_bounds: tuple[float, float] = (0.0, 2.0),
+) -> dict[str, Any] | str:
+    """A transition matrix's real top-1 statistics (:func:`qwen15_stats`), the knobs that
+    :func:`fit_top1` fits to them on the model preset ``model_name`` (``fixed`` held),
+    and the synthetic statistics at those knobs, on a trace of each of ``sizes`` (key ->
+    requests of 128 one-token iterations); why not, without torch or the file."""
     from fmoesim.config.build import load_preset
 
     try:
@@ -809,43 +815,33 @@ def _qwen15(path: Path) -> dict[str, Any] | str:
     if not path.is_file():
         return f"no `{path}`"
     q: dict[str, Any] = dict(qwen15_stats(path))
-    model = load_preset("model", "qwen1.5-moe-a2.7b", ModelSpec)
-    q["knobs"] = fit_top1(model, q["top1_gini"], q["top1_stickiness"])
-    with tempfile.TemporaryDirectory() as tmp:
-        for key, num_requests in (("fitted", 32), ("fitted_80", 80)):
-            tr = synthetic_like(model, q["knobs"], Path(tmp) / "t", num_requests, 128, 0)
-            q[f"{key}_gini"], q[f"{key}_max_over_mean"] = top1_frequency_skew(tr)
-            q[f"{key}_stickiness"] = top1_stickiness(tr)
-            q[f"{key}_tokens_per_layer"] = int((tr.num_tokens == 1).sum())
-    return q
-
-
-def _switch(path: Path) -> dict[str, Any] | str:
-    """Switch's real top-1 statistics (:func:`qwen15_stats`), the knobs :func:`fit_top1`
-    fits to them on switch-large-128 with :data:`SWITCH_FIXED` held, and the synthetic
-    statistics at those knobs (the decoder's layers, one token an iteration; 32 and 40
-    requests); why not, without torch or the file."""
-    from fmoesim.config.build import load_preset
-
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return "torch, which reads the `.pt` transition matrix, is not installed"
-    if not path.is_file():
-        return f"no `{path}`"
-    q: dict[str, Any] = dict(qwen15_stats(path))
-    model = load_preset("model", "switch-large-128", ModelSpec)
+    model = load_preset("model", model_name, ModelSpec)
     q["knobs"] = fit_top1(
-        model, q["top1_gini"], q["top1_stickiness"], fixed=SWITCH_FIXED, skew_bounds=(0.0, 4.0)
+        model, q["top1_gini"], q["top1_stickiness"], fixed=fixed, skew_bounds=skew_bounds
     )
+    knobs = {**(fixed or {}), **q["knobs"]}
     with tempfile.TemporaryDirectory() as tmp:
-        for key, num_requests in (("fitted", 32), ("fitted_40", 40)):
-            knobs = {**SWITCH_FIXED, **q["knobs"]}
+        for key, num_requests in sizes.items():
             tr = synthetic_like(model, knobs, Path(tmp) / "t", num_requests, 128, 0)
             q[f"{key}_gini"], q[f"{key}_max_over_mean"] = top1_frequency_skew(tr)
             q[f"{key}_stickiness"] = top1_stickiness(tr)
             q[f"{key}_tokens_per_layer"] = int((tr.num_tokens == 1).sum())
     return q
+
+
+def _qwen15(path: Path) -> dict[str, Any] | str:
+    """Qwen1.5-MoE-A2.7B's fit (:func:`_top1_fit`): the other knobs at their defaults; the
+    fit's trace size (32 requests) and one of about the real token count (80)."""
+    return _top1_fit(path, "qwen1.5-moe-a2.7b", {"fitted": 32, "fitted_80": 80})
+
+
+def _switch(path: Path) -> dict[str, Any] | str:
+    """Switch's fit (:func:`_top1_fit`) on switch-large-128's decoder layers with
+    :data:`SWITCH_FIXED` held; the fit's trace size (32 requests) and one of about the
+    real token count (40)."""
+    return _top1_fit(
+        path, "switch-large-128", {"fitted": 32, "fitted_40": 40}, SWITCH_FIXED, (0.0, 4.0)
+    )
 
 
 def _plot(target: dict[str, list[float]], best: Candidate, path: Path) -> None:
