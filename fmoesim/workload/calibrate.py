@@ -871,6 +871,20 @@ def _plot(target: dict[str, list[float]], best: Candidate, path: Path) -> None:
         plt.close(fig)
 
 
+def _top1_table(q: dict[str, Any]) -> list[str]:
+    """The table of a top-1 fit's real and fitted statistics (:func:`_top1_fit`)."""
+    return [
+        "| statistic | real | fitted synthetic |",
+        "|---|---|---|",
+        f"| per-layer top-1 frequency Gini (mean) | {q['top1_gini']:.3f} "
+        f"| {q['fitted_gini']:.3f} |",
+        f"| per-layer top-1 frequency max/mean (mean) | {q['top1_max_over_mean']:.2f} "
+        f"| {q['fitted_max_over_mean']:.2f} |",
+        f"| top-1 stickiness (mean over layers) | {q['top1_stickiness']:.3f} "
+        f"| {q['fitted_stickiness']:.3f} |",
+    ]
+
+
 def _qwen15_section(q: dict[str, Any] | str | None) -> list[str]:
     """The Qwen1.5-MoE-A2.7B section of the report (a note of why not when ``q`` is
     not the statistics)."""
@@ -883,14 +897,7 @@ def _qwen15_section(q: dict[str, Any] | str | None) -> list[str]:
         "transitions of the top-1 expert per layer (wikitext prefill). The synthetic "
         f"trace: 32 requests, {q['fitted_tokens_per_layer']} one-token iterations.",
         "",
-        "| statistic | real | fitted synthetic |",
-        "|---|---|---|",
-        f"| per-layer top-1 frequency Gini (mean) | {q['top1_gini']:.3f} "
-        f"| {q['fitted_gini']:.3f} |",
-        f"| per-layer top-1 frequency max/mean (mean) | {q['top1_max_over_mean']:.2f} "
-        f"| {q['fitted_max_over_mean']:.2f} |",
-        f"| top-1 stickiness (mean over layers) | {q['top1_stickiness']:.3f} "
-        f"| {q['fitted_stickiness']:.3f} |",
+        *_top1_table(q),
         "",
         f"`{q['knobs']}` (the other knobs at their defaults) matches the Gini and the "
         "stickiness (`conf/workload/routing-qwen1.5-moe-a2.7b.yaml`, with "
@@ -922,14 +929,7 @@ def _switch_section(q: dict[str, Any] | str | None) -> list[str]:
         "12 + 12 sparse layers of 128 experts), on the decoder's layers, one token an "
         f"iteration: 32 requests, {q['fitted_tokens_per_layer']} iterations.",
         "",
-        "| statistic | real | fitted synthetic |",
-        "|---|---|---|",
-        f"| per-layer top-1 frequency Gini (mean) | {q['top1_gini']:.3f} "
-        f"| {q['fitted_gini']:.3f} |",
-        f"| per-layer top-1 frequency max/mean (mean) | {q['top1_max_over_mean']:.2f} "
-        f"| {q['fitted_max_over_mean']:.2f} |",
-        f"| top-1 stickiness (mean over layers) | {q['top1_stickiness']:.3f} "
-        f"| {q['fitted_stickiness']:.3f} |",
+        *_top1_table(q),
         "",
         f"`{q['knobs']}` with `{SWITCH_FIXED}` held matches the Gini and the stickiness "
         "(`conf/workload/routing-switch.yaml`, with `model=switch-large-128`). The real "
