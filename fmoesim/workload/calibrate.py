@@ -493,7 +493,7 @@ def qwen3_stats(path: Path) -> dict[str, float]:
     }
 
 
-def qwen15_stats(path: Path) -> dict[str, float]:
+def top1_matrix_stats(path: Path) -> dict[str, float]:
     """Top-1 routing statistics of a transition matrix (see :func:`transition_matrix`;
     Qwen1.5-MoE-A2.7B's, Switch's): the per-layer Gini and max/mean of top-1 expert
     frequency (row sums: the top-1 expert at token t) and the per-layer top-1
@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> None:
         if not isinstance(trans, str):  # torch is there
             for matrix in (q15_path, trans_dir / SWITCH_MATRIX):
                 if matrix.is_file():
-                    _read("--transitions", matrix, qwen15_stats)
+                    _read("--transitions", matrix, top1_matrix_stats)
         target = hit_curves(real, model, hw)
         stats = (reuse_probability(real), frequency_skew(real), layer_dependence(real))
         ranked = fit(real, model, hw)
@@ -802,7 +802,7 @@ def _top1_fit(
     fixed: dict[str, float] | None = None,
     skew_bounds: tuple[float, float] = (0.0, 2.0),
 ) -> dict[str, Any] | str:
-    """A transition matrix's real top-1 statistics (:func:`qwen15_stats`), the knobs that
+    """A transition matrix's real top-1 statistics (:func:`top1_matrix_stats`), the knobs that
     :func:`fit_top1` fits to them on the model preset ``model_name`` (``fixed`` held),
     and the synthetic statistics at those knobs, on a trace of each of ``sizes`` (key ->
     requests of 128 one-token iterations); why not, without torch or the file."""
@@ -814,7 +814,7 @@ def _top1_fit(
         return "torch, which reads the `.pt` transition matrix, is not installed"
     if not path.is_file():
         return f"no `{path}`"
-    q: dict[str, Any] = dict(qwen15_stats(path))
+    q: dict[str, Any] = dict(top1_matrix_stats(path))
     model = load_preset("model", model_name, ModelSpec)
     q["knobs"] = fit_top1(
         model, q["top1_gini"], q["top1_stickiness"], fixed=fixed, skew_bounds=skew_bounds
