@@ -440,6 +440,8 @@ class MoEInfinity(Policy):
         self._stored = np.zeros((L, 0, E))  # (L, C, E) the collection's EAMs
         self._stored_norm = np.zeros((L, 0))  # (L, C)
         self._uniform = np.full((L, E), 1.0 / E)
+        self._no_match = np.zeros((L, E))
+        self._norm_memo: dict[tuple[int, ...], np.ndarray] = {}  # slots -> (L, E)
         prox = 1.0 - (np.arange(L)[None, :] - np.arange(L)[:, None]) / L  # (l, i)
         self._prox = prox if self.layer_proximity else np.ones((L, L))
 
@@ -478,6 +480,7 @@ class MoEInfinity(Policy):
         self._rebuild_heaps()
         phase = "prefill" if batch.prefill else "decode"
         self._query = self.eamcs[phase].query() if self.request_level_tracing else None
+        self._norm_memo = {}
         if self.match_on == "request" and self.request_level_tracing:
             self._start_request_match(self.eamcs[phase], batch)
 
@@ -493,6 +496,7 @@ class MoEInfinity(Policy):
         if self.learn_online:
             for phase in PHASES:
                 self.eamcs[phase].add(eams[phase])
+            self._norm_memo = {}
 
     def _start_request_match(self, eamc: EAMC, batch: BatchInfo) -> None:
         """``match_on="request"``: the batch's request-level EAM ``(L, E)`` (earlier
@@ -528,15 +532,42 @@ class MoEInfinity(Policy):
         steps 1-2; zero rows where nothing matched)."""
         if not self.request_level_tracing:
             return self._uniform
+        out = self._predicted(layer).copy()  # (L, E)
+        out[: layer + 1] = 0.0
+        return out
+
+    def _predicted(self, layer: int) -> np.ndarray:
+        """:meth:`predict`'s rows after ``layer``, in an ``(L, E)`` array whose other rows
+        hold anything (perf: shared, not copied; read only)."""
+        if not self.request_level_tracing:
+            return self._uniform
         q = self._query
         assert q is not None
         slots = self._request_match(layer) if self.match_on == "request" else None
         if slots is None:
             slots = q.top(self.num_matched)
         if not slots:
-            return np.zeros((self._L, self._E))
-        matched = q.eamc._eams[:, slots].transpose(1, 0, 2)  # (k, L, E)
-        return activation_priorities(matched, layer, proximity=False)
+            return self._no_match
+        return self._normalised(slots)
+
+    def _normalised(self, slots: list[int]) -> np.ndarray:
+        """Every row of the sum of the stored EAMs at ``slots``, normalised into
+        activation probabilities (a zero row stays zero), ``(L, E)``: the rows after a
+        layer are :func:`activation_priorities`' of that layer (without proximity).
+
+        perf: kept per tuple of slots until the collection or the query changes (the
+        best match stays the same at most gates of an iteration), so a gate whose match
+        is unchanged divides nothing."""
+        memo = self._norm_memo
+        key = tuple(slots)
+        out = memo.get(key)
+        if out is None:
+            q = self._query
+            assert q is not None
+            matched = q.eamc._eams[:, slots].transpose(1, 0, 2)  # (k, L, E)
+            out = activation_priorities(matched, -1, proximity=False)
+            memo[key] = out
+        return out
 
     def on_gate(self, layer: int, gate: GateView) -> Actions:
         """Trace the gate, reset priorities (cases ii, iii), re-rank the prefetches.
@@ -563,7 +594,7 @@ class MoEInfinity(Policy):
         cancel = self._unprotect(past.nonzero()[0])
         if layer + 1 >= L:
             return Actions(cancel=cancel) if cancel else NO_ACTIONS
-        probs = self.predict(layer)  # (L, E)
+        probs = self._predicted(layer)  # (L, E), rows after this layer
         last = L if self.multi_layer else layer + 2
         v = probs[layer + 1 : last] * self._prox[layer, layer + 1 : last, None]  # (F, E)
         flat = v.reshape(-1)

@@ -182,6 +182,26 @@ def test_fig7_prefetch_order_from_the_policy():
             assert got[0][1] == pytest.approx(0.1)
 
 
+def test_predictions_read_the_collection_as_it_is_now():
+    """The predictions at each gate are the matched EAM's rows after that layer, from the
+    collection as it is in that iteration.  Slot 0 holds Fig. 7's first EAM, whose rows
+    2-4 normalise to [1, 0], [0.25, 0.75], [0, 1]; after that iteration the second EAM
+    replaces it (capacity 1), and the next iteration's gate of layer 1 must predict [1,
+    0], [0, 0], [1/6, 5/6].  Red if the normalised EAM kept per matched slot outlived
+    the iteration (the first EAM's rows again), or if a prediction kept rows of layers
+    already passed (layer 2's row after its gate)."""
+    p = _primed(M42, {"decode": [FIG7_A]}, 8, eamc_capacity=1, learn_online=False)
+    p.on_gate(0, _gate(0, [1, 0]))
+    np.testing.assert_allclose(p.predict(0), [[0, 0], [1, 0], [0.25, 0.75], [0, 1]])
+    p.on_gate(1, _gate(1, [1, 0]))
+    np.testing.assert_allclose(p.predict(1), [[0, 0], [0, 0], [0.25, 0.75], [0, 1]])
+    p.on_iteration_end(BatchInfo(0, (0,), (0,), 1, False))
+    assert p.eamcs["decode"].add(np.array(FIG7_B)) == 0  # replaces the only slot
+    p.on_iteration_start(BatchInfo(1, (0,), (1,), 1, False))
+    p.on_gate(0, _gate(0, [1, 0]))
+    np.testing.assert_allclose(p.predict(0), [[0, 0], [1, 0], [0, 0], [1 / 6, 5 / 6]])
+
+
 def test_switches_shape_the_prefetch():
     """multi_layer=False: only the next layer; request_level_tracing=False: every expert
     of the next layer, equally likely (the vanilla dependency prefetch); an empty
