@@ -496,7 +496,6 @@ class MoEInfinity(Policy):
         if self.learn_online:
             for phase in PHASES:
                 self.eamcs[phase].add(eams[phase])
-            self._norm_memo = {}
 
     def _start_request_match(self, eamc: EAMC, batch: BatchInfo) -> None:
         """``match_on="request"``: the batch's request-level EAM ``(L, E)`` (earlier
@@ -555,9 +554,9 @@ class MoEInfinity(Policy):
         activation probabilities (a zero row stays zero), ``(L, E)``: the rows after a
         layer are :func:`activation_priorities`' of that layer (without proximity).
 
-        perf: kept per tuple of slots until the collection or the query changes (the
-        best match stays the same at most gates of an iteration), so a gate whose match
-        is unchanged divides nothing."""
+        perf: kept per tuple of slots for the iteration's query, while the collection
+        does not change (:class:`EAMCQuery`); the best match stays the same at most gates
+        of an iteration, so a gate whose match is unchanged divides nothing."""
         memo = self._norm_memo
         key = tuple(slots)
         out = memo.get(key)
