@@ -537,17 +537,19 @@ class Actions:
     """A policy's answer to :meth:`Policy.on_gate` (or :meth:`Policy.on_iteration_start`).
 
     ``prefetch``: loads to issue, in the order given (the cache admits them one by one
-    and may evict for each).  ``cancel``: keys whose prefetch is queued on the link and
-    has not started; a cancelled prefetch frees its reserved bytes and is reported back
-    through :meth:`Policy.on_evict`.  Cancelling anything else does nothing.
+    and may evict for each; with ``engine.reserve=start`` a prefetch reserves its bytes,
+    evicting then, when its copy starts).  ``cancel``: keys whose prefetch is queued on
+    the link and has not started; a cancelled prefetch frees its reserved bytes and is
+    reported back through :meth:`Policy.on_evict`.  Cancelling anything else does nothing.
     ``abort``: keys whose transfer stops even if it has started: a queued one is
     dropped as by ``cancel``, a moving one stops at its next chunk boundary (the bytes
     moved so far are wasted), and the entry is reported back through
     :meth:`Policy.on_evict`; a transfer an access waits for, or one that has landed, is
-    left alone.  ``delay_s``: the new prefetches reserve their bytes now but may not
-    start moving before ``delay_s`` seconds from now (the latency of an asynchronous
-    matcher that decided them, fMoE §4.3); one that is needed earlier loads on demand at
-    once.  A policy states the delay as a configured number; it never reads a clock.
+    left alone.  ``delay_s``: the new prefetches reserve their bytes now (unless
+    ``engine.reserve=start``) but may not start moving before ``delay_s`` seconds from
+    now (the latency of an asynchronous matcher that decided them, fMoE §4.3); one that
+    is needed earlier loads on demand at once.  A policy states the delay as a
+    configured number; it never reads a clock.
     The hit-rate-only backend applies it on the modelled compute clock of
     ``engine.landing=link`` and ignores it with ``landing=next_step``.
 

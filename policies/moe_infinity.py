@@ -295,7 +295,10 @@ class MoEInfinity(Policy):
     cancelled.  An empty collection (a cold start) predicts nothing.
     The public code (TorchMoE/MoE-Infinity, April 2024) queues every expert from the
     current layer on in score order with no top-K (``docs/policies.md``); here §5.1's
-    top-K, because the claims checked are the paper's.
+    top-K, because the claims checked are the paper's.  The paper does not say when a
+    queued prefetch takes its slot; the public code's I/O thread evicts for it when it
+    takes the task off the queue.  here: the engine's ``engine.reserve`` decides
+    (``submit`` by default: when queued; ``start``: the public code's).
 
     Matching (``match_on``).  paper (§5.1, Fig. 7): the iteration-level EAM, matched over
     the layers it has run.  here: that by default (``"iteration"``).  ``"request"`` is

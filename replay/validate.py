@@ -188,7 +188,7 @@ def validate(
     from fmoesim.atomic import atomic_dir, unwritable
     from fmoesim.cli.main import _trace_path, compose_config
     from fmoesim.config.build import build_run, simulate_spec
-    from fmoesim.engine.simulate import check_link_order
+    from fmoesim.engine.simulate import check_link_order, check_reserve
     from fmoesim.trace.reader import read_trace
     from replay.backend import replay_backend
 
@@ -210,6 +210,7 @@ def validate(
         if not spec.engine.timing:  # both sides are timed: the comparison is of times
             raise ConfigError("engine.timing", False, f"{PROG} compares timed runs: drop it")
         check_link_order(spec.engine.link_order, timing=True, replay=True)
+        check_reserve(spec.engine.reserve, timing=True, replay=True)
         path = _trace_path(spec)
         trace = traces[path] = traces.get(path) or read_trace(path)
         runs.append((name, cfg, spec, trace, simulate_spec(spec, trace, **common).summary))

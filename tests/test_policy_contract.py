@@ -47,6 +47,8 @@ SETTINGS = {
     "two-gpus": dict(serving=ServingConfig(mode="static", batch_size=1), num_gpus=2),
     # a link of 3 lanes moving each transfer as 2 slices (fmoesim.engine.sim.LaneLink)
     "lanes": dict(serving=ServingConfig(mode="static", batch_size=2), lanes=3, slices=2),
+    # prefetches reserve their bytes when their copy starts (engine.reserve=start)
+    "reserve-start": dict(serving=ServingConfig(mode="static", batch_size=2), reserve="start"),
 }
 
 
@@ -123,11 +125,22 @@ def _refused_online(trace: Trace, policy: Policy, setting: str) -> bool:
     return True
 
 
+def _refused_reserve(trace: Trace, policy: Policy, setting: str) -> bool:
+    """``engine.reserve=start`` does not model split experts (budget groups) or a policy
+    whose layers wait for their prefetches: the simulator must refuse those with a
+    one-line ConfigError (checked here); True when that was the case."""
+    if setting != "reserve-start" or not (policy.uses_segments or policy.waits_for_prefetches()):
+        return False
+    with pytest.raises(ConfigError, match="engine.reserve"):
+        run(trace, policy, setting)
+    return True
+
+
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", POLICIES)
 def test_invariants(trace: Trace, name: str, setting: str) -> None:
     policy = make_policy(name)
-    if _refused_online(trace, policy, setting):
+    if _refused_online(trace, policy, setting) or _refused_reserve(trace, policy, setting):
         return
     probe = _SideEffectProbe(policy)
     policy.victim = probe  # type: ignore[method-assign]

@@ -20,6 +20,7 @@ from fmoesim.engine.simulate import (
     check_budget,
     check_experts_per_layer,
     check_link_order,
+    check_reserve,
     simulate,
 )
 from fmoesim.errors import ConfigError, FmoesimError, one_line
@@ -432,6 +433,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
     if engine.landing not in LANDINGS:
         raise ConfigError("engine.landing", engine.landing, f"must be one of {', '.join(LANDINGS)}")
     check_link_order(engine.link_order, engine.timing)
+    check_reserve(engine.reserve, engine.timing)
     workload: WorkloadConfig = OmegaConf.to_object(cfg.workload)  # type: ignore[assignment]
     if workload.kind not in ("trace", "synthetic"):
         raise ConfigError("workload.kind", workload.kind, "must be 'trace' or 'synthetic'")
@@ -530,6 +532,7 @@ def simulate_spec(
         "preempt": spec.engine.preempt,
         "landing": spec.engine.landing,
         "link_order": spec.engine.link_order,
+        "reserve": spec.engine.reserve,
         "access_log": spec.output.access_log,
         "progress": spec.progress,
         "experts_per_layer": spec.experts_per_layer,

@@ -77,12 +77,18 @@ class EngineConfig:
     queue: ``priority`` (on-demand loads first, then prefetches by the policy's
     priority; a needed prefetch is escalated) or ``fifo`` (one first-come-first-served
     queue for every transfer, no escalation, no pausing: a what-if for an engine that
-    queues every copy in order, :class:`fmoesim.engine.sim.SimLink`)."""
+    queues every copy in order, :class:`fmoesim.engine.sim.SimLink`).  ``reserve`` is
+    when a prefetch takes its bytes of the budget (evicting to make room): ``submit``,
+    when it is queued, or ``start``, when its copy starts (a prefetch cancelled while
+    queued then evicts nothing, one that finds no room at its start is dropped, and one
+    needed while queued is replaced by an on-demand load, as MoE-Infinity's public code
+    does); on-demand loads reserve when queued either way (timed simulator only)."""
 
     timing: bool = True
     preempt: bool = True
     landing: str = "link"
     link_order: str = "priority"
+    reserve: str = "submit"
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Expert residency and byte accounting, shared by the simulator and the GPU backend.
 
 The cache owns the truth about what is on one GPU: resident entries, in-flight
-transfers (their bytes are reserved when the transfer is issued), pins (entries in use
-by the current layer) and the peak of bytes used.  The policy only chooses victims via
+transfers (their bytes are reserved when the transfer is issued, or, for a prefetch
+under ``engine.reserve=start``, when its copy starts), pins (entries in use by the
+current layer) and the peak of bytes used.  The policy only chooses victims via
 :meth:`policies.base.Policy.victim`; eviction itself happens here.
 """
 
@@ -21,10 +22,15 @@ from policies.base import Outcome, Policy
 class Entry:
     """One cached (or arriving) expert."""
 
-    __slots__ = ("size_bytes", "resident", "reason", "pins", "used", "record", "group")
+    __slots__ = (
+        "size_bytes", "resident", "reason", "pins", "used", "record", "group", "reserved"
+    )  # fmt: skip
 
     def __init__(self, size_bytes: int, reason: str, group: int = 0) -> None:
         self.size_bytes = size_bytes
+        # whether size_bytes count against the budget: False while a queued prefetch
+        # waits for its copy to start (ExpertCache.admit with reserve=False)
+        self.reserved = True
         self.resident = False
         self.reason = reason
         self.pins = 0
@@ -72,7 +78,9 @@ class ExpertCache:
 
     Invariants (checked by the contract tests): ``used_bytes <= budget_bytes``;
     pinned or in-flight entries are never evicted; ``used_bytes`` equals the sum of the
-    entries' sizes.
+    reserved entries' sizes (every entry is reserved unless it was admitted with
+    ``reserve=False``: a queued prefetch that reserves at the start of its copy,
+    :meth:`reserve`).
 
     Budget groups (optional): with ``group_of`` (key -> group id) and
     ``group_budgets_bytes`` (group id -> bytes), every key belongs to a group with its
@@ -119,6 +127,7 @@ class ExpertCache:
         self.evictions = 0
         self.evicted_bytes = 0
         self.cancelled = 0
+        self.refused_at_start = 0  # prefetches dropped when their copy started (reserve)
         self.wasted_bytes = 0  # prefetched bytes evicted before any use
         # (num_keys,) bool, True where the key is resident; None until track_residency
         self.resident_mask: Any = None
@@ -147,11 +156,13 @@ class ExpertCache:
         e = self.entries.get(key)
         return e is not None and e.resident
 
-    def admit(self, key: int, size_bytes: int, reason: str) -> bool:
+    def admit(self, key: int, size_bytes: int, reason: str, reserve: bool = True) -> bool:
         """Reserve ``size_bytes`` for ``key`` about to be transferred, evicting as needed.
 
         Returns False when the resident, unpinned entries cannot free enough room (the
-        evictions already made stay made).
+        evictions already made stay made).  With ``reserve=False`` the entry is made
+        (the policy is told of it) and nothing is reserved or evicted: :meth:`reserve`
+        does that when its copy starts.
         """
         if key in self.entries:
             raise ValueError(f"expert {key} is already cached or in flight on GPU {self.gpu}")
@@ -165,6 +176,14 @@ class ExpertCache:
                 raise ValueError(f"key {key} is in group {g}, with no budget on GPU {self.gpu}")
             if size_bytes > self.group_budget[g]:
                 return False
+        if not reserve:
+            e = Entry(size_bytes, reason, g)
+            e.reserved = False
+            if self.group_of is not None:
+                self.group_keys[g][key] = None
+            entries[key] = e
+            self.policy.on_insert(key)
+            return True
             cands = self.group_evictable[g]
             while self.group_used[g] + size_bytes > self.group_budget[g]:
                 if not cands:
@@ -194,6 +213,32 @@ class ExpertCache:
         if self.used_bytes > self.peak_bytes:
             self.peak_bytes = self.used_bytes
         self.policy.on_insert(key)
+        return True
+
+    def reserve(self, key: int) -> bool:
+        """Reserve the bytes of ``key``, admitted with ``reserve=False`` and still in
+        flight, evicting as :meth:`admit` does; False when the resident, unpinned entries
+        cannot free enough room (the evictions already made stay made)."""
+        e = self.entries[key]
+        if e.reserved:
+            return True
+        size, g = e.size_bytes, e.group
+        if self.group_of is not None:
+            cands = self.group_evictable[g]
+            while self.group_used[g] + size > self.group_budget[g]:
+                if not cands:
+                    return False
+                self.evict(self._victim(cands, key))
+        while self.used_bytes + size > self.budget_bytes:
+            if not self.evictable:
+                return False
+            self.evict(self._victim(self.evictable, key))
+        e.reserved = True
+        if self.group_of is not None:
+            self.group_used[g] += size
+        self.used_bytes += size
+        if self.used_bytes > self.peak_bytes:
+            self.peak_bytes = self.used_bytes
         return True
 
     def _victim(self, candidates: Evictable, incoming: int) -> int:
@@ -312,16 +357,26 @@ class ExpertCache:
     def abort(self, key: int) -> None:
         """Drop an in-flight entry whose transfer was cancelled before it started or
         aborted (the link lands nothing of it)."""
+        self._drop(key)
+        self.cancelled += 1
+
+    def refuse(self, key: int) -> None:
+        """Drop an in-flight entry whose bytes :meth:`reserve` could not find room for
+        when its copy was to start (the link moves nothing of it)."""
+        self._drop(key)
+        self.refused_at_start += 1
+
+    def _drop(self, key: int) -> None:
         e = self.entries[key]
         if e.resident or e.pins:
             raise RuntimeError(f"cannot cancel expert {key} on GPU {self.gpu}: resident or pinned")
         del self.entries[key]
-        self.used_bytes -= e.size_bytes
         if self.group_of is not None:
-            g = e.group
-            self.group_used[g] -= e.size_bytes
-            del self.group_keys[g][key]
-        self.cancelled += 1
+            del self.group_keys[e.group][key]
+        if e.reserved:
+            self.used_bytes -= e.size_bytes
+            if self.group_of is not None:
+                self.group_used[e.group] -= e.size_bytes
         self.policy.on_evict(key)
 
     def pin(self, key: int, entry: Entry | None = None) -> None:

@@ -103,8 +103,9 @@ class HostBoundSimBackend(SimBackend):
         host: HostModel,
         preempt: bool = True,
         fifo: bool = False,
+        reserve_at_start: bool = False,
     ) -> None:
-        super().__init__(hw, compute, caches, preempt, fifo)
+        super().__init__(hw, compute, caches, preempt, fifo, reserve_at_start)
         # set on the instance (no class attribute here): in the compiled build the Runner
         # reads the compiled base's attribute, which a class attribute of this interpreted
         # subclass would shadow for Python only

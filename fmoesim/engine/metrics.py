@@ -200,6 +200,7 @@ class Metrics:
         by_reason: dict[str, int] = {"prefetch": 0, "on_demand": 0, "configure": 0}
         moved = n_moved = cancelled = unused = preempted = escalated = 0
         aborted = aborted_bytes = 0
+        refused = sum(c.refused_at_start for c in caches)  # records cancelled, never moved
         for t in transfers:
             if t.cancelled:
                 cancelled += 1
@@ -245,12 +246,12 @@ class Metrics:
             "configure_bytes": by_reason["configure"],
             "wasted_bytes": sum(c.wasted_bytes for c in caches),
             "unused_prefetch_bytes": unused,
-            "cancelled_transfers": cancelled,
+            "cancelled_transfers": cancelled - refused,
             "aborted_transfers": aborted,
             "aborted_bytes": aborted_bytes,
             "preemptions": preempted,
             "escalations": escalated,
-            "prefetch_dropped": self.prefetch_dropped,
+            "prefetch_dropped": self.prefetch_dropped + refused,
             "evictions": sum(c.evictions for c in caches),
             "peak_expert_bytes": max((c.peak_bytes for c in caches), default=0),
             "requests": len(req["request_id"]),

@@ -176,8 +176,12 @@ class Runner:
         on_iteration: Callable[[], None] | None = None,
         served: list[int] | None = None,
         closed_form: bool = True,
+        reserve_at_start: bool = False,
     ) -> None:
         self.trace, self.model, self.policy = trace, model, policy
+        # engine.reserve=start: a prefetch is queued without its bytes, which its link
+        # reserves when the copy starts (SimLink); one needed before then loads on demand
+        self.reserve_at_start = reserve_at_start
         # the request positions served, in trace order (all of them unless some are held
         # in, see serving.split_requests); arrival_s is indexed like this list
         self.served = list(range(trace.num_requests)) if served is None else served
@@ -726,7 +730,7 @@ class Runner:
         # perf: a full cache with nothing evictable refuses without a call (a saturated
         # link leaves every entry in flight; dependency prefetch meets this ~5x a layer)
         full = cache.used_bytes + size > cache.budget_bytes
-        if key < self.n_keys and full and not cache.evictable:
+        if key < self.n_keys and full and not cache.evictable and not self.reserve_at_start:
             m.prefetch_dropped += 1
             return
         if not self._load(g, key, priority, reason, delay_s=delay):
@@ -761,6 +765,15 @@ class Runner:
             if be.abort(g, key) if started else be.cancel(g, key):
                 cache.abort(key)
 
+    def _unqueue(self, g: int, key: int) -> None:
+        """Cancel the queued prefetch of ``key``, which holds no bytes yet (its copy has
+        not started: ``engine.reserve=start``), so that an on-demand load takes its place
+        (as MoE-Infinity's public code replaces a queued prefetch task by an on-demand
+        one)."""
+        if not self.backend.cancel(g, key):  # pragma: no cover - never started, so queued
+            raise RuntimeError(f"expert {key}: a prefetch with no bytes reserved has started")
+        self.caches[g].abort(key)
+
     def _size_of(self, g: int, key: int) -> int:
         """Bytes of ``key``: a whole expert, or a segment at the policy's split ratio (a
         bottom complements the top that is cached, if one is)."""
@@ -789,9 +802,14 @@ class Runner:
         not before ``delay_s``); False when the cache cannot make room."""
         cache = self.caches[g]
         size = self.layer_bytes[key // self.E] if key < self.n_keys else self._size_of(g, key)
-        if not cache.admit(key, size, reason):
+        reserve = not (self.reserve_at_start and reason == "prefetch")
+        if not cache.admit(key, size, reason, reserve):
             return False
-        cache.entries[key].record = self.backend.submit(g, key, size, priority, reason, delay_s)
+        record = self.backend.submit(g, key, size, priority, reason, delay_s)
+        ent = cache.entries.get(key)
+        if ent is None:  # an idle link started it at once and found no room (refused)
+            return True
+        ent.record = record
         if pin:
             cache.pin(key)
         return True
@@ -807,7 +825,9 @@ class Runner:
     ) -> None:
         """One layer step after its gate (attention and router done, the gate's
         ``actions`` known), the general path: every routed expert classified HIT / LATE
-        / MISS and pinned, then :meth:`_finish_layer`."""
+        / MISS and pinned (a queued prefetch with no bytes reserved, under
+        ``engine.reserve=start``, is LATE and loads on demand instead), then
+        :meth:`_finish_layer`."""
         be, caches, policy, m = self.backend, self.caches, self.policy, self.metrics
         N = self.N
         m.layer_steps += 1
@@ -845,17 +865,22 @@ class Runner:
                 outcome = _MISS
                 missing.append((g, key, tok, 1.0))
                 acc[2] += 1
-            else:
+            elif ent.resident:
                 cache.pin(key, ent)
-                if ent.resident:
-                    outcome = _HIT
-                    ready.append((g, key, tok, 1.0))
-                    acc[0] += 1
-                else:
-                    outcome = _LATE
-                    pending.append((g, key, tok, 1.0))
-                    acc[1] += 1
-                    be.escalate(g, key)  # an in-flight prefetch needed now jumps the queue
+                outcome = _HIT
+                ready.append((g, key, tok, 1.0))
+                acc[0] += 1
+            elif ent.reserved:
+                cache.pin(key, ent)
+                outcome = _LATE
+                pending.append((g, key, tok, 1.0))
+                acc[1] += 1
+                be.escalate(g, key)  # an in-flight prefetch needed now jumps the queue
+            else:  # queued with no bytes reserved (engine.reserve=start): loaded on demand
+                outcome = _LATE
+                self._unqueue(g, key)
+                missing.append((g, key, tok, 1.0))
+                acc[1] += 1
             if has_access:
                 policy.on_access(key, outcome)
             if log is not None:
@@ -1177,7 +1202,7 @@ class Runner:
         inflight = [
             (e.record.link_priority, e.record.seq, k)
             for k, e in cache.entries.items()
-            if not e.resident and not e.pins and e.record is not None
+            if not e.resident and not e.pins and e.record is not None and e.reserved
         ]
         if not inflight:
             return False
@@ -1222,6 +1247,9 @@ class Runner:
                 still = []
                 for x in deferred:
                     ent = cache.entries.get(x[1])
+                    if ent is not None and not ent.reserved:  # prefetched since, not started
+                        self._unqueue(g, x[1])
+                        ent = None
                     if ent is not None:  # the gate's actions prefetched it since: wait for it
                         cache.pin(x[1], ent)
                         if not ent.resident:

@@ -148,6 +148,9 @@ class SimLink:
         # that holds the running one and at most n - 1 more (``issued``, run in order)
         self.host_depth = 0
         self.issued: list[TransferRecord] = []
+        # engine.reserve=start: a transfer whose cache entry holds no bytes yet (a queued
+        # prefetch) reserves them when it first starts, or is dropped if they do not fit
+        self.reserve_at_start = False
 
     # -- the event loop ---------------------------------------------------------------
     def advance(self, t_s: float) -> None:
@@ -254,6 +257,9 @@ class SimLink:
         return self._queue.pop()
 
     def _start(self, job: TransferRecord, t_s: float) -> None:
+        if self.reserve_at_start and job.start_s != job.start_s and not self._reserve(job):
+            self._start_next(t_s)  # dropped: the next one starts instead
+            return
         job.state = _RUNNING
         overhead = 0.0
         if job.start_s != job.start_s:  # NaN: the first start pays the fixed cost
@@ -267,6 +273,21 @@ class SimLink:
         self._done_at_start = job.size_bytes - job.left_bytes
         self.cur_end_s = self._data_start_s + job.left_bytes / self.bytes_per_s
         self.busy_s += self.cur_end_s - t_s
+
+    def _reserve(self, job: TransferRecord) -> bool:
+        """Reserve ``job``'s bytes in the cache at its first start (``engine.reserve=start``);
+        where they do not fit, drop it (cancelled, its entry refused) and return False."""
+        cache = self.cache
+        assert cache is not None, "engine.reserve=start needs a link that reports to a cache"
+        if cache.reserve(job.key):
+            return True
+        if job.link_priority == ON_DEMAND:  # pragma: no cover - the runner loads those itself
+            raise RuntimeError(f"expert {job.key}: a needed transfer found no room at its start")
+        job.state = _CANCELLED
+        job.cancelled = True  # as a cancelled transfer's record: it moved nothing
+        job.start_s = job.end_s = job.submit_s
+        cache.refuse(job.key)
+        return False
 
     def _pause_current(self, t_s: float) -> None:
         """Pause the running prefetch at its next chunk boundary after ``t_s``."""
@@ -641,6 +662,7 @@ class SimBackend(Backend):
         caches: Sequence[ExpertCache],
         preempt: bool = True,
         fifo: bool = False,
+        reserve_at_start: bool = False,
     ) -> None:
         self.compute = compute
         self.caches = caches
@@ -654,6 +676,8 @@ class SimBackend(Backend):
             else SimLink(bps, overhead, hw.chunk_bytes, preempt, cache=c, fifo=fifo)
             for c in caches
         ]
+        for link in self.links:
+            link.reserve_at_start = reserve_at_start
         # the closed form of on-demand loads (demand_loads) is a single server's
         self.closed_form_demand = not sliced
         self.transfers: list[TransferRecord] = []

@@ -41,6 +41,8 @@ GB = 1e9
 LANDINGS = ("link", "next_step")
 #: ``engine.link_order``: the timed link's queue discipline (:class:`SimLink`)
 LINK_ORDERS = ("priority", "fifo")
+#: ``engine.reserve``: when a prefetch reserves its bytes (queued, or its copy started)
+RESERVES = ("submit", "start")
 
 
 @dataclass
@@ -151,6 +153,45 @@ def check_link_order(link_order: str, timing: bool, replay: bool = False) -> Non
     if link_order == "fifo" and replay:
         why = "is the simulator's what-if; the replay keeps its scheduler's order"
         raise ConfigError("engine.link_order", link_order, why)
+
+
+def check_reserve(reserve: str, timing: bool, replay: bool = False) -> None:
+    """Refuse an unknown ``engine.reserve``, and ``start`` where no timed simulated link
+    runs (the link reserves a prefetch's bytes when it starts the copy)."""
+    if reserve not in RESERVES:
+        raise ConfigError("engine.reserve", reserve, f"must be one of {', '.join(RESERVES)}")
+    if reserve == "start" and not timing:
+        why = "needs the timed simulator (engine.timing=true): hit-rate-only mode starts no copy"
+        raise ConfigError("engine.reserve", reserve, why)
+    if reserve == "start" and replay:
+        why = "is the simulator's what-if; the replay reserves as its backend does"
+        raise ConfigError("engine.reserve", reserve, why)
+
+
+def _check_reserve_run(
+    reserve: str,
+    policy: Policy,
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    caches: list[ExpertCache],
+) -> None:
+    """Refuse ``engine.reserve=start`` for what it does not model: budget groups (split
+    experts, per-layer caches), several lanes or slices on a link, a host that issues
+    copies ahead (measured host costs), and a policy whose layers wait for their
+    prefetches to land (a refused one would never land)."""
+    if reserve != "start":
+        return
+    why = ""
+    if any(c.group_of is not None for c in caches):
+        why = "does not model budget groups (split experts, cache.experts_per_layer)"
+    elif hardware.link_lanes > 1 or hardware.transfer_slices > 1:
+        why = "does not model a link of several lanes or slices (hardware.link_lanes)"
+    elif HostModel.from_specs(model, hardware, policy.name) is not None:
+        why = f"does not model the host costs that {hardware.name} measured for {model.name}"
+    elif policy.waits_for_prefetches():
+        why = f"does not model {policy.name}, whose layers wait for their prefetches to land"
+    if why:
+        raise ConfigError("engine.reserve", reserve, why)
 
 
 def check_budget(
@@ -384,20 +425,23 @@ def sim_backend(
     landing: str = "link",
     preempt: bool = True,
     link_order: str = "priority",
+    reserve: str = "submit",
 ) -> Backend:
     """The simulator's backend of a run (what :func:`simulate` uses without
     ``make_backend``): timed, the GPU-bound :class:`SimBackend`, or the host-bound
     :class:`HostBoundSimBackend` where ``hardware`` measures the host's costs for
     ``model`` (:mod:`fmoesim.engine.host`); hit-rate-only, the backend of ``landing``.
     ``link_order`` is the timed link's queue discipline (``fifo``: one
-    first-come-first-served queue, :class:`SimLink`)."""
+    first-come-first-served queue, :class:`SimLink`); with ``reserve="start"`` a
+    prefetch reserves its bytes when the link starts its copy."""
     compute = ComputeModel.from_specs(model, hardware)
     fifo = link_order == "fifo"
+    at_start = reserve == "start"
     if timing:
         host = HostModel.from_specs(model, hardware, policy_name)
         if host is None:
-            return SimBackend(hardware, compute, caches, preempt, fifo)
-        return HostBoundSimBackend(hardware, compute, caches, host, preempt, fifo)
+            return SimBackend(hardware, compute, caches, preempt, fifo, at_start)
+        return HostBoundSimBackend(hardware, compute, caches, host, preempt, fifo, at_start)
     if landing == "next_step":
         return InstantBackend(caches)
     return LinkStepBackend(hardware, compute, caches)
@@ -428,6 +472,7 @@ def simulate(
     preempt: bool = True,
     landing: str = "link",
     link_order: str = "priority",
+    reserve: str = "submit",
     access_log: bool = False,
     progress: bool = False,
     fast: bool = True,
@@ -446,7 +491,9 @@ def simulate(
     layer step (:class:`InstantBackend`, an infinitely fast link).  ``preempt`` lets
     on-demand loads pause a prefetch at a chunk boundary; ``link_order="fifo"`` gives
     the timed link one first-come-first-served queue (no priorities, no escalation, no
-    pausing: :class:`SimLink`); ``access_log`` keeps one row
+    pausing: :class:`SimLink`); ``reserve="start"`` has a prefetch reserve its bytes
+    (and evict) when its copy starts rather than when it is queued
+    (:class:`fmoesim.config.schema.EngineConfig`); ``access_log`` keeps one row
     per expert access.
     ``fast`` allows the exact fast paths: :mod:`fmoesim.engine.fast` for hit-rate-only
     runs of plain LRU on one GPU (it keeps no transfer log and no cache objects), and
@@ -480,6 +527,7 @@ def simulate(
     if landing not in LANDINGS:
         raise ConfigError("engine.landing", landing, f"must be one of {', '.join(LANDINGS)}")
     check_link_order(link_order, timing, make_backend is not None)
+    check_reserve(reserve, timing, make_backend is not None)
     if serving.mode == "online" and policy.uses_future:
         raise ConfigError(
             "policy",
@@ -561,6 +609,7 @@ def simulate(
         else ExpertCache(int(budget_bytes), policy, gpu=g, release_after_use=release_after_use)
         for g in range(num_gpus)
     ]
+    _check_reserve_run(reserve, policy, model, hardware, caches)
     if preload:
         _preload(caches, model, policy, release_after_use)
     metrics = Metrics(trace.num_layers, timing=timing)
@@ -575,7 +624,7 @@ def simulate(
         backend = SimBackend(hardware, compute, caches)
     else:
         backend = sim_backend(
-            hardware, model, policy.name, caches, timing, landing, preempt, link_order
+            hardware, model, policy.name, caches, timing, landing, preempt, link_order, reserve
         )
     runner = Runner(
         trace,
@@ -589,6 +638,7 @@ def simulate(
         access_log=access_log,
         served=served,
         closed_form=fast,
+        reserve_at_start=reserve == "start",
     )
     total_iters = int(trace.output_tokens[served].sum())
     bar = None
