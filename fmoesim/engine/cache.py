@@ -184,6 +184,7 @@ class ExpertCache:
             entries[key] = e
             self.policy.on_insert(key)
             return True
+        if self.group_of is not None:
             cands = self.group_evictable[g]
             while self.group_used[g] + size_bytes > self.group_budget[g]:
                 if not cands:
