@@ -184,6 +184,40 @@ class ExpertCache:
             entries[key] = e
             self.policy.on_insert(key)
             return True
+        if not self._make_room(key, size_bytes, g):
+            return False
+        if self.group_of is not None:
+            self.group_used[g] += size_bytes
+            self.group_keys[g][key] = None
+        entries[key] = Entry(size_bytes, reason, g)
+        self.used_bytes += size_bytes
+        if self.used_bytes > self.peak_bytes:
+            self.peak_bytes = self.used_bytes
+        self.policy.on_insert(key)
+        return True
+
+    def reserve(self, key: int) -> bool:
+        """Reserve the bytes of ``key``, admitted with ``reserve=False`` and still in
+        flight, evicting as :meth:`admit` does; False when the resident, unpinned entries
+        cannot free enough room (the evictions already made stay made)."""
+        e = self.entries[key]
+        if e.reserved:
+            return True
+        size, g = e.size_bytes, e.group
+        if not self._make_room(key, size, g):
+            return False
+        e.reserved = True
+        if self.group_of is not None:
+            self.group_used[g] += size
+        self.used_bytes += size
+        if self.used_bytes > self.peak_bytes:
+            self.peak_bytes = self.used_bytes
+        return True
+
+    def _make_room(self, key: int, size_bytes: int, g: int) -> bool:
+        """Evict the policy's victims until ``size_bytes`` for ``key`` fit in its budget
+        group ``g`` (with groups) and in the budget; False when the resident, unpinned
+        entries run out first (the evictions made stay made)."""
         if self.group_of is not None:
             cands = self.group_evictable[g]
             while self.group_used[g] + size_bytes > self.group_budget[g]:
@@ -206,40 +240,6 @@ class ExpertCache:
             if not ok:
                 raise self._bad_victim(victim)
             self.evict(victim)
-        if self.group_of is not None:
-            self.group_used[g] += size_bytes
-            self.group_keys[g][key] = None
-        entries[key] = Entry(size_bytes, reason, g)
-        self.used_bytes += size_bytes
-        if self.used_bytes > self.peak_bytes:
-            self.peak_bytes = self.used_bytes
-        self.policy.on_insert(key)
-        return True
-
-    def reserve(self, key: int) -> bool:
-        """Reserve the bytes of ``key``, admitted with ``reserve=False`` and still in
-        flight, evicting as :meth:`admit` does; False when the resident, unpinned entries
-        cannot free enough room (the evictions already made stay made)."""
-        e = self.entries[key]
-        if e.reserved:
-            return True
-        size, g = e.size_bytes, e.group
-        if self.group_of is not None:
-            cands = self.group_evictable[g]
-            while self.group_used[g] + size > self.group_budget[g]:
-                if not cands:
-                    return False
-                self.evict(self._victim(cands, key))
-        while self.used_bytes + size > self.budget_bytes:
-            if not self.evictable:
-                return False
-            self.evict(self._victim(self.evictable, key))
-        e.reserved = True
-        if self.group_of is not None:
-            self.group_used[g] += size
-        self.used_bytes += size
-        if self.used_bytes > self.peak_bytes:
-            self.peak_bytes = self.used_bytes
         return True
 
     def _victim(self, candidates: Evictable, incoming: int) -> int:

@@ -139,33 +139,44 @@ def model_for_trace(model: ModelSpec, trace: Trace) -> ModelSpec:
 MAX_BUDGET_BYTES = 2**63 - 1
 
 
+def _check_link_what_if(
+    key: str,
+    value: str,
+    allowed: tuple[str, ...],
+    timing: bool,
+    replay: bool,
+    untimed: str,
+    replayed: str,
+) -> None:
+    """Refuse ``value`` of config key ``key`` outside ``allowed``, and any but the first
+    (the default) where no timed simulated link runs: in hit-rate-only mode (``untimed``
+    says why) and in the GPU replay (``replayed``)."""
+    if value not in allowed:
+        raise ConfigError(key, value, f"must be one of {', '.join(allowed)}")
+    if value != allowed[0] and not timing:
+        why = f"needs the timed simulator (engine.timing=true): hit-rate-only mode {untimed}"
+        raise ConfigError(key, value, why)
+    if value != allowed[0] and replay:
+        raise ConfigError(key, value, f"is the simulator's what-if; the replay {replayed}")
+
+
 def check_link_order(link_order: str, timing: bool, replay: bool = False) -> None:
     """Refuse an unknown ``engine.link_order``, and ``fifo`` where no timed simulated link
     runs: hit-rate-only mode keeps its own order (:class:`LinkStepBackend`) and the GPU
     replay its scheduler's."""
-    if link_order not in LINK_ORDERS:
-        raise ConfigError(
-            "engine.link_order", link_order, f"must be one of {', '.join(LINK_ORDERS)}"
-        )
-    if link_order == "fifo" and not timing:
-        why = "needs the timed simulator (engine.timing=true): hit-rate-only mode keeps its own"
-        raise ConfigError("engine.link_order", link_order, why)
-    if link_order == "fifo" and replay:
-        why = "is the simulator's what-if; the replay keeps its scheduler's order"
-        raise ConfigError("engine.link_order", link_order, why)
+    _check_link_what_if(
+        "engine.link_order", link_order, LINK_ORDERS, timing, replay,
+        "keeps its own", "keeps its scheduler's order",
+    )  # fmt: skip
 
 
 def check_reserve(reserve: str, timing: bool, replay: bool = False) -> None:
     """Refuse an unknown ``engine.reserve``, and ``start`` where no timed simulated link
     runs (the link reserves a prefetch's bytes when it starts the copy)."""
-    if reserve not in RESERVES:
-        raise ConfigError("engine.reserve", reserve, f"must be one of {', '.join(RESERVES)}")
-    if reserve == "start" and not timing:
-        why = "needs the timed simulator (engine.timing=true): hit-rate-only mode starts no copy"
-        raise ConfigError("engine.reserve", reserve, why)
-    if reserve == "start" and replay:
-        why = "is the simulator's what-if; the replay reserves as its backend does"
-        raise ConfigError("engine.reserve", reserve, why)
+    _check_link_what_if(
+        "engine.reserve", reserve, RESERVES, timing, replay,
+        "starts no copy", "reserves as its backend does",
+    )  # fmt: skip
 
 
 def _check_reserve_run(
