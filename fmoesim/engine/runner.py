@@ -765,15 +765,6 @@ class Runner:
             if be.abort(g, key) if started else be.cancel(g, key):
                 cache.abort(key)
 
-    def _unqueue(self, g: int, key: int) -> None:
-        """Cancel the queued prefetch of ``key``, which holds no bytes yet (its copy has
-        not started: ``engine.reserve=start``), so that an on-demand load takes its place
-        (as MoE-Infinity's public code replaces a queued prefetch task by an on-demand
-        one)."""
-        if not self.backend.cancel(g, key):  # pragma: no cover - never started, so queued
-            raise RuntimeError(f"expert {key}: a prefetch with no bytes reserved has started")
-        self.caches[g].abort(key)
-
     def _size_of(self, g: int, key: int) -> int:
         """Bytes of ``key``: a whole expert, or a segment at the policy's split ratio (a
         bottom complements the top that is cached, if one is)."""
@@ -877,8 +868,8 @@ class Runner:
                 acc[1] += 1
                 be.escalate(g, key)  # an in-flight prefetch needed now jumps the queue
             else:  # queued with no bytes reserved (engine.reserve=start): loaded on demand
-                outcome = _LATE
-                self._unqueue(g, key)
+                outcome = _LATE  # in its place, as MoE-Infinity's public code replaces it
+                self._cancel([key])
                 missing.append((g, key, tok, 1.0))
                 acc[1] += 1
             if has_access:
@@ -1248,7 +1239,7 @@ class Runner:
                 for x in deferred:
                     ent = cache.entries.get(x[1])
                     if ent is not None and not ent.reserved:  # prefetched since, not started
-                        self._unqueue(g, x[1])
+                        self._cancel([x[1]])
                         ent = None
                     if ent is not None:  # the gate's actions prefetched it since: wait for it
                         cache.pin(x[1], ent)
