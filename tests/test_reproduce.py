@@ -1356,7 +1356,7 @@ def test_link_order_is_the_measured_reason_for_dependency_prefetching() -> None:
     """Table 2's dependency row states its reason: fmoesim's link serves on-demand loads
     first, so prefetching the whole next layer blocks less than on-demand fetching; with
     one first-come-first-served queue (``engine.link_order=fifo``) it blocks over three
-    times as long (the full preset: 85% and 538%; the paper's 147% lies between).  Red if
+    times as long (the full preset: 72% and 540%; the paper's 147% lies between).  Red if
     the option does not reach the link, or the link's discipline changes under the note."""
     from fmoesim.cli.main import compose_config, run_config
 

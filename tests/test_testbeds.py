@@ -243,3 +243,19 @@ def test_qwen15_footprint_is_moepics_gpu_rich_footprint():
     m = model("qwen1.5-moe-a2.7b")
     gib = vram_footprint_bytes(m, m.total_expert_bytes) / 2**30
     assert gib == pytest.approx(26.67, abs=0.01)
+
+
+def test_moe_infinity_presets_run_its_engine():
+    """Every MoE-Infinity experiment preset takes a prefetch's slot when its copy starts
+    (``engine.reserve=start``, as MoE-Infinity's engine schedules its copies); fMoE's and
+    MoEpic's keep the default, ``submit``.  Red if a MoE-Infinity preset loses the key
+    (its scoreboard rows are measured with it), or a preset of the other papers gets it
+    (they run policies that wait for their prefetches, or split experts, which the
+    option refuses)."""
+    names = preset_names("experiment")
+    mi = [n for n in names if n.startswith("moe-infinity-")]
+    others = [n for n in names if n.startswith(("fmoe-", "moepic-"))]
+    assert len(mi) >= 20 and len(others) >= 15
+    for name in mi + others:
+        want = "start" if name in mi else "submit"
+        assert compose_config([f"experiment={name}"]).engine.reserve == want, name
